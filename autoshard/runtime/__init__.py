@@ -1,0 +1,30 @@
+"""The runtime: what runs on every rank.
+
+* :mod:`~autoshard.runtime.collectives` -- autograd-aware, traceable collectives (custom ops);
+* :mod:`~autoshard.runtime.layouts` / :mod:`~autoshard.runtime.sequence` -- sequence layouts and
+  moving tensors between whole and sharded;
+* :mod:`~autoshard.runtime.accounting` -- the byte counter every collective reports to.
+"""
+
+from .accounting import CommCounter, comm_counter
+from .collectives import RingCommunicator, all_gather, all_reduce, all_to_all, halo_exchange, reduce_scatter, ring_shift
+from .groups import resolve_group
+from .layouts import SequenceLayout
+from .sequence import sequence_positions, shard_sequence, unshard_sequence
+
+__all__ = [
+    "comm_counter",
+    "CommCounter",
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "halo_exchange",
+    "ring_shift",
+    "RingCommunicator",
+    "resolve_group",
+    "SequenceLayout",
+    "shard_sequence",
+    "unshard_sequence",
+    "sequence_positions",
+]

@@ -1,0 +1,492 @@
+"""Autograd-aware collectives over a process group, traceable by torch.compile.
+
+Each collective is a ``torch.library`` custom op (``torch.ops.autoshard.*``) with a fake
+implementation (so FakeTensor, dynamo and AOTAutograd can trace it) and a registered backward. The
+group travels as its registered name, as in torch's functional collectives.
+
+Gradient convention. These are the *raw* collectives: linear maps on the P per-rank tensors, whose
+backward is the exact adjoint when the objective is the **sum of the per-rank objectives**:
+
+=================  ==========================================================================
+forward            backward
+=================  ==========================================================================
+``all_gather``     ``reduce_scatter`` (sum) of the output gradient
+``reduce_scatter`` ``all_gather`` of the output gradient
+``all_reduce``     ``all_reduce`` (sum) of the output gradient (``max``: routed to the ranks
+                   that hold the maximum)
+``all_to_all``     the reverse ``all_to_all``
+``halo_exchange``  halo gradients sent back to their owners and added there
+``ring_shift``     the opposite shift
+=================  ==========================================================================
+
+Sequence layouts (``shard_sequence`` / ``unshard_sequence`` in :mod:`autoshard.runtime.sequence`)
+follow the *logical-tensor* convention instead (as DTensor does); they reuse the forward functions here.
+
+Uneven sizes are first-class: ``all_gather`` and ``reduce_scatter`` take every rank's size along the
+dim, ``all_to_all`` takes how the split dim is cut and every rank's size along the concatenated dim.
+Every call records its bytes in the :mod:`~autoshard.runtime.accounting` counter.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .accounting import record
+from .groups import GroupLike, global_rank, group_name, resolve_group
+from .layouts import split_sizes as balanced_split
+
+__all__ = [
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "halo_exchange",
+    "ring_shift",
+    "RingCommunicator",
+    "all_gather_impl",
+    "reduce_scatter_impl",
+    "all_reduce_impl",
+    "all_to_all_impl",
+]
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _pg(name: str) -> dist.ProcessGroup:
+    return resolve_group(name)
+
+
+def _narrow_pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` zero-padded (at the end) along ``dim`` to ``size``."""
+    if x.size(dim) == size:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[dim] = size - x.size(dim)
+    return torch.cat([x, x.new_zeros(pad_shape)], dim)
+
+
+# ---------------------------------------------------------------------------- forward implementations
+# Plain functions that communicate; the custom ops and the sequence layouts call them.
+
+
+def all_gather_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], pg: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``; rank ``i`` contributes ``sizes[i]`` rows there."""
+    world = pg.size()
+    longest = max(sizes)
+    moved = _narrow_pad(x, dim, longest).movedim(dim, 0).contiguous()
+    out = moved.new_empty((world * longest,) + tuple(moved.shape[1:]))
+    _all_gather_single(out, moved, group=pg)
+    nbytes = moved.numel() * moved.element_size()
+    record("all_gather", (world - 1) * nbytes, (world - 1) * nbytes)
+    if len(set(sizes)) > 1:
+        out = torch.cat([out[i * longest: i * longest + sizes[i]] for i in range(world)], 0)
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], pg: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's chunk along ``dim`` (chunk ``i`` has ``sizes[i]`` rows)."""
+    world, rank = pg.size(), pg.rank()
+    longest = max(sizes)
+    moved = x.movedim(dim, 0)
+    if len(set(sizes)) > 1:
+        starts = [sum(sizes[:i]) for i in range(world)]
+        moved = torch.cat([_narrow_pad(moved[starts[i]: starts[i] + sizes[i]], 0, longest) for i in range(world)])
+    moved = moved.contiguous()
+    out = moved.new_empty((longest,) + tuple(moved.shape[1:]))
+    _reduce_scatter_single(out, moved, group=pg)
+    nbytes = out.numel() * out.element_size()
+    record("reduce_scatter", (world - 1) * nbytes, (world - 1) * nbytes)
+    return out[: sizes[rank]].movedim(0, dim).contiguous()
+
+
+def all_reduce_impl(x: torch.Tensor, op: str, pg: dist.ProcessGroup) -> torch.Tensor:
+    """Elementwise ``op`` (sum / max / min) of ``x`` over ranks; ``x`` is not modified."""
+    world = pg.size()
+    out = x.contiguous().clone()
+    dist.all_reduce(out, op=_REDUCE_OPS[op], group=pg)
+    chunk = -(-out.numel() // world) * out.element_size()
+    record("all_reduce", 2 * (world - 1) * chunk, 2 * (world - 1) * chunk)
+    return out
+
+
+def all_to_all_impl(
+    x: torch.Tensor,
+    split_dim: int,
+    cat_dim: int,
+    split_sizes_: Sequence[int],
+    cat_sizes: Sequence[int],
+    pg: dist.ProcessGroup,
+) -> torch.Tensor:
+    """Cut ``x`` along ``split_dim`` into ``split_sizes_`` (piece ``j`` goes to rank ``j``) and concatenate
+    the pieces received from every rank along ``cat_dim`` (rank ``i``'s piece has ``cat_sizes[i]`` rows)."""
+    world, rank = pg.size(), pg.rank()
+    if split_dim == cat_dim:
+        raise ValueError("all_to_all: split_dim and cat_dim must differ")
+    moved = x.movedim(split_dim, 0).contiguous()
+    cat_after = cat_dim if cat_dim < split_dim else cat_dim - 1  # cat_dim's index among the rest dims
+    rest = list(moved.shape[1:])
+    row = moved[0].numel() if moved.size(0) else _prod(rest)
+    in_splits = [s * row for s in split_sizes_]
+    out_shapes = []
+    for i in range(world):
+        shape = [split_sizes_[rank]] + rest
+        shape[1 + cat_after] = cat_sizes[i]
+        out_shapes.append(shape)
+    out_splits = [_prod(s) for s in out_shapes]
+    flat_out = moved.new_empty(sum(out_splits))
+    dist.all_to_all_single(flat_out, moved.reshape(-1), out_splits, in_splits, group=pg)
+    item = moved.element_size()
+    record("all_to_all", (sum(in_splits) - in_splits[rank]) * item, (sum(out_splits) - out_splits[rank]) * item)
+    pieces = torch.split(flat_out, out_splits)
+    out = torch.cat([p.view(s) for p, s in zip(pieces, out_shapes)], 1 + cat_after)
+    return out.movedim(0, split_dim).contiguous()
+
+
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for v in xs:
+        out *= int(v)
+    return out
+
+
+def _p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], pg: dist.ProcessGroup,
+         kind: str) -> list[dist.Work]:
+    """Post sends/receives (peer given as group rank) as one batch; returns the works to wait on."""
+    ops = [dist.P2POp(dist.isend, t.contiguous(), global_rank(pg, peer), pg) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, global_rank(pg, peer), pg) for t, peer in recvs]
+    record(kind, sum(t.numel() * t.element_size() for t, _ in sends),
+           sum(t.numel() * t.element_size() for t, _ in recvs))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _halo_impl(x: torch.Tensor, dim: int, left: int, right: int, fill: float, pg: dist.ProcessGroup) -> torch.Tensor:
+    world, rank = pg.size(), pg.rank()
+    if x.size(dim) < max(left, right):
+        raise ValueError(
+            f"halo_exchange: rank {rank} holds {x.size(dim)} positions along dim {dim}, fewer than the halo "
+            f"({left} left, {right} right); use fewer ranks or a longer sequence")
+    left_halo = x.new_full(_with(x.shape, dim, left), fill)
+    right_halo = x.new_full(_with(x.shape, dim, right), fill)
+    sends, recvs = [], []
+    if left and rank > 0:
+        recvs.append((left_halo, rank - 1))
+    if left and rank < world - 1:
+        sends.append((x.narrow(dim, x.size(dim) - left, left), rank + 1))
+    if right and rank < world - 1:
+        recvs.append((right_halo, rank + 1))
+    if right and rank > 0:
+        sends.append((x.narrow(dim, 0, right), rank - 1))
+    for w in _p2p(sends, recvs, pg, "halo_exchange"):
+        w.wait()
+    return torch.cat([left_halo, x, right_halo], dim)
+
+
+def _halo_backward_impl(g: torch.Tensor, dim: int, left: int, right: int, pg: dist.ProcessGroup) -> torch.Tensor:
+    world, rank = pg.size(), pg.rank()
+    n = g.size(dim) - left - right
+    gx = g.narrow(dim, left, n).clone()
+    from_next = gx.new_zeros(_with(gx.shape, dim, left))
+    from_prev = gx.new_zeros(_with(gx.shape, dim, right))
+    sends, recvs = [], []
+    if left and rank > 0:
+        sends.append((g.narrow(dim, 0, left), rank - 1))
+    if left and rank < world - 1:
+        recvs.append((from_next, rank + 1))
+    if right and rank < world - 1:
+        sends.append((g.narrow(dim, left + n, right), rank + 1))
+    if right and rank > 0:
+        recvs.append((from_prev, rank - 1))
+    for w in _p2p(sends, recvs, pg, "halo_exchange"):
+        w.wait()
+    if left and rank < world - 1:
+        gx.narrow(dim, n - left, left).add_(from_next)
+    if right and rank > 0:
+        gx.narrow(dim, 0, right).add_(from_prev)
+    return gx
+
+
+def _ring_shift_impl(x: torch.Tensor, shift: int, pg: dist.ProcessGroup) -> torch.Tensor:
+    world, rank = pg.size(), pg.rank()
+    if shift % world == 0:
+        return x.clone()
+    out = torch.empty_like(x)
+    works = _p2p([(x, (rank + shift) % world)], [(out, (rank - shift) % world)], pg, "send_recv")
+    for w in works:
+        w.wait()
+    return out
+
+
+def _with(shape: Sequence[int], dim: int, size: int) -> list[int]:
+    out = list(shape)
+    out[dim] = size
+    return out
+
+
+def _sizes_or_even(sizes: Sequence[int], local: int, world: int) -> list[int]:
+    return list(sizes) if len(sizes) else [local] * world
+
+
+# ---------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("autoshard::all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, dim: int, sizes: list[int], group: str) -> torch.Tensor:
+    pg = _pg(group)
+    return all_gather_impl(x, dim, _sizes_or_even(sizes, x.size(dim), pg.size()), pg)
+
+
+@_all_gather_op.register_fake
+def _(x, dim, sizes, group):
+    world = _pg(group).size()
+    return x.new_empty(_with(x.shape, dim, sum(_sizes_or_even(sizes, x.size(dim), world))))
+
+
+@torch.library.custom_op("autoshard::reduce_scatter", mutates_args=())
+def _reduce_scatter_op(x: torch.Tensor, dim: int, sizes: list[int], group: str) -> torch.Tensor:
+    pg = _pg(group)
+    return reduce_scatter_impl(x, dim, list(sizes) or balanced_split(x.size(dim), pg.size()), pg)
+
+
+@_reduce_scatter_op.register_fake
+def _(x, dim, sizes, group):
+    pg = _pg(group)
+    chunks = list(sizes) or balanced_split(x.size(dim), pg.size())
+    return x.new_empty(_with(x.shape, dim, chunks[pg.rank()]))
+
+
+def _gather_setup(ctx, inputs, output):
+    ctx.dim, ctx.sizes, ctx.group = inputs[1], inputs[2], inputs[3]
+    ctx.local = inputs[0].size(inputs[1])
+
+
+def _all_gather_backward(ctx, grad):
+    pg = _pg(ctx.group)
+    sizes = _sizes_or_even(ctx.sizes, ctx.local, pg.size())
+    return torch.ops.autoshard.reduce_scatter(grad, ctx.dim, sizes, ctx.group), None, None, None
+
+
+def _reduce_scatter_backward(ctx, grad):
+    pg = _pg(ctx.group)
+    sizes = list(ctx.sizes) or balanced_split(ctx.local, pg.size())
+    return torch.ops.autoshard.all_gather(grad, ctx.dim, sizes, ctx.group), None, None, None
+
+
+_all_gather_op.register_autograd(_all_gather_backward, setup_context=_gather_setup)
+_reduce_scatter_op.register_autograd(_reduce_scatter_backward, setup_context=_gather_setup)
+
+
+@torch.library.custom_op("autoshard::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    return all_reduce_impl(x, op, _pg(group))
+
+
+@_all_reduce_op.register_fake
+def _(x, op, group):
+    return torch.empty_like(x)
+
+
+def _all_reduce_setup(ctx, inputs, output):
+    ctx.op, ctx.group = inputs[1], inputs[2]
+    if ctx.op != "sum":
+        ctx.save_for_backward(inputs[0], output)
+
+
+def _all_reduce_backward(ctx, grad):
+    total = torch.ops.autoshard.all_reduce(grad, "sum", ctx.group)
+    if ctx.op != "sum":
+        x, out = ctx.saved_tensors
+        total = total * (x == out)
+    return total, None, None
+
+
+_all_reduce_op.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
+
+
+@torch.library.custom_op("autoshard::all_to_all", mutates_args=())
+def _all_to_all_op(x: torch.Tensor, split_dim: int, cat_dim: int, split_sizes: list[int], cat_sizes: list[int],
+                   group: str) -> torch.Tensor:
+    return all_to_all_impl(x, split_dim, cat_dim, split_sizes, cat_sizes, _pg(group))
+
+
+@_all_to_all_op.register_fake
+def _(x, split_dim, cat_dim, split_sizes, cat_sizes, group):
+    rank = _pg(group).rank()
+    shape = _with(x.shape, split_dim, split_sizes[rank])
+    shape[cat_dim] = sum(cat_sizes)
+    return x.new_empty(shape)
+
+
+def _all_to_all_setup(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+def _all_to_all_backward(ctx, grad):
+    split_dim, cat_dim, split_sizes_, cat_sizes, group = ctx.args
+    return torch.ops.autoshard.all_to_all(grad, cat_dim, split_dim, cat_sizes, split_sizes_, group), None, None, None, None, None
+
+
+_all_to_all_op.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+
+
+@torch.library.custom_op("autoshard::halo_exchange", mutates_args=())
+def _halo_op(x: torch.Tensor, dim: int, left: int, right: int, fill: float, group: str) -> torch.Tensor:
+    return _halo_impl(x, dim, left, right, fill, _pg(group))
+
+
+@_halo_op.register_fake
+def _(x, dim, left, right, fill, group):
+    return x.new_empty(_with(x.shape, dim, x.size(dim) + left + right))
+
+
+@torch.library.custom_op("autoshard::halo_exchange_backward", mutates_args=())
+def _halo_backward_op(grad: torch.Tensor, dim: int, left: int, right: int, group: str) -> torch.Tensor:
+    return _halo_backward_impl(grad, dim, left, right, _pg(group))
+
+
+@_halo_backward_op.register_fake
+def _(grad, dim, left, right, group):
+    return grad.new_empty(_with(grad.shape, dim, grad.size(dim) - left - right))
+
+
+def _halo_setup(ctx, inputs, output):
+    ctx.dim, ctx.left, ctx.right, ctx.group = inputs[1], inputs[2], inputs[3], inputs[5]
+
+
+def _halo_backward(ctx, grad):
+    return (torch.ops.autoshard.halo_exchange_backward(grad, ctx.dim, ctx.left, ctx.right, ctx.group),
+            None, None, None, None, None)
+
+
+_halo_op.register_autograd(_halo_backward, setup_context=_halo_setup)
+
+
+@torch.library.custom_op("autoshard::ring_shift", mutates_args=())
+def _ring_shift_op(x: torch.Tensor, shift: int, group: str) -> torch.Tensor:
+    return _ring_shift_impl(x, shift, _pg(group))
+
+
+@_ring_shift_op.register_fake
+def _(x, shift, group):
+    return torch.empty_like(x)
+
+
+def _ring_shift_setup(ctx, inputs, output):
+    ctx.shift, ctx.group = inputs[1], inputs[2]
+
+
+def _ring_shift_backward(ctx, grad):
+    return torch.ops.autoshard.ring_shift(grad, -ctx.shift, ctx.group), None, None
+
+
+_ring_shift_op.register_autograd(_ring_shift_backward, setup_context=_ring_shift_setup)
+
+
+# ---------------------------------------------------------------------------- public functions
+
+
+def all_gather(x: torch.Tensor, dim: int, *, group: GroupLike = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order). ``sizes``: every rank's size along ``dim``
+    when they differ. Backward: reduce-scatter (sum) of the gradient."""
+    return torch.ops.autoshard.all_gather(x, _dim(x, dim), list(sizes or []), group_name(group))
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, *, group: GroupLike = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Sum ``x`` over ranks and return this rank's chunk along ``dim``. ``sizes``: the chunk sizes (default:
+    balanced, larger first). Backward: all-gather of the gradient."""
+    return torch.ops.autoshard.reduce_scatter(x, _dim(x, dim), list(sizes or []), group_name(group))
+
+
+def all_reduce(x: torch.Tensor, op: str = "sum", *, group: GroupLike = None) -> torch.Tensor:
+    """Elementwise ``op`` (``"sum"`` or ``"max"``) over ranks, out of place. Backward: the summed gradient
+    (for ``max``, only on the ranks whose value is the maximum)."""
+    if op not in ("sum", "max"):
+        raise ValueError(f"all_reduce: op must be 'sum' or 'max', not {op!r}")
+    return torch.ops.autoshard.all_reduce(x, op, group_name(group))
+
+
+def all_to_all(
+    x: torch.Tensor,
+    *,
+    split_dim: int,
+    cat_dim: int,
+    group: GroupLike = None,
+    split_sizes: Sequence[int] | None = None,
+    cat_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Move the split of a tensor from ``cat_dim`` to ``split_dim``: cut ``x`` along ``split_dim`` (piece ``j``
+    to rank ``j``; ``split_sizes`` default balanced) and concatenate what arrives along ``cat_dim``
+    (``cat_sizes``: every rank's size along ``cat_dim``, default all equal). Backward: the reverse move."""
+    pg = resolve_group(group)
+    world = pg.size()
+    split_dim, cat_dim = _dim(x, split_dim), _dim(x, cat_dim)
+    cuts = list(split_sizes) if split_sizes is not None else balanced_split(x.size(split_dim), world)
+    cats = list(cat_sizes) if cat_sizes is not None else [x.size(cat_dim)] * world
+    if len(cuts) != world or sum(cuts) != x.size(split_dim):
+        raise ValueError(f"all_to_all: split_sizes {cuts} must have {world} entries summing to {x.size(split_dim)}")
+    if len(cats) != world or cats[pg.rank()] != x.size(cat_dim):
+        raise ValueError(f"all_to_all: cat_sizes {cats} must have {world} entries, this rank's equal to "
+                         f"{x.size(cat_dim)}")
+    return torch.ops.autoshard.all_to_all(x, split_dim, cat_dim, cuts, cats, pg.group_name)
+
+
+
+def halo_exchange(x: torch.Tensor, dim: int, *, left: int = 0, right: int = 0, fill: float = 0.0,
+                  group: GroupLike = None) -> torch.Tensor:
+    """Extend this rank's contiguous shard along ``dim`` with the previous rank's last ``left`` positions
+    and the next rank's first ``right`` positions; at the global ends the halo holds ``fill`` (zero by
+    default, which is what a zero-padded convolution expects). Backward: halo gradients return to their
+    owners and are added there."""
+    if left < 0 or right < 0:
+        raise ValueError("halo_exchange: left and right must be >= 0")
+    return torch.ops.autoshard.halo_exchange(x, _dim(x, dim), left, right, float(fill), group_name(group))
+
+
+def ring_shift(x: torch.Tensor, shift: int = 1, *, group: GroupLike = None) -> torch.Tensor:
+    """Send ``x`` to rank ``r + shift`` and receive from rank ``r - shift`` (mod P); every rank's ``x`` has the
+    same shape. Backward: the opposite shift."""
+    return torch.ops.autoshard.ring_shift(x, int(shift), group_name(group))
+
+
+def _dim(x: torch.Tensor, dim: int) -> int:
+    return dim % x.dim() if x.dim() else 0
+
+
+class RingCommunicator:
+    """Asynchronous exchange with ring neighbours, for overlapping communication with computation.
+
+    ``start(tensors, shapes)`` posts the sends of ``tensors`` to the next rank (``r + 1``) and receives
+    into fresh buffers of the given shapes from the previous rank, returning at once; ``wait()`` blocks
+    until the exchange is done and returns the received tensors. Used by the ring attention algorithms;
+    not differentiable (they define their own backward).
+    """
+
+    def __init__(self, group: GroupLike = None, direction: int = 1):
+        self.pg = resolve_group(group)
+        self.rank, self.world = self.pg.rank(), self.pg.size()
+        self.send_to = (self.rank + direction) % self.world
+        self.recv_from = (self.rank - direction) % self.world
+        self._works: list[dist.Work] = []
+        self._received: list[torch.Tensor] = []
+
+    def start(self, tensors: Sequence[torch.Tensor], recv_like: Sequence[tuple[Sequence[int], torch.Tensor]] | None = None):
+        """Post the exchange. ``recv_like``: (shape, prototype) per tensor to receive; default: same as sent."""
+        if self._works:
+            raise RuntimeError("RingCommunicator: wait() for the previous exchange first")
+        recv_like = recv_like or [(t.shape, t) for t in tensors]
+        self._received = [proto.new_empty(tuple(shape)) for shape, proto in recv_like]
+        self._works = _p2p([(t, self.send_to) for t in tensors], [(t, self.recv_from) for t in self._received],
+                           self.pg, "send_recv")
+        return self
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until the posted exchange completes; return the received tensors."""
+        for w in self._works:
+            w.wait()
+        self._works = []
+        out, self._received = self._received, []
+        return out

@@ -1,0 +1,61 @@
+"""Process groups as the runtime sees them.
+
+Every public runtime function takes ``group=``: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (its only
+axis), a group name, or ``None`` for the default group. Custom ops cannot carry a ProcessGroup object
+through the dispatcher, so they carry the group's *name* (a string, as torch's functional collectives
+do) and resolve it back here.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["GroupLike", "resolve_group", "group_name", "group_rank", "group_size", "global_rank"]
+
+GroupLike = Union[None, str, dist.ProcessGroup, DeviceMesh]
+
+
+def resolve_group(group: GroupLike) -> dist.ProcessGroup:
+    """The ProcessGroup that ``group`` denotes; raises a clear error when there is none."""
+    if group is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "autoshard: no process group. Call torch.distributed.init_process_group(...) first, "
+                "or pass group= (a ProcessGroup or a DeviceMesh)."
+            )
+        return dist.group.WORLD
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"autoshard: a {group.ndim}-D DeviceMesh names several groups; pass the 1-D sub-mesh of the "
+                f"sequence axis (mesh['sp']) or, for the hybrid strategy, the 2-D mesh to runtime.attention"
+            )
+        return group.get_group()
+    if isinstance(group, str):
+        return dist.distributed_c10d._resolve_process_group(group)
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    raise TypeError(f"autoshard: group must be a ProcessGroup, a DeviceMesh, a group name or None, not {type(group)}")
+
+
+def group_name(group: GroupLike) -> str:
+    """The registered name of the group (what custom ops carry)."""
+    return resolve_group(group).group_name
+
+
+def group_rank(group: GroupLike) -> int:
+    """This process's rank inside the group."""
+    return dist.get_rank(resolve_group(group))
+
+
+def group_size(group: GroupLike) -> int:
+    """The number of ranks in the group."""
+    return dist.get_world_size(resolve_group(group))
+
+
+def global_rank(group: GroupLike, rank: int) -> int:
+    """The default-group rank of the group's ``rank`` (what point-to-point calls take)."""
+    return dist.get_global_rank(resolve_group(group), rank)
