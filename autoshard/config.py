@@ -1,0 +1,83 @@
+"""Options of the backend, in one keyword-only dataclass validated when the backend is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Union
+
+__all__ = ["BackendConfig", "STRATEGIES", "LAYOUT_CHOICES"]
+
+STRATEGIES = ("auto", "ring", "zigzag", "allgather", "ulysses", "hybrid")
+LAYOUT_CHOICES = ("auto", "contiguous", "zigzag")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendConfig:
+    """What ``autoshard.backend(group, **options)`` takes besides the group."""
+
+    strategy: str = "auto"
+    """Distributed attention algorithm for every attention: ``"ring"``, ``"zigzag"`` (ring over the
+    zigzag layout), ``"allgather"`` (all-gather K/V), ``"ulysses"`` (all-to-all over heads),
+    ``"hybrid"`` (ulysses inside, ring across; needs a 2-D mesh), or ``"auto"`` (chosen per attention
+    by the cost model; reasons are in the plan)."""
+
+    layout: str = "auto"
+    """How the sequence is split: ``"contiguous"``, ``"zigzag"`` (balances causal attention), or
+    ``"auto"`` (zigzag when an attention is causal and its strategy is ring-based, else contiguous)."""
+
+    seq_dims: Mapping[Union[str, int], int] | None = None
+    """The sequence dim of inputs whose sequence dim inference cannot find, by input name (the
+    argument name of ``forward``) or position: ``{"input_ids": 1}``. Usually unnecessary: the sequence
+    is found from the attention calls."""
+
+    inputs: str = "replicated"
+    """``"replicated"``: every rank passes the same full inputs. ``"sharded"``: inputs that carry the
+    sequence arrive already split by ``autoshard.shard_inputs`` (a data loader loads only its part)."""
+
+    outputs: str = "gathered"
+    """``"gathered"``: every rank gets the whole outputs. ``"sharded"``: outputs that carry the sequence
+    stay split (scalars and other reductions are still reduced)."""
+
+    grad_sync: bool = True
+    """Sum parameter gradients over the group, so every rank holds the one-process gradients. With
+    False, each rank keeps its share (the shares sum to the one-process gradient), for DDP/FSDP that
+    sum over the group."""
+
+    inner: Union[str, Callable] = "eager"
+    """The compiler the rewritten graph is handed to: ``"eager"``, ``"aot_eager"``, ``"inductor"`` or
+    any torch.compile backend callable."""
+
+    kernels: str = "auto"
+    """Local attention implementation: ``"triton"``, ``"torch"``, or ``"auto"`` (Triton on CUDA)."""
+
+    dry_run: bool = False
+    """Build and print the plan on rank 0, then run the model unsharded."""
+
+    topology: Any = None
+    """Cluster description for the cost model (ranks per node, bandwidths, latencies); None = the
+    default (8-GPU NVLink nodes on InfiniBand)."""
+
+    memory_budget: int | None = None
+    """Per-rank memory budget in bytes the strategy choice must respect, if any."""
+
+    def __post_init__(self):
+        def check(name, value, allowed):
+            if value not in allowed:
+                raise ValueError(f"autoshard.backend: {name}={value!r} is not one of {allowed}")
+
+        check("strategy", self.strategy, STRATEGIES)
+        check("layout", self.layout, LAYOUT_CHOICES)
+        check("inputs", self.inputs, ("replicated", "sharded"))
+        check("outputs", self.outputs, ("gathered", "sharded"))
+        check("kernels", self.kernels, ("auto", "torch", "triton"))
+        if not callable(self.inner):
+            check("inner", self.inner, ("eager", "aot_eager", "inductor"))
+        if self.strategy == "zigzag" and self.layout == "contiguous":
+            raise ValueError("autoshard.backend: strategy='zigzag' is the ring over the zigzag layout; "
+                             "use layout='zigzag' (or 'auto'), or strategy='ring' for the contiguous layout")
+        if self.seq_dims is not None:
+            for key, dim in self.seq_dims.items():
+                if not isinstance(key, (str, int)) or not isinstance(dim, int):
+                    raise ValueError(f"autoshard.backend: seq_dims maps input names or positions to ints, got {key!r}: {dim!r}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError("autoshard.backend: memory_budget must be a positive number of bytes")

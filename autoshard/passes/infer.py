@@ -1,0 +1,153 @@
+"""Infer which dimension of which value carries the sequence, and with what offset.
+
+The pass works on *elements*: one factor of one dim of one tensor value, written ``(node, dim,
+factor)``. A dim is usually one factor; a view that merges dims (``[B, S, V] -> [B*S, V]``) gives the
+merged dim several factors so that the sequence can be followed through the merge and back.
+
+Every op's link rule (``rules/*.py``) declares *edges* between elements of its inputs and outputs:
+``(a, b, delta)`` says "position ``i`` of ``a`` is position ``i + delta`` of ``b``". Pointwise ops, views,
+norms and linear layers give ``delta = 0``; slices, pads and concatenations give offsets (a shifted
+label is the next token's label).
+
+*Families* then grow from seeds -- the sequence dims of attention calls, of annotated inputs
+(``autoshard.mark_sequence``) and of ``seq_dims`` -- by a breadth-first walk over the edges. Each
+element reached gets an offset to the family's root (the first attention's query dim, whose layout
+the strategy chooses). An edge is *refused* when it would give an element a second offset, or put
+two dims of one value into the same family (attention scores ``[.., S, S]``); the op behind a
+refused edge then re-aligns or gathers that input when the graph is rewritten. Elements no family
+reaches are not split.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from .ops import is_tensor_node, shape_of
+
+__all__ = ["Elem", "Family", "Families", "LinkContext", "find_families"]
+
+Elem = tuple[fx.Node, int, int]
+"""(node, dim, factor)"""
+
+
+@dataclass
+class Family:
+    """One sequence: the elements that carry it and their offsets to the root."""
+
+    index: int
+    root: Elem
+    """The element whose positions are the family's positions (offset 0)."""
+    length: int
+    """The root's length: the sequence length the layout splits."""
+    offsets: dict[Elem, int] = field(default_factory=dict)
+    """Element -> offset: position ``i`` of the element is root position ``i + offset``."""
+    attention_nodes: list[fx.Node] = field(default_factory=list)
+    """Attention calls whose sequence this is."""
+
+
+@dataclass
+class Families:
+    """Result of :func:`find_families`."""
+
+    families: list[Family]
+    member: dict[Elem, tuple[Family, int]]
+    """Element -> (family, offset)."""
+    factors: dict[fx.Node, list[list[int]]]
+    """Node -> factorization of each dim (global sizes)."""
+    refused: list[tuple[Elem, Elem, int, str]]
+    """Edges not followed, with the reason."""
+
+    def dims_of(self, node: fx.Node) -> list[tuple[int, int, Family, int]]:
+        """The (dim, factor, family, offset) of every element of ``node`` that is in a family."""
+        out = []
+        for d, fs in enumerate(self.factors.get(node, [])):
+            for f in range(len(fs)):
+                hit = self.member.get((node, d, f))
+                if hit is not None:
+                    out.append((d, f, hit[0], hit[1]))
+        return out
+
+
+class LinkContext:
+    """What link rules see: factorizations of values and a way to declare edges."""
+
+    def __init__(self):
+        self.factors: dict[fx.Node, list[list[int]]] = {}
+        self.edges: dict[Elem, list[tuple[Elem, int]]] = {}
+        self.seeds: list[tuple[Elem, fx.Node | None]] = []
+
+    def factorization(self, node: fx.Node) -> list[list[int]]:
+        """The factors of each dim of ``node`` (defaults to one factor per dim)."""
+        if node not in self.factors:
+            self.factors[node] = [[s] for s in shape_of(node)] if is_tensor_node(node) else []
+        return self.factors[node]
+
+    def set_factorization(self, node: fx.Node, factors: list[list[int]]) -> None:
+        self.factors[node] = factors
+
+    def link(self, a: Elem, b: Elem, delta: int = 0) -> None:
+        """Position ``i`` of element ``a`` is position ``i + delta`` of element ``b``."""
+        if a[0] is b[0] and a[1:] == b[1:]:
+            return
+        self.edges.setdefault(a, []).append((b, delta))
+        self.edges.setdefault(b, []).append((a, -delta))
+
+    def link_dims(self, a: fx.Node, da: int, b: fx.Node, db: int, delta: int = 0) -> None:
+        """Link dim ``da`` of ``a`` with dim ``db`` of ``b``: factor by factor when both are the same merge
+        (then ``delta`` must be 0), as one position each when both are plain dims (sizes may differ, as
+        across a slice). A size-1 dim is never linked: it is broadcast, not a position."""
+        fa, fb = self.factorization(a)[da], self.factorization(b)[db]
+        if len(fa) == 1 and len(fb) == 1:
+            if fa != [1] and fb != [1]:
+                self.link((a, da, 0), (b, db, 0), delta)
+        elif fa == fb and delta == 0:
+            for k in range(len(fa)):
+                if fa[k] != 1:
+                    self.link((a, da, k), (b, db, k), 0)
+
+    def seed(self, elem: Elem, attention: fx.Node | None = None) -> None:
+        """``elem`` carries a sequence (the first seed of a family becomes its root)."""
+        self.seeds.append((elem, attention))
+
+
+def find_families(ctx: LinkContext) -> Families:
+    """Grow families from the seeds over the declared edges (see the module docstring)."""
+    member: dict[Elem, tuple[Family, int]] = {}
+    families: list[Family] = []
+    refused: list[tuple[Elem, Elem, int, str]] = []
+    node_dims: dict[tuple[fx.Node, int], tuple[int, int]] = {}  # (node, family) -> (dim, factor) in that family
+
+    for seed, attention in ctx.seeds:
+        if seed in member:
+            fam = member[seed][0]
+            if attention is not None and attention not in fam.attention_nodes:
+                fam.attention_nodes.append(attention)
+            continue
+        size = ctx.factorization(seed[0])[seed[1]][seed[2]]
+        fam = Family(len(families), seed, size, attention_nodes=[attention] if attention is not None else [])
+        families.append(fam)
+        queue = deque([(seed, 0)])
+        member[seed] = (fam, 0)
+        fam.offsets[seed] = 0
+        node_dims[(seed[0], fam.index)] = seed[1:]
+        while queue:
+            elem, off = queue.popleft()
+            for other, delta in ctx.edges.get(elem, ()):
+                other_off = off - delta
+                hit = member.get(other)
+                if hit is not None:
+                    if hit[0] is not fam or hit[1] != other_off:
+                        refused.append((elem, other, delta, "offset" if hit[0] is fam else "family"))
+                    continue
+                taken = node_dims.get((other[0], fam.index))
+                if taken is not None and taken != other[1:]:
+                    refused.append((elem, other, delta, "second dim"))
+                    continue
+                member[other] = (fam, other_off)
+                fam.offsets[other] = other_off
+                node_dims[(other[0], fam.index)] = other[1:]
+                queue.append((other, other_off))
+    return Families(families, member, ctx.factors, refused)

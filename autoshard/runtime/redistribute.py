@@ -1,0 +1,269 @@
+"""Placement transitions the compiler emits, with logical-tensor (DTensor-convention) gradients.
+
+``reduce_partial``
+    Partial -> Replicate: all-reduce. Backward: identity (the replicated gradient is every rank's
+    gradient of its partial term).
+``grad_sync``
+    Replicate used by sharded computation: identity forward; backward all-reduces (sums) the
+    gradient, which each rank computed from its own tokens only. Returns a view, so parameters are
+    not copied.
+``grad_scale``
+    identity forward, gradient scaled by a constant (``grad_sync=False``: a replicated parameter's
+    gradient becomes each rank's 1/P share).
+``seq_realign``
+    Shard(layout A) -> Shard(layout B) of the same sequence: each rank fetches the positions B gives it
+    from their owners under A (point-to-point). Covers halo exchanges (B a shifted A) and any
+    re-layout. Positions B holds several times are fetched several times; backward sends gradients
+    back to the owners under A and adds them.
+``seq_cumsum``
+    cumulative sum along a sharded dim: local cumsum plus the sum of all earlier positions held by
+    other ranks (an all-gather of per-interval totals). ``reverse=True`` sums from the end; each is the
+    other's backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .collectives import _p2p, _pg, _with, all_gather_impl, all_reduce_impl
+from .layouts import SequenceLayout
+
+__all__ = ["reduce_partial", "grad_sync", "grad_scale", "seq_realign", "seq_cumsum", "realign_plan"]
+
+
+# ---------------------------------------------------------------------------- reduce_partial
+
+
+@torch.library.custom_op("autoshard::reduce_partial", mutates_args=())
+def _reduce_partial(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    return all_reduce_impl(x, op, _pg(group))
+
+
+@_reduce_partial.register_fake
+def _(x, op, group):
+    return torch.empty_like(x)
+
+
+_reduce_partial.register_autograd(lambda ctx, g: (g, None, None))
+
+
+def reduce_partial(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    """Partial(op) -> Replicate over the group named ``group``; gradient passes through unchanged."""
+    return torch.ops.autoshard.reduce_partial(x, op, group)
+
+
+# ---------------------------------------------------------------------------- grad_sync / grad_scale
+
+
+class _GradSync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.ops.autoshard.reduce_partial(g.contiguous(), "sum", ctx.group), None
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+def grad_sync(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Identity whose backward sums the gradient over the group (a replicated value used by sharded work)."""
+    return _GradSync.apply(x, group)
+
+
+def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Identity whose backward multiplies the gradient by ``factor``."""
+    return _GradScale.apply(x, factor)
+
+
+# ---------------------------------------------------------------------------- realign
+
+
+@functools.lru_cache(maxsize=1024)
+def realign_plan(src: SequenceLayout, dst: SequenceLayout, rank: int):
+    """For ``rank``: what to send and receive to turn a ``src``-sharded tensor into a ``dst``-sharded one.
+
+    Returns ``(keep, sends, recvs)``: ``keep`` lists (dst_local_start, src_local_start, n) runs copied
+    locally; ``sends[peer]`` lists (src_local_start, n) runs this rank sends ``peer``; ``recvs[peer]``
+    lists (dst_local_start, n) runs received from ``peer``, in the order the peer sends them.
+    """
+    def runs(layout: SequenceLayout, r: int, lo: int, hi: int):
+        """Local runs of rank r's positions inside [lo, hi): (local_start, global_start, n)."""
+        out, local = [], 0
+        for s, e in layout.local_intervals(r):
+            a, b = max(s, lo), min(e, hi)
+            if b > a:
+                out.append((local + a - s, a, b - a))
+            local += e - s
+        return out
+
+    def pieces(dst_rank: int):
+        """(dst_local, src_rank, src_local, n) for every run dst_rank needs, in dst order."""
+        result, dst_local = [], 0
+        for s, e in dst.local_intervals(dst_rank):
+            pos = s
+            while pos < e:
+                owner = src.owner(min(max(pos, 0), src.length - 1))
+                owner_runs = runs(src, owner, pos, e)
+                if not owner_runs or owner_runs[0][1] != pos:
+                    raise ValueError(f"realign: position {pos} is not held by its owner {owner}")
+                src_local, _, n = owner_runs[0]
+                result.append((dst_local + pos - s, owner, src_local, n))
+                pos += n
+            dst_local += e - s
+        return result
+
+    world = src.world_size
+    keep, recvs = [], {p: [] for p in range(world)}
+    for dst_local, owner, src_local, n in pieces(rank):
+        if owner == rank:
+            keep.append((dst_local, src_local, n))
+        else:
+            recvs[owner].append((dst_local, n))
+    sends = {p: [] for p in range(world)}
+    for peer in range(world):
+        if peer == rank:
+            continue
+        for _, owner, src_local, n in pieces(peer):
+            if owner == rank:
+                sends[peer].append((src_local, n))
+    return tuple(keep), sends, recvs
+
+
+def _realign_impl(x: torch.Tensor, dim: int, src: SequenceLayout, dst: SequenceLayout, pg) -> torch.Tensor:
+    rank = pg.rank()
+    keep, sends, recvs = realign_plan(src, dst, rank)
+    out = x.new_empty(_with(x.shape, dim, dst.local_length(rank)))
+    for dst_local, src_local, n in keep:
+        out.narrow(dim, dst_local, n).copy_(x.narrow(dim, src_local, n))
+    send_list = [(torch.cat([x.narrow(dim, s, n) for s, n in runs], dim), peer) for peer, runs in sends.items() if runs]
+    recv_bufs = {peer: x.new_empty(_with(x.shape, dim, sum(n for _, n in runs))) for peer, runs in recvs.items() if runs}
+    for w in _p2p(send_list, [(buf, peer) for peer, buf in recv_bufs.items()], pg, "realign"):
+        w.wait()
+    for peer, buf in recv_bufs.items():
+        off = 0
+        for dst_local, n in recvs[peer]:
+            out.narrow(dim, dst_local, n).copy_(buf.narrow(dim, off, n))
+            off += n
+    return out
+
+
+def _realign_backward_impl(g: torch.Tensor, dim: int, src: SequenceLayout, dst: SequenceLayout, pg) -> torch.Tensor:
+    """Adjoint of the realign: gradients return to their source owners and are added there."""
+    rank = pg.rank()
+    keep, sends, recvs = realign_plan(src, dst, rank)
+    out = g.new_zeros(_with(g.shape, dim, src.local_length(rank)))
+    for dst_local, src_local, n in keep:
+        out.narrow(dim, src_local, n).add_(g.narrow(dim, dst_local, n))
+    # what this rank received forward, it now sends back; what it sent, it receives back
+    send_list = [(torch.cat([g.narrow(dim, d, n) for d, n in runs], dim), peer) for peer, runs in recvs.items() if runs]
+    recv_bufs = {peer: g.new_empty(_with(g.shape, dim, sum(n for _, n in runs))) for peer, runs in sends.items() if runs}
+    for w in _p2p(send_list, [(buf, peer) for peer, buf in recv_bufs.items()], pg, "realign"):
+        w.wait()
+    for peer, buf in recv_bufs.items():
+        off = 0
+        for src_local, n in sends[peer]:
+            out.narrow(dim, src_local, n).add_(buf.narrow(dim, off, n))
+            off += n
+    return out
+
+
+@torch.library.custom_op("autoshard::seq_realign", mutates_args=())
+def _seq_realign(x: torch.Tensor, dim: int, src: list[int], dst: list[int], group: str) -> torch.Tensor:
+    return _realign_impl(x, dim, SequenceLayout.decode(src), SequenceLayout.decode(dst), _pg(group))
+
+
+@_seq_realign.register_fake
+def _(x, dim, src, dst, group):
+    return x.new_empty(_with(x.shape, dim, SequenceLayout.decode(dst).local_length(_pg(group).rank())))
+
+
+@torch.library.custom_op("autoshard::seq_realign_backward", mutates_args=())
+def _seq_realign_backward(g: torch.Tensor, dim: int, src: list[int], dst: list[int], group: str) -> torch.Tensor:
+    return _realign_backward_impl(g, dim, SequenceLayout.decode(src), SequenceLayout.decode(dst), _pg(group))
+
+
+@_seq_realign_backward.register_fake
+def _(g, dim, src, dst, group):
+    return g.new_empty(_with(g.shape, dim, SequenceLayout.decode(src).local_length(_pg(group).rank())))
+
+
+def _realign_setup(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+_seq_realign.register_autograd(
+    lambda ctx, g: (torch.ops.autoshard.seq_realign_backward(g, *ctx.args), None, None, None, None),
+    setup_context=_realign_setup)
+
+
+def seq_realign(x: torch.Tensor, dim: int, src: SequenceLayout, dst: SequenceLayout, group: str) -> torch.Tensor:
+    """Re-shard ``x`` (sharded along ``dim`` by ``src``) so that it is sharded by ``dst``."""
+    if src == dst:
+        return x
+    return torch.ops.autoshard.seq_realign(x, dim, src.encode(), dst.encode(), group)
+
+
+# ---------------------------------------------------------------------------- cumsum
+
+
+def _cumsum_impl(x: torch.Tensor, dim: int, layout: SequenceLayout, reverse: bool, pg) -> torch.Tensor:
+    rank, world = pg.rank(), pg.size()
+    ivs = layout.local_intervals(rank)
+    lengths = [e - s for s, e in ivs]
+    pieces = list(torch.split(x, lengths, dim)) if len(ivs) > 1 else ([x] if ivs else [])
+    flip = (lambda t: t.flip(dim)) if reverse else (lambda t: t)  # noqa: E731
+    local = [flip(flip(p).cumsum(dim)) for p in pieces]
+    # per-interval totals of every rank, padded to the largest interval count
+    width = max(len(layout.local_intervals(r)) for r in range(world))
+    zero = torch.zeros_like(x.sum(dim))
+    totals = torch.stack([p.sum(dim) for p in pieces] + [zero] * (width - len(pieces)))
+    gathered = all_gather_impl(totals, 0, [width] * world, pg).unflatten(0, (world, width))
+    starts = [(s, r, i) for r in range(world) for i, (s, _) in enumerate(layout.local_intervals(r))]
+    out = []
+    for (s, _), piece in zip(ivs, local):
+        before = [gathered[r, i] for s2, r, i in starts if (s2 > s if reverse else s2 < s)]
+        offset = torch.stack(before).sum(0) if before else torch.zeros_like(gathered[0, 0])
+        out.append(piece + offset.unsqueeze(dim))
+    if not out:
+        return x.clone()
+    return torch.cat(out, dim) if len(out) > 1 else out[0]
+
+
+@torch.library.custom_op("autoshard::seq_cumsum", mutates_args=())
+def _seq_cumsum(x: torch.Tensor, dim: int, layout: list[int], reverse: bool, group: str) -> torch.Tensor:
+    return _cumsum_impl(x, dim, SequenceLayout.decode(layout), reverse, _pg(group))
+
+
+@_seq_cumsum.register_fake
+def _(x, dim, layout, reverse, group):
+    return torch.empty_like(x)
+
+
+def _cumsum_setup(ctx, inputs, output):
+    ctx.dim, ctx.layout, ctx.reverse, ctx.group = inputs[1:]
+
+
+_seq_cumsum.register_autograd(
+    lambda ctx, g: (torch.ops.autoshard.seq_cumsum(g, ctx.dim, ctx.layout, not ctx.reverse, ctx.group),
+                    None, None, None, None),
+    setup_context=_cumsum_setup)
+
+
+def seq_cumsum(x: torch.Tensor, dim: int, layout: SequenceLayout, group: str, reverse: bool = False) -> torch.Tensor:
+    """Cumulative sum of a tensor sharded along ``dim`` by ``layout``, over the whole sequence."""
+    return torch.ops.autoshard.seq_cumsum(x, dim, layout.encode(), reverse, group)
+
