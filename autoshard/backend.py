@@ -1,10 +1,216 @@
-"""The torch.compile backend (the compiler lands in the compiler issue)."""
+"""The torch.compile backend: ``torch.compile(model, backend=autoshard.backend(mesh))``.
+
+Dynamo hands the backend one graph per captured region; the backend runs the passes (in order)
+and hands the per-rank graph to the inner compiler:
+
+1. ``annotate``   -- every node's canonical op (:mod:`~autoshard.passes.ops`);
+2. ``capture``    -- attention calls become ``captured_attention`` with structured masks;
+3. ``decompose``  -- composites without rules (``diff``) become ops with rules;
+4. ``link``       -- rules declare which dims carry the same positions; families grow from attention;
+5. ``choose``     -- a strategy per attention and a layout per family;
+6. ``rewrite``    -- the local graph of this rank, with placement transitions;
+7. ``lower``      -- the inner compiler (eager by default).
+
+Every rank compiles its own graph (uneven shards make ranks' shapes differ) and, before the first
+run, checks through the rendezvous store that all ranks compiled the same graph for the same shapes:
+a rank that reaches a different graph fails with an error, never a hang.
+"""
 
 from __future__ import annotations
 
-__all__ = ["autoshard_backend"]
+import datetime
+import hashlib
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from .config import BackendConfig
+from .passes.capture import capture_attention
+from .passes.infer import find_families, link_graph
+from .passes.normalize import annotate, decompose
+from .passes.rewrite import CompileReport, Rewriter
+from .runtime.groups import GroupLike, resolve_group
+from .strategy import choose
+
+__all__ = ["backend", "AutoshardBackend", "autoshard_backend", "CompiledGraph", "compile_graph"]
+
+FINGERPRINT_TIMEOUT = datetime.timedelta(seconds=120)
+_COMPILES = itertools.count()
+"""Numbers this process's compiles; ranks compile in the same order, so the n-th compile of every rank
+must be the same graph."""
 
 
-def autoshard_backend(gm, example_inputs):
-    """``torch.compile(model, backend="autoshard")`` resolves here through the entry point."""
-    raise NotImplementedError("autoshard: the sequence-parallel compiler is not available yet in this build")
+@dataclass
+class CompiledGraph:
+    """One rank's result of compiling one dynamo graph."""
+
+    graph_module: fx.GraphModule
+    """The rewritten, per-rank graph."""
+    report: CompileReport
+    """Placements, transitions, fallbacks, attention decisions."""
+    families: Any
+    strategies: dict
+
+
+def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world: int, group: str,
+                  ring_group: str = "", heads_axis_size: int | None = None) -> CompiledGraph:
+    """Run the passes on ``gm`` (modified in place up to the rewrite) for ``rank`` of ``world``."""
+    annotate(gm)
+    capture_attention(gm)
+    decompose(gm)
+    links = link_graph(gm)
+    for node, dim in _annotated_inputs(gm, config):
+        links.seed((node, dim, 0))
+    families = find_families(links)
+    layouts, strategies = choose(families, config=config, world=world, heads_axis_size=heads_axis_size)
+    rewriter = Rewriter(gm, families, layouts, rank=rank, world=world, group=group, config=config,
+                        strategies=strategies, ring_group=ring_group)
+    new_gm = rewriter.run()
+    return CompiledGraph(new_gm, rewriter.report, families, strategies)
+
+
+def input_name(node: fx.Node) -> str | None:
+    """The user-facing name of a graph input: ``input_ids`` for ``L['kwargs']['input_ids']`` or ``L['input_ids']``."""
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    if source is None:
+        return None
+    text = source.name if isinstance(source.name, str) else source.name()
+    if text.endswith("']"):
+        return text[text.rfind("['") + 2:-2]
+    return text
+
+
+def _annotated_inputs(gm: fx.GraphModule, config: BackendConfig) -> list[tuple[fx.Node, int]]:
+    """(placeholder, dim) for every input named in ``config.seq_dims`` (by name, or by position among the
+    tensor inputs that are not parameters)."""
+    if not config.seq_dims:
+        return []
+    user = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
+            and not isinstance(getattr(n.meta.get("grapharg"), "example", None), torch.nn.Parameter)]
+    out, found = [], set()
+    for key, dim in config.seq_dims.items():
+        matches = [n for n in user if input_name(n) == key] if isinstance(key, str) else user[key:key + 1]
+        for n in matches:
+            out.append((n, dim % n.meta["example_value"].dim()))
+            found.add(key)
+    return out
+
+
+class AutoshardBackend:
+    """A torch.compile backend that splits the model's sequence over the ranks of ``group``."""
+
+    def __init__(self, group: GroupLike = None, config: BackendConfig | None = None):
+        self.group = group
+        self.config = config or BackendConfig()
+        self.compiled: list[CompiledGraph] = []
+        """Every graph compiled so far on this rank (the last is the newest)."""
+
+    def _groups(self):
+        """(sequence group, ring-axis group name, ulysses axis size) for this backend's group."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if isinstance(self.group, DeviceMesh) and self.group.ndim == 2:
+            return hybrid_groups(self.group)
+        return resolve_group(self.group), "", None
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        pg, ring_group, heads_axis = self._groups()
+        world, rank = pg.size(), pg.rank()
+        if self.config.dry_run:
+            from .plan import plan_graph
+
+            if rank == 0:
+                print(plan_graph(gm, world_size=world, config=self.config))
+            return gm.forward
+        if world == 1:
+            return gm.forward
+        _check_same_graph(pg, next(_COMPILES), gm, example_inputs)
+        compiled = compile_graph(gm, config=self.config, rank=rank, world=world, group=pg.group_name,
+                                 ring_group=ring_group, heads_axis_size=heads_axis)
+        self.compiled.append(compiled)
+        return _lower(compiled.graph_module, example_inputs, self.config.inner)
+
+
+def _lower(gm: fx.GraphModule, example_inputs: list, inner) -> Callable:
+    if inner == "eager":
+        return gm.forward
+    if callable(inner):
+        return inner(gm, example_inputs)
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(inner)(gm, example_inputs)
+
+
+def _fingerprint(gm: fx.GraphModule, example_inputs: list) -> str:
+    h = hashlib.sha256(gm.code.encode())
+    for x in example_inputs:
+        h.update(repr((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x).encode())
+    return h.hexdigest()[:16]
+
+
+def _check_same_graph(pg: dist.ProcessGroup, index: int, gm: fx.GraphModule, example_inputs: list) -> None:
+    """Every rank of ``pg`` compiled the same graph for the same input shapes as its ``index``-th graph."""
+    store = dist.distributed_c10d._get_default_store()
+    world, rank = pg.size(), pg.rank()
+    prefix = f"autoshard/{pg.group_name}/{index}"
+    mine = _fingerprint(gm, example_inputs)
+    store.set(f"{prefix}/{rank}", mine)
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    try:
+        store.wait(keys, FINGERPRINT_TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 -- the store raises its own timeout type
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(
+            f"autoshard: rank {rank} compiled graph #{index} but rank(s) {missing} did not reach it within "
+            f"{FINGERPRINT_TIMEOUT.seconds} s: every rank must call the compiled model with the same input "
+            f"shapes and take the same code path") from exc
+    prints = [store.get(key).decode() for key in keys]
+    if len(set(prints)) > 1:
+        groups = {}
+        for r, p in enumerate(prints):
+            groups.setdefault(p, []).append(r)
+        raise RuntimeError(
+            "autoshard: ranks reached different graphs or input shapes for compiled graph "
+            f"#{index} (ranks grouped by what they compiled: {sorted(groups.values())}); every rank must "
+            "pass inputs of the same shapes and take the same code path")
+
+
+def backend(group: GroupLike = None, **options) -> AutoshardBackend:
+    """The backend for ``torch.compile``: ``group`` is a ProcessGroup, a DeviceMesh (2-D for the hybrid
+    strategy) or None for the default group; ``options`` are :class:`~autoshard.config.BackendConfig` fields."""
+    config = BackendConfig(**options)
+    if config.strategy == "hybrid":
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not (isinstance(group, DeviceMesh) and group.ndim == 2):
+            raise ValueError("autoshard.backend: strategy='hybrid' needs a 2-D DeviceMesh (ring axis, ulysses axis)")
+    return AutoshardBackend(group, config)
+
+
+_default_backend: AutoshardBackend | None = None
+
+
+def autoshard_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+    """``torch.compile(model, backend="autoshard")``: the default group and default options."""
+    global _default_backend
+    if _default_backend is None:
+        _default_backend = AutoshardBackend()
+    return _default_backend(gm, example_inputs)
+
+
+def hybrid_groups(mesh) -> tuple[dist.ProcessGroup, str, int]:
+    """(whole sequence group, ring-axis group name, ulysses axis size) of a 2-D (ring, ulysses) mesh.
+
+    The sequence is laid out over the flattened mesh: mesh coordinate (ring i, ulysses j) holds shard
+    ``i * P_ulysses + j``, so the flattened group's rank order is the sequence order."""
+    names = mesh.mesh_dim_names or ("ring", "ulysses")
+    if tuple(names) != ("ring", "ulysses") and set(names) == {"ring", "ulysses"}:
+        raise ValueError("autoshard: order the hybrid mesh as (ring, ulysses): "
+                         "init_device_mesh(device, (P_ring, P_ulysses), mesh_dim_names=('ring', 'ulysses'))")
+    flat = mesh._flatten().get_group()
+    return flat, mesh.get_group(0).group_name, mesh.size(1)

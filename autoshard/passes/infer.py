@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from .ops import is_tensor_node, shape_of
 
-__all__ = ["Elem", "Family", "Families", "LinkContext", "find_families"]
+__all__ = ["Elem", "Family", "Families", "LinkContext", "find_families", "link_graph"]
 
 Elem = tuple[fx.Node, int, int]
 """(node, dim, factor)"""
@@ -151,3 +151,18 @@ def find_families(ctx: LinkContext) -> Families:
                 node_dims[(other[0], fam.index)] = other[1:]
                 queue.append((other, other_off))
     return Families(families, member, ctx.factors, refused)
+
+
+def link_graph(gm: fx.GraphModule) -> LinkContext:
+    """Run every node's link rule (seeds come from the attention rule and from markers)."""
+    from .ops import op_of
+    from .rules import RULES, load_all
+
+    load_all()
+    ctx = LinkContext()
+    for node in gm.graph.nodes:
+        op = op_of(node)
+        rule = RULES.get(op.name) if op is not None else None
+        if rule is not None:
+            rule.link(ctx, node, op)
+    return ctx

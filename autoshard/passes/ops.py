@@ -26,7 +26,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-__all__ = ["Op", "canonical", "value_of", "is_tensor_node", "shape_of", "GETITEM_ITEM"]
+__all__ = ["Op", "OP_KEY", "canonical", "op_of", "register_canonical", "value_of", "is_tensor_node", "shape_of",
+           "numel"]
+
+OP_KEY = "autoshard_op"
+"""Where the normalize pass stores each node's canonical op (``node.meta[OP_KEY]``)."""
 
 
 @dataclass
@@ -64,13 +68,21 @@ def shape_of(node: Any) -> tuple[int, ...]:
     return tuple(int(s) for s in value_of(node).shape)
 
 
+def numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
 # ----------------------------------------------------------------------------- registry
 
 _FUNCTIONS: dict[Any, tuple[str, Callable]] = {}
 _METHODS: dict[str, tuple[str, Callable]] = {}
 
 
-def _register(name: str, functions=(), methods=()):
+def register_canonical(name: str, functions=(), methods=()):
+    """Decorator: the binder of canonical op ``name`` for these torch functions and Tensor method names."""
     def deco(binder):
         for f in functions:
             _FUNCTIONS[f] = (name, binder)
@@ -89,135 +101,133 @@ def _shape_args(shape):
 
 
 # --- shape-only ops: the output is the same elements in the same order, only the shape changes
-@_register("view", functions=[torch.reshape, torch.flatten, torch.unflatten, torch.squeeze, torch.unsqueeze],
+@register_canonical("view", functions=[torch.reshape, torch.flatten, torch.unflatten, torch.squeeze, torch.unsqueeze],
            methods=["view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"])
 def _bind_view(input, *args, **kwargs):
     return {"input": input}
 
 
-@_register("permute", functions=[torch.permute, torch.transpose, torch.swapaxes, torch.movedim, torch.t],
+@register_canonical("permute", functions=[torch.permute, torch.transpose, torch.swapaxes, torch.movedim, torch.t],
            methods=["permute", "transpose", "swapaxes", "movedim", "t"])
 def _bind_permute(input, *args, **kwargs):
     return {"input": input}
 
 
-@_register("expand", functions=[torch.broadcast_to], methods=["expand", "expand_as", "broadcast_to"])
+@register_canonical("expand", functions=[torch.broadcast_to], methods=["expand", "expand_as", "broadcast_to"])
 def _bind_expand(input, *args, **kwargs):
     return {"input": input}
 
 
-@_register("identity", functions=[torch.clone], methods=["contiguous", "clone", "detach", "requires_grad_",
+@register_canonical("identity", functions=[torch.clone], methods=["contiguous", "clone", "detach", "requires_grad_",
                                                           "cpu", "cuda"])
 def _bind_identity(input, *args, **kwargs):
     return {"input": input}
 
 
-@_register("to", methods=["to", "float", "double", "half", "bfloat16", "int", "long", "bool", "type", "type_as"])
+@register_canonical("to", methods=["to", "float", "double", "half", "bfloat16", "int", "long", "bool", "type", "type_as"])
 def _bind_to(input, *args, **kwargs):
     return {"input": input}
 
 
 # --- indexing and splitting
-GETITEM_ITEM = ("slice", "select", "new", "tensor")
 
-
-@_register("getitem", functions=[operator.getitem])
+@register_canonical("getitem", functions=[operator.getitem])
 def _bind_getitem(input, index):
     return {"input": input, "index": index}
 
 
-@_register("narrow", functions=[torch.narrow], methods=["narrow"])
+@register_canonical("narrow", functions=[torch.narrow], methods=["narrow"])
 def _bind_narrow(input, dim, start, length):
     return {"input": input, "dim": dim, "start": start, "length": length}
 
 
-@_register("select", functions=[torch.select], methods=["select"])
+@register_canonical("select", functions=[torch.select], methods=["select"])
 def _bind_select(input, dim, index):
     return {"input": input, "dim": dim, "index": index}
 
 
-@_register("split", functions=[torch.split, torch.chunk, torch.unbind, torch.tensor_split],
+@register_canonical("split", functions=[torch.split, torch.chunk, torch.unbind, torch.tensor_split],
            methods=["split", "chunk", "unbind", "tensor_split", "split_with_sizes"])
 def _bind_split(input, *args, dim=None, **kwargs):
     return {"input": input, "dim": dim, "args": args}
 
 
-@_register("cat", functions=[torch.cat, torch.concat, torch.concatenate])
+@register_canonical("cat", functions=[torch.cat, torch.concat, torch.concatenate])
 def _bind_cat(tensors, dim=0, axis=None, out=None):
     return {"tensors": list(tensors), "dim": dim if axis is None else axis}
 
 
-@_register("stack", functions=[torch.stack])
+@register_canonical("stack", functions=[torch.stack])
 def _bind_stack(tensors, dim=0, out=None):
     return {"tensors": list(tensors), "dim": dim}
 
 
-@_register("pad", functions=[F.pad, torch._C._nn.pad])
+@register_canonical("pad", functions=[F.pad, torch._C._nn.pad])
 def _bind_pad(input, pad, mode="constant", value=None):
     return {"input": input, "pad": list(pad), "mode": mode, "value": 0.0 if value is None else value}
 
 
-@_register("gather", functions=[torch.gather], methods=["gather"])
+@register_canonical("gather", functions=[torch.gather], methods=["gather"])
 def _bind_gather(input, dim, index, *, sparse_grad=False, out=None):
     return {"input": input, "dim": dim, "index": index}
 
 
-@_register("index_select", functions=[torch.index_select], methods=["index_select"])
+@register_canonical("index_select", functions=[torch.index_select], methods=["index_select"])
 def _bind_index_select(input, dim, index, *, out=None):
     return {"input": input, "dim": dim, "index": index}
 
 
 # --- matrix products
-@_register("linear", functions=[F.linear, torch._C._nn.linear])
+@register_canonical("linear", functions=[F.linear, torch._C._nn.linear])
 def _bind_linear(input, weight, bias=None):
     return {"input": input, "weight": weight, "bias": bias}
 
 
-@_register("matmul", functions=[torch.matmul, torch.bmm, torch.mm, operator.matmul], methods=["matmul", "bmm", "mm", "__matmul__"])
+@register_canonical("matmul", functions=[torch.matmul, torch.bmm, torch.mm, operator.matmul], methods=["matmul", "bmm", "mm", "__matmul__"])
 def _bind_matmul(input, other, *, out=None):
     return {"a": input, "b": other}
 
 
-@_register("addmm", functions=[torch.addmm, torch.baddbmm], methods=["addmm", "baddbmm"])
+@register_canonical("addmm", functions=[torch.addmm, torch.baddbmm], methods=["addmm", "baddbmm"])
 def _bind_addmm(input, mat1, mat2, *, beta=1, alpha=1, out=None):
     return {"bias": input, "a": mat1, "b": mat2, "beta": beta, "alpha": alpha}
 
 
 # --- embeddings, norms, softmax
-@_register("embedding", functions=[F.embedding])
+@register_canonical("embedding", functions=[F.embedding])
 def _bind_embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                     sparse=False):
     return {"input": input, "weight": weight, "max_norm": max_norm}
 
 
-@_register("embedding", functions=[torch.embedding])
+@register_canonical("embedding", functions=[torch.embedding])
 def _bind_aten_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return {"input": indices, "weight": weight, "max_norm": None}
 
 
-@_register("layer_norm", functions=[F.layer_norm, torch.layer_norm])
+@register_canonical("layer_norm", functions=[F.layer_norm, torch.layer_norm])
 def _bind_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
     return {"input": input, "normalized_shape": list(normalized_shape), "weight": weight, "bias": bias}
 
 
-@_register("rms_norm", functions=[F.rms_norm] + ([torch.rms_norm] if hasattr(torch, "rms_norm") else []))
+@register_canonical("rms_norm", functions=[F.rms_norm] + ([torch.rms_norm] if hasattr(torch, "rms_norm") else []))
 def _bind_rms_norm(input, normalized_shape, weight=None, eps=None):
     return {"input": input, "normalized_shape": list(normalized_shape), "weight": weight}
 
 
-@_register("group_norm", functions=[F.group_norm, torch.group_norm])
+@register_canonical("group_norm", functions=[F.group_norm, torch.group_norm])
 def _bind_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     return {"input": input, "weight": weight, "bias": bias}
 
 
-@_register("batch_norm", functions=[F.batch_norm, torch.batch_norm])
+@register_canonical("batch_norm", functions=[F.batch_norm, torch.batch_norm])
 def _bind_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
                      eps=1e-5, *args):
     return {"input": input, "running_mean": running_mean, "running_var": running_var, "weight": weight,
             "bias": bias, "training": training, "momentum": momentum, "eps": eps}
 
 
-@_register("softmax", functions=[F.softmax, torch.softmax, F.log_softmax, torch.log_softmax, torch._softmax,
+@register_canonical("softmax", functions=[F.softmax, torch.softmax, F.log_softmax, torch.log_softmax, torch._softmax,
                                  torch._log_softmax], methods=["softmax", "log_softmax"])
 def _bind_softmax(input, dim=None, _stacklevel=3, dtype=None, **kwargs):
     return {"input": input, "dim": dim, "dtype": dtype}
@@ -249,15 +259,15 @@ def _bind_reduce_named(kind):
 
 
 for _kind in _REDUCTIONS:
-    _register("reduce", functions=[getattr(torch, _kind)], methods=[_kind])(_bind_reduce_named(_kind))
+    register_canonical("reduce", functions=[getattr(torch, _kind)], methods=[_kind])(_bind_reduce_named(_kind))
 
 
-@_register("cumsum", functions=[torch.cumsum], methods=["cumsum"])
+@register_canonical("cumsum", functions=[torch.cumsum], methods=["cumsum"])
 def _bind_cumsum(input, dim, *, dtype=None, out=None):
     return {"input": input, "dim": dim, "dtype": dtype}
 
 
-@_register("diff", functions=[torch.diff], methods=["diff"])
+@register_canonical("diff", functions=[torch.diff], methods=["diff"])
 def _bind_diff(input, n=1, dim=-1, prepend=None, append=None):
     return {"input": input, "n": n, "dim": dim, "prepend": prepend, "append": append}
 
@@ -268,21 +278,21 @@ _FACTORIES = ["arange", "zeros", "ones", "full", "empty", "rand", "randn", "rand
               "scalar_tensor", "as_tensor"]
 
 
-@_register("factory", functions=[getattr(torch, f) for f in _FACTORIES],
+@register_canonical("factory", functions=[getattr(torch, f) for f in _FACTORIES],
            methods=["new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"])
 def _bind_factory(*args, **kwargs):
     return {"args": args, "kwargs": kwargs}
 
 
 # --- convolution
-@_register("conv", functions=[F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d])
+@register_canonical("conv", functions=[F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d])
 def _bind_conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     return {"input": input, "weight": weight, "bias": bias, "stride": stride, "padding": padding,
             "dilation": dilation, "groups": groups}
 
 
 # --- losses
-@_register("cross_entropy", functions=[F.cross_entropy, F.nll_loss])
+@register_canonical("cross_entropy", functions=[F.cross_entropy, F.nll_loss])
 def _bind_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                         reduction="mean", label_smoothing=0.0):
     if size_average is not None or reduce is not None:
@@ -291,20 +301,20 @@ def _bind_cross_entropy(input, target, weight=None, size_average=None, ignore_in
             "reduction": reduction, "label_smoothing": label_smoothing}
 
 
-@_register("elementwise_loss", functions=[F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
+@register_canonical("elementwise_loss", functions=[F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
                                           F.binary_cross_entropy_with_logits, F.binary_cross_entropy])
 def _bind_elementwise_loss(input, target, *args, reduction="mean", **kwargs):
     return {"input": input, "target": target, "reduction": reduction}
 
 
 # --- attention and randomness
-@_register("attention", functions=[F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention])
+@register_canonical("attention", functions=[F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention])
 def _bind_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     return {"q": query, "k": key, "v": value, "attn_mask": attn_mask, "dropout_p": dropout_p,
             "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa}
 
 
-@_register("dropout", functions=[F.dropout, torch.dropout, F.dropout1d, F.dropout2d, F.alpha_dropout])
+@register_canonical("dropout", functions=[F.dropout, torch.dropout, F.dropout1d, F.dropout2d, F.alpha_dropout])
 def _bind_dropout(input, p=0.5, training=True, inplace=False):
     return {"input": input, "p": p, "training": training}
 
@@ -369,3 +379,12 @@ def canonical(node: fx.Node) -> Op | None:
     if name is not None and _aten_pointwise(name):
         return Op("pointwise", {"fn": name})
     return None
+
+
+def op_of(node: Any) -> Op | None:
+    """The canonical op the normalize pass recorded for ``node`` (computed on demand for new nodes)."""
+    if not isinstance(node, fx.Node):
+        return None
+    if OP_KEY not in node.meta:
+        node.meta[OP_KEY] = canonical(node)
+    return node.meta[OP_KEY]

@@ -1,0 +1,234 @@
+"""Capture: every attention in the graph becomes one ``captured_attention`` call with a structured mask.
+
+Three spellings are recognized:
+
+* ``F.scaled_dot_product_attention`` (any ``attn_mask`` / ``is_causal`` / ``enable_gqa``);
+* hand-written attention: ``matmul(q, k^T)``, an optional constant scale, an optional mask (added,
+  ``masked_fill(-inf)`` or ``where(keep, scores, -inf)``), ``softmax`` over the keys, optional casts and
+  dropout, ``matmul(probs, v)``;
+* user-marked attention functions (``autoshard.attention_function``), which reach the graph as the
+  ``autoshard::marked_attention`` op.
+
+K/V repeated for grouped-query attention (``k[:, :, None].expand(...).reshape(...)``, HF's
+``repeat_kv``) are replaced by the un-repeated tensors: distributed attention moves ``Hkv`` heads, not
+``H``. The mask goes through :mod:`autoshard.passes.masks`; when it cannot be structured the attention
+keeps it dense (``dense_mask``) and the rewrite computes it on gathered keys.
+
+``captured_attention`` itself is the one-device meaning of the captured call, used when the attention
+is not distributed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .graph import new_node
+from .masks import MaskSpec, Unstructurable, structure_mask
+from .ops import canonical, is_tensor_node, register_canonical, shape_of
+
+__all__ = ["captured_attention", "capture_attention", "dense_mask_of"]
+
+
+def dense_mask_of(q_len: int, k_len: int, causal: bool, window, key_mask, segment_ids, device) -> torch.Tensor | None:
+    """The boolean [B|1, 1, Sq, Sk] mask a structured mask stands for (True = attend)."""
+    qi = torch.arange(q_len, device=device)[:, None]
+    ki = torch.arange(k_len, device=device)[None, :]
+    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        mask &= ki <= qi
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            mask &= ki >= qi - left
+        if right >= 0:
+            mask &= ki <= qi + right
+    mask = mask[None, None]
+    if key_mask is not None:
+        mask = mask & key_mask[:, None, None, :].bool()
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    return mask
+
+
+def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None,
+                       scale=None, dropout_p=0.0):
+    """Attention with a structured mask, on whole tensors (what one device computes)."""
+    structured = causal or window is not None or key_mask is not None or segment_ids is not None
+    mask = dense_mask_of(q.size(-2), k.size(-2), causal, window, key_mask, segment_ids, q.device) if structured else None
+    if dense_mask is not None:
+        mask = dense_mask if mask is None else (mask & dense_mask if dense_mask.dtype == torch.bool
+                                                else dense_mask.masked_fill(~mask, float("-inf")))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=k.size(-3) != q.size(-3))
+
+
+@register_canonical("attention", functions=[captured_attention])
+def _bind_captured(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None, scale=None,
+                   dropout_p=0.0):
+    return {"q": q, "k": k, "v": v, "key_mask": key_mask, "segment_ids": segment_ids, "dense_mask": dense_mask,
+            "causal": causal, "window": window, "scale": scale, "dropout_p": dropout_p, "captured": True}
+
+
+# ----------------------------------------------------------------------------- pattern helpers
+
+
+def _op(node):
+    return canonical(node) if isinstance(node, fx.Node) else None
+
+
+def _skip(node, names=("to", "identity")):
+    """Follow ``node`` back through casts / copies."""
+    while True:
+        op = _op(node)
+        if op is None or op.name not in names:
+            return node
+        node = op["input"]
+
+
+def _unrepeat(k: fx.Node) -> fx.Node:
+    """The un-repeated K/V behind HF's ``repeat_kv`` (unsqueeze -> expand -> reshape), else ``k`` itself."""
+    op = _op(k)
+    if op is None or op.name != "view":
+        return k
+    expanded = op["input"]
+    e_op = _op(expanded)
+    if e_op is None or e_op.name != "expand":
+        return k
+    unsq = e_op["input"]
+    u_op = _op(unsq)
+    if u_op is None or u_op.name not in ("view", "getitem"):
+        return k
+    base = _skip(u_op["input"], ("identity",))
+    if base is None or not is_tensor_node(base):
+        return k
+    b_shape, u_shape, e_shape, k_shape = shape_of(base), shape_of(unsq), shape_of(expanded), shape_of(k)
+    ok = (len(b_shape) == 4 and u_shape == b_shape[:2] + (1,) + b_shape[2:] and len(e_shape) == 5
+          and e_shape[:2] == b_shape[:2] and e_shape[3:] == b_shape[2:]
+          and k_shape == (b_shape[0], b_shape[1] * e_shape[2]) + b_shape[2:])
+    return base if ok else k
+
+
+def _transposed_last(node: fx.Node) -> fx.Node | None:
+    """``x`` when ``node`` is ``x`` with its last two dims swapped."""
+    op = _op(node)
+    if op is None or op.name != "permute":
+        return None
+    from .rules.views import permutation
+
+    perm = permutation(node)
+    n = len(perm)
+    return op["input"] if perm == list(range(n - 2)) + [n - 1, n - 2] else None
+
+
+def _constant_scale(node: fx.Node):
+    """(scores before scaling, scale) for ``scores * c`` / ``scores / c``; (node, 1.0) otherwise."""
+    op = _op(node)
+    if op is not None and op.name == "pointwise" and op["fn"] in ("mul", "div") and len(node.args) == 2:
+        a, b = node.args
+        if isinstance(b, (int, float)) and is_tensor_node(a):
+            return a, (float(b) if op["fn"] == "mul" else 1.0 / float(b))
+        if isinstance(a, (int, float)) and is_tensor_node(b) and op["fn"] == "mul":
+            return b, float(a)
+    return node, 1.0
+
+
+def _masked(graph: fx.Graph, node: fx.Node, before: fx.Node):
+    """(scores, mask node or None): the mask an attention applies to its scores, as SDPA takes it
+    (bool = attend, or an additive float mask)."""
+    op = _op(node)
+    if op is None or op.name != "pointwise":
+        return node, None
+    fn = op["fn"]
+    if fn == "add" and len(node.args) == 2 and all(is_tensor_node(a) for a in node.args):
+        a, b = node.args
+        return (a, b) if shape_of(a) == shape_of(node) else (b, a)
+    if fn == "masked_fill" and _is_neg_inf(node.args[2]):
+        with graph.inserting_before(before):
+            keep = new_node(graph, torch.Tensor.__invert__, (node.args[1],))
+        return node.args[0], keep
+    if fn == "where" and _is_neg_inf(node.args[2]) and is_tensor_node(node.args[1]):
+        return node.args[1], node.args[0]
+    return node, None
+
+
+def _is_neg_inf(value) -> bool:
+    return isinstance(value, (int, float)) and value <= -1e4
+
+
+def _handwritten(graph: fx.Graph, node: fx.Node):
+    """(q, k, v, mask, scale, dropout_p) when ``node`` is ``matmul(softmax(scores), v)``, else None."""
+    op = _op(node)
+    if op is None or op.name != "matmul":
+        return None
+    probs, v = op["a"], op["b"]
+    probs = _skip(probs)
+    dropout_p = 0.0
+    d_op = _op(probs)
+    if d_op is not None and d_op.name == "dropout":
+        dropout_p = float(d_op["p"]) if d_op["training"] else 0.0
+        probs = _skip(d_op["input"])
+    s_op = _op(probs)
+    if s_op is None or s_op.name != "softmax" or "log" in str(probs.target):
+        return None
+    if s_op["dim"] % len(shape_of(probs)) != len(shape_of(probs)) - 1:
+        return None
+    scores, mask = _masked(graph, _skip(s_op["input"]), node)
+    scores, scale = _constant_scale(_skip(scores))
+    m_op = _op(scores)
+    if m_op is None or m_op.name != "matmul":
+        return None
+    q, kt = m_op["a"], m_op["b"]
+    k = _transposed_last(kt)
+    if k is None or not all(is_tensor_node(t) and len(shape_of(t)) == 4 for t in (q, k, v)):
+        return None
+    return q, k, v, mask, scale, dropout_p
+
+
+def capture_attention(gm: fx.GraphModule) -> list[tuple[fx.Node, str | None]]:
+    """Replace every attention of ``gm`` by ``captured_attention``; returns (node, reason the mask stayed dense)."""
+    graph = gm.graph
+    captured = []
+    mask_cache: dict[tuple, MaskSpec | str] = {}
+    for node in list(graph.nodes):
+        op = _op(node)
+        if op is not None and op.name == "attention" and node.target is not captured_attention:
+            q, k, v = op["q"], op["k"], op["v"]
+            mask, causal, scale, dropout_p = op["attn_mask"], bool(op["is_causal"]), op["scale"], float(op["dropout_p"])
+        elif op is not None and op.name == "matmul":
+            found = _handwritten(graph, node)
+            if found is None:
+                continue
+            q, k, v, mask, scale, dropout_p = found
+            causal = False
+        else:
+            continue
+        k, v = _unrepeat(k), _unrepeat(v)
+        q_len, k_len, batch = shape_of(q)[-2], shape_of(k)[-2], shape_of(q)[0]
+        key = (mask, causal, q_len, k_len)
+        if key not in mask_cache:
+            try:
+                mask_cache[key] = structure_mask(graph, node, mask, causal, q_len, k_len, batch)
+            except Unstructurable as exc:
+                mask_cache[key] = str(exc)
+        spec = mask_cache[key]
+        dense = None
+        if isinstance(spec, str):
+            reason, dense, spec = spec, mask, MaskSpec(causal=causal)
+        else:
+            reason = None
+        kwargs = {"causal": spec.causal, "window": spec.window,
+                  "scale": float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1]),
+                  "dropout_p": dropout_p}
+        with graph.inserting_before(node):
+            new = new_node(graph, captured_attention, (q, k, v, spec.key_mask, spec.segment_ids, dense), kwargs)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        captured.append((new, reason))
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return captured
+

@@ -1,0 +1,444 @@
+"""Turn attention masks built in the graph back into structured masks; never an S x S tensor.
+
+Models build masks from aranges, broadcast comparisons, gathers of a ``[B, S]`` padding mask, ``&`` and
+``where(mask, 0, min)``. This pass evaluates the graph that produces an attention's mask *abstractly*:
+every value is a sympy expression of its own index symbols (``d0, d1, ...``), so ``arange(S)`` is
+``d0``, ``q_idx[None, None, :, None]`` re-indexes it to ``d2``, ``kv <= q`` is ``d3 <= d2``, and a gather
+``mask[batch_idx, kv_idx]`` of a tensor the pass cannot see through is an *uninterpreted function*
+``T(d0, d3)`` of the gathered indices. Aligning the mask's last four dims to (batch, head, query, key)
+gives one boolean formula in ``b, h, q, k``; its conjuncts are classified:
+
+* only ``q`` and ``k``, linear: bounds on ``k - q`` -> ``causal`` and ``window=(left, right)``;
+* no ``q`` (a function of ``b``, ``k``): a key mask, materialized as a ``[B, S]`` tensor;
+* ``f(b, q) == f(b, k)``: segment ids ``f`` (packed documents), materialized as ``[B, S]``;
+* ``P(b, k) <= P(b, q)`` for a position tensor ``P`` next to segment ids that are the runs of ``P``
+  (``cumsum(diff(P) != 1)``, how transformers detects packed sequences): ``k <= q``, because inside a
+  segment positions grow by one per token;
+* anything else: not structurable -- the attention keeps its dense mask and is computed on gathered
+  keys (recorded in the plan), never on a wrong mask.
+
+Materialized tensors are plain graph nodes, so inference splits them along the sequence like any
+other per-token value.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+from sympy.core.function import AppliedUndef
+
+from .graph import new_node as _new
+from .ops import canonical, is_tensor_node, shape_of, value_of
+
+__all__ = ["MaskSpec", "structure_mask", "Unstructurable"]
+
+B, H, Q, K = sympy.symbols("b h q k", integer=True, nonnegative=True)
+_NEG_BIG = -1e4
+
+
+class Unstructurable(Exception):
+    """The mask is not a combination of the structured kinds."""
+
+
+@dataclass
+class MaskSpec:
+    """A structured attention mask."""
+
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    """(left, right) as flash-attn: key j visible to query i iff i - left <= j <= i + right; -1 = unbounded."""
+    key_mask: fx.Node | None = None
+    """[B, S] bool, True = may be attended."""
+    segment_ids: fx.Node | None = None
+    """[B, S] int: attend within equal ids only."""
+
+
+# ----------------------------------------------------------------------------- abstract values
+
+
+@dataclass(frozen=True)
+class _Abs:
+    expr: object  # sympy expression (bool-valued for masks, numeric otherwise)
+    shape: tuple[int, ...]
+    additive: bool = False  # a float mask: 0 where expr holds, very negative elsewhere
+
+
+def _sym(d: int) -> sympy.Symbol:
+    return sympy.Symbol(f"d{d}", integer=True, nonnegative=True)
+
+
+def _reindex(v: _Abs, mapping: dict[int, object], shape: tuple[int, ...]) -> _Abs:
+    return _Abs(sympy.sympify(v.expr).xreplace({_sym(d): e for d, e in mapping.items()}) if mapping else v.expr,
+                shape, v.additive)
+
+
+def _broadcast_to(v: _Abs, shape: tuple[int, ...]) -> _Abs:
+    lead = len(shape) - len(v.shape)
+    mapping = {}
+    for d, s in enumerate(v.shape):
+        mapping[d] = sympy.Integer(0) if (s == 1 and shape[lead + d] != 1) else _sym(lead + d)
+    return _reindex(v, mapping, shape)
+
+
+def _leaf(node: fx.Node) -> _Abs:
+    shape = shape_of(node)
+    fn = sympy.Function(f"T_{node.name}")
+    args = [sympy.Integer(0) if s == 1 else _sym(d) for d, s in enumerate(shape)]
+    expr = fn(*args) if args else fn(sympy.Integer(0))
+    if value_of(node).dtype == torch.bool:
+        expr = sympy.Ne(expr, 0)
+    return _Abs(expr, shape)
+
+
+class _Evaluator:
+    """Abstract interpretation of the subgraph producing a mask (see the module docstring)."""
+
+    def __init__(self):
+        self.cache: dict[fx.Node, _Abs] = {}
+        self.leaves: dict[str, fx.Node] = {}
+
+    def __call__(self, node) -> _Abs:
+        if not isinstance(node, fx.Node):
+            return _Abs(sympy.sympify(bool(node) if isinstance(node, bool) else node), ())
+        if node not in self.cache:
+            self.cache[node] = self._eval(node)
+        return self.cache[node]
+
+    def leaf(self, node: fx.Node) -> _Abs:
+        self.leaves[f"T_{node.name}"] = node
+        return _leaf(node)
+
+    def _eval(self, node: fx.Node) -> _Abs:
+        if not is_tensor_node(node):
+            raise Unstructurable(f"non-tensor {node.format_node()}")
+        shape = shape_of(node)
+        op = canonical(node)
+        name = op.name if op is not None else None
+        name_fn = op.get("fn") if op is not None else None
+        target = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if name == "factory" and target == "arange":
+            args = list(node.args)
+            start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
+            return _Abs(sympy.Integer(start) + sympy.Integer(step) * _sym(0), shape)
+        if name == "factory" and target in ("new_ones", "ones", "full", "new_full", "ones_like") and not any(shape):
+            fill = node.args[-1] if "full" in target else 1
+            return _Abs(sympy.true if value_of(node).dtype == torch.bool and fill else sympy.sympify(fill), shape)
+        if name in ("identity", "to"):
+            src = self(op["input"])
+            if value_of(node).dtype == torch.bool and value_of(op["input"]).dtype != torch.bool:
+                return _Abs(sympy.Ne(src.expr, 0), shape)
+            return src
+        if name == "view" and _only_unit_dims_change(shape_of(op["input"]), shape):
+            return _unit_reshape(self(op["input"]), shape)
+        if name == "expand":
+            return _broadcast_to(self(op["input"]), shape)
+        if name == "getitem":
+            return self._index(node, op, shape)
+        if name == "pointwise":
+            return self._pointwise(node, name_fn, shape)
+        return self.leaf(node)
+
+    def _pointwise(self, node, fn, shape) -> _Abs:
+        tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
+        vals = [_broadcast_to(self(a), shape) if isinstance(a, fx.Node) else self(a) for a in node.args]
+        if fn == "where":
+            cond, a, b = vals
+            if a.expr == 0 and _very_negative(b.expr):
+                return _Abs(cond.expr, shape, additive=True)
+            if b.expr == 0 and _very_negative(a.expr):
+                return _Abs(sympy.Not(cond.expr), shape, additive=True)
+            return self.leaf(node)
+        if fn == "masked_fill" and len(vals) == 3 and _very_negative(vals[2].expr):
+            return _Abs(sympy.Not(vals[1].expr), shape, additive=True) if vals[0].expr == 0 else self.leaf(node)
+        binary = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
+                  "le": sympy.Le, "lt": sympy.Lt, "ge": sympy.Ge, "gt": sympy.Gt, "eq": sympy.Eq, "ne": sympy.Ne,
+                  "bitwise_and": sympy.And, "logical_and": sympy.And, "bitwise_or": sympy.Or, "logical_or": sympy.Or}
+        if fn in binary and len(vals) == 2:
+            a, b = vals
+            if fn == "mul" and value_of(node).dtype == torch.bool:
+                return _Abs(sympy.And(a.expr, b.expr), shape)
+            if fn in ("add", "sub") and (a.additive or b.additive):
+                if a.additive and b.additive and fn == "add":
+                    return _Abs(sympy.And(a.expr, b.expr), shape, additive=True)
+                return self.leaf(node)
+            return _Abs(binary[fn](a.expr, b.expr), shape)
+        if fn in ("bitwise_not", "logical_not") and len(tensor_args) == 1:
+            return _Abs(sympy.Not(vals[0].expr), shape)
+        if fn in ("neg",):
+            return _Abs(-vals[0].expr, shape)
+        return self.leaf(node)
+
+    def _index(self, node, op, shape) -> _Abs:
+        index = op["index"] if isinstance(op["index"], tuple) else (op["index"],)
+        src = op["input"]
+        src_shape = shape_of(src)
+        if all(isinstance(i, fx.Node) for i in index) and len(index) == len(src_shape):
+            idx_vals = [_broadcast_to(self(i), shape) for i in index]
+            base = self(src)
+            return _reindex(base, {d: v.expr for d, v in enumerate(idx_vals)}, shape)
+        # basic indexing with None / full slices / Ellipsis only: a re-indexing
+        mapping, od, d = {}, 0, 0
+        consuming = sum(1 for i in index if i is not None and i is not Ellipsis)
+        for it in index:
+            if it is None:
+                od += 1
+            elif it is Ellipsis:
+                for _ in range(len(src_shape) - consuming):
+                    mapping[d] = _sym(od)
+                    d, od = d + 1, od + 1
+            elif isinstance(it, slice) and it == slice(None, None, None):
+                mapping[d] = _sym(od)
+                d, od = d + 1, od + 1
+            elif isinstance(it, slice) and it.step in (None, 1) and (it.start or 0) >= 0:
+                mapping[d] = _sym(od) + (it.start or 0)
+                d, od = d + 1, od + 1
+            else:
+                return self.leaf(node)
+        while d < len(src_shape):
+            mapping[d] = _sym(od)
+            d, od = d + 1, od + 1
+        return _reindex(self(src), mapping, shape)
+
+
+def _only_unit_dims_change(a, b) -> bool:
+    return [s for s in a if s != 1] == [s for s in b if s != 1]
+
+
+def _unit_reshape(v: _Abs, shape) -> _Abs:
+    src_dims = [d for d, s in enumerate(v.shape) if s != 1]
+    dst_dims = [d for d, s in enumerate(shape) if s != 1]
+    mapping = {d: sympy.Integer(0) for d, s in enumerate(v.shape) if s == 1}
+    mapping.update({s: _sym(t) for s, t in zip(src_dims, dst_dims)})
+    return _reindex(v, mapping, tuple(shape))
+
+
+def _very_negative(expr) -> bool:
+    try:
+        return float(expr) <= _NEG_BIG
+    except (TypeError, ValueError):
+        return False
+
+
+# ----------------------------------------------------------------------------- classification
+
+
+def _leaf_calls(expr) -> set:
+    return set(sympy.sympify(expr).atoms(AppliedUndef))
+
+
+def _k_minus_q_bounds(atom):
+    """(lo, hi) that a linear q/k atom puts on k - q, or None."""
+    if not isinstance(atom, sympy.core.relational.Relational) or isinstance(atom, (sympy.Eq, sympy.Ne)):
+        return None
+    diff = sympy.expand(atom.lhs - atom.rhs)
+    poly = sympy.Poly(diff, K, Q)
+    if poly.total_degree() != 1:
+        return None
+    a, c_q = poly.coeff_monomial(K), poly.coeff_monomial(Q)
+    const = diff.subs({K: 0, Q: 0})
+    if a == 0 or c_q != -a or not const.is_number:
+        return None
+    # a*(k - q) + const  OP  0
+    bound = -const / a
+    op = type(atom)
+    if a < 0:
+        op = {sympy.Le: sympy.Ge, sympy.Lt: sympy.Gt, sympy.Ge: sympy.Le, sympy.Gt: sympy.Lt}[op]
+    if op is sympy.Le:
+        return (-sympy.oo, sympy.floor(bound))
+    if op is sympy.Lt:
+        return (-sympy.oo, sympy.ceiling(bound) - 1)
+    if op is sympy.Ge:
+        return (sympy.ceiling(bound), sympy.oo)
+    return (sympy.floor(bound) + 1, sympy.oo)
+
+
+def _is_run_segments(seg: fx.Node, pos: fx.Node) -> bool:
+    """``seg`` is ``cumsum(diff(P) != 1)`` along the last dim, ``P`` being ``pos`` (or what ``pos`` expands)."""
+    op = canonical(seg)
+    if op is None or op.name != "cumsum":
+        return False
+    ne = op["input"]
+    ne_op = canonical(ne)
+    if ne_op is None or ne_op.get("fn") != "ne" or ne.args[1] != 1:
+        return False
+    diff = ne.args[0]
+    diff_op = canonical(diff)
+    if diff_op is None or diff_op.name != "diff" or diff_op["n"] != 1:
+        return False
+    return _same_values(diff_op["input"], pos)
+
+
+def _same_values(a: fx.Node, b: fx.Node) -> bool:
+    """True when ``a`` and ``b`` are the same tensor up to expand / identity / broadcast-only views."""
+    def root(n):
+        while isinstance(n, fx.Node):
+            op = canonical(n)
+            if op is None or op.name not in ("expand", "identity", "to"):
+                return n
+            n = op["input"]
+        return n
+    return root(a) is root(b)
+
+
+def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bool, q_len: int, k_len: int,
+                   batch: int) -> MaskSpec:
+    """The structured form of ``attn_mask`` (and ``is_causal``) for the attention ``attention``; materialized
+    key masks / segment ids are inserted before it. Raises :class:`Unstructurable`."""
+    spec = MaskSpec()
+    atoms = []
+    if is_causal:
+        atoms.append(sympy.Le(K, Q))
+    evaluator = _Evaluator()
+    if attn_mask is not None:
+        v = evaluator(attn_mask)
+        if value_of(attn_mask).dtype != torch.bool and not v.additive:
+            raise Unstructurable("a float mask that is not where(mask, 0, -inf)")
+        full = _broadcast_to(v, (1,) * max(0, 4 - len(v.shape)) + v.shape)
+        n = len(full.shape)
+        names = {n - 1: K, n - 2: Q, n - 3: H, n - 4: B}
+        expr = sympy.sympify(full.expr).xreplace({_sym(d): names.get(d, sympy.Integer(0)) for d in range(n)})
+        if full.shape[-2] not in (1, q_len) or full.shape[-1] not in (1, k_len):
+            raise Unstructurable("mask shape does not match the attention")
+        expr = sympy.simplify_logic(expr) if expr.has(sympy.Or) else expr
+        atoms += list(expr.args) if isinstance(expr, sympy.And) else [expr]
+
+    lo, hi = -sympy.oo, sympy.oo
+    key_atoms, segments, position_atoms = [], [], []
+    for atom in atoms:
+        if atom is sympy.true:
+            continue
+        if atom is sympy.false:
+            raise Unstructurable("the mask hides every key")
+        syms = atom.free_symbols
+        calls = _leaf_calls(atom)
+        if H in syms:
+            raise Unstructurable("a mask that differs per head")
+        bounds = _k_minus_q_bounds(atom) if not calls else None
+        if bounds is not None:
+            lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
+        elif Q not in syms:
+            key_atoms.append(atom)
+        elif isinstance(atom, sympy.Eq) and sympy.simplify(atom.lhs.xreplace({Q: K}) - atom.rhs) == 0 and K not in atom.lhs.free_symbols:
+            segments.append(atom.lhs)
+        elif isinstance(atom, sympy.Eq) and sympy.simplify(atom.rhs.xreplace({Q: K}) - atom.lhs) == 0 and K not in atom.rhs.free_symbols:
+            segments.append(atom.rhs)
+        elif K not in syms:
+            raise Unstructurable("a mask over queries (rows with no visible key)")
+        else:
+            position_atoms.append(atom)
+
+    for atom in position_atoms:  # P(b, k) OP P(b, q) inside runs of P: the same as k OP q
+        lhs, rhs = atom.lhs, atom.rhs
+        same_fn = isinstance(lhs, AppliedUndef) and isinstance(rhs, AppliedUndef) and lhs.func == rhs.func
+        pos = evaluator.leaves.get(str(lhs.func)) if same_fn else None
+        runs = [s for s in segments if isinstance(s, AppliedUndef)
+                and _is_run_segments(evaluator.leaves[str(s.func)], pos)] if pos is not None else []
+        if not runs:
+            raise Unstructurable(f"a data-dependent comparison {atom}")
+        lhs_k, rhs_k = lhs.xreplace({B: 0}).free_symbols, rhs.xreplace({B: 0}).free_symbols
+        bounds = _k_minus_q_bounds(type(atom)(K if K in lhs_k else Q, K if K in rhs_k else Q))
+        lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
+
+    if lo > hi:
+        raise Unstructurable("the mask hides every key")
+    if lo > 0 or hi < 0:
+        raise Unstructurable("a band that excludes the diagonal")
+    if hi == 0:
+        spec.causal = True
+        spec.window = None if lo == -sympy.oo else (int(-lo), 0)
+    elif hi != sympy.oo or lo != -sympy.oo:
+        spec.window = (-1 if lo == -sympy.oo else int(-lo), -1 if hi == sympy.oo else int(hi))
+
+    with graph.inserting_before(attention):
+        if key_atoms:
+            spec.key_mask = _materialize(graph, sympy.And(*key_atoms), K, batch, k_len, evaluator.leaves, torch.bool)
+        if len(segments) > 1:
+            segments = [sympy.Tuple(*segments)]
+        if segments:
+            if isinstance(segments[0], sympy.Tuple):
+                raise Unstructurable("several segment-id tensors")
+            spec.segment_ids = _materialize(graph, segments[0], Q, batch, q_len, evaluator.leaves, None)
+    return spec
+
+
+# ----------------------------------------------------------------------------- materialization
+
+
+def _materialize(graph: fx.Graph, expr, pos_sym, batch: int, length: int, leaves: dict[str, fx.Node], dtype):
+    """Graph nodes computing ``expr`` (a function of b and ``pos_sym``) on the [batch, length] grid."""
+    emitter = _Emitter(graph, pos_sym, batch, length, leaves)
+    out = emitter.emit(expr)
+    if not isinstance(out, fx.Node) or shape_of(out) != (batch, length):
+        out = _new(graph, torch.Tensor.expand, (_as_node(graph, out), batch, length))
+    if dtype is not None and value_of(out).dtype != dtype:
+        out = _new(graph, torch.Tensor.to, (out, dtype))
+    return out
+
+
+def _as_node(graph, value):
+    if isinstance(value, fx.Node):
+        return value
+    return _new(graph, torch.tensor, (value,))
+
+
+class _Emitter:
+    def __init__(self, graph, pos_sym, batch, length, leaves):
+        self.graph, self.pos_sym, self.batch, self.length, self.leaves = graph, pos_sym, batch, length, leaves
+        self.cache = {}
+        template = next(iter(leaves.values()), None)
+        self.device = value_of(template).device if template is not None else torch.device("cpu")
+
+    def emit(self, expr):
+        if expr in self.cache:
+            return self.cache[expr]
+        out = self._emit(expr)
+        self.cache[expr] = out
+        return out
+
+    def _grid(self, which):
+        n = self.batch if which is B else self.length
+        ar = _new(self.graph, torch.arange, (n,), {"device": self.device})
+        return _new(self.graph, torch.Tensor.view, (ar, (n, 1) if which is B else (1, n)))
+
+    def _emit(self, expr):
+        if expr is sympy.true or expr is True:
+            return True
+        if expr.is_Number:
+            return int(expr) if expr.is_Integer else float(expr)
+        if expr is B or expr is self.pos_sym:
+            return self._grid(B if expr is B else self.pos_sym)
+        if isinstance(expr, AppliedUndef):
+            node = self.leaves[str(expr.func)]
+            args = expr.args
+            if list(args) == _identity_args(node, self.pos_sym):
+                return node
+            index = tuple(self.emit(a) for a in args)
+            index = tuple(_as_node(self.graph, i) if not isinstance(i, (int, fx.Node)) else i for i in index)
+            return _new(self.graph, operator.getitem, (node, index))
+        binary = {sympy.Eq: operator.eq, sympy.Ne: operator.ne, sympy.Le: operator.le, sympy.Lt: operator.lt,
+                  sympy.Ge: operator.ge, sympy.Gt: operator.gt}
+        if type(expr) in binary:
+            return _new(self.graph, binary[type(expr)], (self.emit(expr.lhs), self.emit(expr.rhs)))
+        if isinstance(expr, (sympy.And, sympy.Or)):
+            fn = operator.and_ if isinstance(expr, sympy.And) else operator.or_
+            return functools.reduce(lambda a, b: _new(self.graph, fn, (a, b)), [self.emit(a) for a in expr.args])
+        if isinstance(expr, sympy.Not):
+            return _new(self.graph, operator.invert, (self.emit(expr.args[0]),))
+        if isinstance(expr, sympy.Add):
+            return functools.reduce(lambda a, b: _new(self.graph, operator.add, (a, b)), [self.emit(a) for a in expr.args])
+        if isinstance(expr, sympy.Mul):
+            return functools.reduce(lambda a, b: _new(self.graph, operator.mul, (a, b)), [self.emit(a) for a in expr.args])
+        raise Unstructurable(f"cannot build {expr}")
+
+
+def _identity_args(node: fx.Node, pos_sym) -> list:
+    """The argument list under which a [B, S] (or [1, S]) leaf is read at (b, position) unchanged."""
+    shape = shape_of(node)
+    if len(shape) != 2:
+        return []
+    return [sympy.Integer(0) if shape[0] == 1 else B, pos_sym]

@@ -1,0 +1,299 @@
+"""Rewrite: emit the per-rank graph, one rule at a time, inserting placement transitions.
+
+The :class:`Rewriter` walks the original graph in order and builds a new one. For every node the
+op's rule (``rules/``) asks for its inputs in the placements it needs (``rw.input(x, want)``), emits
+the local computation and declares the output placement (``rw.done``). Transitions between
+placements are inserted on demand and cached per (value, placement):
+
+==========  ===========  ==================================================================
+have        want         emitted
+==========  ===========  ==================================================================
+R           S            ``seq_shard``: local slice, no communication
+S           R            ``seq_unshard``: all-gather (a *fallback* unless the rule expects it)
+S(A)        S(B)         ``seq_realign``: point-to-point exchange of the positions that moved
+P           R            ``reduce_partial``: all-reduce
+R           R (local)    ``grad_sync``: identity whose backward sums the gradient over ranks
+==========  ===========  ==================================================================
+
+Every transition that moves data and every fallback is recorded in the :class:`CompileReport`,
+with the node it serves and the bytes this rank sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..config import BackendConfig
+from ..placements import REPLICATE, Partial, Placement, Replicate, Shard
+from ..runtime.layouts import SequenceLayout
+from ..runtime.redistribute import grad_scale, grad_sync, reduce_partial
+from .infer import Families, Family
+from .ops import is_tensor_node, numel, op_of, shape_of, value_of
+from .rules import RULES
+
+__all__ = ["Rewriter", "CompileReport", "Transition", "Fallback"]
+
+
+@dataclass
+class Transition:
+    """A placement change that communicates."""
+
+    kind: str
+    """``all_gather``, ``all_reduce``, ``realign``."""
+    node: str
+    """The value moved."""
+    have: str
+    want: str
+    bytes_sent: int
+    """Bytes this rank sends (the accountant's convention)."""
+    reason: str = ""
+
+
+@dataclass
+class Fallback:
+    """An op the rules could not run on shards: its inputs were gathered."""
+
+    node: str
+    op: str
+    reason: str
+
+
+@dataclass
+class CompileReport:
+    """What the rewrite did on this rank."""
+
+    placements: dict[str, str] = field(default_factory=dict)
+    transitions: list[Transition] = field(default_factory=list)
+    fallbacks: list[Fallback] = field(default_factory=list)
+    attention: list[dict] = field(default_factory=list)
+    """One entry per distributed attention: node, strategy, layout, mask."""
+
+
+class Rewriter:
+    """Builds the local graph of one rank (see the module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, families: Families, layouts: dict[int, SequenceLayout], *,
+                 rank: int, world: int, group: str, config: BackendConfig, strategies: dict[fx.Node, str],
+                 ring_group: str = ""):
+        self.gm = gm
+        self.ring_group = ring_group
+        self.families = families
+        self.layouts = layouts
+        self.rank, self.world, self.group = rank, world, group
+        self.config = config
+        self.strategies = strategies
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, Any] = {}
+        self.placements: dict[fx.Node, Any] = {}
+        self.report = CompileReport()
+        self._cache: dict[tuple, fx.Node] = {}
+
+    # ------------------------------------------------------------------ facts about original nodes
+    @staticmethod
+    def shape(node: fx.Node) -> tuple[int, ...]:
+        return shape_of(node)
+
+    def family_layout(self, family: Family) -> SequenceLayout:
+        return self.layouts[family.index]
+
+    def out_shard(self, node: fx.Node) -> Shard | None:
+        """The Shard placement inference gave ``node``'s value, or None."""
+        dims = self.families.dims_of(node)
+        if not dims:
+            return None
+        dim, factor, family, offset = dims[0]
+        factors = self.families.factors[node][dim]
+        layout = self.family_layout(family).derive(offset, factors[factor])
+        return Shard(dim, layout, tuple(factors) if len(factors) > 1 else (), factor if len(factors) > 1 else 0)
+
+    def placement(self, node: Any) -> Placement:
+        if not isinstance(node, fx.Node):
+            return REPLICATE
+        return self.placements.get(node, REPLICATE)
+
+    def local_shape(self, node: fx.Node, placement: Placement | None = None) -> list[int]:
+        """Local shape of ``node``'s value on this rank under ``placement`` (default: its own)."""
+        placement = self.placement(node) if placement is None else placement
+        shape = self.shape(node)
+        return placement.local_shape(shape, self.rank) if isinstance(placement, Shard) else list(shape)
+
+    def requires_grad(self, node: Any) -> bool:
+        return is_tensor_node(node) and bool(value_of(node).requires_grad)
+
+    # ------------------------------------------------------------------ emitting
+    def call(self, target, *args, **kwargs) -> fx.Node:
+        return self.graph.call_function(target, tuple(args), dict(kwargs))
+
+    def method(self, name: str, *args, **kwargs) -> fx.Node:
+        return self.graph.call_method(name, tuple(args), dict(kwargs))
+
+    def value(self, arg: Any) -> Any:
+        """The new-graph counterpart of ``arg`` (nodes mapped, containers mapped element-wise), no transition."""
+        return fx.node.map_arg(arg, lambda n: self.env[n])
+
+    def reemit(self, node: fx.Node, args: tuple | None = None, kwargs: dict | None = None) -> fx.Node:
+        """``node``'s call again, with ``args``/``kwargs`` (already new-graph values) or its own mapped ones."""
+        args = self.value(node.args) if args is None else args
+        kwargs = self.value(node.kwargs) if kwargs is None else kwargs
+        new = self.graph.create_node(node.op, node.target, tuple(args), dict(kwargs), name=node.name)
+        new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")})
+        return new
+
+    def done(self, node: fx.Node, new: Any, placement: Any) -> None:
+        """Record ``node``'s new value and placement."""
+        self.env[node] = new
+        self.placements[node] = placement
+        if is_tensor_node(node):
+            self.report.placements[node.name] = str(placement)
+
+    # ------------------------------------------------------------------ transitions
+    def input(self, node: Any, want: Placement, *, partial_grad: bool = False, expected: bool = True,
+              reason: str = "") -> Any:
+        """``node``'s new value in placement ``want``.
+
+        ``partial_grad``: the value is replicated and consumed by sharded work, so its gradient is this
+        rank's share (wrapped in ``grad_sync``). ``expected=False`` marks a gather as a fallback.
+        """
+        if not is_tensor_node(node):
+            return self.value(node)
+        have = self.placement(node)
+        new = self.env[node]
+        if have == want:
+            if isinstance(want, Replicate):
+                return self._replicated_use(node, new, partial_grad)
+            return new
+        key = (node, want)
+        if key in self._cache:
+            return self._cache[key]
+        if isinstance(have, Partial):
+            out = self._reduce(node, new, have)
+            if isinstance(want, Shard):
+                out = self._shard(node, out, want)
+            elif partial_grad:
+                out = self._replicated_use(node, out, True)
+        elif isinstance(have, Replicate):
+            out = self._shard(node, self._replicated_use(node, new, False), want)
+        elif isinstance(want, Replicate):
+            out = self._unshard(node, new, have, expected, reason)
+            if partial_grad:
+                out = self._replicated_use(node, out, True)
+        elif isinstance(want, Shard) and (want.dim, want.factors, want.factor) == (have.dim, have.factors, have.factor):
+            out = self._realign(node, new, have, want)
+        else:
+            out = self._shard(node, self._unshard(node, new, have, expected, reason or "re-sharded on another dim"), want)
+        self._cache[key] = out
+        return out
+
+    def _replicated_use(self, node: fx.Node, new: fx.Node, partial_grad: bool) -> fx.Node:
+        if not self.requires_grad(node) or self.world == 1:
+            return new
+        if partial_grad and self.config.grad_sync:
+            key = (node, "grad_sync")
+            if key not in self._cache:
+                self._cache[key] = self.call(grad_sync, new, self.group)
+            return self._cache[key]
+        if not partial_grad and not self.config.grad_sync and node.op == "placeholder":
+            key = (node, "grad_scale")
+            if key not in self._cache:
+                self._cache[key] = self.call(grad_scale, new, 1.0 / self.world)
+            return self._cache[key]
+        return new
+
+    def _split_factors(self, node: fx.Node, new: fx.Node, shard: Shard, local: bool) -> tuple[fx.Node, int]:
+        """View a merged dim as its factors; returns (view, dim of the sequence factor)."""
+        if not shard.factors:
+            return new, shard.dim
+        shape = list(self.shape(node))
+        factors = list(shard.factors)
+        if local:
+            factors[shard.factor] = shard.layout.local_length(self.rank)
+        view = self.call(torch.reshape, new, tuple(shape[:shard.dim] + factors + shape[shard.dim + 1:]))
+        return view, shard.dim + shard.factor
+
+    def _merge_factors(self, node: fx.Node, new: fx.Node, shard: Shard, local: bool) -> fx.Node:
+        if not shard.factors:
+            return new
+        shape = self.local_shape(node, shard) if local else list(self.shape(node))
+        return self.call(torch.reshape, new, tuple(shape))
+
+    def shard_value(self, node: fx.Node, new: fx.Node, want: Shard) -> fx.Node:
+        """This rank's part of ``new``, a new-graph node holding ``node``'s whole value."""
+        return self._shard(node, new, want)
+
+    def _shard(self, node: fx.Node, new: fx.Node, want: Shard) -> fx.Node:
+        x, dim = self._split_factors(node, new, want, local=False)
+        x = self.call(torch.ops.autoshard.seq_shard.default, x, dim, want.layout.encode(), self.group)
+        return self._merge_factors(node, x, want, local=True)
+
+    def _unshard(self, node: fx.Node, new: fx.Node, have: Shard, expected: bool, reason: str) -> fx.Node:
+        x, dim = self._split_factors(node, new, have, local=True)
+        x = self.call(torch.ops.autoshard.seq_unshard.default, x, dim, have.layout.encode(), self.group)
+        local_elems = numel(self.local_shape(node, have)) // max(have.layout.local_length(self.rank), 1)
+        nbytes = (self.world - 1) * have.layout.max_local_length * local_elems * _itemsize(node)
+        self.report.transitions.append(Transition("all_gather", node.name, str(have), "R", nbytes, reason))
+        if not expected:
+            self.report.fallbacks.append(Fallback(node.name, "gather", reason or "needed whole"))
+        return self._merge_factors(node, x, have, local=False)
+
+    def _realign(self, node: fx.Node, new: fx.Node, have: Shard, want: Shard) -> fx.Node:
+        x, dim = self._split_factors(node, new, have, local=True)
+        x = self.call(torch.ops.autoshard.seq_realign.default, x, dim, have.layout.encode(), want.layout.encode(),
+                      self.group)
+        self.report.transitions.append(Transition("realign", node.name, str(have), str(want), -1, "positions moved"))
+        return self._merge_factors(node, x, want, local=True)
+
+    def _reduce(self, node: fx.Node, new: fx.Node, have: Partial) -> fx.Node:
+        out = self.call(reduce_partial, new, have.op, self.group)
+        chunk = -(-numel(self.shape(node)) // self.world) * _itemsize(node)
+        self.report.transitions.append(Transition("all_reduce", node.name, str(have), "R",
+                                                  2 * (self.world - 1) * chunk))
+        return out
+
+    # ------------------------------------------------------------------ generic behaviours
+    def fallback(self, node: fx.Node, reason: str) -> None:
+        """Run ``node`` on whole inputs; its output is replicated."""
+        sharded = [n for n in node.all_input_nodes if not isinstance(self.placement(n), Replicate)]
+        args = fx.node.map_arg(node.args, lambda n: self.input(n, REPLICATE, expected=False, reason=reason))
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: self.input(n, REPLICATE, expected=False, reason=reason))
+        new = self.reemit(node, args, kwargs)
+        if sharded:
+            self.report.fallbacks.append(Fallback(node.name, str(node.target), reason))
+        self.done(node, new, REPLICATE if not isinstance(value_of(node), (tuple, list)) else
+                  tuple(REPLICATE for _ in value_of(node)))
+
+    def run(self) -> fx.GraphModule:
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                new = self.graph.placeholder(node.name, type_expr=node.type)
+                new.meta.update(node.meta)
+                self.done(node, new, REPLICATE)
+            elif node.op == "get_attr":
+                self.done(node, self.graph.get_attr(node.target), REPLICATE)
+            elif node.op == "output":
+                self._outputs(node)
+            else:
+                op = op_of(node)
+                rule = RULES.get(op.name) if op is not None else None
+                if rule is None:
+                    self.fallback(node, f"no rule for {node.target if node.op == 'call_function' else '.' + str(node.target)}")
+                else:
+                    rule.rewrite(self, node, op)
+        new_gm = fx.GraphModule(self.gm, self.graph)
+        return new_gm
+
+    def _outputs(self, node: fx.Node) -> None:
+        def out(n):
+            have = self.placement(n)
+            if self.config.outputs == "sharded" and isinstance(have, Shard):
+                return self.env[n]
+            return self.input(n, REPLICATE, reason="output")
+        self.graph.output(fx.node.map_arg(node.args[0], out))
+
+
+def _itemsize(node: fx.Node) -> int:
+    return value_of(node).element_size()
+

@@ -1,0 +1,92 @@
+"""The captured attention: where sequence families start, and where distributed attention runs.
+
+Link: the query's sequence dim seeds a family (the first attention of a model is its root), the keys'
+too; self-attention (equal lengths) ties queries and keys together; key masks and segment ids are
+per-key positions.
+
+Rewrite: with queries, keys and values split along one layout and a structured mask, the call becomes
+``torch.ops.autoshard.attention`` with the strategy chosen for it (``rw.strategies``). An attention
+that keeps a dense mask (one the mask pass could not structure) runs on gathered keys and values
+with this rank's rows of the mask; an attention with dropout, or one whose keys are another sequence,
+runs on whole tensors. Both are recorded in the plan.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from ...placements import REPLICATE, Shard
+from ..ops import shape_of
+from . import register
+from .pointwise import whole_args
+
+
+def link_attention(ctx, node, op):
+    q, k, v = op["q"], op["k"], op["v"]
+    ctx.set_factorization(node, [list(f) for f in ctx.factorization(q)[:3]] + [[shape_of(node)[-1]]])
+    for d in range(3):
+        ctx.link_dims(node, d, q, d)
+    ctx.link_dims(k, 2, v, 2)
+    if shape_of(q)[2] == shape_of(k)[2]:
+        ctx.link_dims(q, 2, k, 2)
+    for per_key in (op.get("key_mask"), op.get("segment_ids")):
+        if per_key is not None:
+            ctx.link_dims(per_key, 1, k, 2)
+    dense = op.get("dense_mask")
+    if dense is not None:
+        nd = len(shape_of(dense))
+        ctx.link_dims(dense, nd - 2, q, 2)
+    ctx.seed((q, 2, 0), node)
+    ctx.seed((k, 2, 0), node)
+
+
+def rewrite_attention(rw, node, op):
+    q, k, v = op["q"], op["k"], op["v"]
+    sq, sk, out = rw.out_shard(q), rw.out_shard(k), rw.out_shard(node)
+    dense, dropout_p = op.get("dense_mask"), float(op.get("dropout_p") or 0.0)
+    distributable = (sq is not None and sk is not None and out is not None and sq == sk and out == sq
+                     and sq.dim == 2 and not sq.factors and dense is None and dropout_p == 0.0)
+    if distributable:
+        strategy = rw.strategies[node]
+        window = op.get("window")
+        args = [rw.input(q, sq), rw.input(k, sk), rw.input(v, sk)]
+        per_key = Shard(1, sk.layout)
+        args += [rw.input(t, per_key) if t is not None else None for t in (op.get("key_mask"), op.get("segment_ids"))]
+        call = rw.call(torch.ops.autoshard.attention.default, *args, strategy, sq.layout.encode(), rw.group,
+                       rw.ring_group if strategy == "hybrid" else "", bool(op.get("causal")),
+                       window[0] if window else -1, window[1] if window else -1, float(op["scale"]),
+                       rw.config.kernels)
+        rw.done(node, rw.call(operator.getitem, call, 0), out)
+        rw.report.attention.append({"node": node.name, "strategy": strategy, "layout": sq.layout.kind,
+                                    "length": sq.layout.length, "causal": bool(op.get("causal")),
+                                    "window": window, "key_mask": op.get("key_mask") is not None,
+                                    "segment_ids": op.get("segment_ids") is not None})
+        return
+    if dense is not None and dropout_p == 0.0 and out is not None and out.dim == 2 and not out.factors \
+            and not (op.get("causal") or op.get("window") or op.get("key_mask") or op.get("segment_ids")):
+        reason = "attention with a mask that is not causal / window / padding / segments"
+        nd = len(shape_of(dense))
+        mask_rows = out.moved(nd - 2) if shape_of(dense)[nd - 2] == shape_of(q)[2] else REPLICATE
+        new = rw.call(F.scaled_dot_product_attention, rw.input(q, out),
+                      rw.input(k, REPLICATE, expected=False, reason=reason),
+                      rw.input(v, REPLICATE, expected=False, reason=reason),
+                      attn_mask=rw.input(dense, mask_rows), scale=float(op["scale"]),
+                      enable_gqa=shape_of(k)[1] != shape_of(q)[1])
+        rw.done(node, new, out)
+        rw.report.attention.append({"node": node.name, "strategy": "gathered-kv", "reason": reason})
+        return
+    reason = ("attention with dropout" if dropout_p else
+              "attention whose keys are not the queries' sequence" if sq is not None and sq != sk else
+              "attention outside any sequence family")
+    if out is not None or sq is not None or sk is not None:
+        rw.report.attention.append({"node": node.name, "strategy": "whole", "reason": reason})
+        whole = rw.reemit(node, *whole_args(rw, node, reason))
+        rw.done(node, rw.shard_value(node, whole, out) if out is not None else whole, out or REPLICATE)
+        return
+    rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+
+
+register("attention", link=link_attention, rewrite=rewrite_attention)

@@ -1,0 +1,85 @@
+"""Tensors made from nothing: ``arange`` and friends.
+
+A factory has no inputs to follow; its output joins a sequence family when a consumer links it (RoPE
+positions multiplied into the split queries, an ``arange`` of token positions). Split factories are
+built directly at their local size, so no rank ever materializes the whole sequence:
+
+* ``arange(start, end, step)`` gives ``start + step * p`` for the global positions ``p`` this rank holds;
+* ``zeros`` / ``ones`` / ``full`` / ``empty`` and their ``new_*`` / ``*_like`` forms use the local shape;
+* ``rand`` / ``randn`` draw from a per-rank generator (different numbers for different tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...placements import REPLICATE
+from ...runtime.layouts import SequenceLayout
+from ...runtime.random import rank_generator
+from ..ops import is_tensor_node, shape_of, value_of
+from . import register
+from .pointwise import link_identity, whole_args
+
+__all__ = ["local_arange", "local_random"]
+
+_FILLS = {"zeros": 0, "ones": 1, "new_zeros": 0, "new_ones": 1, "zeros_like": 0, "ones_like": 1}
+
+
+def _name(node) -> str:
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+
+
+def local_arange(start, step, layout_code: list[int], rank: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``start + step * p`` for the global positions ``p`` of ``rank`` under the layout."""
+    positions = SequenceLayout.decode(layout_code).positions(rank, device=device)
+    return (positions * step + start).to(dtype)
+
+
+def local_random(kind: str, shape: list[int], rank: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.rand`` / ``torch.randn`` of the local shape, from this rank's generator."""
+    gen = rank_generator(torch.device(device), rank)
+    return getattr(torch, kind)(shape, generator=gen, dtype=dtype, device=device)
+
+
+def link_factory(ctx, node, op):
+    if _name(node).endswith("_like") and is_tensor_node(node.args[0]) and shape_of(node.args[0]) == shape_of(node):
+        link_identity(ctx, node, node.args[0])
+
+
+def _arange_start_step(node) -> tuple:
+    args = list(node.args)
+    if len(args) == 1:
+        return 0, 1
+    return args[0], (args[2] if len(args) > 2 else node.kwargs.get("step", 1))
+
+
+def rewrite_factory(rw, node, op):
+    out = rw.out_shard(node)
+    name = _name(node)
+    if out is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    val = value_of(node)
+    local = rw.local_shape(node, out)
+    if name == "arange" and not out.factors:
+        start, step = _arange_start_step(node)
+        new = rw.call(local_arange, start, step, out.layout.encode(), rw.rank, val.dtype, val.device)
+    elif name.endswith("_like"):
+        template = rw.input(node.args[0], out)
+        new = rw.reemit(node, (template,) + tuple(rw.value(a) for a in node.args[1:]), rw.value(node.kwargs))
+    elif name in _FILLS or name in ("full", "new_full", "empty", "new_empty"):
+        fill = _FILLS.get(name)
+        if fill is None and "full" in name:
+            fill = node.args[-1] if "fill_value" not in node.kwargs else node.kwargs["fill_value"]
+        if fill is None:
+            new = rw.call(torch.empty, local, dtype=val.dtype, device=val.device)
+        else:
+            new = rw.call(torch.full, local, fill, dtype=val.dtype, device=val.device)
+    elif name in ("rand", "randn"):
+        new = rw.call(local_random, name, local, rw.rank, val.dtype, val.device)
+    else:
+        new = rw.shard_value(node, rw.reemit(node, *whole_args(rw, node)), out)
+    rw.done(node, new, out)
+
+
+register("factory", link=link_factory, rewrite=rewrite_factory)

@@ -1,0 +1,126 @@
+"""Losses, made exact over the split sequence.
+
+``cross_entropy`` / ``nll_loss`` with ``reduction="mean"`` divide a sum by the number of counted targets
+(or, with class weights, by their summed weights); ``ignore_index`` targets count for nothing. A rank's
+own mean is therefore *not* a share of the global mean when ranks hold different numbers of counted
+targets (padding, uneven shards, shifted labels). Every rank computes its local sum and its local
+denominator, both are all-reduced, and the loss is their quotient -- the one-device value on every
+rank. ``reduction="sum"`` is a partial sum; ``"none"`` stays split. Elementwise losses (MSE, L1, BCE)
+divide by the global element count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...placements import REPLICATE, Partial
+from ...runtime.redistribute import reduce_partial
+from ..ops import numel, shape_of, value_of
+from . import register
+from .pointwise import link_broadcast, whole_args
+
+__all__ = ["loss_denominator", "mean_of_sums"]
+
+
+def link_cross_entropy(ctx, node, op):
+    inp, tgt = op["input"], op["target"]
+    in_shape, t_shape = shape_of(inp), shape_of(tgt)
+    if len(in_shape) < 2:
+        return
+    if value_of(tgt).is_floating_point() and t_shape == in_shape:  # class probabilities
+        for d in (0,) + tuple(range(2, len(in_shape))):
+            ctx.link_dims(inp, d, tgt, d)
+        return
+    for d in range(len(t_shape)):
+        ctx.link_dims(tgt, d, inp, 0 if d == 0 else d + 1)
+    if op["reduction"] == "none":
+        ctx.set_factorization(node, [list(f) for f in ctx.factorization(tgt)])
+        for d in range(len(t_shape)):
+            ctx.link_dims(node, d, tgt, d)
+
+
+def loss_denominator(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
+    """What ``reduction="mean"`` divides by: the counted targets, or their summed class weights."""
+    valid = target != ignore_index
+    if weight is None:
+        return valid.sum().to(torch.float32 if not torch.is_floating_point(target) else target.dtype)
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    return torch.where(valid, weight[safe], torch.zeros((), dtype=weight.dtype, device=weight.device)).sum()
+
+
+def mean_of_sums(total: torch.Tensor, denominator: torch.Tensor, group: str) -> torch.Tensor:
+    """The global mean from every rank's partial sum and partial denominator."""
+    return reduce_partial(total, "sum", group) / reduce_partial(denominator, "sum", group).to(total.dtype)
+
+
+def rewrite_cross_entropy(rw, node, op):
+    inp, tgt = op["input"], op["target"]
+    s_in, s_t = rw.out_shard(inp), rw.out_shard(tgt)
+    soft = value_of(tgt).is_floating_point() and shape_of(tgt) == shape_of(inp)
+    if (s_in is None and s_t is None) or len(shape_of(inp)) < 2:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    if s_in is not None:
+        if s_in.dim == 1:
+            rw.fallback(node, "cross_entropy with the class dim split")
+            return
+        want_in, want_t = s_in, s_in if soft else s_in.moved(0 if s_in.dim == 0 else s_in.dim - 1)
+    else:
+        want_t, want_in = s_t, s_t if soft else s_t.moved(0 if s_t.dim == 0 else s_t.dim + 1)
+    x, t = rw.input(inp, want_in), rw.input(tgt, want_t)
+    weight = op["weight"]
+    w = rw.input(weight, REPLICATE, partial_grad=True) if weight is not None else None
+    kwargs = {"weight": w, "ignore_index": op["ignore_index"]}
+    if op["label_smoothing"]:
+        kwargs["label_smoothing"] = op["label_smoothing"]
+    reduction = op["reduction"]
+    if reduction == "none":
+        rw.done(node, rw.call(node.target, x, t, reduction="none", **kwargs), want_t)
+        return
+    total = rw.call(node.target, x, t, reduction="sum", **kwargs)
+    if reduction == "sum":
+        rw.done(node, total, Partial())
+        return
+    if soft:
+        rows = numel(shape_of(inp)) // shape_of(inp)[1]
+        rw.done(node, rw.call(torch.mul, total, 1.0 / rows), Partial())
+        return
+    denom = rw.call(loss_denominator, t, w, op["ignore_index"])
+    rw.done(node, rw.call(mean_of_sums, total, denom, rw.group), REPLICATE)
+
+
+register("cross_entropy", link=link_cross_entropy, rewrite=rewrite_cross_entropy)
+
+
+def link_elementwise_loss(ctx, node, op):
+    link_broadcast(ctx, op["input"], [op["target"]])
+    if op["reduction"] == "none":
+        link_broadcast(ctx, node, [op["input"], op["target"]])
+
+
+def rewrite_elementwise_loss(rw, node, op):
+    inp, tgt = op["input"], op["target"]
+    s = rw.out_shard(inp) or rw.out_shard(tgt)
+    if s is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    from .pointwise import want_broadcast
+
+    anchor = inp if rw.out_shard(inp) is not None else tgt
+    other = tgt if anchor is inp else inp
+    other_want, other_pg = want_broadcast(rw, anchor, other, s)
+    x = rw.input(anchor, s)
+    y = rw.input(other, other_want, partial_grad=other_pg)
+    args = (x, y) if anchor is inp else (y, x)
+    reduction = op["reduction"]
+    if reduction == "none":
+        rw.done(node, rw.call(node.target, *args, reduction="none"), s)
+        return
+    total = rw.call(node.target, *args, reduction="sum")
+    if reduction == "mean":
+        total = rw.call(torch.mul, total, 1.0 / numel(shape_of(inp)))
+    rw.done(node, total, Partial())
+
+
+register("elementwise_loss", link=link_elementwise_loss, rewrite=rewrite_elementwise_loss)
+

@@ -1,0 +1,81 @@
+"""Normalizations and softmax.
+
+Norms over the hidden dims (LayerNorm, RMSNorm) are per token: they stay local and their weights are
+used whole. Softmax / log-softmax over a dim other than the sequence are per token too; over the
+sequence itself they become collective: the maximum and the sum of exponentials are all-reduced
+(:func:`softmax_over_split`). Norms whose statistics span the sequence (group norm over a split
+spatial dim, batch norm over a split length) gather their input, recorded as a fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...placements import REPLICATE
+from ...runtime.redistribute import reduce_partial
+from ..ops import shape_of
+from . import register
+from .pointwise import link_broadcast, link_same, mapped_args, whole_args
+
+__all__ = ["softmax_over_split"]
+
+
+def link_norm(ctx, node, op):
+    link_same(ctx, node, op)
+    extras = [op.get(k) for k in ("weight", "bias")]
+    link_broadcast(ctx, node, [op["input"]] + [e for e in extras if e is not None])
+
+
+def _normalized_dims(node, op) -> set[int]:
+    ndim = len(shape_of(node))
+    if op.name in ("layer_norm", "rms_norm"):
+        return set(range(ndim - len(op["normalized_shape"]), ndim))
+    if op.name == "group_norm":
+        return set(range(1, ndim))
+    return {0} | set(range(2, ndim))  # batch_norm: statistics over batch and spatial dims
+
+
+def rewrite_norm(rw, node, op):
+    out = rw.out_shard(node)
+    if out is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    if out.dim in _normalized_dims(node, op) and not (op.name == "batch_norm" and not op["training"]):
+        rw.fallback(node, f"{op.name} statistics over the split sequence")
+        return
+    src = op["input"]
+    convert = lambda n: rw.input(n, out) if n is src else rw.input(n, REPLICATE, partial_grad=True)  # noqa: E731
+    rw.done(node, rw.reemit(node, *mapped_args(node, convert)), out)
+
+
+register("layer_norm", "rms_norm", "group_norm", "batch_norm", link=link_norm, rewrite=rewrite_norm)
+
+
+def softmax_over_split(x: torch.Tensor, dim: int, log: bool, dtype, group: str) -> torch.Tensor:
+    """(log-)softmax along a dim split over ranks: the max and the normalizer are all-reduced."""
+    if dtype is not None:
+        x = x.to(dtype)
+    m = reduce_partial(x.detach().amax(dim, keepdim=True), "max", group)
+    shifted = x - m
+    total = reduce_partial(shifted.exp().sum(dim, keepdim=True), "sum", group)
+    return shifted - total.log() if log else shifted.exp() / total
+
+
+def rewrite_softmax(rw, node, op):
+    out = rw.out_shard(node)
+    if out is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    dim = op["dim"] % len(shape_of(node))
+    x = rw.input(op["input"], out)
+    if dim != out.dim:
+        rw.done(node, rw.reemit(node, (x,) + tuple(node.args[1:]), dict(node.kwargs)), out)
+        return
+    if out.factors:
+        rw.fallback(node, "softmax over a merged split dim")
+        return
+    log = "log_softmax" in str(getattr(node.target, "__name__", node.target))
+    rw.done(node, rw.call(softmax_over_split, x, dim, log, op["dtype"], rw.group), out)
+
+
+register("softmax", link=link_same, rewrite=rewrite_softmax)

@@ -1,0 +1,211 @@
+"""Elementwise ops, casts, identity-like ops, dropout, and picking outputs of multi-output ops.
+
+Elementwise ops broadcast their inputs (aligned from the right): an input dim of the output's size is
+the same positions as the output dim; a size-1 or missing dim is broadcast. So on shards:
+
+* output split on dim d: every input that has d (not broadcast) is taken split the same way (a
+  replicated one is sliced for free), broadcast inputs are taken whole;
+* partial inputs stay partial through linear ops (``a + b`` of two partial sums, ``p * r``, ``p / r``,
+  ``-p``, casts); any other op first reduces them.
+
+Dropout on a split value draws a different mask on every rank (``runtime/random.py``).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ...placements import REPLICATE, Partial, Replicate, Shard
+from ...runtime.random import sharded_dropout
+from ..ops import is_tensor_node, op_of, shape_of
+from . import register
+
+_LINEAR_IN_EVERY_INPUT = {"add", "sub"}
+_LINEAR_IN_ONE_INPUT = {"mul"}
+_LINEAR_IN_FIRST_INPUT = {"div", "true_divide", "neg", "positive"}
+
+
+def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [n for n in node.all_input_nodes if is_tensor_node(n)]
+
+
+def _aligned_dim(out_ndim: int, inp: fx.Node, out_dim: int, out_size: int) -> int | None:
+    """The dim of ``inp`` that broadcasts into output dim ``out_dim``, if it is not a broadcast dim."""
+    shape = shape_of(inp)
+    d = out_dim - (out_ndim - len(shape))
+    if d < 0 or shape[d] != out_size:
+        return None
+    return d
+
+
+def link_broadcast(ctx, node: fx.Node, inputs: list[fx.Node]) -> None:
+    """Link every non-broadcast input dim to its output dim; the output takes the first input's factors."""
+    out_shape = shape_of(node)
+    factors = []
+    for d, size in enumerate(out_shape):
+        chosen = [size]
+        for inp in inputs:
+            d_in = _aligned_dim(len(out_shape), inp, d, size)
+            if d_in is not None:
+                chosen = list(ctx.factorization(inp)[d_in])
+                break
+        factors.append(chosen)
+    ctx.set_factorization(node, factors)
+    for inp in inputs:
+        for d, size in enumerate(out_shape):
+            d_in = _aligned_dim(len(out_shape), inp, d, size)
+            if d_in is not None:
+                ctx.link_dims(node, d, inp, d_in)
+
+
+def want_broadcast(rw, node: fx.Node, inp: fx.Node, out: Shard):
+    """(placement, partial_grad) in which ``inp`` must arrive when ``node``'s output is ``out``."""
+    d_in = _aligned_dim(len(shape_of(node)), inp, out.dim, shape_of(node)[out.dim])
+    if d_in is None:
+        return REPLICATE, True
+    return out.moved(d_in), False
+
+
+def rewrite_broadcast(rw, node: fx.Node, out: Shard | None) -> fx.Node:
+    """Re-emit ``node`` with its tensor inputs in the placements an elementwise op needs for ``out``."""
+    if out is None:
+        return rw.reemit(node, *whole_args(rw, node))
+
+    def convert(n):
+        want, partial_grad = want_broadcast(rw, node, n, out)
+        return rw.input(n, want, partial_grad=partial_grad)
+
+    return rw.reemit(node, *mapped_args(node, convert))
+
+
+def mapped_args(node: fx.Node, fn):
+    """``node``'s args and kwargs with every node replaced by ``fn(node)``."""
+    return fx.node.map_arg(node.args, fn), fx.node.map_arg(node.kwargs, fn)
+
+
+def whole_args(rw, node: fx.Node, reason: str = ""):
+    """``node``'s args and kwargs with every tensor taken whole (a gather is a fallback when ``reason`` says why)."""
+    return mapped_args(node, lambda n: rw.input(n, REPLICATE, expected=not reason, reason=reason))
+
+
+def _partial_result(rw, node: fx.Node, fn: str) -> Partial | None:
+    """The partial placement of ``node`` when it is linear in its partial inputs, else None."""
+    inputs = _tensor_inputs(node)
+    partial = [n for n in inputs if isinstance(rw.placement(n), Partial)]
+    if not partial or any(rw.placement(n).op != "sum" for n in partial):
+        return None
+    scalars_or_tensors = [a for a in node.args if a is not None]
+    if fn in _LINEAR_IN_EVERY_INPUT:
+        return Partial() if len(partial) == len(scalars_or_tensors) else None
+    if fn in _LINEAR_IN_ONE_INPUT:
+        others = [n for n in inputs if n not in partial]
+        return Partial() if len(partial) == 1 and all(isinstance(rw.placement(n), Replicate) for n in others) else None
+    if fn in _LINEAR_IN_FIRST_INPUT:
+        first = node.args[0]
+        rest = [n for n in inputs if n is not first]
+        return Partial() if partial == [first] and all(isinstance(rw.placement(n), Replicate) for n in rest) else None
+    return None
+
+
+# ----------------------------------------------------------------------------- pointwise
+
+
+def link_pointwise(ctx, node, op):
+    link_broadcast(ctx, node, _tensor_inputs(node))
+
+
+def rewrite_pointwise(rw, node, op):
+    out = rw.out_shard(node)
+    if out is None:
+        partial = _partial_result(rw, node, op["fn"])
+        if partial is not None:
+            rw.done(node, rw.reemit(node), partial)
+            return
+    rw.done(node, rewrite_broadcast(rw, node, out), out or REPLICATE)
+
+
+register("pointwise", link=link_pointwise, rewrite=rewrite_pointwise)
+
+
+# ----------------------------------------------------------------------------- same shape, same positions
+
+
+def link_same(ctx, node, op):
+    link_identity(ctx, node, op["input"])
+
+
+def link_identity(ctx, node: fx.Node, src) -> None:
+    """``node`` holds ``src``'s positions, dim for dim."""
+    if not is_tensor_node(src) or not is_tensor_node(node):
+        return
+    ctx.set_factorization(node, [list(f) for f in ctx.factorization(src)])
+    for d in range(len(shape_of(node))):
+        ctx.link_dims(node, d, src, d)
+
+
+def rewrite_same(rw, node, op):
+    """The value keeps its input's placement (split, whole or partial); other tensor args (``type_as``'s
+    template) are only read for their dtype and go in as they are."""
+    src = op["input"]
+    out = rw.out_shard(node)
+    if out is not None:
+        new_src, placement = rw.input(src, out), out
+    elif isinstance(rw.placement(src), Partial):
+        new_src, placement = rw.env[src], rw.placement(src)
+    else:
+        new_src, placement = rw.input(src, REPLICATE), REPLICATE
+    args = (new_src,) + tuple(rw.value(a) for a in node.args[1:])
+    rw.done(node, rw.reemit(node, args, rw.value(node.kwargs)), placement)
+
+
+register("identity", "to", link=link_same, rewrite=rewrite_same)
+
+
+def rewrite_dropout(rw, node, op):
+    out = rw.out_shard(node)
+    if out is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    x = rw.input(op["input"], out)
+    rw.done(node, rw.call(sharded_dropout, x, float(op["p"]), bool(op["training"]), rw.rank), out)
+
+
+register("dropout", link=link_same, rewrite=rewrite_dropout)
+
+
+# ----------------------------------------------------------------------------- nodes without tensors
+
+
+def _no_links(ctx, node, op):
+    return None
+
+
+def rewrite_noop(rw, node, op):
+    rw.done(node, rw.reemit(node), REPLICATE)
+
+
+register("noop", link=_no_links, rewrite=rewrite_noop)
+
+
+# ----------------------------------------------------------------------------- picking from tuple outputs
+
+TUPLE_LINKS: dict[str, callable] = {}
+"""Producer op name -> ``link(ctx, producer, producer_op, index, node)`` for its ``index``-th output."""
+
+
+def link_tuple_get(ctx, node, op):
+    producer = op["input"]
+    producer_op = op_of(producer)
+    if producer_op is not None and producer_op.name in TUPLE_LINKS and isinstance(op["index"], int):
+        TUPLE_LINKS[producer_op.name](ctx, producer, producer_op, op["index"], node)
+
+
+def rewrite_tuple_get(rw, node, op):
+    producer = op["input"]
+    placements = rw.placement(producer)
+    index = op["index"]
+    placement = placements[index] if isinstance(placements, tuple) else REPLICATE
+    rw.done(node, rw.call(node.target, rw.env[producer], index), placement)
+
+
+register("tuple_get", link=link_tuple_get, rewrite=rewrite_tuple_get)

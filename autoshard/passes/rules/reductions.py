@@ -1,0 +1,162 @@
+"""Reductions and scans.
+
+A reduction over dims that do not include the split one is local (the output stays split). Over the
+split dim:
+
+* ``sum`` / ``count_nonzero`` give a partial sum; ``mean`` is the local sum scaled by one over the
+  *global* count, also a partial sum -- exact for uneven shards;
+* ``amax`` / ``amin``: the extreme is all-reduced; the gradient goes to every position that holds it,
+  split evenly across ranks exactly as one device splits it among ties;
+* ``logsumexp``, ``var`` / ``std``: all-reduced maximum / mean, then all-reduced sums;
+* ``all`` / ``any``: an all-reduce of the local answer;
+* others (``argmax``, ``prod``, ``norm``, ``max(dim)`` with indices) gather, recorded as fallbacks.
+
+A partial input stays partial through ``sum`` and ``mean`` (they are linear). ``cumsum`` along the
+split dim adds the sums of all earlier positions held by other ranks (``seq_cumsum``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...placements import REPLICATE, Partial, Shard
+from ...runtime.redistribute import reduce_partial, seq_cumsum
+from ..ops import shape_of, value_of
+from . import register
+from .pointwise import link_same, whole_args
+
+__all__ = ["extreme_over_split", "logsumexp_over_split", "var_over_split", "truth_over_split"]
+
+
+def _reduced_dims(op, ndim: int) -> list[int]:
+    dim = op["dim"]
+    if dim is None:
+        return list(range(ndim))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted(d % ndim for d in dims) if dims else list(range(ndim))
+
+
+def link_reduce(ctx, node, op):
+    src = op["input"]
+    if not isinstance(value_of(node), torch.Tensor):
+        return
+    ndim = len(shape_of(src))
+    reduced = _reduced_dims(op, ndim)
+    in_factors = ctx.factorization(src)
+    factors, mapping = [], []
+    for d in range(ndim):
+        if d in reduced:
+            if op["keepdim"]:
+                factors.append([1])
+        else:
+            mapping.append((len(factors), d))
+            factors.append(list(in_factors[d]))
+    ctx.set_factorization(node, factors)
+    for od, d in mapping:
+        ctx.link_dims(node, od, src, d)
+
+
+def extreme_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, largest: bool, group: str) -> torch.Tensor:
+    """amax / amin over dims one of which is split: value all-reduced, gradient shared among all ties."""
+    local = x.detach().amax(dims, keepdim=True) if largest else x.detach().amin(dims, keepdim=True)
+    value = reduce_partial(local if largest else -local, "max", group)
+    value = value if largest else -value
+    hit = (x == value).to(x.dtype)
+    count = reduce_partial(hit.sum(dims, keepdim=True), "sum", group)
+    picked = reduce_partial((x * hit).sum(dims, keepdim=True), "sum", group) / count
+    out = value + (picked - picked.detach())  # exactly the extreme; gradient 1/count to each tie
+    return out if keepdim else out.squeeze(dims)
+
+
+def logsumexp_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, group: str) -> torch.Tensor:
+    m = reduce_partial(x.detach().amax(dims, keepdim=True), "max", group)
+    total = reduce_partial((x - m).exp().sum(dims, keepdim=True), "sum", group)
+    out = total.log() + m
+    return out if keepdim else out.squeeze(dims)
+
+
+def var_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, correction: int, count: int, std: bool,
+                   group: str) -> torch.Tensor:
+    mean = reduce_partial(x.sum(dims, keepdim=True), "sum", group) / count
+    sq = reduce_partial((x - mean).square().sum(dims, keepdim=True), "sum", group)
+    out = sq / max(count - correction, 0)
+    out = out.sqrt() if std else out
+    return out if keepdim else out.squeeze(dims)
+
+
+def truth_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, every: bool, group: str) -> torch.Tensor:
+    local = (x.all(dims[0], keepdim=True) if every else x.any(dims[0], keepdim=True))
+    for d in dims[1:]:
+        local = local.all(d, keepdim=True) if every else local.any(d, keepdim=True)
+    flag = local.to(torch.int32)
+    merged = reduce_partial(1 - flag if every else flag, "max", group)
+    out = (merged == 0) if every else (merged > 0)
+    return out if keepdim else out.squeeze(dims)
+
+
+def rewrite_reduce(rw, node, op):
+    src, kind = op["input"], op["kind"]
+    if not isinstance(value_of(node), torch.Tensor):
+        rw.fallback(node, f"{kind} with indices")
+        return
+    ndim = len(shape_of(src))
+    reduced = _reduced_dims(op, ndim)
+    have = rw.out_shard(src) or rw.placement(src)
+    out = rw.out_shard(node)
+    if isinstance(have, Partial) and kind in ("sum", "mean") and have.op == "sum":
+        rw.done(node, rw.reemit(node), have)
+        return
+    if not isinstance(have, Shard):
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    x = rw.input(src, have)
+    if have.dim not in reduced:
+        rw.done(node, rw.reemit(node, (x,) + tuple(node.args[1:]), dict(node.kwargs)), out or REPLICATE)
+        return
+    keepdim = bool(op["keepdim"])
+    dims = reduced
+    count = 1
+    for d in dims:
+        count *= shape_of(src)[d]
+    if kind in ("sum", "nansum", "count_nonzero"):
+        rw.done(node, rw.reemit(node, (x,) + tuple(node.args[1:]), dict(node.kwargs)), Partial())
+    elif kind == "mean":
+        local_sum = rw.call(torch.sum, x, dims, keepdim, dtype=value_of(node).dtype)
+        rw.done(node, rw.call(torch.mul, local_sum, 1.0 / count), Partial())
+    elif kind in ("amax", "amin") or (kind in ("max", "min") and op["dim"] is None):
+        rw.done(node, rw.call(extreme_over_split, x, dims, keepdim, kind in ("amax", "max"), rw.group), REPLICATE)
+    elif kind == "logsumexp":
+        rw.done(node, rw.call(logsumexp_over_split, x, dims, keepdim, rw.group), REPLICATE)
+    elif kind in ("var", "std"):
+        correction = op.get("correction", 1)
+        rw.done(node, rw.call(var_over_split, x, dims, keepdim, correction, count, kind == "std", rw.group), REPLICATE)
+    elif kind in ("all", "any"):
+        rw.done(node, rw.call(truth_over_split, x, dims, keepdim, kind == "all", rw.group), REPLICATE)
+    else:
+        rw.fallback(node, f"{kind} over the split sequence")
+
+
+register("reduce", link=link_reduce, rewrite=rewrite_reduce)
+
+
+def rewrite_cumsum(rw, node, op):
+    src = op["input"]
+    out = rw.out_shard(node)
+    dim = op["dim"] % len(shape_of(node))
+    if out is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    x = rw.input(src, out)
+    if out.dim != dim:
+        rw.done(node, rw.reemit(node, (x,) + tuple(node.args[1:]), dict(node.kwargs)), out)
+        return
+    if out.factors:
+        rw.fallback(node, "cumsum over a merged split dim")
+        return
+    out_dtype = value_of(node).dtype
+    if value_of(src).dtype != out_dtype:  # cumsum of bool / int promotes
+        x = rw.method("to", x, out_dtype)
+    rw.done(node, rw.call(seq_cumsum, x, dim, out.layout, rw.group), out)
+
+
+register("cumsum", link=link_same, rewrite=rewrite_cumsum)

@@ -1,0 +1,560 @@
+"""Shape and layout ops: views, permutes, expands, indexing, splits, concatenation, padding.
+
+Views follow *factors*: the input's dims are cut into factors, the output's dims are matched against
+consecutive factors (merging or splitting them), and matched factors are the same positions. A
+factor cut in two by a view starts new, unlinked factors: the sequence cannot be followed through
+it, and a split value there is gathered.
+
+Indexing along the sequence is exact on shards: a step-1 slice keeps each rank's positions inside the
+range (a derived layout: the shifted labels of a causal LM), selecting one position gives a partial
+value held by its owner (``hidden[:, 0]``: the CLS token), indexing with a tensor of positions gathers
+from the owners (``hidden[batch, last_index]``). Concatenation and padding along the sequence place
+the new positions on the ranks that hold their neighbours (the CLS token goes to the rank holding
+position 0), so no data moves.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...placements import REPLICATE, Partial, Replicate, Shard
+from ..ops import Op, is_tensor_node, shape_of, value_of
+from . import register
+from .pointwise import TUPLE_LINKS, whole_args
+
+# ============================================================================= views (reshape family)
+
+
+def view_factors(in_factors: list[list[int]], out_shape) -> tuple[list[list[int]], list[tuple[tuple, tuple]]]:
+    """Output factorization and factor links ``((in_dim, in_factor), (out_dim, out_factor))`` of a reshape."""
+    atoms = [(size, (d, f)) for d, fs in enumerate(in_factors) for f, size in enumerate(fs) if size != 1]
+    out_factors: list[list[int]] = []
+    links = []
+    i, carry = 0, None
+    for od, s in enumerate(out_shape):
+        if s == 1:
+            out_factors.append([1])
+            continue
+        group, prod = [], 1
+        while prod < s:
+            if carry is not None:
+                atom, carry = carry, None
+            elif i < len(atoms):
+                atom, i = atoms[i], i + 1
+            else:
+                return [[int(x)] for x in out_shape], []
+            size, src = atom
+            if s % (prod * size) == 0:
+                group.append(atom)
+                prod *= size
+            else:
+                need = s // prod
+                if need <= 1 or size % need:
+                    return [[int(x)] for x in out_shape], []
+                group.append((need, None))
+                carry = (size // need, None)
+                prod *= need
+        if prod != s:
+            return [[int(x)] for x in out_shape], []
+        out_factors.append([sz for sz, _ in group])
+        links += [(src, (od, f)) for f, (_, src) in enumerate(group) if src is not None]
+    return out_factors, links
+
+
+def link_view(ctx, node, op):
+    src = op["input"]
+    factors, links = view_factors(ctx.factorization(src), shape_of(node))
+    ctx.set_factorization(node, factors)
+    for (d_in, f_in), (d_out, f_out) in links:
+        ctx.link((src, d_in, f_in), (node, d_out, f_out))
+
+
+def rewrite_view(rw, node, op):
+    src = op["input"]
+    out = rw.out_shard(node)
+    have = rw.placement(src)
+    if out is None:
+        if isinstance(have, Partial):
+            rw.done(node, rw.reemit(node), have)
+        else:
+            rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    src_shard = rw.out_shard(src)
+    if src_shard is None:  # the split starts here: reshape the whole value, then keep this rank's part
+        whole = rw.reemit(node, *whole_args(rw, node))
+        rw.done(node, rw.shard_value(node, whole, out), out)
+        return
+    x = rw.input(src, src_shard)
+    rw.done(node, rw.method("reshape", x, tuple(rw.local_shape(node, out))), out)
+
+
+register("view", link=link_view, rewrite=rewrite_view)
+
+
+# ============================================================================= permutes
+
+
+def permutation(node: fx.Node) -> list[int]:
+    """Output dim i is input dim perm[i]: found by running the op on a meta tensor of distinct sizes."""
+    src = node.args[0]
+    ndim = len(shape_of(src))
+    probe = torch.empty(tuple(range(2, 2 + ndim)), device="meta")
+    args = (probe,) + tuple(node.args[1:])
+    out = getattr(probe, node.target)(*args[1:], **node.kwargs) if node.op == "call_method" else node.target(*args, **node.kwargs)
+    return [s - 2 for s in out.shape]
+
+
+def link_permute(ctx, node, op):
+    src = op["input"]
+    perm = permutation(node)
+    in_factors = ctx.factorization(src)
+    ctx.set_factorization(node, [list(in_factors[p]) for p in perm])
+    for d, p in enumerate(perm):
+        ctx.link_dims(node, d, src, p)
+
+
+def rewrite_permute(rw, node, op):
+    src = op["input"]
+    out = rw.out_shard(node)
+    if out is None:
+        have = rw.placement(src)
+        x = rw.env[src] if isinstance(have, Partial) else rw.input(src, REPLICATE)
+        rw.done(node, rw.reemit(node, (x,) + tuple(node.args[1:]), dict(node.kwargs)), have if isinstance(have, Partial) else REPLICATE)
+        return
+    perm = permutation(node)
+    x = rw.input(src, out.moved(perm[out.dim]))
+    rw.done(node, rw.reemit(node, (x,) + tuple(node.args[1:]), dict(node.kwargs)), out)
+
+
+register("permute", link=link_permute, rewrite=rewrite_permute)
+
+
+# ============================================================================= expand
+
+
+def link_expand(ctx, node, op):
+    src = op["input"]
+    out_shape, in_shape = shape_of(node), shape_of(src)
+    lead = len(out_shape) - len(in_shape)
+    in_factors = ctx.factorization(src)
+    ctx.set_factorization(node, [[s] for s in out_shape[:lead]] + [
+        list(in_factors[d]) if in_shape[d] == out_shape[lead + d] else [out_shape[lead + d]] for d in range(len(in_shape))])
+    for d in range(len(in_shape)):
+        if in_shape[d] == out_shape[lead + d]:
+            ctx.link_dims(node, lead + d, src, d)
+
+
+def rewrite_expand(rw, node, op):
+    src = op["input"]
+    out = rw.out_shard(node)
+    if out is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    out_shape, in_shape = shape_of(node), shape_of(src)
+    d_in = out.dim - (len(out_shape) - len(in_shape))
+    broadcast = d_in < 0 or in_shape[d_in] != out_shape[out.dim]
+    x = rw.input(src, REPLICATE, partial_grad=True) if broadcast else rw.input(src, out.moved(d_in))
+    rw.done(node, rw.method("expand", x, tuple(rw.local_shape(node, out))), out)
+
+
+register("expand", link=link_expand, rewrite=rewrite_expand)
+
+
+# ============================================================================= indexing
+
+
+def parse_index(shape, index) -> list[tuple]:
+    """Items of a ``x[index]``: ("slice", in_dim, start, stop, step), ("select", in_dim, i), ("new",),
+    ("tensor", in_dim, node) with start/stop clamped to the dim."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    consuming = sum(1 for it in index if it is not None and it is not Ellipsis)
+    items, d = [], 0
+    for it in index:
+        if it is Ellipsis:
+            for _ in range(len(shape) - consuming):
+                items.append(("slice", d, 0, shape[d], 1))
+                d += 1
+        elif it is None:
+            items.append(("new",))
+        elif isinstance(it, slice):
+            start, stop, step = it.indices(shape[d])
+            items.append(("slice", d, start, max(stop, start), step))
+            d += 1
+        elif isinstance(it, int):
+            items.append(("select", d, it % shape[d]))
+            d += 1
+        elif isinstance(it, fx.Node) and is_tensor_node(it) and value_of(it).dtype != torch.bool:
+            items.append(("tensor", d, it))
+            d += 1
+        else:
+            raise _Unsupported(f"index item {it!r}")
+    while d < len(shape):
+        items.append(("slice", d, 0, shape[d], 1))
+        d += 1
+    return items
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _index_items(node: fx.Node, op: Op) -> list[tuple]:
+    src = op["input"]
+    shape = shape_of(src)
+    if op.name == "narrow":
+        dim = op["dim"] % len(shape)
+        return parse_index(shape, (slice(None),) * dim + (slice(op["start"], op["start"] + op["length"]),))
+    if op.name == "select":
+        dim = op["dim"] % len(shape)
+        return parse_index(shape, (slice(None),) * dim + (op["index"],))
+    return parse_index(shape, op["index"])
+
+
+def _output_dims(items: list[tuple], out_ndim: int) -> tuple[dict[int, int], list[int]]:
+    """Output dim of each basic item (by item position) and the output dims of the advanced block."""
+    tensors = [k for k, it in enumerate(items) if it[0] == "tensor"]
+    adv_ndim = max((len(shape_of(items[k][2])) for k in tensors), default=0)
+    adjacent = not tensors or tensors == list(range(tensors[0], tensors[-1] + 1))
+    out_of, od = {}, 0
+    adv_start = 0 if (tensors and not adjacent) else None
+    if adv_start == 0:
+        od = adv_ndim
+    for k, it in enumerate(items):
+        if it[0] == "tensor":
+            if adv_start is None:
+                adv_start = od
+                od += adv_ndim
+            continue
+        if it[0] == "select":
+            continue
+        out_of[k] = od
+        od += 1
+    adv_dims = list(range(adv_start, adv_start + adv_ndim)) if tensors else []
+    return out_of, adv_dims
+
+
+def link_index(ctx, node, op):
+    src = op["input"]
+    try:
+        items = _index_items(node, op)
+    except _Unsupported:
+        return
+    out_shape = shape_of(node)
+    out_of, adv_dims = _output_dims(items, len(out_shape))
+    factors = [[s] for s in out_shape]
+    for k, it in enumerate(items):
+        if it[0] == "slice" and k in out_of and it[4] == 1:
+            d_in, od = it[1], out_of[k]
+            if it[2] == 0 and it[3] == shape_of(src)[d_in]:
+                factors[od] = list(ctx.factorization(src)[d_in])
+    ctx.set_factorization(node, factors)
+    for k, it in enumerate(items):
+        if it[0] == "slice" and k in out_of and it[4] == 1:
+            ctx.link_dims(node, out_of[k], src, it[1], it[2])
+        elif it[0] == "tensor":
+            idx = it[2]
+            idx_shape = shape_of(idx)
+            for j, od in enumerate(adv_dims):
+                d_idx = j - (len(adv_dims) - len(idx_shape))
+                if d_idx >= 0 and idx_shape[d_idx] == out_shape[od]:
+                    ctx.link_dims(node, od, idx, d_idx)
+
+
+def rewrite_index(rw, node, op):
+    src = op["input"]
+    try:
+        items = _index_items(node, op)
+    except _Unsupported as exc:
+        rw.fallback(node, f"indexing with {exc}")
+        return
+    out = rw.out_shard(node)
+    have = rw.out_shard(src) or rw.placement(src)
+    out_of, adv_dims = _output_dims(items, len(shape_of(node)))
+    tensor_items = [it for it in items if it[0] == "tensor"]
+
+    if isinstance(have, Shard):
+        k, item = next((k, it) for k, it in enumerate(items) if it[0] != "new" and it[1] == have.dim)
+        x = rw.input(src, have)
+        if item[0] == "slice" and item[4] == 1 and not tensor_items and (not have.factors or
+                                                                         (item[2], item[3]) == (0, shape_of(src)[have.dim])):
+            if have.factors:
+                placement = have.moved(out_of[k])
+                local_items = items
+            else:
+                lo, hi = _local_range(have, rw.rank, item[2], item[3])
+                placement = Shard(out_of[k], have.layout.derive(item[2], item[3] - item[2]))
+                local_items = [("slice", it[1], lo, hi, 1) if it is item else it for it in items]
+            rw.done(node, rw.call(operator.getitem, x, _build_index(rw, local_items, None, node, adv_dims)), placement)
+            return
+        if item[0] == "select" and not tensor_items and not have.factors:
+            kept = [("slice", it[1], 0, None, 1) if it is item else it for it in items]
+            local = rw.call(operator.getitem, x, _build_index(rw, kept, None, node, adv_dims))
+            owned = rw.call(select_owned, local, _dim_after(items, item), item[2], have.layout.encode(), rw.rank)
+            rw.done(node, owned, Partial())
+            return
+        rw.fallback(node, "indexing a split dim with a step, a tensor or a merged dim")
+        return
+
+    if isinstance(have, Partial) and not tensor_items and out is None:
+        rw.done(node, rw.reemit(node), have)
+        return
+    if out is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    if out.dim in adv_dims:  # a whole source read at split positions (a mask gathered at token positions)
+        x = rw.input(src, REPLICATE, partial_grad=True)
+        rw.done(node, rw.call(operator.getitem, x, _build_index(rw, items, out, node, adv_dims)), out)
+        return
+    whole = rw.reemit(node, *whole_args(rw, node))  # the split starts at this value
+    rw.done(node, rw.shard_value(node, whole, out), out)
+
+
+def _local_range(shard: Shard, rank: int, start: int, stop: int) -> tuple[int, int]:
+    """Local index range of the positions in [start, stop) this rank holds (one range: positions increase)."""
+    first, last, local = None, 0, 0
+    for s, e in shard.layout.local_intervals(rank):
+        a, b = max(s, start), min(e, stop)
+        if b > a:
+            first = local + a - s if first is None else first
+            last = local + b - s
+        local += e - s
+    return (0, 0) if first is None else (first, last)
+
+
+def _dim_after(items, item) -> int:
+    """The dim ``item``'s input dim has in the intermediate where only ``None`` items were applied before it."""
+    d = 0
+    for it in items:
+        if it is item:
+            return d
+        if it[0] != "select":
+            d += 1
+    raise ValueError
+
+
+def _build_index(rw, items, out, node, adv_dims):
+    """The index tuple of ``items`` with tensor indices taken in the placement the output needs."""
+    result = []
+    for it in items:
+        if it[0] == "new":
+            result.append(None)
+        elif it[0] == "slice":
+            result.append(slice(it[2], it[3], it[4]))
+        elif it[0] == "select":
+            result.append(it[2])
+        else:
+            idx = it[2]
+            want = REPLICATE
+            if out is not None and out.dim in adv_dims:
+                idx_shape = shape_of(idx)
+                d_idx = adv_dims.index(out.dim) - (len(adv_dims) - len(idx_shape))
+                if d_idx >= 0 and idx_shape[d_idx] == shape_of(node)[out.dim]:
+                    want = out.moved(d_idx)
+            result.append(rw.input(idx, want))
+    return tuple(result)
+
+
+def select_owned(x: torch.Tensor, dim: int, position: int, layout_code: list[int], rank: int) -> torch.Tensor:
+    """``x.select(dim, position)`` on the rank that holds global ``position``, zeros elsewhere (a partial sum)."""
+    from ...runtime.layouts import SequenceLayout
+
+    layout = SequenceLayout.decode(layout_code)
+    local = 0
+    for s, e in layout.local_intervals(rank):
+        if s <= position < e:
+            return x.select(dim, local + position - s)
+        local += e - s
+    return x.select(dim, 0).detach().mul(0) if x.size(dim) else x.new_zeros(x.shape[:dim] + x.shape[dim + 1:])
+
+
+register("getitem", "narrow", "select", link=link_index, rewrite=rewrite_index)
+
+
+# ============================================================================= split / chunk / unbind
+
+
+def _split_pieces(node: fx.Node, op: Op) -> tuple[int, list[int]] | None:
+    """(dim, piece sizes) of a split-like node, from its outputs."""
+    outs = value_of(node)
+    src_shape = shape_of(op["input"])
+    if node.target in ("unbind", torch.unbind):
+        return None
+    dims = [d for d in range(len(src_shape)) if any(o.shape[d] != src_shape[d] for o in outs)]
+    dim = dims[0] if dims else (op["dim"] if op["dim"] is not None else (op["args"][1] if len(op["args"]) > 1 else 0))
+    return dim % len(src_shape), [int(o.shape[dim]) for o in outs]
+
+
+def link_split_piece(ctx, producer, producer_op, index, node):
+    src = producer_op["input"]
+    pieces = _split_pieces(producer, producer_op)
+    if pieces is None:
+        return
+    dim, sizes = pieces
+    factors = [list(f) for f in ctx.factorization(src)]
+    factors[dim] = [sizes[index]]
+    ctx.set_factorization(node, factors)
+    for d in range(len(factors)):
+        ctx.link_dims(node, d, src, d, sum(sizes[:index]) if d == dim else 0)
+
+
+def rewrite_split(rw, node, op):
+    src = op["input"]
+    pieces = _split_pieces(node, op)
+    have = rw.out_shard(src) or rw.placement(src)
+    n = len(value_of(node))
+    if isinstance(have, Shard) and pieces is not None and have.dim != pieces[0]:
+        rw.done(node, rw.reemit(node, (rw.input(src, have),) + tuple(node.args[1:]), dict(node.kwargs)),
+                tuple(have for _ in range(n)))
+    elif isinstance(have, Shard):
+        rw.fallback(node, "splitting along the split sequence dim")
+    elif isinstance(have, Partial):
+        rw.done(node, rw.reemit(node), tuple(have for _ in range(n)))
+    else:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), tuple(REPLICATE for _ in range(n)))
+
+
+def _no_links(ctx, node, op):
+    return None
+
+
+register("split", link=_no_links, rewrite=rewrite_split)
+TUPLE_LINKS["split"] = link_split_piece
+
+
+# ============================================================================= cat / stack
+
+
+def _cat_inputs(op: Op) -> list[fx.Node]:
+    """Inputs that take part (legacy ``cat`` skips 1-D empty tensors)."""
+    return [t for t in op["tensors"] if not (is_tensor_node(t) and shape_of(t) == (0,))]
+
+
+def link_cat(ctx, node, op):
+    out_shape = shape_of(node)
+    dim = op["dim"] % len(out_shape)
+    inputs = _cat_inputs(op)
+    factors = [[s] for s in out_shape]
+    for d in range(len(out_shape)):
+        if d != dim and inputs:
+            factors[d] = list(ctx.factorization(inputs[0])[d])
+    ctx.set_factorization(node, factors)
+    offset = 0
+    for t in inputs:
+        for d in range(len(out_shape)):
+            ctx.link_dims(node, d, t, d, -offset if d == dim else 0)
+        offset += shape_of(t)[dim]
+
+
+def rewrite_cat(rw, node, op):
+    out = rw.out_shard(node)
+    dim = op["dim"] % len(shape_of(node))
+    inputs = _cat_inputs(op)
+    if out is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    if out.dim != dim:
+        new = [rw.input(t, out) for t in inputs]
+    elif out.factors:
+        rw.fallback(node, "concatenating along a merged split dim")
+        return
+    else:
+        new, offset = [], 0
+        for t in inputs:
+            length = shape_of(t)[dim]
+            new.append(rw.input(t, Shard(dim, out.layout.derive(offset, length)), partial_grad=False))
+            offset += length
+    rw.done(node, rw.call(torch.cat, new, dim), out)
+
+
+register("cat", link=link_cat, rewrite=rewrite_cat)
+
+
+def link_stack(ctx, node, op):
+    out_shape = shape_of(node)
+    dim = op["dim"] % len(out_shape)
+    inputs = op["tensors"]
+    factors = [[s] for s in out_shape]
+    for d in range(len(out_shape)):
+        if d != dim:
+            factors[d] = list(ctx.factorization(inputs[0])[d - (d > dim)])
+    ctx.set_factorization(node, factors)
+    for t in inputs:
+        for d in range(len(out_shape)):
+            if d != dim:
+                ctx.link_dims(node, d, t, d - (d > dim))
+
+
+def rewrite_stack(rw, node, op):
+    out = rw.out_shard(node)
+    dim = op["dim"] % len(shape_of(node))
+    if out is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    new = [rw.input(t, out.moved(out.dim - (out.dim > dim))) for t in op["tensors"]]
+    rw.done(node, rw.call(torch.stack, new, dim), out)
+
+
+register("stack", link=link_stack, rewrite=rewrite_stack)
+
+
+# ============================================================================= pad
+
+
+def _pad_pairs(op: Op, ndim: int) -> dict[int, tuple[int, int]]:
+    pad = op["pad"]
+    return {ndim - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)}
+
+
+def link_pad(ctx, node, op):
+    src = op["input"]
+    ndim = len(shape_of(node))
+    pairs = _pad_pairs(op, ndim)
+    factors = [list(f) for f in ctx.factorization(src)]
+    for d, (left, right) in pairs.items():
+        if left or right:
+            factors[d] = [shape_of(node)[d]]
+    ctx.set_factorization(node, factors)
+    if op["mode"] != "constant":
+        return
+    for d in range(ndim):
+        left = pairs.get(d, (0, 0))[0]
+        ctx.link_dims(node, d, src, d, -left)
+
+
+def rewrite_pad(rw, node, op):
+    src = op["input"]
+    out = rw.out_shard(node)
+    ndim = len(shape_of(node))
+    pairs = _pad_pairs(op, ndim)
+    if out is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    left, right = pairs.get(out.dim, (0, 0))
+    if not (left or right):
+        x = rw.input(src, out)
+        rw.done(node, rw.reemit(node, (x,) + tuple(node.args[1:]), dict(node.kwargs)), out)
+        return
+    if op["mode"] != "constant" or out.factors or left < 0 or right < 0:
+        rw.fallback(node, f"{op['mode']} padding of the split dim")
+        return
+    length = shape_of(src)[out.dim]
+    x = rw.input(src, Shard(out.dim, out.layout.derive(left, length)))
+    local_left = _count_local(out, rw.rank, 0, left)
+    local_right = _count_local(out, rw.rank, left + length, left + length + right)
+    pad = list(op["pad"])
+    i = ndim - 1 - out.dim
+    pad[2 * i], pad[2 * i + 1] = local_left, local_right
+    rw.done(node, rw.call(F.pad, x, pad, op["mode"], op["value"]), out)
+
+
+def _count_local(shard: Shard, rank: int, start: int, stop: int) -> int:
+    lo, hi = _local_range(shard, rank, start, stop)
+    return hi - lo
+
+
+register("pad", link=link_pad, rewrite=rewrite_pad)
