@@ -7,12 +7,14 @@
 """
 
 from .accounting import CommCounter, comm_counter
+from .attention import attention
 from .collectives import RingCommunicator, all_gather, all_reduce, all_to_all, halo_exchange, reduce_scatter, ring_shift
 from .groups import resolve_group
 from .layouts import SequenceLayout
 from .sequence import sequence_positions, shard_sequence, unshard_sequence
 
 __all__ = [
+    "attention",
     "comm_counter",
     "CommCounter",
     "all_gather",

@@ -1,0 +1,52 @@
+"""Distributed attention: ring, zigzag ring, all-gather K/V, Ulysses and 2-D hybrid, forward and backward.
+
+    from autoshard.runtime import attention, shard_sequence
+    q, k, v = (shard_sequence(t, 2, layout="zigzag") for t in (q_full, k_full, v_full))
+    out = attention(q, k, v, strategy="zigzag", layout="zigzag", causal=True, seq_len=q_full.size(2))
+
+Structure (one file per concern; the strategies share everything below them):
+
+* :mod:`.api` -- the public :func:`attention` and the custom ops ``autoshard::attention`` /
+  ``autoshard::attention_backward`` (fake implementations, registered autograd) the compiler emits;
+* :mod:`.ring`, :mod:`.zigzag`, :mod:`.allgather`, :mod:`.ulysses`, :mod:`.hybrid` -- the algorithms,
+  each with ``_check``, ``_forward``, ``_backward``, its registration and one public function;
+* :mod:`.blocks` -- attention between local tensors made of pieces of the global sequence;
+* :mod:`.local` -- the one local primitive (:func:`local_attention`), Triton or torch; LSE in base e;
+* :mod:`.merge` -- the fp32 LSE merge; :mod:`.masks` -- structured masks and block classification;
+* :mod:`.formulas` -- bytes sent per rank as sympy expressions (for the planner);
+* :mod:`.flops` -- attention FLOPs per rank, counted.
+"""
+
+from . import allgather, hybrid, ring, ulysses, zigzag  # noqa: F401  (registers the strategies)
+from .allgather import allgather_attention
+from .api import attention
+from .base import STRATEGIES, AttentionInputError
+from .flops import AttentionFlops, attention_flops
+from .hybrid import hybrid_attention, hybrid_axes, hybrid_layout, hybrid_sequence_rank
+from .local import local_attention, local_attention_backward
+from .masks import MaskSpec, Visibility
+from .merge import merge_attention
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+from .zigzag import zigzag_attention
+
+__all__ = [
+    "attention",
+    "ring_attention",
+    "zigzag_attention",
+    "allgather_attention",
+    "ulysses_attention",
+    "hybrid_attention",
+    "hybrid_axes",
+    "hybrid_layout",
+    "hybrid_sequence_rank",
+    "local_attention",
+    "local_attention_backward",
+    "merge_attention",
+    "MaskSpec",
+    "Visibility",
+    "attention_flops",
+    "AttentionFlops",
+    "AttentionInputError",
+    "STRATEGIES",
+]

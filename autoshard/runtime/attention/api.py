@@ -1,0 +1,335 @@
+"""The distributed attention op (``torch.ops.autoshard.attention``) and the public :func:`attention`.
+
+The op is what the compiler emits; it is opaque to tracing (a ``torch.library`` custom op with a fake
+implementation), and its registered backward is itself a custom op, ``autoshard::attention_backward``.
+Both dispatch by ``strategy`` name to the algorithms registered in :mod:`.base`, so every algorithm
+shares the wiring and the checks::
+
+    torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, strategy, layout, group, ring_group,
+                                  causal, window_left, window_right, scale, kernels) -> (out, lse)
+
+``out`` has ``q``'s dtype; ``lse`` is float32 (float64 for float64 inputs), natural log, and not
+differentiable. The op checks its inputs with local information only (shapes the layout implies,
+heads the group can split), so a consistent mistake raises the same clear error on every rank.
+
+:func:`attention` is the entry point for code that shards by hand. Beyond the op's local checks it
+confirms once per call signature that all ranks agree (shapes, dtypes, strategy, masks) with one small
+all-gather, counted under the accountant kind ``"metadata"``; an input error on any rank is then
+raised on every rank instead of leaving the others waiting in a collective. Without ``seq_len`` (and
+with a layout given by name) the global length is the sum of the shards, which that exchange
+provides on every call: pass ``seq_len`` to skip it after the first call.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..accounting import record
+from ..collectives import _all_gather_single
+from ..groups import GroupLike, resolve_group
+from ..layouts import LAYOUTS, SequenceLayout
+from .backend import KERNELS
+from .base import STRATEGIES, AttentionInputError, Call, Strategy
+from .hybrid import hybrid_axes
+from .local import compute_dtype
+from .masks import MaskSpec
+
+__all__ = ["attention"]
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+# ---------------------------------------------------------------------------- validation (local)
+
+
+def _check_tensors(q, k, v, key_mask, segment_ids) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise AttentionInputError(f"autoshard.attention: {name} must be a 4-D tensor [B, heads, S_local, D], got "
+                                      f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise AttentionInputError(f"autoshard.attention: q, k, v must share one floating dtype of {_DTYPES}, got "
+                                  f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise AttentionInputError(f"autoshard.attention: q, k, v must be on one device, got {q.device}, {k.device}, "
+                                  f"{v.device}")
+    B, H, S, D = q.shape
+    if k.shape != v.shape or k.size(0) != B or k.size(2) != S or k.size(3) != D:
+        raise AttentionInputError(
+            f"autoshard.attention: k and v must be [B, Hkv, S_local, D] matching q [B, H, S_local, D] = "
+            f"{list(q.shape)} in B, S_local and D, got k {list(k.shape)}, v {list(v.shape)}")
+    if H % k.size(1):
+        raise AttentionInputError(f"autoshard.attention: the {H} query heads must be a multiple of the {k.size(1)} "
+                                  f"kv heads (GQA/MQA: H divisible by Hkv)")
+    for name, mask, ok in (("key_mask", key_mask, lambda m: m.dtype == torch.bool),
+                           ("segment_ids", segment_ids,
+                            lambda m: not m.dtype.is_floating_point and not m.dtype.is_complex and m.dtype != torch.bool)):
+        if mask is None:
+            continue
+        kind = "bool" if name == "key_mask" else "integer"
+        if not isinstance(mask, torch.Tensor) or mask.shape != (B, S) or not ok(mask) or mask.device != q.device:
+            got = f"{list(mask.shape)} {mask.dtype} on {mask.device}" if isinstance(mask, torch.Tensor) else type(mask)
+            raise AttentionInputError(f"autoshard.attention: {name} must be this rank's shard, a [B, S_local] = "
+                                      f"[{B}, {S}] {kind} tensor on {q.device}, got {got}")
+
+
+def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
+    """Every check that needs only this rank's information; returns the strategy."""
+    _check_tensors(q, k, v, key_mask, segment_ids)
+    strategy = STRATEGIES[call.strategy]
+    seq_rank = strategy.check(q, k, v, call)
+    expected = call.layout.local_length(seq_rank)
+    if q.size(2) != expected:
+        raise AttentionInputError(
+            f"autoshard.attention: sequence rank {seq_rank} holds {q.size(2)} positions, but the {call.layout.kind} "
+            f"layout of {call.layout.length} positions on {call.layout.world_size} ranks gives it {expected}; pass "
+            f"this rank's shard (shard_sequence(x, dim=2, layout=...)) and the global length (seq_len=)")
+    return strategy
+
+
+# ---------------------------------------------------------------------------- the custom ops
+
+
+def _separate(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors, each with its own storage (a custom op's outputs may not alias; strategies may return
+    the halves of one stacked buffer)."""
+    seen, out = set(), []
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        out.append(t.clone() if ptr in seen else t)
+        seen.add(ptr)
+    return tuple(out)
+
+
+def _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, kernels) -> Call:
+    return Call(strategy=strategy, layout=SequenceLayout.decode(layout), group=group, ring_group=ring_group,
+                spec=MaskSpec(causal, (window_left, window_right)), scale=scale, kernels=kernels)
+
+
+@torch.library.custom_op("autoshard::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
+                  segment_ids: Optional[torch.Tensor], strategy: str, layout: list[int], group: str, ring_group: str,
+                  causal: bool, window_left: int, window_right: int, scale: float,
+                  kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
+    call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, kernels)
+    out, lse = _validate(q, k, v, key_mask, segment_ids, call).forward(q, k, v, key_mask, segment_ids, call)
+    return _separate(out.to(q.dtype), lse.to(compute_dtype(q.dtype)))
+
+
+@_attention_op.register_fake
+def _(q, k, v, key_mask, segment_ids, strategy, layout, group, ring_group, causal, window_left, window_right, scale,
+      kernels):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype))
+
+
+@torch.library.custom_op("autoshard::attention_backward", mutates_args=())
+def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                           lse: torch.Tensor, key_mask: Optional[torch.Tensor], segment_ids: Optional[torch.Tensor],
+                           strategy: str, layout: list[int], group: str, ring_group: str, causal: bool,
+                           window_left: int, window_right: int, scale: float,
+                           kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, kernels)
+    dq, dk, dv = STRATEGIES[strategy].backward(dout, q, k, v, out, lse, key_mask, segment_ids, call)
+    return _separate(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+
+
+@_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, key_mask, segment_ids, strategy, layout, group, ring_group, causal, window_left,
+      window_right, scale, kernels):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, key_mask, segment_ids, *config = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, segment_ids)
+    ctx.config = config
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, key_mask, segment_ids = ctx.saved_tensors
+    dq, dk, dv = torch.ops.autoshard.attention_backward(dout, q, k, v, out, lse, key_mask, segment_ids, *ctx.config)
+    return (dq, dk, dv, None, None) + (None,) * len(ctx.config)
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ---------------------------------------------------------------------------- cross-rank agreement
+
+_SIGNATURE = ("B", "H", "Hkv", "D", "dtype", "device", "strategy", "layout", "seq_len", "causal", "window_left",
+              "window_right", "key_mask", "segment_ids", "scale", "kernels")
+_agreed: set = set()
+
+
+def _code(x) -> int:
+    """A process-independent int for a small value (str hashes are salted per process; int tuples are not)."""
+    if isinstance(x, (bool, int)):
+        return int(x)
+    if isinstance(x, float):
+        return struct.unpack("<q", struct.pack("<d", x))[0]
+    if isinstance(x, SequenceLayout):
+        return hash(tuple(x.encode()))
+    return hash(tuple(str(x).encode()))
+
+
+def _signature(q, k, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, kernels) -> tuple[int, ...]:
+    shapes = (q.size(0), q.size(1), k.size(1), q.size(3)) if _is4d(q) and _is4d(k) else (0, 0, 0, 0)
+    return tuple(_code(x) for x in (
+        *shapes, q.dtype if isinstance(q, torch.Tensor) else None,
+        q.device.type if isinstance(q, torch.Tensor) else "", strategy, layout,
+        -1 if seq_len is None else seq_len, spec.causal, *spec.window, key_mask is not None,
+        segment_ids.dtype if isinstance(segment_ids, torch.Tensor) else None, float(scale or 0.0), kernels))
+
+
+def _is4d(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 4
+
+
+def _exchange(pgs: list[dist.ProcessGroup], row: list[int]) -> torch.Tensor:
+    """Every rank's ``row`` as a [sequence ranks, len(row)] table (hybrid: gathered along both mesh axes)."""
+    table = torch.tensor(row, dtype=torch.int64).unsqueeze(0)
+    for pg in pgs:  # the Ulysses / sequence axis first, then the ring axis
+        gathered = table.new_empty((pg.size() * table.size(0), table.size(1)))
+        _all_gather_single(gathered, table, group=pg)
+        nbytes = table.numel() * table.element_size()
+        record("metadata", (pg.size() - 1) * nbytes, (pg.size() - 1) * nbytes)
+        table = gathered
+    return table
+
+
+def _agree(table: torch.Tensor, error: AttentionInputError | None) -> None:
+    """Raise on every rank when any rank failed its checks or the ranks' signatures differ."""
+    ok = table[:, 0].tolist()
+    if error is not None:
+        raise error
+    if not all(ok):
+        bad = [r for r, flag in enumerate(ok) if not flag]
+        raise AttentionInputError(
+            f"autoshard.attention: sequence rank(s) {bad} rejected their inputs (their error names the constraint); "
+            f"this rank's inputs were valid")
+    signatures = table[:, 2:]
+    for col, name in enumerate(_SIGNATURE):
+        values = signatures[:, col].tolist()
+        if len(set(values)) > 1:
+            raise AttentionInputError(
+                f"autoshard.attention: the ranks disagree on {name} (per sequence rank: {values}); every rank must "
+                f"call attention with the same configuration and its own shard of the same tensors")
+
+
+# ---------------------------------------------------------------------------- the public function
+
+
+def _groups(group, strategy: str) -> list[dist.ProcessGroup]:
+    if strategy == "hybrid":
+        ring_axis, ulysses_axis = hybrid_axes(group)
+        return [group.get_group(ulysses_axis), group.get_group(ring_axis)]
+    if isinstance(group, DeviceMesh) and group.ndim != 1:
+        raise AttentionInputError(
+            f"autoshard.attention: a {group.ndim}-D DeviceMesh is for strategy 'hybrid'; for {strategy!r} pass the "
+            f"1-D sub-mesh of the sequence axis (mesh['sp']) or a ProcessGroup")
+    return [resolve_group(group)]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: GroupLike = None,
+    strategy: str = "ring",
+    layout: str | SequenceLayout = "contiguous",
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    key_mask: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    scale: float | None = None,
+    kernels: str = "auto",
+    seq_len: int | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Attention over a sequence sharded across ranks; returns this rank's shard of the output.
+
+    ``q``, ``k``, ``v``: this rank's sequence shards ``[B, H|Hkv, S_local, D]`` (made by ``shard_sequence(x, 2,
+    layout=layout)``); GQA/MQA when ``k``/``v`` have fewer heads. The result equals, on this rank's
+    positions, ``F.scaled_dot_product_attention`` over the whole sequence with the equivalent dense mask
+    (a row with no visible key gives 0, as SDPA does in current torch; older versions gave NaN).
+
+    ``group``: a ProcessGroup, a 1-D DeviceMesh or None (the default group); for ``strategy="hybrid"`` a 2-D
+    DeviceMesh (see :mod:`.hybrid`). ``strategy``: ``"ring"``, ``"zigzag"`` (needs ``layout="zigzag"``),
+    ``"allgather"``, ``"ulysses"`` or ``"hybrid"``. ``layout``: ``"contiguous"``, ``"zigzag"`` or a
+    :class:`SequenceLayout`. ``causal`` / ``window=(left, right)`` (-1 unbounded) / ``key_mask`` (``[B, S_local]``
+    bool shard, True = attend) / ``segment_ids`` (``[B, S_local]`` int shard; attend within a segment):
+    structured masks, never an S x S tensor. ``scale``: default ``1/sqrt(D)``. ``kernels``: ``"auto"``,
+    ``"torch"`` or ``"triton"``. ``seq_len``: the global length (default: the sum of the shards, found by
+    a small exchange on every call). ``dropout_p`` must be 0.
+    """
+    if dropout_p:
+        raise AttentionInputError(
+            f"autoshard.attention: dropout is not part of distributed attention (dropout_p={dropout_p}); pass "
+            f"dropout_p=0.0 (attention dropout is usually disabled for long-context training)")
+    if strategy not in STRATEGIES:
+        raise AttentionInputError(f"autoshard.attention: unknown strategy {strategy!r}; expected one of "
+                                  f"{tuple(STRATEGIES)}")
+    if kernels not in KERNELS:
+        raise AttentionInputError(f"autoshard.attention: kernels must be one of {KERNELS}, got {kernels!r}")
+    if not isinstance(layout, SequenceLayout) and layout not in LAYOUTS:
+        raise AttentionInputError(f"autoshard.attention: unknown layout {layout!r}; expected one of {LAYOUTS} or a "
+                                  f"SequenceLayout")
+    if isinstance(layout, SequenceLayout):
+        if seq_len not in (None, layout.length):
+            raise AttentionInputError(f"autoshard.attention: seq_len={seq_len} but {layout!r} has length {layout.length}")
+        seq_len = layout.length
+    spec = MaskSpec.of(causal, window)
+    pgs = _groups(group, strategy)
+    world = math.prod(pg.size() for pg in pgs)
+    names = [pg.group_name for pg in pgs] + [""]
+
+    def make_call(length: int) -> Call:
+        lay = layout if isinstance(layout, SequenceLayout) else SequenceLayout.of(layout, length, world)
+        return Call(strategy=strategy, layout=lay, group=names[0], ring_group=names[1], spec=spec,
+                    scale=float(scale), kernels=kernels)
+
+    error, call = None, None
+    try:
+        _check_tensors(q, k, v, key_mask, segment_ids)
+        scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
+        if seq_len is not None:
+            call = make_call(seq_len)
+            _validate(q, k, v, key_mask, segment_ids, call)
+    except ValueError as e:  # AttentionInputError, or a layout the world size cannot serve
+        error = e
+    signature = _signature(q, k, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, kernels)
+    key = (tuple(names), signature, q.size(2) if _is4d(q) else -1)
+    if error is None and call is not None and key in _agreed:
+        return _run(q, k, v, key_mask, segment_ids, call)
+    table = _exchange(pgs, [int(error is None), q.size(2) if _is4d(q) else -1, *signature])
+    _agree(table, error)
+    if call is None:  # the global length is the sum of the shards
+        call = make_call(int(table[:, 1].sum()))
+        expected = list(call.layout.local_lengths)
+        if table[:, 1].tolist() != expected:
+            raise AttentionInputError(
+                f"autoshard.attention: the shards hold {table[:, 1].tolist()} positions per sequence rank, but the "
+                f"{call.layout.kind} layout of their {call.layout.length} positions gives {expected}; shard with "
+                f"shard_sequence(x, dim=2, layout={call.layout.kind!r})")
+        _validate(q, k, v, key_mask, segment_ids, call)
+    else:
+        if len(_agreed) > 4096:
+            _agreed.clear()
+        _agreed.add(key)
+    return _run(q, k, v, key_mask, segment_ids, call)
+
+
+def _run(q, k, v, key_mask, segment_ids, call: Call) -> torch.Tensor:
+    out, _ = torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, call.strategy, call.layout.encode(),
+                                           call.group, call.ring_group, call.spec.causal, *call.spec.window,
+                                           call.scale, call.kernels)
+    return out

@@ -1,0 +1,311 @@
+"""The local attention primitive every distributed strategy computes through.
+
+    out, lse = local_attention(q, k, v, q_offset=..., k_offset=..., causal=..., window=..., key_mask=...,
+                               segment_ids=..., scale=...)
+    dq, dk, dv = local_attention_backward(dout, q, k, v, out, lse, same mask arguments)
+
+One block of queries against one block of keys, both placed by their **global** offsets, so the same
+function serves every step of every strategy: a block the mask hides entirely returns at once, a fully
+visible one needs no mask tensor, a diagonal one is masked tile by tile. Shapes follow
+``F.scaled_dot_product_attention``: ``q [B, H, Sq, D]``, ``k``/``v`` ``[B, Hkv, Sk, D]`` with ``H`` divisible
+by ``Hkv``; query head ``h`` reads kv head ``h // (H // Hkv)``. GQA groups the query heads of a kv head
+into one matrix (``[B, Hkv, G * rows, D]``); K and V are never repeated.
+
+Outputs: ``out`` (float32, or float64 for float64 inputs) and ``lse``, the **natural** log (base e) of
+each row's sum of ``exp(scale * q.k)`` over its visible keys. A row with no visible key has ``out = 0``
+and ``lse = -inf``, and its gradients are 0 (``F.scaled_dot_product_attention`` in current torch also gives
+0 there; older versions and some kernels give NaN).
+
+The backward takes the *final* ``out`` and ``lse`` of the rows (merged over every key block, as a ring
+needs) and ``delta = rowsum(dout * out)``, computed here when not given; ``dk``/``dv`` come back with
+``Hkv`` heads (summed over each group).
+
+Implementations (``kernels``, see :mod:`.backend`): the Triton kernels of
+:mod:`autoshard.kernels.attention`, or the torch path here, which never materializes the
+``[Sq x Sk]`` scores of a long block:
+
+* blocks without data masks (``key_mask``, ``segment_ids``) whose keys split into a fully visible range
+  and an aligned causal diagonal go to torch's fused CPU flash-attention kernel
+  (``aten._scaled_dot_product_flash_attention_for_cpu``: tiled, returns the LSE, takes GQA as is),
+  one call per range, merged through the LSE;
+* everything else runs the tiled online softmax below: ``TILE_Q x TILE_K`` tiles, tiles the mask hides
+  skipped, mask tensors built only for partly visible tiles; peak extra memory is O(S * D) per
+  (batch, head) plus one tile of scores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .backend import use_triton
+from .flops import record_flops
+from .masks import MaskSpec, Visibility
+from .merge import merge_attention_
+
+__all__ = ["local_attention", "local_attention_backward", "compute_dtype", "TILE_Q", "TILE_K", "FUSED_BLOCKS"]
+
+TILE_Q = 512
+"""Query rows per tile of the torch path (times the GQA group size)."""
+TILE_K = 512
+"""Key columns per tile of the torch path."""
+FUSED_BLOCKS = True
+"""Use torch's fused CPU flash-attention kernel for blocks it fits (set False to force the tiled path)."""
+
+_NEG_INF = float("-inf")
+_flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention accumulates in for inputs of ``dtype``: float64 stays, the rest is float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    key_mask: torch.Tensor | None = None,
+    segment_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale: float | None = None,
+    kernels: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query block against one key block at global offsets; returns ``(out, lse)``.
+
+    ``key_mask``: ``[B, Sk]`` bool, True where the key may be attended. ``segment_ids``: the pair
+    ``(seg_q [B, Sq], seg_k [B, Sk])``; a key is visible only within the query's segment. ``scale``
+    defaults to ``1 / sqrt(D)``. See the module docstring for the outputs.
+    """
+    spec = MaskSpec.of(causal, window)
+    _check(q, k, v, key_mask, segment_ids)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
+    (B, H, Sq, D), Sk = q.shape, k.size(2)
+    visibility = spec.classify(q_offset, Sq, k_offset, Sk)
+    if visibility is Visibility.HIDDEN:
+        ct = compute_dtype(q.dtype)
+        return q.new_zeros(q.shape, dtype=ct), q.new_full(q.shape[:-1], _NEG_INF, dtype=ct)
+    record_flops("forward", spec.visible_pairs(q_offset, Sq, k_offset, Sk), B * H, D)
+    if use_triton(kernels, q):
+        from autoshard.kernels.attention import triton_attention_forward
+
+        return triton_attention_forward(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=spec.causal,
+                                        window=spec.window_arg, key_mask=key_mask, segment_ids=segment_ids,
+                                        scale=scale)
+    parts = _fused_parts(spec, visibility, q, q_offset, k_offset, Sk, key_mask, segment_ids)
+    if parts is not None:
+        return _fused_forward(q, k, v, parts, scale)
+    return _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale)
+
+
+def local_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    delta: torch.Tensor | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    key_mask: torch.Tensor | None = None,
+    segment_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale: float | None = None,
+    kernels: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` of one block (float32, or float64 for float64 inputs).
+
+    ``out``/``lse``: the rows' final values over all key blocks; ``delta``: ``rowsum(dout * out)``
+    (``[B, H, Sq]``), computed when ``None``. Mask arguments as in :func:`local_attention`.
+    """
+    spec = MaskSpec.of(causal, window)
+    _check(q, k, v, key_mask, segment_ids)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
+    (B, H, Sq, D), Sk = q.shape, k.size(2)
+    visibility = spec.classify(q_offset, Sq, k_offset, Sk)
+    if visibility is Visibility.HIDDEN:
+        ct = compute_dtype(q.dtype)
+        return (q.new_zeros(q.shape, dtype=ct), k.new_zeros(k.shape, dtype=ct), v.new_zeros(v.shape, dtype=ct))
+    record_flops("backward", spec.visible_pairs(q_offset, Sq, k_offset, Sk), B * H, D)
+    if use_triton(kernels, q):
+        from autoshard.kernels.attention import triton_attention_backward
+
+        return triton_attention_backward(dout, q, k, v, out, lse, delta=delta, q_offset=q_offset,
+                                         k_offset=k_offset, causal=spec.causal, window=spec.window_arg,
+                                         key_mask=key_mask, segment_ids=segment_ids, scale=scale)
+    parts = _fused_parts(spec, visibility, q, q_offset, k_offset, Sk, key_mask, segment_ids)
+    if parts is not None:
+        return _fused_backward(dout, q, k, v, out, lse, parts, scale)
+    return _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale)
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _check(q, k, v, key_mask, segment_ids) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"local_attention: q, k, v must be [B, H, S, D], got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.size(0) != k.size(0) or q.size(3) != k.size(3) or q.size(1) % k.size(1):
+        raise ValueError(f"local_attention: need q [B, H, Sq, D] and k, v [B, Hkv, Sk, D] with H divisible by "
+                         f"Hkv, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, Sq, Sk = q.size(0), q.size(2), k.size(2)
+    if key_mask is not None and (key_mask.shape != (B, Sk) or key_mask.dtype != torch.bool):
+        raise ValueError(f"local_attention: key_mask must be a [B, Sk] = [{B}, {Sk}] bool tensor, got "
+                         f"{tuple(key_mask.shape)} {key_mask.dtype}")
+    if segment_ids is not None and (segment_ids[0].shape != (B, Sq) or segment_ids[1].shape != (B, Sk)):
+        raise ValueError(f"local_attention: segment_ids must be the pair ([B, Sq], [B, Sk]) = ([{B}, {Sq}], "
+                         f"[{B}, {Sk}]), got {tuple(segment_ids[0].shape)}, {tuple(segment_ids[1].shape)}")
+
+
+# ---------------------------------------------------------------------------- fused CPU kernel
+
+
+def _fused_parts(spec: MaskSpec, visibility: Visibility, q: torch.Tensor, q_offset: int, k_offset: int, k_len: int,
+                 key_mask, segment_ids) -> list[tuple[int, int, bool]] | None:
+    """Key ranges ``(lo, hi, causal)`` (local indices) that torch's fused kernel computes exactly, or None.
+
+    A fully visible block is one range; under a plain causal mask the keys before the queries are one
+    fully visible range and the keys at the queries' own positions one aligned causal diagonal (keys
+    after them are hidden). Other blocks (windows, data masks, a diagonal cut by the block's edge) are
+    left to the tiled path.
+    """
+    if not FUSED_BLOCKS or q.device.type != "cpu" or key_mask is not None or segment_ids is not None:
+        return None
+    if visibility is Visibility.FULL:
+        return [(0, k_len, False)]
+    if not spec.is_plain_causal:
+        return None
+    diagonal, q_len = q_offset - k_offset, q.size(2)
+    if diagonal < 0 or diagonal + q_len > k_len:
+        return None
+    return ([(0, diagonal, False)] if diagonal else []) + [(diagonal, diagonal + q_len, True)]
+
+
+def _fused_forward(q, k, v, parts, scale):
+    ct = compute_dtype(q.dtype)
+    q, k, v = q.to(ct), k.to(ct), v.to(ct)
+    out = lse = None
+    for lo, hi, causal in parts:
+        o, l = _flash_forward(q, k[:, :, lo:hi], v[:, :, lo:hi], 0.0, causal, scale=scale)
+        if out is None:
+            out, lse = o, l
+        else:
+            merge_attention_(out, lse, o, l, kernels="torch")
+    return out, lse
+
+
+def _fused_backward(dout, q, k, v, out, lse, parts, scale):
+    ct = compute_dtype(q.dtype)
+    dout, q, k, v, out, lse = (t.to(ct) for t in (dout, q, k, v, out, lse))
+    dq, dk, dv = None, torch.zeros_like(k), torch.zeros_like(v)
+    for lo, hi, causal in parts:
+        gq, dk[:, :, lo:hi], dv[:, :, lo:hi] = _flash_backward(dout, q, k[:, :, lo:hi], v[:, :, lo:hi], out, lse,
+                                                               0.0, causal, scale=scale)
+        dq = gq if dq is None else dq.add_(gq)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------- tiled torch path
+
+
+def _tiles(spec: MaskSpec, q_start: int, q_len: int, k_start: int, k_len: int, q_outer: bool):
+    """The visible tiles ``(i, tq, j, tk, visibility)`` of a block (local row/column starts), grouped by
+    query tile when ``q_outer`` (forward) and by key tile otherwise (backward)."""
+    rows = [(i, min(TILE_Q, q_len - i)) for i in range(0, q_len, TILE_Q)]
+    cols = [(j, min(TILE_K, k_len - j)) for j in range(0, k_len, TILE_K)]
+    outer, inner = (rows, cols) if q_outer else (cols, rows)
+    for a, na in outer:
+        group = []
+        for b, nb in inner:
+            (i, tq), (j, tk) = ((a, na), (b, nb)) if q_outer else ((b, nb), (a, na))
+            visibility = spec.classify(q_start + i, tq, k_start + j, tk)
+            if visibility is not Visibility.HIDDEN:
+                group.append((i, tq, j, tk, visibility))
+        if group:
+            yield group
+
+
+def _tile_mask(spec, visibility, q_start, i, tq, k_start, j, tk, key_mask, segment_ids, device):
+    """The visibility of one tile, broadcastable to ``[B, Hkv, G, tq, tk]``, or None when all is visible."""
+    mask = spec.visible(q_start + i, tq, k_start + j, tk, device) if visibility is Visibility.PARTIAL else None
+    if key_mask is not None:
+        keys = key_mask[:, None, None, None, j:j + tk]
+        mask = keys if mask is None else mask & keys
+    if segment_ids is not None:
+        seg_q, seg_k = segment_ids
+        same = seg_q[:, None, None, i:i + tq, None] == seg_k[:, None, None, None, j:j + tk]
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale):
+    (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
+    G, ct = H // Hkv, compute_dtype(q.dtype)
+    out = q.new_zeros((B, Hkv, G, Sq, D), dtype=ct)
+    lse = q.new_full((B, Hkv, G, Sq), _NEG_INF, dtype=ct)
+    grouped = q.unflatten(1, (Hkv, G))
+    for tiles in _tiles(spec, q_offset, Sq, k_offset, Sk, q_outer=True):
+        i, tq = tiles[0][:2]
+        rows = (grouped[:, :, :, i:i + tq].to(ct) * scale).reshape(B, Hkv, G * tq, D)
+        row_max = row_sum = acc = None
+        for _, _, j, tk, visibility in tiles:
+            s = rows @ k[:, :, j:j + tk].to(ct).transpose(-1, -2)
+            mask = _tile_mask(spec, visibility, q_offset, i, tq, k_offset, j, tk, key_mask, segment_ids, q.device)
+            if mask is not None:
+                s.view(B, Hkv, G, tq, tk).masked_fill_(~mask, _NEG_INF)
+            tile_max = s.amax(-1)
+            new_max = tile_max if row_max is None else torch.maximum(row_max, tile_max)
+            shift = new_max.masked_fill(new_max == _NEG_INF, 0.0)  # rows with nothing visible yet
+            p = s.sub_(shift.unsqueeze(-1)).exp_()
+            pv = p @ v[:, :, j:j + tk].to(ct)
+            if row_max is None:
+                row_sum, acc = p.sum(-1), pv
+            else:
+                alpha = torch.exp(row_max - shift)
+                row_sum = row_sum.mul_(alpha).add_(p.sum(-1))
+                acc = acc.mul_(alpha.unsqueeze(-1)).add_(pv)
+            row_max = new_max
+        empty = row_sum == 0  # no visible key in the whole block
+        out[:, :, :, i:i + tq] = (acc / row_sum.masked_fill(empty, 1.0).unsqueeze(-1)).view(B, Hkv, G, tq, D)
+        lse[:, :, :, i:i + tq] = (shift + row_sum.log()).view(B, Hkv, G, tq)
+    return out.view(B, H, Sq, D), lse.view(B, H, Sq)
+
+
+def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale):
+    (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
+    G, ct = H // Hkv, compute_dtype(q.dtype)
+    if delta is None:
+        delta = (dout.to(ct) * out.to(ct)).sum(-1)
+    # Rows with no visible key anywhere (lse = -inf) get lse = +inf, so every p = exp(s - lse) is 0.
+    lse = lse.to(ct).masked_fill(lse == _NEG_INF, float("inf")).reshape(B, Hkv, G, Sq)
+    delta = delta.to(ct).reshape(B, Hkv, G, Sq)
+    q_grouped, dout_grouped = q.unflatten(1, (Hkv, G)), dout.unflatten(1, (Hkv, G))
+    dq = q.new_zeros((B, Hkv, G, Sq, D), dtype=ct)
+    dk, dv = k.new_zeros(k.shape, dtype=ct), v.new_zeros(v.shape, dtype=ct)
+    for tiles in _tiles(spec, q_offset, Sq, k_offset, Sk, q_outer=False):
+        j, tk = tiles[0][2:4]
+        keys, values = k[:, :, j:j + tk].to(ct), v[:, :, j:j + tk].to(ct)
+        for i, tq, _, _, visibility in tiles:
+            rows = (q_grouped[:, :, :, i:i + tq].to(ct) * scale).reshape(B, Hkv, G * tq, D)
+            grad_rows = dout_grouped[:, :, :, i:i + tq].to(ct).reshape(B, Hkv, G * tq, D)
+            s = rows @ keys.transpose(-1, -2)
+            mask = _tile_mask(spec, visibility, q_offset, i, tq, k_offset, j, tk, key_mask, segment_ids, q.device)
+            if mask is not None:
+                s.view(B, Hkv, G, tq, tk).masked_fill_(~mask, _NEG_INF)
+            p = s.sub_(lse[:, :, :, i:i + tq].reshape(B, Hkv, G * tq, 1)).exp_()
+            dv[:, :, j:j + tk] += p.transpose(-1, -2) @ grad_rows
+            dp = grad_rows @ values.transpose(-1, -2)
+            ds = p.mul_(dp.sub_(delta[:, :, :, i:i + tq].reshape(B, Hkv, G * tq, 1)))
+            dq[:, :, :, i:i + tq] += (ds @ keys).mul_(scale).view(B, Hkv, G, tq, D)
+            dk[:, :, j:j + tk] += ds.transpose(-1, -2) @ rows
+    return dq.view(B, H, Sq, D), dk, dv

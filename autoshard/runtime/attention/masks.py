@@ -1,0 +1,125 @@
+"""Structured attention masks: which (query, key) pairs are visible, by *global* position.
+
+A :class:`MaskSpec` holds the position-based part of a mask (``causal`` and ``window``); the data-based
+parts (``key_mask``, ``segment_ids``) are tensors that travel with the keys and are applied tile by tile.
+No mask here ever becomes an ``S x S`` tensor: a block of queries ``[q_start, q_start + q_len)`` against a
+block of keys ``[k_start, k_start + k_len)`` is *classified* from its offsets alone:
+
+``HIDDEN``
+    no pair is visible: the block is skipped (no compute, no mask tensor);
+``FULL``
+    every pair is visible: computed without building any mask tensor;
+``PARTIAL``
+    some pairs are visible: a ``q_len x k_len`` boolean mask is built for this block (tiles keep it small).
+
+Visibility rule (flash-attn's convention): key ``j`` is visible to query ``i`` iff
+``causal`` implies ``j <= i`` and ``window=(left, right)`` implies ``i - left <= j <= i + right``,
+where ``-1`` means unbounded on that side. Mistral's ``sliding_window=W`` is ``window=(W - 1, 0)`` with
+``causal=True``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MaskSpec", "Visibility"]
+
+
+class Visibility(enum.Enum):
+    """How much of a (query block, key block) rectangle a :class:`MaskSpec` lets through."""
+
+    HIDDEN = "hidden"
+    PARTIAL = "partial"
+    FULL = "full"
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """The position-based part of an attention mask."""
+
+    causal: bool = False
+    """Key ``j`` is visible to query ``i`` only if ``j <= i``."""
+    window: tuple[int, int] = (-1, -1)
+    """``(left, right)``: key ``j`` is visible to query ``i`` only if ``i - left <= j <= i + right``;
+    ``-1`` leaves that side unbounded."""
+
+    def __post_init__(self):
+        window = tuple(self.window)
+        if len(window) != 2 or not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
+            raise ValueError(f"autoshard.attention: window must be a pair of ints (left, right), got {self.window!r}")
+        if any(w < -1 for w in window):
+            raise ValueError(
+                f"autoshard.attention: window sides must be >= 0, or -1 for unbounded, got {self.window!r}")
+        object.__setattr__(self, "window", window)
+
+    @staticmethod
+    def of(causal: bool = False, window: tuple[int, int] | None = None) -> "MaskSpec":
+        """The spec of ``causal`` and ``window`` (``None`` for no window)."""
+        return MaskSpec(bool(causal), (-1, -1) if window is None else tuple(window))
+
+    # ------------------------------------------------------------------ the band of visible keys
+    @property
+    def lower(self) -> int | None:
+        """Visible keys satisfy ``j >= i - lower`` (``None``: no lower bound)."""
+        return None if self.window[0] == -1 else self.window[0]
+
+    @property
+    def upper(self) -> int | None:
+        """Visible keys satisfy ``j <= i + upper`` (``None``: no upper bound)."""
+        if self.causal:
+            return 0 if self.window[1] == -1 else min(0, self.window[1])
+        return None if self.window[1] == -1 else self.window[1]
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """Exactly ``j <= i`` (causal, no window cutting further)."""
+        return self.causal and self.lower is None
+
+    @property
+    def window_arg(self) -> tuple[int, int] | None:
+        """The window in the form ``local_attention`` takes (``None`` when unbounded on both sides)."""
+        return None if self.window == (-1, -1) else self.window
+
+    # ------------------------------------------------------------------ blocks
+    def classify(self, q_start: int, q_len: int, k_start: int, k_len: int) -> Visibility:
+        """Whether the block of queries ``[q_start, q_start + q_len)`` against keys ``[k_start, k_start + k_len)``
+        is hidden, fully visible or partly visible (from the offsets alone)."""
+        if q_len <= 0 or k_len <= 0:
+            return Visibility.HIDDEN
+        q_last, k_last = q_start + q_len - 1, k_start + k_len - 1
+        lo, hi = self.lower, self.upper
+        # The visible band [i - lo, i + hi] moves right as i grows.
+        if (hi is not None and k_start > q_last + hi) or (lo is not None and k_last < q_start - lo):
+            return Visibility.HIDDEN
+        if (hi is None or k_last <= q_start + hi) and (lo is None or k_start >= q_last - lo):
+            return Visibility.FULL
+        return Visibility.PARTIAL
+
+    def visible(self, q_start: int, q_len: int, k_start: int, k_len: int,
+                device: torch.device | str | None = None) -> torch.Tensor:
+        """The ``[q_len, k_len]`` boolean mask of one block (True = visible). Only for blocks (tiles) that
+        are partly visible; nothing calls it for a whole sequence."""
+        i = torch.arange(q_start, q_start + q_len, device=device).unsqueeze(1)
+        j = torch.arange(k_start, k_start + k_len, device=device).unsqueeze(0)
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+        if self.upper is not None:
+            mask &= j <= i + self.upper
+        if self.lower is not None:
+            mask &= j >= i - self.lower
+        return mask
+
+    def visible_pairs(self, q_start: int, q_len: int, k_start: int, k_len: int) -> int:
+        """How many (query, key) pairs of the block are visible (an exact count, without a mask tensor)."""
+        visibility = self.classify(q_start, q_len, k_start, k_len)
+        if visibility is Visibility.HIDDEN:
+            return 0
+        if visibility is Visibility.FULL:
+            return q_len * k_len
+        i = torch.arange(q_start, q_start + q_len)
+        first = torch.full_like(i, k_start) if self.lower is None else (i - self.lower).clamp(min=k_start)
+        last = torch.full_like(i, k_start + k_len - 1) if self.upper is None else (i + self.upper).clamp(
+            max=k_start + k_len - 1)
+        return int((last - first + 1).clamp(min=0).sum())

@@ -1,0 +1,209 @@
+"""Ulysses attention (DeepSpeed-Ulysses): all-to-all from sequence-split to head-split and back.
+
+Forward: an all-to-all turns every rank's ``[B, H, S_local, D]`` shard into ``[B, h_r, S, D]``: all
+positions of the rank's share of the heads. Attention over the whole sequence is then local (the
+gathered tensor is every rank's shard in rank order, i.e. pieces of the global sequence, computed
+piece by piece at global offsets like every other strategy); an all-to-all brings the output (and the
+LSE) back to sequence-split. Per-token masks (``key_mask``, ``segment_ids``) are all-gathered.
+
+Heads. Query heads are split as evenly as the group allows (``H`` need not be divisible by ``P``; sizes
+differ by at most one). A rank receives exactly the kv heads its query heads read: a contiguous range
+``[first // G, last // G]`` with ``G = H // Hkv``. When ``Hkv`` is smaller than ``P`` (or a group is cut by
+the split) a kv head goes to every rank that needs it and to no other -- the least duplication the
+split allows -- and the backward sums the duplicated dK/dV on the kv head's owner. A rank whose heads
+span GQA groups unevenly computes them as up to three uniform head segments
+(:class:`~.blocks.HeadSegment`). The only constraint is ``H >= P`` (every rank needs a head).
+
+Backward: the custom op keeps only its inputs and outputs, so the backward moves ``q``, ``out``, ``dout``
+(stacked into one all-to-all), ``k``/``v`` and the LSE to head-split again, runs the local backward, and
+moves dQ, dK, dV back (in the input dtype; duplicated kv heads are summed in fp32 after arrival).
+
+:func:`ulysses_forward` / :func:`ulysses_backward` take an optional ring group: with it, the attention
+in head space is the ring of :mod:`.ring` across Ulysses groups -- the hybrid strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import all_gather_impl, all_to_all_impl
+from ..layouts import SequenceLayout, split_sizes
+from . import ring
+from .base import AttentionInputError, Call, Strategy, register
+from .blocks import HeadSegment, pieces
+from .local import compute_dtype
+from .masks import MaskSpec
+
+__all__ = ["ulysses_attention", "HeadShare", "head_plan", "ulysses_forward", "ulysses_backward"]
+
+
+@dataclass(frozen=True)
+class HeadShare:
+    """The heads one rank of a Ulysses group computes."""
+
+    q: tuple[int, int]
+    """Query heads ``[lo, hi)``."""
+    kv: tuple[int, int]
+    """The kv heads ``[lo, hi)`` those query heads read."""
+
+    def segments(self, group_size: int) -> tuple[HeadSegment, ...]:
+        """Uniform GQA segments of the local heads (local indices): a partial group at either end, whole
+        groups in between."""
+        q_lo, q_hi = self.q
+        out: list[HeadSegment] = []
+        for g in range(*self.kv):
+            a, b = max(q_lo, g * group_size), min(q_hi, (g + 1) * group_size)
+            seg = HeadSegment(a - q_lo, b - q_lo, g - self.kv[0], g - self.kv[0] + 1)
+            prev = out[-1] if out else None
+            if prev and b - a == group_size and prev.q_hi - prev.q_lo == group_size * (prev.kv_hi - prev.kv_lo):
+                out[-1] = HeadSegment(prev.q_lo, seg.q_hi, prev.kv_lo, seg.kv_hi)
+            else:
+                out.append(seg)
+        return tuple(out)
+
+
+def head_plan(heads: int, kv_heads: int, world: int) -> tuple[HeadShare, ...]:
+    """How a Ulysses group of ``world`` ranks splits ``heads`` query heads reading ``kv_heads`` kv heads."""
+    group = heads // kv_heads
+    bounds = [0]
+    for n in split_sizes(heads, world):
+        bounds.append(bounds[-1] + n)
+    return tuple(HeadShare((lo, hi), (lo // group, (hi - 1) // group + 1)) for lo, hi in zip(bounds, bounds[1:]))
+
+
+def check_heads(heads: int, world: int, what: str) -> None:
+    """Raise when ``world`` ranks cannot split ``heads`` query heads."""
+    if heads < world:
+        raise AttentionInputError(
+            f"autoshard.attention: {what} splits the {heads} query heads over {world} ranks and needs at least "
+            f"one head per rank (H >= P); use strategy 'ring' or 'zigzag', or 'hybrid' with a Ulysses axis of at "
+            f"most {heads} ranks")
+
+
+# ---------------------------------------------------------------------------- moving between splits
+
+
+def _move(x: torch.Tensor, head_dim: int, to_heads: bool, head_sizes, lengths, pg) -> torch.Tensor:
+    """All-to-all between sequence-split and head-split along (head_dim, head_dim + 1)."""
+    if to_heads:
+        return all_to_all_impl(x, head_dim, head_dim + 1, list(head_sizes), list(lengths), pg)
+    return all_to_all_impl(x, head_dim + 1, head_dim, list(lengths), list(head_sizes), pg)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything one rank needs to move its tensors for a Ulysses group."""
+
+    pg: dist.ProcessGroup
+    shares: tuple[HeadShare, ...]
+    lengths: tuple[int, ...]
+    """Sequence length of every rank of the Ulysses group."""
+    kv_index: torch.Tensor | None
+    """The kv heads sent, destination by destination (None: each kv head goes to exactly one rank)."""
+    block_pieces: tuple[tuple, ...]
+    """The pieces of the gathered sequence of every ring rank (one entry without a ring)."""
+
+    @property
+    def share(self) -> HeadShare:
+        return self.shares[self.pg.rank()]
+
+    @property
+    def q_sizes(self) -> list[int]:
+        return [s.q[1] - s.q[0] for s in self.shares]
+
+    @property
+    def kv_sizes(self) -> list[int]:
+        return [s.kv[1] - s.kv[0] for s in self.shares]
+
+
+def _plan(heads: int, kv_heads: int, pg, ring_pg, layout: SequenceLayout) -> _Plan:
+    world = pg.size()
+    ring_world, ring_rank = (1, 0) if ring_pg is None else (ring_pg.size(), ring_pg.rank())
+    members = [[i * world + j for j in range(world)] for i in range(ring_world)]
+    shares = head_plan(heads, kv_heads, world)
+    index = [h for s in shares for h in range(*s.kv)]
+    kv_index = None if index == list(range(kv_heads)) else torch.tensor(index)
+    return _Plan(pg, shares, tuple(layout.local_length(r) for r in members[ring_rank]), kv_index,
+                 tuple(pieces(layout, m) for m in members))
+
+
+def _kv_to_heads(k, v, plan: _Plan) -> torch.Tensor:
+    kv = torch.stack([k, v])
+    if plan.kv_index is not None:
+        kv = kv.index_select(2, plan.kv_index.to(kv.device))
+    return _move(kv, 2, True, plan.kv_sizes, plan.lengths, plan.pg)
+
+
+def _gather_masks(key_mask, segment_ids, plan: _Plan):
+    return [None if m is None else all_gather_impl(m, 1, list(plan.lengths), plan.pg) for m in (key_mask, segment_ids)]
+
+
+def ulysses_forward(q, k, v, key_mask, segment_ids, *, pg, ring_pg, layout: SequenceLayout, spec: MaskSpec,
+                    scale: float, kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of this rank's shard: all-to-all to head-split, attention over the gathered sequence
+    (a ring across ``ring_pg`` when given), all-to-all back. ``out`` has ``q``'s dtype."""
+    plan = _plan(q.size(1), k.size(1), pg, ring_pg, layout)
+    qh = _move(q, 1, True, plan.q_sizes, plan.lengths, pg)
+    kvh = _kv_to_heads(k, v, plan)
+    all_keys_mask, all_segments = _gather_masks(key_mask, segment_ids, plan)
+    out_h, lse_h = ring.ring_forward(qh, kvh[0], kvh[1], all_keys_mask, all_segments, pg=ring_pg,
+                                     block_pieces=plan.block_pieces, heads=plan.share.segments(q.size(1) // k.size(1)),
+                                     spec=spec, scale=scale, kernels=kernels)
+    out = _move(out_h.to(q.dtype), 1, False, plan.q_sizes, plan.lengths, pg)
+    lse = _move(lse_h, 1, False, plan.q_sizes, plan.lengths, pg)
+    return out, lse
+
+
+def ulysses_backward(dout, q, k, v, out, lse, key_mask, segment_ids, *, pg, ring_pg, layout: SequenceLayout,
+                     spec: MaskSpec, scale: float, kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`ulysses_forward` (``dq`` in ``q``'s dtype, ``dk``/``dv`` in the compute dtype)."""
+    plan = _plan(q.size(1), k.size(1), pg, ring_pg, layout)
+    q_out_dout = _move(torch.stack([q, out.to(q.dtype), dout.to(q.dtype)]), 2, True, plan.q_sizes, plan.lengths, pg)
+    kvh = _kv_to_heads(k, v, plan)
+    lse_h = _move(lse, 1, True, plan.q_sizes, plan.lengths, pg)
+    all_keys_mask, all_segments = _gather_masks(key_mask, segment_ids, plan)
+    qh, out_h, dout_h = q_out_dout
+    dqh, dkh, dvh = ring.ring_backward(dout_h, qh, kvh[0], kvh[1], out_h, lse_h, all_keys_mask, all_segments,
+                                       pg=ring_pg, block_pieces=plan.block_pieces,
+                                       heads=plan.share.segments(q.size(1) // k.size(1)), spec=spec, scale=scale,
+                                       kernels=kernels)
+    dq = _move(dqh.to(q.dtype), 1, False, plan.q_sizes, plan.lengths, pg)
+    dkv = _move(torch.stack([dkh, dvh]).to(k.dtype), 2, False, plan.kv_sizes, plan.lengths, pg)
+    if plan.kv_index is not None:  # sum the copies of duplicated kv heads
+        ct = compute_dtype(k.dtype)
+        summed = dkv.new_zeros((2, k.size(0), k.size(1), k.size(2), k.size(3)), dtype=ct)
+        dkv = summed.index_add_(2, plan.kv_index.to(dkv.device), dkv.to(ct))
+    return dq, dkv[0], dkv[1]
+
+
+# ---------------------------------------------------------------------------- the strategy
+
+
+def _check(q, k, v, call: Call) -> int:
+    rank = ring._check(q, k, v, call)
+    check_heads(q.size(1), call.pg.size(), "strategy 'ulysses'")
+    return rank
+
+
+def _forward(q, k, v, key_mask, segment_ids, call: Call):
+    return ulysses_forward(q, k, v, key_mask, segment_ids, pg=call.pg, ring_pg=None, layout=call.layout,
+                           spec=call.spec, scale=call.scale, kernels=call.kernels)
+
+
+def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
+    return ulysses_backward(dout, q, k, v, out, lse, key_mask, segment_ids, pg=call.pg, ring_pg=None,
+                            layout=call.layout, spec=call.spec, scale=call.scale, kernels=call.kernels)
+
+
+register(Strategy("ulysses", _check, _forward, _backward))
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
+    """:func:`~autoshard.runtime.attention.attention` with ``strategy="ulysses"`` (same keywords)."""
+    from .api import attention
+
+    return attention(q, k, v, strategy="ulysses", **options)
