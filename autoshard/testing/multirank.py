@@ -28,6 +28,7 @@ default process group initialized (``torch.distributed.get_rank()`` works inside
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import faulthandler
 import multiprocessing as mp
@@ -107,7 +108,8 @@ class _Pool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker, args=(rank, world_size, self.store.port, child,
                                                      self.stack_files[rank], env), daemon=True)
-            proc.start()
+            with _environment(env):  # in the child's environment from its start (malloc reads it then)
+                proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -201,6 +203,21 @@ class _Pool:
             conn.close()
         if _pools.get(self.key) is self:
             del _pools[self.key]
+
+
+@contextlib.contextmanager
+def _environment(env: dict):
+    """``os.environ`` updated with ``env`` inside the block (spawned children inherit it)."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 _pools: dict[tuple, _Pool] = {}
