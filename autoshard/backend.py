@@ -61,6 +61,7 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world
     """Run the passes on ``gm`` (modified in place up to the rewrite) for ``rank`` of ``world``."""
     annotate(gm)
     capture_attention(gm)
+    annotate(gm)  # capture rewired nodes: their canonical ops must name the new inputs
     decompose(gm)
     links = link_graph(gm)
     for node, dim in _annotated_inputs(gm, config):

@@ -21,6 +21,7 @@ is not distributed.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -148,7 +149,7 @@ def _masked(graph: fx.Graph, node: fx.Node, before: fx.Node):
         return (a, b) if shape_of(a) == shape_of(node) else (b, a)
     if fn == "masked_fill" and _is_neg_inf(node.args[2]):
         with graph.inserting_before(before):
-            keep = new_node(graph, torch.Tensor.__invert__, (node.args[1],))
+            keep = new_node(graph, operator.invert, (node.args[1],))
         return node.args[0], keep
     if fn == "where" and _is_neg_inf(node.args[2]) and is_tensor_node(node.args[1]):
         return node.args[1], node.args[0]

@@ -125,9 +125,13 @@ class _Evaluator:
             args = list(node.args)
             start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
             return _Abs(sympy.Integer(start) + sympy.Integer(step) * _sym(0), shape)
-        if name == "factory" and target in ("new_ones", "ones", "full", "new_full", "ones_like") and not any(shape):
-            fill = node.args[-1] if "full" in target else 1
-            return _Abs(sympy.true if value_of(node).dtype == torch.bool and fill else sympy.sympify(fill), shape)
+        fills = {"new_ones": 1, "ones": 1, "ones_like": 1, "new_zeros": 0, "zeros": 0, "zeros_like": 0}
+        if name == "factory" and (target in fills or "full" in target):
+            fill = fills.get(target, node.kwargs.get("fill_value", node.args[-1] if node.args else None))
+            if isinstance(fill, (bool, int, float)):
+                if value_of(node).dtype == torch.bool:
+                    return _Abs(sympy.true if fill else sympy.false, shape)
+                return _Abs(sympy.sympify(fill), shape)
         if name in ("identity", "to"):
             src = self(op["input"])
             if value_of(node).dtype == torch.bool and value_of(op["input"]).dtype != torch.bool:
@@ -139,6 +143,8 @@ class _Evaluator:
             return _broadcast_to(self(op["input"]), shape)
         if name == "getitem":
             return self._index(node, op, shape)
+        if target in ("triu", "tril") and len(shape) >= 2:
+            return self._triangle(node, target, shape)
         if name == "pointwise":
             return self._pointwise(node, name_fn, shape)
         return self.leaf(node)
@@ -171,6 +177,19 @@ class _Evaluator:
             return _Abs(sympy.Not(vals[0].expr), shape)
         if fn in ("neg",):
             return _Abs(-vals[0].expr, shape)
+        return self.leaf(node)
+
+    def _triangle(self, node, which: str, shape) -> _Abs:
+        """``triu`` / ``tril`` of a constant: a bool band, or an additive mask of a very negative fill."""
+        src = self(node.args[0])
+        diagonal = node.args[1] if len(node.args) > 1 else node.kwargs.get("diagonal", 0)
+        n = len(shape)
+        offset = _sym(n - 1) - _sym(n - 2)
+        band = sympy.Ge(offset, diagonal) if which == "triu" else sympy.Le(offset, diagonal)
+        if src.expr is sympy.true:
+            return _Abs(band, shape)
+        if _very_negative(src.expr):
+            return _Abs(sympy.Not(band), shape, additive=True)
         return self.leaf(node)
 
     def _index(self, node, op, shape) -> _Abs:

@@ -369,7 +369,8 @@ def select_owned(x: torch.Tensor, dim: int, position: int, layout_code: list[int
         if s <= position < e:
             return x.select(dim, local + position - s)
         local += e - s
-    return x.select(dim, 0).detach().mul(0) if x.size(dim) else x.new_zeros(x.shape[:dim] + x.shape[dim + 1:])
+    # zeros that stay connected to ``x``: every rank must run the same backward (and its collectives)
+    return x.sum(dim) * 0
 
 
 register("getitem", "narrow", "select", link=link_index, rewrite=rewrite_index)
