@@ -88,8 +88,9 @@ def main() -> None:
                 ours = run_on_ranks(distributed, WORLD, strategy, layout, length, causal, threads=1,
                                     env=LOW_MMAP_THRESHOLD_ENV, timeout=TIMEOUT)
                 t = max(r[0] for r in ours)
+                sent, peak = max(r[1] for r in ours), max(r[2] for r in ours)
                 rows.append([f"{length // 1024}k", mask, f"autoshard {strategy}", f"{t:.2f}", f"{peer_time / t:.2f}",
-                             f"{max(r[1] for r in ours) / 2**20:.1f} MiB", f"{max(r[2] for r in ours) / 2**20:.0f} MiB"])
+                             f"{sent / 2**20:.1f} MiB", f"{peak / 2**20:.0f} MiB"])
             print(f"done S={length} {mask}", flush=True)
     print_table(f"P={WORLD} ranks x 1 thread, forward + backward, B=1 H=8 D=64 float32 (seconds; speed-up = peer time "
                 f"/ time)", ["S", "mask", "run", "T_P", "speed-up vs peer", "sent/rank", "peak/rank"], rows)

@@ -11,7 +11,6 @@ The same runs measure bytes sent per call (forward and backward separately) agai
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 
 from autoshard.runtime.attention import local as local_impl
 from autoshard.runtime import SequenceLayout, attention, comm_counter
-from autoshard.runtime.attention import attention_flops, hybrid_layout, hybrid_sequence_rank
+from autoshard.runtime.attention import attention_flops, hybrid_sequence_rank
 from autoshard.runtime.attention.formulas import bytes_sent, values
 from autoshard.testing import run_on_ranks
 
@@ -125,7 +124,7 @@ def _run_case(case: dict, mesh) -> dict:
     with comm_counter() as fwd:
         out = attention(ql, kl, vl, group=group, strategy=case["strategy"], layout=case["layout"],
                         key_mask=shard(key_mask), segment_ids=shard(segments), seq_len=case["length"],
-                        **_mask_args(case))
+                        kernels=case.get("kernels", "auto"), **_mask_args(case))
     with comm_counter() as bwd:
         out.backward(dout[:, :, pos])
     payload = lambda cc: sum(s.bytes_sent for kind, s in cc.calls.items() if kind != "metadata")  # noqa: E731
@@ -167,8 +166,7 @@ def _relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.to(torch.float64) - ref).abs().max() / ref.abs().max()).item()
 
 
-def test_matches_one_process_sdpa(runs):
-    world, cases, results = runs
+def _check_against_sdpa(world: int, cases: list[dict], results: list[list[dict]]) -> None:
     failures = []
     for n, case in enumerate(cases):
         reference = _reference(case)
@@ -182,6 +180,23 @@ def test_matches_one_process_sdpa(runs):
                 if not err <= TOLERANCE[case["dtype"]]:
                     failures.append(f"{case} rank {rank} {name}: relative error {err:.2e}")
     assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} failures)"
+
+
+def test_matches_one_process_sdpa(runs):
+    _check_against_sdpa(*runs)
+
+
+def test_triton_kernels_plug_into_the_strategies():
+    """The same strategies with ``kernels="triton"`` (the Triton interpreter on CPU)."""
+    pytest.importorskip("triton")
+    pytest.importorskip("autoshard.kernels.attention")
+    wanted = {("zigzag", "zigzag", "causal"), ("ulysses", "contiguous", "segments+causal"),
+              ("zigzag", "zigzag", "key_mask")}
+    cases = [dict(case, kernels="triton", dtype=torch.float32, tiled=False, length=20, head_dim=16)
+             for case in _cases(2) if case["dtype"] == torch.float64 and (case["heads"], case["kv_heads"]) == (8, 2)
+             and (case["strategy"], case["layout"], case["mask"]) in wanted]
+    assert len(cases) == len(wanted)
+    _check_against_sdpa(2, cases, run_on_ranks(_run_cases, 2, cases, env={"TRITON_INTERPRET": "1"}, timeout=240))
 
 
 def _mesh_sizes(case: dict, world: int) -> tuple[int, int]:
@@ -214,7 +229,8 @@ def test_bytes_sent_equal_the_formulas(runs):
             expected = _formula_bytes(case, world, direction)
             if expected is None:
                 continue
-            measured = [results[rank][n]["fwd_bytes" if direction == "forward" else "bwd_bytes"] for rank in range(world)]
+            column = "fwd_bytes" if direction == "forward" else "bwd_bytes"
+            measured = [results[rank][n][column] for rank in range(world)]
             layout = _layout(case, world)
             if layout.is_even:  # every rank sends exactly the formula
                 assert measured == [expected] * world, (case, direction, measured, expected)
@@ -227,28 +243,34 @@ def test_bytes_sent_equal_the_formulas(runs):
 # ---------------------------------------------------------------------------- causal balance
 
 
-def _causal_flops(layout: str, strategy: str, length: int) -> int:
-    q = torch.randn(1, 2, length, 8)
-    lay = SequenceLayout.of(layout, length, dist.get_world_size())
-    local = q[:, :, lay.positions(dist.get_rank())]
-    with attention_flops() as flops:
-        attention(local, local, local, strategy=strategy, layout=layout, causal=True, seq_len=length)
-    return flops.forward
+def _causal_flops(runs: list[tuple[str, str, int]]) -> list[int]:
+    """Forward attention FLOPs this rank counts for each causal (layout, strategy, length) run."""
+    counts = []
+    for layout, strategy, length in runs:
+        q = torch.randn(1, 2, length, 8)
+        lay = SequenceLayout.of(layout, length, dist.get_world_size())
+        local = q[:, :, lay.positions(dist.get_rank())]
+        with attention_flops() as flops:
+            attention(local, local, local, strategy=strategy, layout=layout, causal=True, seq_len=length)
+        counts.append(flops.forward)
+    return counts
 
 
 def test_zigzag_balances_causal_work():
-    length = 64
-    zigzag = run_on_ranks(_causal_flops, 4, "zigzag", "zigzag", length)
-    contiguous = run_on_ranks(_causal_flops, 4, "contiguous", "ring", length)
-    visible_pairs = length * (length + 1) // 2
-    for counts in (zigzag, contiguous):  # each counts every visible pair once, 4 * D * heads FLOPs each
-        assert sum(counts) == 4 * 8 * 2 * visible_pairs
-    zigzag_ratio = max(zigzag) / (sum(zigzag) / 4)
-    ring_ratio = max(contiguous) / (sum(contiguous) / 4)
-    print(f"\ncausal attention FLOPs per rank at P=4, S={length}: zigzag {zigzag} (max/mean {zigzag_ratio:.3f}); "
-          f"contiguous ring {contiguous} (max/mean {ring_ratio:.3f})")
-    assert zigzag_ratio <= 1.05
-    assert ring_ratio > 1.5  # what zigzag fixes: the last rank of a contiguous ring does ~7/4 of the mean
+    world, lengths = 4, (64, 203)  # 203: uneven chunks
+    runs = [(layout, strategy, n) for n in lengths for layout, strategy in (("zigzag", "zigzag"), ("contiguous", "ring"))]
+    per_rank = run_on_ranks(_causal_flops, world, runs)
+    report = []
+    for n, (layout, strategy, length) in enumerate(runs):
+        counts = [per_rank[rank][n] for rank in range(world)]
+        assert sum(counts) == 4 * 8 * 2 * length * (length + 1) // 2  # every visible pair once: 4 * D * heads
+        ratio = max(counts) / (sum(counts) / world)
+        report.append(f"{strategy} ({layout}) S={length}: {counts} max/mean {ratio:.3f}")
+        if strategy == "zigzag":
+            assert ratio <= 1.05, report[-1]
+        else:  # what zigzag fixes: the last rank of a contiguous ring does ~7/4 of the mean
+            assert ratio > 1.5, report[-1]
+    print("\ncausal attention FLOPs per rank at P=4:\n  " + "\n  ".join(report))
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -23,7 +23,7 @@ from ..collectives import all_gather_impl, reduce_scatter_impl
 from . import ring
 from .base import Call, Strategy, register
 from .blocks import HeadSegment, attend, attend_backward, empty_result, pieces
-from .local import compute_dtype
+from .local import compute_dtype, row_delta
 
 __all__ = ["allgather_attention"]
 
@@ -54,7 +54,7 @@ def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
     ct = compute_dtype(q.dtype)
     dq = q.new_zeros(q.shape, dtype=ct)
     dkv = kv.new_zeros(kv.shape, dtype=ct)
-    delta = (dout.to(ct) * out.to(ct)).sum(-1)
+    delta = row_delta(dout, out)
     attend_backward(dq, dkv[0], dkv[1], dout, q, kv[0], kv[1], out, lse, delta, pieces(layout, [rank]),
                     pieces(layout, range(layout.world_size)), heads=HeadSegment.all(q.size(1), k.size(1)),
                     spec=call.spec, key_mask=all_keys_mask, seg_q=segment_ids, seg_k=all_segments,

@@ -67,16 +67,21 @@ def _check_tensors(q, k, v, key_mask, segment_ids) -> None:
     if H % k.size(1):
         raise AttentionInputError(f"autoshard.attention: the {H} query heads must be a multiple of the {k.size(1)} "
                                   f"kv heads (GQA/MQA: H divisible by Hkv)")
-    for name, mask, ok in (("key_mask", key_mask, lambda m: m.dtype == torch.bool),
-                           ("segment_ids", segment_ids,
-                            lambda m: not m.dtype.is_floating_point and not m.dtype.is_complex and m.dtype != torch.bool)):
-        if mask is None:
-            continue
-        kind = "bool" if name == "key_mask" else "integer"
-        if not isinstance(mask, torch.Tensor) or mask.shape != (B, S) or not ok(mask) or mask.device != q.device:
-            got = f"{list(mask.shape)} {mask.dtype} on {mask.device}" if isinstance(mask, torch.Tensor) else type(mask)
-            raise AttentionInputError(f"autoshard.attention: {name} must be this rank's shard, a [B, S_local] = "
-                                      f"[{B}, {S}] {kind} tensor on {q.device}, got {got}")
+    _check_token_mask("key_mask", key_mask, q, "bool", lambda dtype: dtype == torch.bool)
+    _check_token_mask("segment_ids", segment_ids, q, "integer",
+                      lambda dtype: not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool))
+
+
+def _check_token_mask(name: str, mask, q: torch.Tensor, kind: str, dtype_ok) -> None:
+    """A per-token mask must be this rank's [B, S_local] shard of the right kind, on q's device."""
+    if mask is None:
+        return
+    B, S = q.size(0), q.size(2)
+    if (not isinstance(mask, torch.Tensor) or mask.shape != (B, S) or not dtype_ok(mask.dtype)
+            or mask.device != q.device):
+        got = f"{list(mask.shape)} {mask.dtype} on {mask.device}" if isinstance(mask, torch.Tensor) else type(mask)
+        raise AttentionInputError(f"autoshard.attention: {name} must be this rank's shard, a [B, S_local] = "
+                                  f"[{B}, {S}] {kind} tensor on {q.device}, got {got}")
 
 
 def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
@@ -285,7 +290,8 @@ def attention(
                                   f"SequenceLayout")
     if isinstance(layout, SequenceLayout):
         if seq_len not in (None, layout.length):
-            raise AttentionInputError(f"autoshard.attention: seq_len={seq_len} but {layout!r} has length {layout.length}")
+            raise AttentionInputError(f"autoshard.attention: seq_len={seq_len} but {layout!r} has length "
+                                      f"{layout.length}")
         seq_len = layout.length
     spec = MaskSpec.of(causal, window)
     pgs = _groups(group, strategy)

@@ -125,10 +125,10 @@ def attend(
     for qp, kp in _visible_pairs(q_pieces, k_pieces, spec):
         masks = _mask_args(qp, kp, key_mask, seg_q, seg_k)
         for hs in heads:
-            o, l = local_attention(q[:, hs.q, qp.rows], k[:, hs.kv, kp.rows], v[:, hs.kv, kp.rows],
-                                   q_offset=qp.start, k_offset=kp.start, causal=spec.causal,
-                                   window=spec.window_arg, scale=scale, kernels=kernels, **masks)
-            merge_attention_(out[:, hs.q, qp.rows], lse[:, hs.q, qp.rows], o, l, kernels=kernels)
+            block_out, block_lse = local_attention(
+                q[:, hs.q, qp.rows], k[:, hs.kv, kp.rows], v[:, hs.kv, kp.rows], q_offset=qp.start,
+                k_offset=kp.start, causal=spec.causal, window=spec.window_arg, scale=scale, kernels=kernels, **masks)
+            merge_attention_(out[:, hs.q, qp.rows], lse[:, hs.q, qp.rows], block_out, block_lse, kernels=kernels)
 
 
 def attend_backward(

@@ -44,7 +44,9 @@ from .flops import record_flops
 from .masks import MaskSpec, Visibility
 from .merge import merge_attention_
 
-__all__ = ["local_attention", "local_attention_backward", "compute_dtype", "TILE_Q", "TILE_K", "FUSED_BLOCKS"]
+__all__ = [
+    "local_attention", "local_attention_backward", "compute_dtype", "row_delta", "TILE_Q", "TILE_K", "FUSED_BLOCKS",
+]
 
 TILE_Q = 512
 """Query rows per tile of the torch path (times the GQA group size)."""
@@ -61,6 +63,12 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype attention accumulates in for inputs of ``dtype``: float64 stays, the rest is float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``delta = rowsum(dout * out)`` (``[B, H, S]``, compute dtype): the backward's per-row correction."""
+    ct = compute_dtype(out.dtype)
+    return (dout.to(ct) * out.to(ct)).sum(-1)
 
 
 def local_attention(
@@ -196,11 +204,11 @@ def _fused_forward(q, k, v, parts, scale):
     q, k, v = q.to(ct), k.to(ct), v.to(ct)
     out = lse = None
     for lo, hi, causal in parts:
-        o, l = _flash_forward(q, k[:, :, lo:hi], v[:, :, lo:hi], 0.0, causal, scale=scale)
+        part_out, part_lse = _flash_forward(q, k[:, :, lo:hi], v[:, :, lo:hi], 0.0, causal, scale=scale)
         if out is None:
-            out, lse = o, l
+            out, lse = part_out, part_lse
         else:
-            merge_attention_(out, lse, o, l, kernels="torch")
+            merge_attention_(out, lse, part_out, part_lse, kernels="torch")
     return out, lse
 
 
@@ -285,7 +293,7 @@ def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, ke
     (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
     G, ct = H // Hkv, compute_dtype(q.dtype)
     if delta is None:
-        delta = (dout.to(ct) * out.to(ct)).sum(-1)
+        delta = row_delta(dout, out)
     # Rows with no visible key anywhere (lse = -inf) get lse = +inf, so every p = exp(s - lse) is 0.
     lse = lse.to(ct).masked_fill(lse == _NEG_INF, float("inf")).reshape(B, Hkv, G, Sq)
     delta = delta.to(ct).reshape(B, Hkv, G, Sq)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..collectives import RingCommunicator
 from .base import AttentionInputError, Call, Strategy, register
 from .blocks import HeadSegment, Piece, attend, attend_backward, empty_result, pieces
-from .local import compute_dtype
+from .local import compute_dtype, row_delta
 from .masks import MaskSpec
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward"]
@@ -119,7 +119,7 @@ def ring_backward(
     """``(dq, dk, dv)`` (compute dtype) of :func:`ring_forward`, given its final ``out`` and ``lse``."""
     world, rank = (1, 0) if pg is None else (pg.size(), pg.rank())
     ct = compute_dtype(q.dtype)
-    delta = (dout.to(ct) * out.to(ct)).sum(-1)
+    delta = row_delta(dout, out)
     dq = q.new_zeros(q.shape, dtype=ct)
     block = _block(k, v, key_mask, segment_ids)
     kv_comm = RingCommunicator(pg) if world > 1 else None

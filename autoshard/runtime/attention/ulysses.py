@@ -25,8 +25,6 @@ in head space is the ring of :mod:`.ring` across Ulysses groups -- the hybrid st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
-
 import torch
 import torch.distributed as dist
 
