@@ -2,10 +2,16 @@
 
     model = torch.compile(model, backend=autoshard.backend(mesh))
 
-See README.md for the tour and DESIGN notes in the module docstrings.
+Every rank passes the same full inputs and gets the same outputs and gradients as one device; the
+compiler finds the sequence dims from the attention calls, splits activations along them, replaces
+attention with distributed attention and makes positions, masks, reductions, shifts and losses exact
+under the split. See README.md for the tour.
 """
 
 from . import launch, runtime
+from .compiler import AutoshardBackend, backend
+from .config import BackendConfig
+from .placements import Partial, Replicate, Shard
 
-__all__ = ["runtime", "launch"]
+__all__ = ["backend", "AutoshardBackend", "BackendConfig", "runtime", "launch", "Shard", "Replicate", "Partial"]
 __version__ = "0.1.0"

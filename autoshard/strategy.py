@@ -6,8 +6,8 @@ This is the first cost rule; the planner's cost model (``autoshard.plan``) refin
 * otherwise Ulysses when the heads split evenly over the ranks (its all-to-alls move 4/P of the
   activations, independent of the ring's P-1 steps), else the zigzag ring for causal attention
   (balanced work) and the plain ring for the rest;
-* a family's layout is zigzag when one of its attentions uses a ring on a causal mask and the
-  sequence has at least 2P positions, contiguous otherwise.
+* a family's layout is zigzag when one of its attentions uses the zigzag ring and the sequence has at
+  least 2P positions, contiguous otherwise (the ring over a zigzag layout *is* the zigzag strategy).
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ def choose(families: Families, *, config: BackendConfig, world: int,
                 chosen[node] = _auto_strategy(heads, kv_heads, causal, heads_axis_size or world)
         kind = config.layout
         if kind == "auto":
-            ring_causal = any(s in ("ring", "zigzag", "hybrid") and op_of(n).get("causal") for n, s in chosen.items())
-            kind = "zigzag" if ring_causal and fam.length >= 2 * world else "contiguous"
+            wants_zigzag = any(s == "zigzag" for s in chosen.values())
+            kind = "zigzag" if wants_zigzag and fam.length >= 2 * world else "contiguous"
         if kind == "contiguous":
             chosen = {n: ("ring" if s == "zigzag" else s) for n, s in chosen.items()}
-        elif any(s == "ring" for s in chosen.values()):
+        else:
             chosen = {n: ("zigzag" if s == "ring" else s) for n, s in chosen.items()}
         layouts[fam.index] = SequenceLayout.of(kind, fam.length, world)
         strategies.update(chosen)

@@ -84,7 +84,7 @@ def compare_with_one_process(make_model: Callable[[], torch.nn.Module], make_inp
                              *, seed: int = 0, dtype: torch.dtype = torch.float32, group=None,
                              kwargs: dict | None = None, **options) -> Comparison:
     """Run on every rank of ``group``: compiled vs one-process outputs and parameter gradients."""
-    from ..backend import backend as make_backend
+    from ..compiler import backend as make_backend
 
     torch.manual_seed(seed)
     model = make_model().to(dtype)

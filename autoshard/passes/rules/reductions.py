@@ -56,6 +56,14 @@ def link_reduce(ctx, node, op):
         ctx.link_dims(node, od, src, d)
 
 
+def _source_shard(op, out: Shard | None, ndim: int, reduced: list[int]) -> Shard | None:
+    """The input placement that gives a split output (split on a dim the reduction keeps)."""
+    if out is None:
+        return None
+    kept = [d for d in range(ndim) if d not in reduced or op["keepdim"]]
+    return out.moved(kept[out.dim])
+
+
 def extreme_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, largest: bool, group: str) -> torch.Tensor:
     """amax / amin over dims one of which is split: value all-reduced, gradient shared among all ties."""
     local = x.detach().amax(dims, keepdim=True) if largest else x.detach().amin(dims, keepdim=True)
@@ -101,8 +109,8 @@ def rewrite_reduce(rw, node, op):
         return
     ndim = len(shape_of(src))
     reduced = _reduced_dims(op, ndim)
-    have = rw.out_shard(src) or rw.placement(src)
     out = rw.out_shard(node)
+    have = _source_shard(op, out, ndim, reduced) or rw.out_shard(src) or rw.placement(src)
     if isinstance(have, Partial) and kind in ("sum", "mean") and have.op == "sum":
         rw.done(node, rw.reemit(node), have)
         return

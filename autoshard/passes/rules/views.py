@@ -83,13 +83,25 @@ def rewrite_view(rw, node, op):
         else:
             rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
         return
-    src_shard = rw.out_shard(src)
-    if src_shard is None:  # the split starts here: reshape the whole value, then keep this rank's part
+    want = _view_source_shard(rw, node, src, out)
+    if want is None:  # the split starts here: reshape the whole value, then keep this rank's part
         whole = rw.reemit(node, *whole_args(rw, node))
         rw.done(node, rw.shard_value(node, whole, out), out)
         return
-    x = rw.input(src, src_shard)
+    x = rw.input(src, want)
     rw.done(node, rw.method("reshape", x, tuple(rw.local_shape(node, out))), out)
+
+
+def _view_source_shard(rw, node, src, out: Shard) -> Shard | None:
+    """The placement ``src`` must have for the view to produce ``out``: the input factor the output's
+    sequence factor comes from, split the same way."""
+    in_factors = rw.families.factors.get(src) or [[s] for s in shape_of(src)]
+    _, links = view_factors(in_factors, shape_of(node))
+    for (d_in, f_in), (d_out, f_out) in links:
+        if d_out == out.dim and f_out == out.factor:
+            factors = in_factors[d_in]
+            return Shard(d_in, out.layout, tuple(factors) if len(factors) > 1 else (), f_in if len(factors) > 1 else 0)
+    return None
 
 
 register("view", link=link_view, rewrite=rewrite_view)
@@ -273,9 +285,9 @@ def rewrite_index(rw, node, op):
         rw.fallback(node, f"indexing with {exc}")
         return
     out = rw.out_shard(node)
-    have = rw.out_shard(src) or rw.placement(src)
     out_of, adv_dims = _output_dims(items, len(shape_of(node)))
     tensor_items = [it for it in items if it[0] == "tensor"]
+    have = _index_source_shard(items, out_of, out, shape_of(src)) or rw.out_shard(src) or rw.placement(src)
 
     if isinstance(have, Shard):
         k, item = next((k, it) for k, it in enumerate(items) if it[0] != "new" and it[1] == have.dim)
@@ -312,6 +324,18 @@ def rewrite_index(rw, node, op):
         return
     whole = rw.reemit(node, *whole_args(rw, node))  # the split starts at this value
     rw.done(node, rw.shard_value(node, whole, out), out)
+
+
+def _index_source_shard(items, out_of, out: Shard | None, src_shape) -> Shard | None:
+    """When the output is split on a dim a step-1 slice keeps, the placement the source must have."""
+    if out is None:
+        return None
+    for k, it in enumerate(items):
+        if it[0] == "slice" and out_of.get(k) == out.dim and it[4] == 1:
+            if out.factors:
+                return out.moved(it[1]) if (it[2], it[3]) == (0, src_shape[it[1]]) else None
+            return Shard(it[1], out.layout.derive(-it[2], src_shape[it[1]]))
+    return None
 
 
 def _local_range(shard: Shard, rank: int, start: int, stop: int) -> tuple[int, int]:

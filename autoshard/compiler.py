@@ -33,6 +33,7 @@ from .passes.capture import capture_attention
 from .passes.infer import find_families, link_graph
 from .passes.normalize import annotate, decompose
 from .passes.rewrite import CompileReport, Rewriter
+from .passes.specialize import is_dynamic, size_key, specialize
 from .runtime.groups import GroupLike, resolve_group
 from .strategy import choose
 
@@ -130,11 +131,33 @@ class AutoshardBackend:
             return gm.forward
         if world == 1:
             return gm.forward
+        if is_dynamic(gm):
+            return _PerSizes(self, gm)
+        return self.compile(gm, example_inputs)
+
+    def compile(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        """Compile one static graph for this rank and lower it."""
+        pg, ring_group, heads_axis = self._groups()
         _check_same_graph(pg, next(_COMPILES), gm, example_inputs)
-        compiled = compile_graph(gm, config=self.config, rank=rank, world=world, group=pg.group_name,
+        compiled = compile_graph(gm, config=self.config, rank=pg.rank(), world=pg.size(), group=pg.group_name,
                                  ring_group=ring_group, heads_axis_size=heads_axis)
         self.compiled.append(compiled)
         return _lower(compiled.graph_module, example_inputs, self.config.inner)
+
+
+class _PerSizes:
+    """A dynamic-shape graph, compiled once per distinct set of sizes it is called with."""
+
+    def __init__(self, backend: AutoshardBackend, gm: fx.GraphModule):
+        self.backend, self.gm = backend, gm
+        self.cache: dict[tuple, Callable] = {}
+
+    def __call__(self, *args):
+        key = size_key(args)
+        fn = self.cache.get(key)
+        if fn is None:
+            fn = self.cache[key] = self.backend.compile(specialize(self.gm, list(args)), list(args))
+        return fn(*args)
 
 
 def _lower(gm: fx.GraphModule, example_inputs: list, inner) -> Callable:

@@ -1,0 +1,62 @@
+"""Specialize a dynamic-shape graph to the sizes of one call.
+
+After a model sees two sequence lengths, dynamo recompiles it with symbolic sizes: lengths arrive as
+``SymInt`` placeholders and sizes inside the graph are expressions of them. The compiler's rules work
+on concrete sizes (each rank's local sizes differ anyway), so a dynamic graph is compiled once per
+distinct set of sizes it is called with: the graph is copied, its example values are recomputed on
+fake tensors of the concrete sizes, and every size-valued node is folded into its integer. Dynamo
+keeps one dynamic graph (no recompile limit is hit); this pass caches one static graph per length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from .ops import value_of
+
+__all__ = ["is_dynamic", "specialize", "size_key"]
+
+
+def _symbolic(v) -> bool:
+    if isinstance(v, torch.SymInt):
+        return True
+    if isinstance(v, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in v.shape)
+    return False
+
+
+def is_dynamic(gm: fx.GraphModule) -> bool:
+    """True when the graph has symbolic sizes."""
+    return any(_symbolic(value_of(n)) for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def size_key(args) -> tuple:
+    """What a specialization depends on: the integer inputs and every tensor's shape and dtype."""
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def specialize(gm: fx.GraphModule, args: list) -> fx.GraphModule:
+    """A static copy of ``gm`` for the concrete ``args`` (tensors and ints, in placeholder order)."""
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, copies)
+    graph.output(out)
+    static = fx.GraphModule(gm, graph)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+    FakeTensorProp(static, mode).propagate(*fake_args)
+    for old, node in copies.items():
+        val, before = node.meta.get("val"), value_of(old)
+        if isinstance(val, torch.Tensor) and isinstance(before, torch.Tensor) and before.requires_grad:
+            val.requires_grad_(True)  # fake propagation detaches; rules read who needs gradients
+        node.meta["example_value"] = val
+    for node in list(static.graph.nodes):
+        val = node.meta.get("val")
+        if isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool) and node.op != "output":
+            node.replace_all_uses_with(int(val))  # noqa -- fx accepts constants as replacements
+    static.graph.eliminate_dead_code()
+    static.recompile()
+    return static
