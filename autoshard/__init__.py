@@ -11,7 +11,8 @@ under the split. See README.md for the tour.
 from . import launch, runtime
 from .compiler import AutoshardBackend, backend
 from .config import BackendConfig
+from .inputs import shard_inputs
 from .placements import Partial, Replicate, Shard
 
-__all__ = ["backend", "AutoshardBackend", "BackendConfig", "runtime", "launch", "Shard", "Replicate", "Partial"]
+__all__ = ["backend", "AutoshardBackend", "BackendConfig", "shard_inputs", "runtime", "launch", "Shard", "Replicate", "Partial"]
 __version__ = "0.1.0"

@@ -33,7 +33,10 @@ from .passes.capture import capture_attention
 from .passes.infer import find_families, link_graph
 from .passes.normalize import annotate, decompose
 from .passes.rewrite import CompileReport, Rewriter
-from .passes.specialize import is_dynamic, size_key, specialize
+from .passes.ops import value_of
+from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
+from .placements import Shard
+from .runtime.layouts import SequenceLayout
 from .runtime.groups import GroupLike, resolve_group
 from .strategy import choose
 
@@ -58,7 +61,8 @@ class CompiledGraph:
 
 
 def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world: int, group: str,
-                  ring_group: str = "", heads_axis_size: int | None = None) -> CompiledGraph:
+                  ring_group: str = "", heads_axis_size: int | None = None,
+                  sharded_inputs: dict[str, Any] | None = None) -> CompiledGraph:
     """Run the passes on ``gm`` (modified in place up to the rewrite) for ``rank`` of ``world``."""
     annotate(gm)
     capture_attention(gm)
@@ -70,7 +74,7 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world
     families = find_families(links)
     layouts, strategies = choose(families, config=config, world=world, heads_axis_size=heads_axis_size)
     rewriter = Rewriter(gm, families, layouts, rank=rank, world=world, group=group, config=config,
-                        strategies=strategies, ring_group=ring_group)
+                        strategies=strategies, ring_group=ring_group, sharded_inputs=sharded_inputs)
     new_gm = rewriter.run()
     return CompiledGraph(new_gm, rewriter.report, families, strategies)
 
@@ -133,16 +137,51 @@ class AutoshardBackend:
             return gm.forward
         if is_dynamic(gm):
             return _PerSizes(self, gm)
+        if self.config.inputs == "sharded":
+            raise ValueError(
+                "autoshard: inputs='sharded' expects the inputs that carry the sequence to come from "
+                "autoshard.shard_inputs(...), which marks their sequence dim dynamic; this graph has no such "
+                "input. Pass whole inputs with inputs='replicated' (the default).")
         return self.compile(gm, example_inputs)
 
-    def compile(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
-        """Compile one static graph for this rank and lower it."""
+    def compile(self, gm: fx.GraphModule, example_inputs: list, sharded_inputs: dict[str, Any] | None = None,
+                global_inputs: list | None = None) -> Callable:
+        """Compile one static graph for this rank and lower it. ``sharded_inputs``: placeholder name -> the
+        Shard placement its (local) input arrives in; ``global_inputs``: the inputs' global shapes, when
+        they differ from ``example_inputs``'."""
         pg, ring_group, heads_axis = self._groups()
-        _check_same_graph(pg, next(_COMPILES), gm, example_inputs)
+        _check_same_graph(pg, next(_COMPILES), gm, global_inputs or example_inputs)
         compiled = compile_graph(gm, config=self.config, rank=pg.rank(), world=pg.size(), group=pg.group_name,
-                                 ring_group=ring_group, heads_axis_size=heads_axis)
+                                 ring_group=ring_group, heads_axis_size=heads_axis, sharded_inputs=sharded_inputs)
         self.compiled.append(compiled)
         return _lower(compiled.graph_module, example_inputs, self.config.inner)
+
+    def compile_for_sizes(self, gm: fx.GraphModule, args: list) -> Callable:
+        """Compile a dynamic graph for the sizes of ``args``. With ``inputs="sharded"`` the symbolic dims of
+        tensor inputs are the split sequence: their global lengths are the sum over ranks, and the global
+        graph is compiled with those inputs arriving split."""
+        if self.config.inputs != "sharded":
+            return self.compile(specialize(gm, args), args)
+        pg = self._groups()[0]
+        dims = symbolic_dims(gm)
+        local = torch.tensor([args[i].size(d) for i, d, _ in dims], dtype=torch.long)
+        gathered = [torch.zeros_like(local) for _ in range(pg.size())]
+        dist.all_gather(gathered, local, group=pg)
+        totals = sum(gathered).tolist()
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        global_of = {sym: n for (_, _, sym), n in zip(dims, totals)}
+        shapes: dict[int, list] = {}
+        sharded: dict[str, Any] = {}
+        layout_kind = "contiguous" if self.config.layout == "auto" else self.config.layout
+        for (i, d, sym), n in zip(dims, totals):
+            shape = shapes.setdefault(i, list(args[i].shape))
+            shape[d] = n
+            sharded[placeholders[i].name] = Shard(d, SequenceLayout.of(layout_kind, n, pg.size()))
+        global_args = [global_of.get(symbol_of(p), a) if not isinstance(a, torch.Tensor) else a
+                       for p, a in zip(placeholders, args)]
+        static = specialize(gm, global_args, {i: tuple(s) for i, s in shapes.items()})
+        global_inputs = [value_of(p) for p in static.graph.nodes if p.op == "placeholder"]
+        return self.compile(static, args, sharded, global_inputs)
 
 
 class _PerSizes:
@@ -156,7 +195,7 @@ class _PerSizes:
         key = size_key(args)
         fn = self.cache.get(key)
         if fn is None:
-            fn = self.cache[key] = self.backend.compile(specialize(self.gm, list(args)), list(args))
+            fn = self.cache[key] = self.backend.compile_for_sizes(self.gm, list(args))
         return fn(*args)
 
 

@@ -78,9 +78,10 @@ class Rewriter:
 
     def __init__(self, gm: fx.GraphModule, families: Families, layouts: dict[int, SequenceLayout], *,
                  rank: int, world: int, group: str, config: BackendConfig, strategies: dict[fx.Node, str],
-                 ring_group: str = ""):
+                 ring_group: str = "", sharded_inputs: dict[str, Shard] | None = None):
         self.gm = gm
         self.ring_group = ring_group
+        self.sharded_inputs = sharded_inputs or {}
         self.families = families
         self.layouts = layouts
         self.rank, self.world, self.group = rank, world, group
@@ -270,7 +271,7 @@ class Rewriter:
             if node.op == "placeholder":
                 new = self.graph.placeholder(node.name, type_expr=node.type)
                 new.meta.update(node.meta)
-                self.done(node, new, REPLICATE)
+                self.done(node, new, self.sharded_inputs.get(node.name, REPLICATE))
             elif node.op == "get_attr":
                 self.done(node, self.graph.get_attr(node.target), REPLICATE)
             elif node.op == "output":

@@ -17,7 +17,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .ops import value_of
 
-__all__ = ["is_dynamic", "specialize", "size_key"]
+__all__ = ["is_dynamic", "specialize", "size_key", "symbolic_dims", "symbol_of"]
 
 
 def _symbolic(v) -> bool:
@@ -38,8 +38,28 @@ def size_key(args) -> tuple:
     return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def specialize(gm: fx.GraphModule, args: list) -> fx.GraphModule:
-    """A static copy of ``gm`` for the concrete ``args`` (tensors and ints, in placeholder order)."""
+def symbolic_dims(gm: fx.GraphModule) -> list[tuple[int, int, object]]:
+    """(placeholder index, dim, sympy symbol) of every tensor input dim whose size is a plain symbol."""
+    out = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        v = value_of(node)
+        if isinstance(v, torch.Tensor):
+            for d, size in enumerate(v.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    out.append((i, d, size.node.expr))
+    return out
+
+
+def symbol_of(node: fx.Node):
+    """The sympy symbol of a SymInt placeholder, or None."""
+    v = value_of(node)
+    return v.node.expr if isinstance(v, torch.SymInt) else None
+
+
+def specialize(gm: fx.GraphModule, args: list, shapes: dict[int, tuple] | None = None) -> fx.GraphModule:
+    """A static copy of ``gm`` for the concrete ``args`` (tensors and ints, in placeholder order);
+    ``shapes`` overrides the shape of some tensor args (by index) -- the global shapes of split inputs."""
     graph = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, copies)
@@ -47,6 +67,9 @@ def specialize(gm: fx.GraphModule, args: list) -> fx.GraphModule:
     static = fx.GraphModule(gm, graph)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+    for i, shape in (shapes or {}).items():
+        with mode:
+            fake_args[i] = torch.empty(shape, dtype=args[i].dtype, device=args[i].device)
     FakeTensorProp(static, mode).propagate(*fake_args)
     for old, node in copies.items():
         val, before = node.meta.get("val"), value_of(old)
