@@ -1,0 +1,944 @@
+"""Triton attention kernels for one (query block, key block) pair at global offsets, with natural-log LSE.
+
+One kernel family serves every ring step: the caller passes the GLOBAL position of the first query row
+(``q_offset``) and of the first key column (``k_offset``), and every mask is evaluated from positions
+inside the kernel, never materialized (contract: ``.notes/attention_contract.md``):
+
+- causal ``j_pos <= i_pos``; window ``(left, right)``: ``i_pos - left <= j_pos <= i_pos + right``
+  (``-1`` = unbounded). Both are one *band* ``i_pos - L <= j_pos <= i_pos + R`` with ``R = min(right, 0)``
+  under causal; the host drops a bound no pair of this block can violate and skips a block the band
+  hides entirely, so a ring step whose keys all lie in the past runs the unmasked specialization.
+- ``key_mask`` ``[B, Sk]`` (True = may be attended) and ``segment_ids`` ``(seg_q [B, Sq], seg_k [B, Sk])``.
+
+Kernels (each a ``@triton.jit`` function below, launched by the ``_launch_*`` helpers):
+
+- ``_attn_fwd_kernel``: one program per (query tile, batch*head). It walks the key tiles in three
+  phases from ``_band_tiles``: band-edge tiles [lo, full_lo), fully visible tiles [full_lo, full_hi)
+  and band-edge / ragged-tail tiles [full_hi, hi). Tiles outside [lo, hi) are never loaded. Fully
+  visible tiles skip the position arithmetic and the bounds checks (and, without key_mask / segment
+  ids, all masking). Online softmax in base 2 (``exp2`` with ``log2(e)`` folded into the scale), fp32
+  accumulation; a row with no visible key gives out 0 and lse -inf without NaN.
+- ``_attn_bwd_delta_kernel``: ``delta = rowsum(dout * out)`` (skipped when the caller passes delta).
+- ``_attn_bwd_dkdv_kernel``: one program per (key tile, batch*kv head), looping over the query heads
+  of its GQA group and over the query tiles the band lets see it (same three phases, mirrored), so
+  dk/dv of a kv head are summed in registers: no atomics, deterministic.
+- ``_attn_bwd_dq_kernel``: one program per (query tile, batch*head) over the same key tiles as the
+  forward. The backward uses the FINAL (merged) out / lse, so a ring step's dq/dk/dv for a key block
+  that is not local are exactly that block's share and the caller can accumulate them.
+- ``_merge_kernel``: the fp32 LSE merge of two partial results over disjoint key sets.
+
+Shared ``@triton.jit`` helpers keep the forward and the two backward kernels from duplicating logic:
+``_band_tiles`` (which tiles to visit, which are fully visible), ``_tile_visibility`` (the tile mask
+from positions, key_mask and segment ids, for either orientation) and ``_load_tile``.
+
+Specialization: head dim (padded to a power of two >= 16; any head dim up to 256 works, columns past
+it are masked), the band flags, key_mask / segment presence and the input dtype are compile-time
+constants. Offsets, band widths and sequence lengths are runtime values excluded from Triton's
+integer specialization, so ring steps reuse one compiled kernel. Block sizes / warps / stages are
+autotuned per (head dim, bucketed sequence lengths, mask kind, dtype), pruned to configurations whose
+shared memory and register estimates fit the device. Under ``TRITON_INTERPRET=1`` a single 16x16
+configuration is used. ``AUTOSHARD_TRITON_AUTOTUNE=0`` keeps only the first fitting configuration
+(no benchmarking; used by the GPU test run).
+
+Precision: fp16 / bf16 inputs use tensor-core dots with fp32 accumulation; fp32 inputs use
+``input_precision="ieee"`` (no tf32), so fp32 results match a float64 reference to ~1e-5.
+Outputs of the contract functions are float32; ``TritonAttentionFunction`` (single-block use)
+writes out and the gradients directly in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "MAX_HEAD_DIM",
+    "TritonAttentionFunction",
+    "triton_attention",
+    "triton_attention_backward",
+    "triton_attention_forward",
+    "triton_available",
+    "triton_merge",
+]
+
+MAX_HEAD_DIM = 256
+_MIN_BLOCK_D = 16  # tl.dot needs every dimension >= 16
+_MAX_POSITION = 1 << 30  # positions and band widths stay far from int32 overflow inside the kernels
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+_AUTOTUNE = os.environ.get("AUTOSHARD_TRITON_AUTOTUNE", "1").lower() not in ("0", "false", "off", "no")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Autotuning: candidate configurations (in order of preference) and pruning to what fits.
+# ----------------------------------------------------------------------------------------------------
+
+# (BLOCK_M = query rows per tile, BLOCK_N = key rows per tile, num_warps, num_stages) for fp16 / bf16
+# inputs, best guess first (the only one tried when AUTOSHARD_TRITON_AUTOTUNE=0). Each was compiled for
+# sm_90 with Triton's ptxas at head dims 64 / 96 / 128 with and without masks: the pruning below keeps,
+# per head dim and mask kind, the ones that compiled without register spills.
+_CANDIDATES = {
+    "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3),
+            (64, 64, 4, 3), (64, 32, 4, 2)],
+    # dq: like the forward (query tile resident, key tiles streamed).
+    "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)],
+    # dk/dv: key tile resident (BLOCK_N rows), query tiles streamed.
+    "dkdv": [(32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
+}
+# fp32 inputs use exact ("ieee") FMA dots, not tensor cores: only small tiles compile without spills
+# (checked up to head dim 128). A correctness path, several times slower than bf16.
+_FP32_CANDIDATES = [(16, 16, 4, 2)]
+# Live fp32 values per thread that the accumulators and score tiles may take: the estimate at which
+# the sm_90 compiles above stop spilling (of 255 registers, the rest hold operands and addresses).
+_REGISTER_BUDGET = 160
+# Rows of the resident tile per warp: a Hopper warpgroup (4 warps) issues wgmma on 64 rows, so fewer
+# rows per warp would make warpgroups duplicate work.
+_MIN_ROWS_PER_WARP = 16
+
+
+def _configs(kernel: str):
+    if _INTERPRET:  # one small configuration: the interpreter runs every program in Python
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            for m, n, w, s in _CANDIDATES[kernel] + _FP32_CANDIDATES]
+
+
+def _shape(config) -> tuple:
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
+def _resources(kernel: str, block_m: int, block_n: int, block_d: int, stages: int, itemsize: int, masked: bool):
+    """(shared memory bytes, live fp32 values) of one program, estimated; calibrated on sm_90 compiles."""
+    if kernel == "fwd":  # q resident; k, v streamed; acc [M, D]; scores [M, N] (+ mask and row updates)
+        return (itemsize * block_d * (block_m + 2 * stages * block_n),
+                block_m * (block_d + block_n * (2.5 if masked else 1.0)))
+    if kernel == "dq":  # q, do resident; k, v streamed; dq [M, D]; scores and dp [M, N]
+        return itemsize * block_d * (2 * block_m + 2 * stages * block_n), block_m * (block_d + 2 * block_n)
+    # dkdv: k, v resident; q, do streamed; dk, dv [N, D]; scores and dp [N, M]
+    return itemsize * block_d * (2 * block_n + 2 * stages * block_m), 2 * block_n * (block_d + block_m)
+
+
+def _max_shared_memory(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def _fitting_configs(kernel: str, configs, args, smem_limit: int):
+    """The candidates for the input dtype that fit: shared memory within the device's limit, register
+    estimate within budget, every warp with rows of the resident tile, tiles no larger than the
+    (bucketed) sequence lengths; the smallest tiles when none fits the estimates."""
+    if args["Q"].element_size() == 4:
+        return [c for c in configs if _shape(c) in _FP32_CANDIDATES]
+    configs = [c for c in configs if _shape(c) in _CANDIDATES[kernel]]
+    block_d, itemsize = args["BLOCK_D"], args["Q"].element_size()
+    masked = args["HAS_LEFT"] or args["HAS_RIGHT"] or args["HAS_KEY_MASK"] or args["HAS_SEG"]
+    fitting = []
+    for config in configs:
+        m, n, warps, stages = _shape(config)
+        smem, live = _resources(kernel, m, n, block_d, stages, itemsize, masked)
+        resident_rows = n if kernel == "dkdv" else m
+        if smem <= smem_limit and live <= _REGISTER_BUDGET * 32 * warps and resident_rows >= _MIN_ROWS_PER_WARP * warps:
+            fitting.append(config)
+    if not fitting:
+        return [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
+    short = [c for c in fitting if c.kwargs["BLOCK_M"] <= args["SQ_BUCKET"] and c.kwargs["BLOCK_N"] <= args["SK_BUCKET"]]
+    return short or fitting
+
+
+def _pruner(kernel: str):
+    """Autotuner hook: the fitting configurations, or only the first when AUTOSHARD_TRITON_AUTOTUNE=0."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        fitting = _fitting_configs(kernel, configs, args, _max_shared_memory(args["Q"].device))
+        return fitting if _AUTOTUNE else fitting[:1]
+
+    return prune
+
+
+def _seq_bucket(n: int) -> int:
+    """Autotuning key for a sequence length: next power of two, at least 16, at most 2**17."""
+    return min(max(triton.next_power_of_2(max(n, 1)), 16), 1 << 17)
+
+
+_TUNING_KEY = ["BLOCK_D", "SQ_BUCKET", "SK_BUCKET", "HAS_LEFT", "HAS_RIGHT", "HAS_KEY_MASK", "HAS_SEG"]
+# Runtime integers that change between calls (ring steps, uneven shards): never specialize on them.
+_RUNTIME_INTS = ["Sq", "Sk", "q_offset", "k_offset", "left", "right", "SQ_BUCKET", "SK_BUCKET"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared @triton.jit helpers.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _band_tiles(first_pos, last_pos, other_offset, other_len, before, after,
+                BLOCK: tl.constexpr, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr):
+    """Tiles of the other axis seen by rows at global positions [first_pos, last_pos].
+
+    A row at position p sees other-axis positions [p - before, p + after] (a missing bound is
+    unbounded). Returns (lo, full_lo, full_hi, hi), local indices of the other axis, lo/full_lo/full_hi
+    multiples of BLOCK: tiles starting in [lo, hi) hold every visible pair, and the tiles
+    [full_lo, full_hi) lie inside the band for every row and inside [0, other_len).
+    """
+    lo = 0
+    full_lo = 0
+    hi = other_len
+    full_hi = other_len // BLOCK * BLOCK
+    if HAS_BEFORE:
+        lo = tl.maximum(first_pos - before - other_offset, 0)
+        full_lo = (tl.maximum(last_pos - before - other_offset, 0) + BLOCK - 1) // BLOCK * BLOCK
+    if HAS_AFTER:
+        hi = tl.minimum(tl.maximum(last_pos + after - other_offset + 1, 0), other_len)
+        full_hi = tl.minimum(full_hi, tl.maximum(first_pos + after - other_offset + 1, 0) // BLOCK * BLOCK)
+    visible = lo < hi
+    lo = lo // BLOCK * BLOCK
+    hi = tl.where(visible, hi, lo)  # nothing visible: every range below is empty
+    hi_tiles = (hi + BLOCK - 1) // BLOCK * BLOCK
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi_tiles)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_tiles)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, KeyMask, SegK,
+                     Q_AXIS: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+                     HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr):
+    """Boolean tile mask: queries along axis Q_AXIS (0: [queries, keys], 1: [keys, queries]).
+
+    PARTIAL tiles check key bounds and the band from positions; key_mask / segment ids apply to
+    every tile where present. KeyMask / SegK point at this batch row; seg_q holds the query segments.
+    """
+    K_AXIS: tl.constexpr = 1 - Q_AXIS
+    visible = tl.expand_dims(k_idx < Sk, Q_AXIS)
+    if PARTIAL:
+        q_pos = tl.expand_dims(q_offset + q_idx, K_AXIS)
+        k_pos = tl.expand_dims(k_offset + k_idx, Q_AXIS)
+        if HAS_RIGHT:
+            visible = visible & (k_pos <= q_pos + right)
+        if HAS_LEFT:
+            visible = visible & (k_pos >= q_pos - left)
+    if HAS_KEY_MASK:
+        key_ok = tl.load(KeyMask + k_idx, mask=k_idx < Sk, other=0) != 0
+        visible = visible & tl.expand_dims(key_ok, Q_AXIS)
+    if HAS_SEG:
+        seg_k = tl.load(SegK + k_idx, mask=k_idx < Sk, other=0)
+        visible = visible & (tl.expand_dims(seg_q, K_AXIS) == tl.expand_dims(seg_k, Q_AXIS))
+    return visible
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """tl.dot with fp32 accumulation. DOT_PRECISION "ieee" (fp32 inputs), "tf32" (ignored for 16-bit
+    inputs), or "upcast": bf16 under TRITON_INTERPRET, whose dot multiplies bf16 bit patterns as
+    integers (Triton 3.9), so the operands go through fp32; bf16 products are exact in fp32, so this
+    matches the tensor-core result up to summation order."""
+    if DOT_PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _load_tile(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               CHECK_ROWS: tl.constexpr):
+    """Load a [rows, BLOCK_D] tile, zero-filling rows >= n_rows (when CHECK_ROWS) and padded columns."""
+    if CHECK_ROWS:
+        if HEAD_DIM == BLOCK_D:
+            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if HEAD_DIM == BLOCK_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_tile(ptrs, value, rows, n_rows, cols, HEAD_DIM: tl.constexpr):
+    tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _load_row_stats(Lse, Delta, rows, n_rows, CHECK_ROWS: tl.constexpr):
+    """LSE in base 2 and delta of query rows; rows with lse = -inf (nothing visible) or out of bounds
+    get +inf, so exp2(s - lse) is 0 there and the row contributes nothing (no NaN)."""
+    if CHECK_ROWS:
+        lse = tl.load(Lse + rows, mask=rows < n_rows, other=float("inf"))
+        delta = tl.load(Delta + rows, mask=rows < n_rows, other=0.0)
+    else:
+        lse = tl.load(Lse + rows)
+        delta = tl.load(Delta + rows)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    return lse2, delta
+
+
+# ----------------------------------------------------------------------------------------------------
+# Forward.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK, k_offsets, v_offsets,
+                   start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of (acc, m_i, l_i) over the key tiles starting in [start, end)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(start, end, BLOCK_N):
+        k_idx = start_n + offs_n
+        k = _load_tile(K_head + tl.cast(start_n, tl.int64) * stride_ks + k_offsets, k_idx, Sk, offs_d,
+                       HEAD_DIM, BLOCK_D, PARTIAL)
+        qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
+        if PARTIAL or HAS_KEY_MASK or HAS_SEG:
+            visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, KeyMask, SegK,
+                                       0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG)
+            s = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            p = tl.exp2(s - m_ref[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_ref = m_new
+            p = tl.exp2(qk * qk_scale - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(V_head + tl.cast(start_n, tl.int64) * stride_vs + v_offsets, k_idx, Sk, offs_d,
+                       HEAD_DIM, BLOCK_D, PARTIAL)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.autotune(configs=_configs("fwd"), key=_TUNING_KEY,
+                 prune_configs_by={"early_config_prune": _pruner("fwd")})
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse, KeyMask, SegQ, SegK,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, scale, SQ_BUCKET, SK_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Last query tiles first: under causal masks they see the most keys, so the long programs start early.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    hk = h // kv_group
+    q_start = pid_m * BLOCK_M
+    q_idx = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    Q_head = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    K_head = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    V_head = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    q = _load_tile(Q_head + q_idx[:, None].to(tl.int64) * stride_qs + offs_d[None, :], q_idx, Sq, offs_d,
+                   HEAD_DIM, BLOCK_D, True)
+    seg_q = q_idx
+    if HAS_SEG:
+        seg_q = tl.load(SegQ + b * Sq + q_idx, mask=q_idx < Sq, other=0)
+    KeyMask_b = KeyMask + b * Sk
+    SegK_b = SegK + b * Sk
+    k_offsets = offs_n[:, None] * stride_ks + offs_d[None, :]
+    v_offsets = offs_n[:, None] * stride_vs + offs_d[None, :]
+    qk_scale = scale * _LOG2E
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
+                                           k_offset, Sk, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
+                                   k_offsets, v_offsets, lo, full_lo, stride_ks, stride_vs, Sk, q_offset,
+                                   k_offset, left, right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+                                   HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
+                                   k_offsets, v_offsets, full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset,
+                                   k_offset, left, right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False,
+                                   HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
+                                   k_offsets, v_offsets, full_hi, hi, stride_ks, stride_vs, Sk, q_offset,
+                                   k_offset, left, right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+                                   HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, DOT_PRECISION)
+
+    has_keys = l_i > 0.0
+    l_ref = tl.where(has_keys, l_i, 1.0)
+    out = acc / l_ref[:, None]  # acc is 0 where nothing was visible
+    lse = tl.where(has_keys, (m_i + tl.log2(l_ref)) * _LN2, float("-inf"))
+    O_head = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    _store_tile(O_head + q_idx[:, None].to(tl.int64) * stride_os + offs_d[None, :], out, q_idx, Sq, offs_d, HEAD_DIM)
+    tl.store(Lse + pid_bh.to(tl.int64) * Sq + q_idx, lse, mask=q_idx < Sq)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backward.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_bwd_delta_kernel(Out, DO, Delta, stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos,
+                           num_heads, Sq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta[b, h, i] = sum_d dout[b, h, i, d] * out[b, h, i, d] in fp32."""
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    o = _load_tile(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                   + rows[:, None].to(tl.int64) * stride_os + cols[None, :], rows, Sq, cols, HEAD_DIM, BLOCK_D, True)
+    do = _load_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                    + rows[:, None].to(tl.int64) * stride_dos + cols[None, :], rows, Sq, cols, HEAD_DIM, BLOCK_D, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + pid_bh.to(tl.int64) * Sq + rows, delta, mask=rows < Sq)
+
+
+@triton.jit
+def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask, SegK,
+                      q_offsets, do_offsets, start, end, first_head, kv_group, stride_qh, stride_qs, stride_doh,
+                      stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale, HEAD_DIM: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+                      HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """Accumulate dk (unscaled) and dv of one key tile over the query tiles starting in [start, end) of
+    every query head of the kv head's group. Heads and tiles form one flat loop (not two nested ones),
+    which keeps the loop-carried state, and so the register pressure, that of a single loop."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    tiles = (end - start + BLOCK_M - 1) // BLOCK_M
+    for it in range(0, kv_group * tiles):
+        g = it // tiles
+        start_m = start + (it - g * tiles) * BLOCK_M
+        h = tl.cast(first_head + g, tl.int64)
+        q_idx = start_m + offs_m
+        q = _load_tile(Q_b + h * stride_qh + tl.cast(start_m, tl.int64) * stride_qs + q_offsets, q_idx, Sq, offs_d,
+                       HEAD_DIM, BLOCK_D, PARTIAL)
+        do = _load_tile(DO_b + h * stride_doh + tl.cast(start_m, tl.int64) * stride_dos + do_offsets, q_idx, Sq,
+                        offs_d, HEAD_DIM, BLOCK_D, PARTIAL).to(v.dtype)
+        lse2, delta = _load_row_stats(Lse_b + h * Sq, Delta_b + h * Sq, q_idx, Sq, PARTIAL)
+        qk_t = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [keys, queries]
+        if PARTIAL or HAS_KEY_MASK or HAS_SEG:
+            seg_q = q_idx
+            if HAS_SEG:
+                seg_q = tl.load(SegQ_b + q_idx, mask=q_idx < Sq, other=0)
+            visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, KeyMask, SegK,
+                                       1, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG)
+            p_t = tl.exp2(tl.where(visible, qk_t * qk_scale, float("-inf")) - lse2[None, :])
+        else:
+            p_t = tl.exp2(qk_t * qk_scale - lse2[None, :])
+        dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION)
+        dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = _dot(ds_t.to(q.dtype), q, dk, DOT_PRECISION)
+    return dk, dv
+
+
+@triton.autotune(configs=_configs("dkdv"), key=_TUNING_KEY,
+                 prune_configs_by={"early_config_prune": _pruner("dkdv")})
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, KeyMask, SegQ, SegK,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, scale, SQ_BUCKET, SK_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # batch * kv head
+    num_kv_heads = num_heads // kv_group
+    b = pid_bh // num_kv_heads
+    hk = pid_bh % num_kv_heads
+    k_start = pid_n * BLOCK_N
+    k_idx = k_start + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    k = _load_tile(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+                   + k_idx[:, None].to(tl.int64) * stride_ks + offs_d[None, :], k_idx, Sk, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = _load_tile(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+                   + k_idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :], k_idx, Sk, offs_d, HEAD_DIM, BLOCK_D, True)
+    KeyMask_b = KeyMask + b * Sk
+    SegK_b = SegK + b * Sk
+    SegQ_b = SegQ + b * Sq
+    q_offsets = offs_m[:, None] * stride_qs + offs_d[None, :]
+    do_offsets = offs_m[:, None] * stride_dos + offs_d[None, :]
+    qk_scale = scale * _LOG2E
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # Queries at position p see keys [p - left, p + right], so a key at position k is seen by queries
+    # [k - right, k + left]: the same band helper with the bounds swapped.
+    lo, full_lo, full_hi, hi = _band_tiles(k_offset + k_start, k_offset + tl.minimum(k_start + BLOCK_N, Sk) - 1,
+                                           q_offset, Sq, right, left, BLOCK_M, HAS_RIGHT, HAS_LEFT)
+    Q_b = Q + b.to(tl.int64) * stride_qb
+    DO_b = DO + b.to(tl.int64) * stride_dob
+    Lse_b = Lse + b.to(tl.int64) * num_heads * Sq
+    Delta_b = Delta + b.to(tl.int64) * num_heads * Sq
+    first_head = hk * kv_group
+    dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
+                               q_offsets, do_offsets, lo, full_lo, first_head, kv_group, stride_qh, stride_qs,
+                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG,
+                               DOT_PRECISION)
+    dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
+                               q_offsets, do_offsets, full_lo, full_hi, first_head, kv_group, stride_qh, stride_qs,
+                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG,
+                               DOT_PRECISION)
+    dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
+                               q_offsets, do_offsets, full_hi, hi, first_head, kv_group, stride_qh, stride_qs,
+                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG,
+                               DOT_PRECISION)
+
+    _store_tile(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+                + k_idx[:, None].to(tl.int64) * stride_dks + offs_d[None, :], dk * scale, k_idx, Sk, offs_d, HEAD_DIM)
+    _store_tile(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
+                + k_idx[:, None].to(tl.int64) * stride_dvs + offs_d[None, :], dv, k_idx, Sk, offs_d, HEAD_DIM)
+
+
+@triton.jit
+def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask, SegK, k_offsets, v_offsets,
+                  start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dq (unscaled) of one query tile over the key tiles starting in [start, end)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(start, end, BLOCK_N):
+        k_idx = start_n + offs_n
+        k = _load_tile(K_head + tl.cast(start_n, tl.int64) * stride_ks + k_offsets, k_idx, Sk, offs_d,
+                       HEAD_DIM, BLOCK_D, PARTIAL)
+        v = _load_tile(V_head + tl.cast(start_n, tl.int64) * stride_vs + v_offsets, k_idx, Sk, offs_d,
+                       HEAD_DIM, BLOCK_D, PARTIAL)
+        qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
+        if PARTIAL or HAS_KEY_MASK or HAS_SEG:
+            visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, KeyMask, SegK,
+                                       0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG)
+            p = tl.exp2(tl.where(visible, qk * qk_scale, float("-inf")) - lse2[:, None])
+        else:
+            p = tl.exp2(qk * qk_scale - lse2[:, None])
+        dp = _dot(do, tl.trans(v), None, DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
+    return dq
+
+
+@triton.autotune(configs=_configs("dq"), key=_TUNING_KEY,
+                 prune_configs_by={"early_config_prune": _pruner("dq")})
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, KeyMask, SegQ, SegK,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, scale, SQ_BUCKET, SK_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (causal) query tiles first
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    hk = h // kv_group
+    q_start = pid_m * BLOCK_M
+    q_idx = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q = _load_tile(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+                   + q_idx[:, None].to(tl.int64) * stride_qs + offs_d[None, :], q_idx, Sq, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                    + q_idx[:, None].to(tl.int64) * stride_dos + offs_d[None, :], q_idx, Sq, offs_d,
+                    HEAD_DIM, BLOCK_D, True).to(q.dtype)
+    lse2, delta = _load_row_stats(Lse + pid_bh.to(tl.int64) * Sq, Delta + pid_bh.to(tl.int64) * Sq, q_idx, Sq, True)
+    seg_q = q_idx
+    if HAS_SEG:
+        seg_q = tl.load(SegQ + b * Sq + q_idx, mask=q_idx < Sq, other=0)
+    K_head = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    V_head = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    KeyMask_b = KeyMask + b * Sk
+    SegK_b = SegK + b * Sk
+    k_offsets = offs_n[:, None] * stride_ks + offs_d[None, :]
+    v_offsets = offs_n[:, None] * stride_vs + offs_d[None, :]
+    qk_scale = scale * _LOG2E
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
+                                           k_offset, Sk, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
+                       lo, full_lo, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, DOT_PRECISION)
+    dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
+                       full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, DOT_PRECISION)
+    dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
+                       full_hi, hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, DOT_PRECISION)
+    _store_tile(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+                + q_idx[:, None].to(tl.int64) * stride_dqs + offs_d[None, :], dq * scale, q_idx, Sq, offs_d, HEAD_DIM)
+
+
+# ----------------------------------------------------------------------------------------------------
+# LSE merge.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _merge_kernel(OutA, LseA, OutB, LseB, Out, Lse,
+                  stride_ab, stride_ah, stride_as, stride_bb, stride_bh, stride_bs, stride_ob, stride_oh, stride_os,
+                  num_heads, S, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """lse = logaddexp(lse_a, lse_b); out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse), in fp32."""
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < S
+    stats = pid_bh.to(tl.int64) * S + rows
+    lse_a = tl.load(LseA + stats, mask=row_ok, other=float("-inf"))
+    lse_b = tl.load(LseB + stats, mask=row_ok, other=float("-inf"))
+    m = tl.maximum(lse_a, lse_b)
+    empty = m == float("-inf")
+    m_ref = tl.where(empty, 0.0, m)
+    w_a = tl.exp(lse_a - m_ref)  # 0 for a side with lse -inf
+    w_b = tl.exp(lse_b - m_ref)
+    total = tl.where(empty, 1.0, w_a + w_b)  # in [1, 2] where anything is visible
+    lse = tl.where(empty, float("-inf"), m_ref + tl.log(total))
+    w_a = w_a / total
+    w_b = w_b / total
+    out_a = _load_tile(OutA + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
+                       + rows[:, None].to(tl.int64) * stride_as + cols[None, :], rows, S, cols, HEAD_DIM, BLOCK_D, True)
+    out_b = _load_tile(OutB + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
+                       + rows[:, None].to(tl.int64) * stride_bs + cols[None, :], rows, S, cols, HEAD_DIM, BLOCK_D, True)
+    out = out_a.to(tl.float32) * w_a[:, None] + out_b.to(tl.float32) * w_b[:, None]
+    _store_tile(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                + rows[:, None].to(tl.int64) * stride_os + cols[None, :], out, rows, S, cols, HEAD_DIM)
+    tl.store(Lse + stats, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host side: validation, mask normalization, launchers.
+# ----------------------------------------------------------------------------------------------------
+
+
+def triton_available(device) -> bool:
+    """Whether these kernels can run on ``device``: a CUDA device (with CUDA available), or the CPU when
+    ``TRITON_INTERPRET=1`` was set before this module was imported."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    return device.type == "cpu" and _INTERPRET
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """Validated inputs of one (query block, key block) pair, with the masks normalized for the kernels."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    key_mask: Optional[torch.Tensor]  # uint8 [B, Sk], contiguous
+    seg_q: Optional[torch.Tensor]  # int [B, Sq], contiguous
+    seg_k: Optional[torch.Tensor]  # int [B, Sk], contiguous
+    q_offset: int
+    k_offset: int
+    left: int  # band: i_pos - left <= j_pos (when has_left)
+    right: int  # band: j_pos <= i_pos + right (when has_right)
+    has_left: bool
+    has_right: bool
+    hidden: bool  # the band hides every pair of the block: nothing to compute
+    scale: float
+
+    @property
+    def shape(self):
+        batch, heads, sq, head_dim = self.q.shape
+        return batch, heads, self.k.shape[1], sq, self.k.shape[2], head_dim
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if abs(value) >= _MAX_POSITION:
+        raise ValueError(f"{name}={value} is out of the supported range (|{name}| < 2**30)")
+    return value
+
+
+def _prepare(q, k, v, *, q_offset, k_offset, causal, window, key_mask, segment_ids, scale) -> _Problem:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [B, heads, S, D], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"Triton attention supports float16, bfloat16 and float32 inputs; {name} is {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not triton_available(q.device):
+        raise RuntimeError(f"Triton attention kernels cannot run on {q.device}: they need a CUDA device, or "
+                           "TRITON_INTERPRET=1 set before autoshard.kernels.attention is imported (CPU)")
+    batch, heads, sq, head_dim = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k and v must be [B, Hkv, Sk, D] matching q {tuple(q.shape)}, got k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    kv_heads, sk = k.shape[1], k.shape[2]
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"the number of query heads ({heads}) must be a multiple of the kv heads ({kv_heads})")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {head_dim} is not supported by the Triton kernels (1..{MAX_HEAD_DIM}; "
+                         f"non-powers of two are padded); use kernels='torch'")
+    q_offset = _check_int("q_offset", q_offset)
+    k_offset = _check_int("k_offset", k_offset)
+    _check_int("q_offset + Sq", q_offset + sq)
+    _check_int("k_offset + Sk", k_offset + sk)
+
+    left = right = -1
+    if window is not None:
+        if len(window) != 2:
+            raise ValueError(f"window must be a (left, right) pair, got {window!r}")
+        left, right = (_check_int("window", w) for w in window)
+        if left < -1 or right < -1:
+            raise ValueError(f"window bounds must be >= 0, or -1 for unbounded; got {window!r}")
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    # Drop a bound that no pair of this block can violate, and detect a block the band hides entirely.
+    max_ahead = (k_offset + sk - 1) - q_offset  # largest j_pos - i_pos in the block
+    max_behind = (q_offset + sq - 1) - k_offset  # largest i_pos - j_pos
+    has_right = right >= 0 and right < max_ahead
+    has_left = left >= 0 and left < max_behind
+    hidden = (right >= 0 and -max_behind > right) or (left >= 0 and -max_ahead > left)
+
+    if key_mask is not None:
+        if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, sk):
+            raise ValueError(f"key_mask must be a bool tensor [B, Sk] = {(batch, sk)}, got "
+                             f"{key_mask.dtype} {tuple(key_mask.shape)}")
+        key_mask = key_mask.to(q.device).contiguous().view(torch.uint8)
+    seg_q = seg_k = None
+    if segment_ids is not None:
+        if len(segment_ids) != 2:
+            raise ValueError("segment_ids must be a (seg_q, seg_k) pair")
+        seg_q, seg_k = segment_ids
+        if (seg_q.dtype.is_floating_point or seg_k.dtype.is_floating_point or seg_q.dtype == torch.bool
+                or seg_k.dtype == torch.bool or seg_q.is_complex() or seg_k.is_complex()):
+            raise TypeError(f"segment ids must be integer tensors, got {seg_q.dtype}, {seg_k.dtype}")
+        if tuple(seg_q.shape) != (batch, sq) or tuple(seg_k.shape) != (batch, sk):
+            raise ValueError(f"segment_ids must be [B, Sq] = {(batch, sq)} and [B, Sk] = {(batch, sk)}, got "
+                             f"{tuple(seg_q.shape)} and {tuple(seg_k.shape)}")
+        if seg_q.dtype != seg_k.dtype:
+            seg_q, seg_k = seg_q.long(), seg_k.long()
+        seg_q = seg_q.to(q.device).contiguous()
+        seg_k = seg_k.to(q.device).contiguous()
+
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not scale > 0.0 or not math.isfinite(scale):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    return _Problem(q=_last_dim_contiguous(q), k=_last_dim_contiguous(k), v=_last_dim_contiguous(v),
+                    key_mask=key_mask, seg_q=seg_q, seg_k=seg_k, q_offset=q_offset, k_offset=k_offset,
+                    left=max(left, 0), right=max(right, 0), has_left=has_left, has_right=has_right,
+                    hidden=hidden, scale=scale)
+
+
+def _kernel_args(p: _Problem):
+    """Keyword arguments shared by the forward and both backward kernels."""
+    batch, heads, kv_heads, sq, sk, head_dim = p.shape
+    placeholder = p.q  # never dereferenced when the matching HAS_* flag is off
+    return dict(
+        KeyMask=p.key_mask if p.key_mask is not None else placeholder,
+        SegQ=p.seg_q if p.seg_q is not None else placeholder,
+        SegK=p.seg_k if p.seg_k is not None else placeholder,
+        num_heads=heads, kv_group=heads // kv_heads, Sq=sq, Sk=sk, q_offset=p.q_offset, k_offset=p.k_offset,
+        left=p.left, right=p.right, scale=p.scale, SQ_BUCKET=_seq_bucket(sq), SK_BUCKET=_seq_bucket(sk),
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        HAS_LEFT=p.has_left, HAS_RIGHT=p.has_right, HAS_KEY_MASK=p.key_mask is not None,
+        HAS_SEG=p.seg_q is not None, DOT_PRECISION=_dot_precision(p.q.dtype),
+    )
+
+
+def _block_d(head_dim: int) -> int:
+    """Head dim padded to a power of two >= 16 (tl.dot's minimum); the padding is masked."""
+    return max(triton.next_power_of_2(head_dim), _MIN_BLOCK_D)
+
+
+def _row_block(block_d: int) -> int:
+    """Rows per program of the row-wise kernels (delta, merge): about 4k elements per tile."""
+    return 16 if _INTERPRET else max(16, min(128, 4096 // block_d))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32:
+        return "ieee"
+    return "upcast" if _INTERPRET and dtype == torch.bfloat16 else "tf32"
+
+
+def _strides(prefix: str, x: torch.Tensor):
+    return {f"stride_{prefix}b": x.stride(0), f"stride_{prefix}h": x.stride(1), f"stride_{prefix}s": x.stride(2)}
+
+
+def _forward(p: _Problem, out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, kv_heads, sq, sk, head_dim = p.shape
+    out = torch.empty(p.q.shape, dtype=out_dtype, device=p.q.device)
+    lse = torch.empty((batch, heads, sq), dtype=torch.float32, device=p.q.device)
+    if p.hidden or sk == 0 or out.numel() == 0:  # nothing visible: out 0, lse -inf
+        return out.zero_(), lse.fill_(float("-inf"))
+    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+    _attn_fwd_kernel[grid](
+        Q=p.q, K=p.k, V=p.v, Out=out, Lse=lse,
+        **_strides("q", p.q), **_strides("k", p.k), **_strides("v", p.v), **_strides("o", out), **_kernel_args(p),
+    )
+    return out, lse
+
+
+def _delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    batch, heads, sq, head_dim = out.shape
+    delta = torch.empty((batch, heads, sq), dtype=torch.float32, device=out.device)
+    block_d = _block_d(head_dim)
+    block_m = _row_block(block_d)
+    _attn_bwd_delta_kernel[(triton.cdiv(sq, block_m), batch * heads)](
+        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        heads, sq, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+    )
+    return delta
+
+
+def _check_like(name: str, x: torch.Tensor, shape, device) -> None:
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape) or x.device != device:
+        got = f"{tuple(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a tensor of shape {tuple(shape)} on {device}, got {got}")
+
+
+def _backward(p: _Problem, dout, out, lse, delta, grad_dtype: torch.dtype):
+    batch, heads, kv_heads, sq, sk, head_dim = p.shape
+    device = p.q.device
+    _check_like("dout", dout, p.q.shape, device)
+    _check_like("lse", lse, (batch, heads, sq), device)
+    dq = torch.empty(p.q.shape, dtype=grad_dtype, device=device)
+    dk = torch.empty(p.k.shape, dtype=grad_dtype, device=device)
+    dv = torch.empty(p.v.shape, dtype=grad_dtype, device=device)
+    if p.hidden or sk == 0 or dq.numel() == 0:  # no visible pair: all gradients are 0
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    dout = _last_dim_contiguous(dout)
+    if delta is None:
+        _check_like("out", out, p.q.shape, device)
+        delta = _delta(_last_dim_contiguous(out), dout)
+    else:
+        _check_like("delta", delta, (batch, heads, sq), device)
+        delta = delta.float().contiguous()
+    lse = lse.float().contiguous()
+    common = dict(Q=p.q, K=p.k, V=p.v, DO=dout, Lse=lse, Delta=delta, **_strides("q", p.q), **_strides("k", p.k),
+                  **_strides("v", p.v), **_strides("do", dout), **_kernel_args(p))
+    _attn_bwd_dkdv_kernel[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), batch * kv_heads)](
+        DK=dk, DV=dv, **_strides("dk", dk), **_strides("dv", dv), **common)
+    _attn_bwd_dq_kernel[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), batch * heads)](
+        DQ=dq, **_strides("dq", dq), **common)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public functions (the contract with autoshard.runtime.attention.local) and the autograd Function.
+# ----------------------------------------------------------------------------------------------------
+
+
+def triton_attention_forward(q, k, v, *, q_offset=0, k_offset=0, causal=False, window=None, key_mask=None,
+                             segment_ids=None, scale=None):
+    """Attention of one query block over one key block at global offsets.
+
+    q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (fp16 / bf16 / fp32, H % Hkv == 0). Returns (out float32
+    [B, H, Sq, D], lse float32 [B, H, Sq], natural log); rows with no visible key get out 0, lse -inf.
+    """
+    p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window,
+                 key_mask=key_mask, segment_ids=segment_ids, scale=scale)
+    return _forward(p, torch.float32)
+
+
+def triton_attention_backward(dout, q, k, v, out, lse, *, delta=None, q_offset=0, k_offset=0, causal=False,
+                              window=None, key_mask=None, segment_ids=None, scale=None):
+    """Gradients (dq, dk, dv), float32, dk/dv with Hkv heads, of one key block's share of attention.
+
+    out / lse are the FINAL values over all key blocks (so ring steps can sum the results); delta =
+    rowsum(dout * out) float32 [B, H, Sq] is computed from out when None. Rows with lse -inf contribute
+    nothing.
+    """
+    p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window,
+                 key_mask=key_mask, segment_ids=segment_ids, scale=scale)
+    return _backward(p, dout, out, lse, delta, torch.float32)
+
+
+def triton_merge(out_a, lse_a, out_b, lse_b):
+    """Merge two partial results of the same query rows over disjoint key sets, in float32:
+    lse = logaddexp(lse_a, lse_b), out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)."""
+    if out_a.dim() != 4 or out_a.shape != out_b.shape:
+        raise ValueError(f"out_a and out_b must be [B, H, S, D] of one shape, got {tuple(out_a.shape)}, "
+                         f"{tuple(out_b.shape)}")
+    batch, heads, seq, head_dim = out_a.shape
+    for name, x in (("out_b", out_b), ("lse_a", lse_a), ("lse_b", lse_b)):
+        _check_like(name, x, out_b.shape if name == "out_b" else (batch, heads, seq), out_a.device)
+    if not triton_available(out_a.device):
+        raise RuntimeError(f"Triton merge cannot run on {out_a.device}: it needs a CUDA device, or "
+                           "TRITON_INTERPRET=1 set before autoshard.kernels.attention is imported (CPU)")
+    out = torch.empty(out_a.shape, dtype=torch.float32, device=out_a.device)
+    lse = torch.empty((batch, heads, seq), dtype=torch.float32, device=out_a.device)
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf"))
+    out_a, out_b = _last_dim_contiguous(out_a), _last_dim_contiguous(out_b)
+    block_d = _block_d(head_dim)
+    block_m = _row_block(block_d)
+    _merge_kernel[(triton.cdiv(seq, block_m), batch * heads)](
+        out_a, lse_a.float().contiguous(), out_b, lse_b.float().contiguous(), out, lse,
+        out_a.stride(0), out_a.stride(1), out_a.stride(2), out_b.stride(0), out_b.stride(1), out_b.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), heads, seq, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+    )
+    return out, lse
+
+
+class TritonAttentionFunction(torch.autograd.Function):
+    """Differentiable single-block attention: ``apply(q, k, v, q_offset, k_offset, causal, window, key_mask,
+    segment_ids, scale)`` returns out in q's dtype; gradients are written in the input dtypes."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale):
+        p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window,
+                     key_mask=key_mask, segment_ids=segment_ids, scale=scale)
+        out, lse = _forward(p, q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, key_mask,
+                              *(segment_ids if segment_ids is not None else (None, None)))
+        ctx.mask_args = dict(q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, scale=scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, key_mask, seg_q, seg_k = ctx.saved_tensors
+        p = _prepare(q, k, v, key_mask=key_mask, segment_ids=None if seg_q is None else (seg_q, seg_k),
+                     **ctx.mask_args)
+        dq, dk, dv = _backward(p, dout, out, lse, None, q.dtype)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def triton_attention(q, k, v, *, q_offset=0, k_offset=0, causal=False, window=None, key_mask=None,
+                     segment_ids=None, scale=None):
+    """Differentiable attention through the Triton kernels; out in q's dtype (see TritonAttentionFunction)."""
+    return TritonAttentionFunction.apply(q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale)

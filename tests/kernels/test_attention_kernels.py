@@ -1,0 +1,478 @@
+"""Triton attention kernels against a dense float64 reference whose mask is materialized from positions.
+
+On a machine without a GPU every kernel runs on the CPU under ``TRITON_INTERPRET=1`` (set by this
+directory's conftest) with 16x16 tiles, so shapes stay small (S <= 48) and mask cases are chosen to
+make tiles fully visible, diagonal (band edge), ragged (sequence tail) and fully hidden. On CUDA the
+same tests run compiled, plus larger shapes with the real block sizes, every candidate configuration,
+and a check that ring steps at new offsets do not recompile.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from autoshard.kernels import attention as attn
+from autoshard.kernels.attention import (
+    triton_attention,
+    triton_attention_backward,
+    triton_attention_forward,
+    triton_available,
+    triton_merge,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA (compiled kernels, real block sizes)")
+
+# (atol, rtol); atol is relative to max(1, |reference|.max()) so gradients of any size compare alike.
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reference.
+# ----------------------------------------------------------------------------------------------------
+
+
+def visible_mask(batch, sq, sk, *, q_offset=0, k_offset=0, causal=False, window=None, key_mask=None,
+                 segment_ids=None):
+    """[B, 1, Sq, Sk] bool: which key each query may attend, straight from the contract's definitions."""
+    i = torch.arange(sq)[:, None] + q_offset
+    j = torch.arange(sk)[None, :] + k_offset
+    mask = torch.ones(batch, 1, sq, sk, dtype=torch.bool)
+    if causal:
+        mask &= j <= i
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            mask &= j >= i - left
+        if right >= 0:
+            mask &= j <= i + right
+    if key_mask is not None:
+        mask &= key_mask.cpu()[:, None, None, :]
+    if segment_ids is not None:
+        seg_q, seg_k = (s.cpu() for s in segment_ids)
+        mask &= seg_q[:, None, :, None] == seg_k[:, None, None, :]
+    return mask
+
+
+def reference(q, k, v, dout, *, scale=None, **mask_args):
+    """Dense float64 attention: (out, lse, dq, dk, dv); rows with no visible key give out 0, lse -inf."""
+    q, k, v = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    mask = visible_mask(q.shape[0], q.shape[2], k.shape[2], **mask_args)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ k.repeat_interleave(group, 1).transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    any_visible = mask.any(-1, keepdim=True)
+    p = torch.softmax(torch.where(any_visible, s, 0.0), dim=-1) * mask
+    out = p @ v.repeat_interleave(group, 1)
+    out.backward(dout.detach().cpu().double())
+    return out.detach(), torch.logsumexp(s.detach(), dim=-1), q.grad, k.grad, v.grad
+
+
+def assert_close(name, actual, expected, dtype):
+    atol, rtol = TOLERANCES[dtype]
+    finite = expected[torch.isfinite(expected)]
+    magnitude = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+    assert not torch.isnan(actual).any(), f"{name} has NaN"
+    torch.testing.assert_close(actual.detach().cpu().double(), expected, atol=atol * magnitude, rtol=rtol,
+                               msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Cases.
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    sq: int = 40
+    sk: int = 40
+    q_offset: int = 0
+    k_offset: int = 0
+    causal: bool = False
+    window: Optional[Tuple[int, int]] = None
+    key_mask: Optional[str] = None  # "random" | "batch0_empty"
+    segments: bool = False
+    batch: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+
+    def __str__(self):
+        return self.name
+
+
+def make_inputs(case: Case, dtype, device=DEVICE, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+
+    q = randn(case.batch, case.heads, case.sq, case.head_dim)
+    k = randn(case.batch, case.kv_heads, case.sk, case.head_dim)
+    v = randn(case.batch, case.kv_heads, case.sk, case.head_dim)
+    dout = randn(case.batch, case.heads, case.sq, case.head_dim)
+    key_mask = None
+    if case.key_mask is not None:
+        key_mask = torch.rand(case.batch, case.sk, generator=g) < 0.7
+        if case.key_mask == "batch0_empty":
+            key_mask[0] = False
+        key_mask = key_mask.to(device)
+    segment_ids = None
+    if case.segments:  # packed sequences: segment of a GLOBAL position, so q and k blocks agree
+        end = max(case.q_offset + case.sq, case.k_offset + case.sk)
+        seg = torch.cumsum(torch.rand(case.batch, end, generator=g) < 0.12, dim=1)
+        segment_ids = (seg[:, case.q_offset:case.q_offset + case.sq].to(device),
+                       seg[:, case.k_offset:case.k_offset + case.sk].to(device))
+    mask_args = dict(q_offset=case.q_offset, k_offset=case.k_offset, causal=case.causal, window=case.window,
+                     key_mask=key_mask, segment_ids=segment_ids)
+    return q, k, v, dout, mask_args
+
+
+# With 16x16 tiles under the interpreter (64x64 or more when compiled): which tiles each case makes
+# full, band edge (diagonal), ragged or hidden is noted per case.
+MASK_CASES = [
+    Case("dense_ragged", sq=33, sk=45),  # no mask: full tiles and a ragged key tail
+    Case("causal_aligned", sq=48, sk=48, causal=True),  # diagonal tiles, full below, hidden above
+    Case("causal_unaligned", sq=37, sk=45, q_offset=20, k_offset=7, causal=True),
+    Case("causal_keys_in_past", sq=40, sk=40, q_offset=48, causal=True),  # whole block full (ring step)
+    Case("causal_keys_in_future", sq=40, sk=40, k_offset=48, causal=True),  # whole block hidden
+    Case("causal_one_key_visible", sq=24, sk=40, q_offset=0, k_offset=23, causal=True),  # one pair visible
+    Case("window_both_sides", sq=45, sk=48, q_offset=8, k_offset=3, window=(10, 5)),
+    Case("sliding_window_causal", sq=48, sk=48, causal=True, window=(12, -1)),  # hidden left tiles too
+    Case("window_left_only", sq=40, sk=48, q_offset=30, window=(7, -1)),
+    Case("window_right_only", sq=40, sk=48, k_offset=10, window=(-1, 3)),
+    Case("key_mask_causal", sq=40, sk=40, causal=True, key_mask="random"),
+    Case("key_mask_only", sq=33, sk=40, key_mask="random"),
+    Case("segments_causal", sq=48, sk=48, causal=True, segments=True),
+    Case("segments_offsets", sq=40, sk=36, q_offset=24, k_offset=6, segments=True),
+    Case("everything", sq=45, sk=41, q_offset=19, k_offset=2, causal=True, window=(17, -1), key_mask="random",
+         segments=True),
+    Case("fully_masked_rows", sq=40, sk=40, q_offset=16, k_offset=30, window=(6, 2), key_mask="batch0_empty"),
+    Case("mha", sq=40, sk=40, causal=True, heads=2, kv_heads=2),
+    Case("mqa", sq=40, sk=40, causal=True, window=(20, -1), heads=4, kv_heads=1),
+]
+
+
+def run_and_check(case: Case, dtype, device=DEVICE, scale=None):
+    q, k, v, dout, mask_args = make_inputs(case, dtype, device)
+    out, lse = triton_attention_forward(q, k, v, scale=scale, **mask_args)
+    dq, dk, dv = triton_attention_backward(dout, q, k, v, out, lse, scale=scale, **mask_args)
+    for name, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert x.dtype == torch.float32 and x.device == q.device, f"{name}: {x.dtype} on {x.device}"
+    expected = reference(q, k, v, dout, scale=scale, **mask_args)
+    for name, actual, exp in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), expected):
+        assert_close(f"{case.name} {dtype} {name}", actual, exp, dtype)
+    return out, lse, (dq, dk, dv), expected
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tests.
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_runs_on_this_machine():
+    assert triton_available(DEVICE)
+    if not ON_GPU:  # the interpreter, not a compiled kernel, must be what runs on the CPU
+        assert type(attn._attn_fwd_kernel.fn).__name__ == "InterpretedFunction"
+        assert not triton_available("cuda")
+
+
+def test_importing_autoshard_does_not_import_triton():
+    code = "import sys, autoshard, autoshard.kernels; assert 'triton' not in sys.modules, 'triton imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=str)
+def test_masks_forward_backward_fp32(case):
+    run_and_check(case, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [16, 24, 32, 64])
+def test_dtypes_and_head_dims(dtype, head_dim):
+    case = Case(f"d{head_dim}", sq=37, sk=41, q_offset=11, k_offset=4, causal=True, window=(25, -1),
+                batch=1, heads=2, kv_heads=1, head_dim=head_dim)
+    run_and_check(case, dtype)
+
+
+def test_fp32_head_dim_not_power_of_two_with_scale():
+    run_and_check(Case("d40", sq=20, sk=30, causal=True, batch=1, heads=2, kv_heads=2, head_dim=40),
+                  torch.float32, scale=0.3)
+
+
+def test_fully_masked_rows_are_zero_with_neg_inf_lse_and_no_nan_gradients():
+    case = next(c for c in MASK_CASES if c.name == "fully_masked_rows")
+    q, k, v, dout, mask_args = make_inputs(case, torch.float32)
+    out, lse = triton_attention_forward(q, k, v, **mask_args)
+    dq, dk, dv = triton_attention_backward(dout, q, k, v, out, lse, **mask_args)
+    empty = ~visible_mask(case.batch, case.sq, case.sk, **mask_args).any(-1)[:, 0]  # [B, Sq]
+    assert empty[0].all() and empty.any() and not empty[1].all()
+    assert (out.cpu()[empty[:, None].expand(-1, case.heads, -1)] == 0).all()
+    assert torch.isneginf(lse.cpu()[empty[:, None].expand(-1, case.heads, -1)]).all()
+    assert (dq.cpu()[empty[:, None].expand(-1, case.heads, -1)] == 0).all()
+    assert (dk[0] == 0).all() and (dv[0] == 0).all()  # batch 0 masks every key
+    assert all(torch.isfinite(x).all() for x in (out, dq, dk, dv))
+
+
+def test_ring_steps_merge_and_accumulate_to_the_full_result():
+    """Two key blocks at their global offsets, merged with triton_merge; the backward of each block
+    from the FINAL out / lse (and a shared delta) sums to the gradients over all keys."""
+    full = Case("ring", sq=24, sk=40, q_offset=24, causal=True, key_mask="random", segments=True)
+    q, k, v, dout, mask_args = make_inputs(full, torch.float32)
+    key_mask, (seg_q, seg_k) = mask_args["key_mask"], mask_args["segment_ids"]
+    split = 17
+    blocks = [dict(k_offset=0, sl=slice(0, split)), dict(k_offset=split, sl=slice(split, full.sk))]
+    partial = []
+    for blk in blocks:
+        kw = dict(q_offset=full.q_offset, k_offset=blk["k_offset"], causal=True, key_mask=key_mask[:, blk["sl"]],
+                  segment_ids=(seg_q, seg_k[:, blk["sl"]]))
+        blk["kw"] = kw
+        partial.append(triton_attention_forward(q, k[:, :, blk["sl"]], v[:, :, blk["sl"]], **kw))
+    out, lse = triton_merge(*partial[0], *partial[1])
+    delta = (dout.float() * out).sum(-1)
+    grads = [triton_attention_backward(dout, q, k[:, :, b["sl"]], v[:, :, b["sl"]], out, lse, delta=delta, **b["kw"])
+             for b in blocks]
+    dq = grads[0][0] + grads[1][0]
+    dk = torch.cat([grads[0][1], grads[1][1]], dim=2)
+    dv = torch.cat([grads[0][2], grads[1][2]], dim=2)
+    expected = reference(q, k, v, dout, **mask_args)
+    for name, actual, exp in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), expected):
+        assert_close(f"ring {name}", actual, exp, torch.float32)
+
+
+def test_merge_kernel():
+    g = torch.Generator().manual_seed(3)
+    batch, heads, seq, head_dim = 2, 3, 37, 24
+    out_a, out_b = (torch.randn(batch, heads, seq, head_dim, generator=g) for _ in range(2))
+    lse_a, lse_b = (torch.randn(batch, heads, seq, generator=g) * 3 for _ in range(2))
+    lse_a[0, 0, :5] = float("-inf")  # a contributes nothing
+    lse_b[0, 1, 3:9] = float("-inf")  # b contributes nothing
+    lse_a[1, 2, 10:14] = float("-inf")  # neither: out 0, lse -inf
+    lse_b[1, 2, 10:14] = float("-inf")
+    out_a[lse_a == float("-inf")] = 0.0
+    out_b[lse_b == float("-inf")] = 0.0
+    # out_b as a non-contiguous view, and bf16: the kernel reads strides and merges in fp32
+    out_b_view = out_b.transpose(1, 2).contiguous().transpose(1, 2)
+    dev = [x.to(DEVICE) for x in (out_a, lse_a, out_b_view, lse_b)]
+    out, lse = triton_merge(*dev)
+    lse_ref = torch.logaddexp(lse_a.double(), lse_b.double())
+    w_a = torch.where(torch.isneginf(lse_a), 0.0, torch.exp(lse_a.double() - lse_ref)).nan_to_num(0.0)
+    w_b = torch.where(torch.isneginf(lse_b), 0.0, torch.exp(lse_b.double() - lse_ref)).nan_to_num(0.0)
+    out_ref = out_a.double() * w_a[..., None] + out_b.double() * w_b[..., None]
+    assert out.dtype == lse.dtype == torch.float32
+    assert_close("merge lse", lse, lse_ref, torch.float32)
+    assert_close("merge out", out, out_ref, torch.float32)
+    assert torch.isneginf(lse[1, 2, 10:14].cpu()).all() and (out[1, 2, 10:14] == 0).all()
+
+
+def test_autograd_function_single_block_in_input_dtype():
+    case = Case("autograd", sq=40, sk=40, causal=True, window=(15, -1), key_mask="random", head_dim=32)
+    q, k, v, dout, mask_args = make_inputs(case, torch.bfloat16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = triton_attention(q, k, v, **mask_args)
+    out.backward(dout)
+    assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
+    expected = reference(q, k, v, dout, **mask_args)
+    for name, actual, exp in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad),
+                                 expected[:1] + expected[2:]):
+        assert_close(f"autograd {name}", actual, exp, torch.bfloat16)
+
+
+def test_non_contiguous_inputs():
+    """q/k/v as [B, S, H, D] storage viewed as [B, H, S, D] (what a model's transpose produces)."""
+    case = Case("strided", sq=33, sk=40, causal=True, q_offset=7)
+    q, k, v, dout, mask_args = make_inputs(case, torch.float32)
+    q, k, v, dout = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, dout))
+    assert not q.is_contiguous()
+    out, lse = triton_attention_forward(q, k, v, **mask_args)
+    grads = triton_attention_backward(dout, q, k, v, out, lse, **mask_args)
+    for name, actual, exp in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                                 reference(q, k, v, dout, **mask_args)):
+        assert_close(f"strided {name}", actual, exp, torch.float32)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(q=torch.zeros(1, 2, 8, 300), k=torch.zeros(1, 2, 8, 300), v=torch.zeros(1, 2, 8, 300)), ValueError,
+     "head dim 300"),
+    (dict(k=torch.zeros(1, 2, 8, 16, dtype=torch.float16)), TypeError, "share a dtype"),
+    (dict(q=torch.zeros(1, 3, 8, 16)), ValueError, "multiple of the kv heads"),
+    (dict(window=(-2, 0)), ValueError, "window bounds"),
+    (dict(key_mask=torch.ones(1, 7, dtype=torch.bool)), ValueError, "key_mask"),
+    (dict(segment_ids=(torch.zeros(1, 8), torch.zeros(1, 8))), TypeError, "integer"),
+    (dict(scale=0.0), ValueError, "scale"),
+    (dict(q_offset=2 ** 31), ValueError, "q_offset"),
+    (dict(q=torch.zeros(1, 2, 8, 16, dtype=torch.float64)), TypeError, "float64"),
+])
+def test_clear_errors(bad, error, match):
+    args = dict(q=torch.zeros(1, 2, 8, 16), k=torch.zeros(1, 2, 8, 16), v=torch.zeros(1, 2, 8, 16))
+    args = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in {**args, **bad}.items()}
+    if isinstance(args.get("segment_ids"), tuple):
+        args["segment_ids"] = tuple(s.to(DEVICE) for s in args["segment_ids"])
+    if "key_mask" in args:
+        args["key_mask"] = args["key_mask"].to(DEVICE)
+    with pytest.raises(error, match=match):
+        triton_attention_forward(**args)
+
+
+H100_SMEM = 232448  # bytes of shared memory one block may use on Hopper (227 KB)
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("masked", [False, True])
+def test_config_pruning(kernel, head_dim, masked):
+    """The autotuner's candidates are pruned per dtype, head dim and mask kind to what fits (the
+    estimates were calibrated on sm_90 compiles); the compiled kernels' configurations, not the
+    interpreter's single one, are checked here."""
+    candidates = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                  for m, n, w, s in attn._CANDIDATES[kernel] + attn._FP32_CANDIDATES]
+    flags = dict(BLOCK_D=head_dim, SQ_BUCKET=1 << 14, SK_BUCKET=1 << 14, HAS_LEFT=False, HAS_RIGHT=masked,
+                 HAS_KEY_MASK=False, HAS_SEG=False)
+    bf16 = torch.empty(0, dtype=torch.bfloat16)
+    kept = attn._fitting_configs(kernel, candidates, dict(Q=bf16, **flags), H100_SMEM)
+    assert kept and all(attn._shape(c) in attn._CANDIDATES[kernel] for c in kept)
+    for c in kept:
+        m, n, warps, stages = attn._shape(c)
+        smem, live = attn._resources(kernel, m, n, head_dim, stages, 2, masked)
+        assert (n if kernel == "dkdv" else m) >= 16 * warps
+        assert smem <= H100_SMEM and live <= attn._REGISTER_BUDGET * 32 * warps or len(kept) == 1
+    if head_dim <= 128:  # the preferred (first) candidate fits at the head dims that matter most
+        assert attn._shape(kept[0]) == attn._CANDIDATES[kernel][0]
+    fp32 = attn._fitting_configs(kernel, candidates, dict(Q=bf16.float(), **flags), H100_SMEM)
+    assert [attn._shape(c) for c in fp32] == attn._FP32_CANDIDATES
+    short = attn._fitting_configs(kernel, candidates, dict(Q=bf16, **{**flags, "SQ_BUCKET": 32, "SK_BUCKET": 64}),
+                                  H100_SMEM)
+    assert all(c.kwargs["BLOCK_M"] <= 32 and c.kwargs["BLOCK_N"] <= 64 for c in short) or short == kept
+    small_gpu = attn._fitting_configs(kernel, candidates, dict(Q=bf16, **flags), 48 * 1024)
+    assert len(small_gpu) >= 1  # a GPU with little shared memory still gets a configuration
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tile classification: the loop bounds visit exactly the tiles holding a visible pair, and the
+# unmasked phase exactly the tiles every row sees entirely.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _band_tiles_probe(Params, Out, BLOCK: tl.constexpr, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr):
+    i = tl.program_id(0)
+    first_pos = tl.load(Params + 6 * i)
+    last_pos = tl.load(Params + 6 * i + 1)
+    other_offset = tl.load(Params + 6 * i + 2)
+    other_len = tl.load(Params + 6 * i + 3)
+    before = tl.load(Params + 6 * i + 4)
+    after = tl.load(Params + 6 * i + 5)
+    lo, full_lo, full_hi, hi = attn._band_tiles(first_pos, last_pos, other_offset, other_len, before, after,
+                                                BLOCK, HAS_BEFORE, HAS_AFTER)
+    slot = tl.arange(0, 4)
+    tl.store(Out + 4 * i + slot, tl.where(slot == 0, lo, tl.where(slot == 1, full_lo, tl.where(slot == 2, full_hi, hi))))
+
+
+@pytest.mark.parametrize("has_before, has_after", [(False, False), (True, False), (False, True), (True, True)])
+def test_band_tiles_visit_exactly_the_needed_tiles(has_before, has_after):
+    block, n = 16, 160
+    g = torch.Generator().manual_seed(int(has_before) * 2 + int(has_after))
+    first = torch.randint(0, 120, (n,), generator=g)
+    params = torch.stack([first, first + torch.randint(0, 2 * block, (n,), generator=g),
+                          torch.randint(0, 120, (n,), generator=g), torch.randint(1, 80, (n,), generator=g),
+                          torch.randint(0, 40, (n,), generator=g), torch.randint(0, 40, (n,), generator=g)], 1)
+    params[:8, 4:] = 0  # band of width 1 (causal diagonal)
+    out = torch.empty(n, 4, dtype=torch.int32, device=DEVICE)
+    _band_tiles_probe[(n,)](params.to(torch.int32).to(DEVICE), out, BLOCK=block, HAS_BEFORE=has_before,
+                            HAS_AFTER=has_after)
+    for (first_pos, last_pos, offset, length, before, after), (lo, full_lo, full_hi, hi) in zip(
+            params.tolist(), out.cpu().tolist()):
+        rows = torch.arange(first_pos, last_pos + 1)[:, None]
+        pos = torch.arange(length)[None, :] + offset
+        seen = torch.ones(rows.shape[0], length, dtype=torch.bool)
+        if has_before:
+            seen &= pos >= rows - before
+        if has_after:
+            seen &= pos <= rows + after
+        tiles = range(0, length, block)
+        needed = {t for t in tiles if seen[:, t:t + block].any()}
+        fully = {t for t in tiles if t + block <= length and seen[:, t:t + block].all()}
+        visited_partial = list(range(lo, full_lo, block)) + list(range(full_hi, hi, block))
+        visited_full = list(range(full_lo, full_hi, block))
+        visited = visited_partial + visited_full
+        where = f"rows [{first_pos}, {last_pos}] offset {offset} len {length} band (-{before}, +{after})"
+        assert len(visited) == len(set(visited)), f"tile visited twice: {where}"
+        assert set(visited) == needed, f"visited {sorted(visited)} != needed {sorted(needed)}: {where}"
+        assert set(visited_full) == fully, f"full {visited_full} != {sorted(fully)}: {where}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA only: real block sizes, every candidate configuration, no recompilation across ring steps.
+# ----------------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    Case("gpu_causal_d128", sq=700, sk=700, causal=True, batch=1, heads=4, kv_heads=2, head_dim=128),
+    Case("gpu_ring_d64", sq=513, sk=640, q_offset=600, k_offset=200, causal=True, window=(500, -1),
+         batch=2, heads=4, kv_heads=1, head_dim=64),
+    Case("gpu_masks_d128", sq=384, sk=450, q_offset=100, k_offset=30, causal=True, key_mask="random",
+         segments=True, batch=2, heads=2, kv_heads=2, head_dim=128),
+    Case("gpu_dense_d96", sq=300, sk=333, batch=1, heads=2, kv_heads=1, head_dim=96),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_large_shapes(case, dtype):
+    run_and_check(case, dtype)
+
+
+@needs_gpu
+def test_gpu_every_candidate_config():
+    """Each fitting candidate of each kernel, forced one at a time (bypassing the autotuner)."""
+    case = Case("configs", sq=520, sk=600, q_offset=90, k_offset=10, causal=True, window=(400, -1),
+                key_mask="random", batch=1, heads=4, kv_heads=2, head_dim=128)
+    kernels = {"fwd": attn._attn_fwd_kernel, "dq": attn._attn_bwd_dq_kernel, "dkdv": attn._attn_bwd_dkdv_kernel}
+    saved = {name: (k.configs, dict(k.cache)) for name, k in kernels.items()}
+    q = torch.empty(1, device=DEVICE, dtype=torch.bfloat16)
+    flags = dict(BLOCK_D=128, SQ_BUCKET=1024, SK_BUCKET=1024, HAS_LEFT=True, HAS_RIGHT=True, HAS_KEY_MASK=True,
+                 HAS_SEG=False)
+    try:
+        for name, kernel in kernels.items():
+            for config in attn._fitting_configs(name, saved[name][0], dict(Q=q, **flags)):
+                kernel.configs = [config]
+                kernel.cache.clear()
+                run_and_check(replace(case, name=f"{name} {config}"), torch.bfloat16)
+    finally:
+        for name, kernel in kernels.items():
+            kernel.configs, kernel.cache = saved[name][0], saved[name][1]
+
+
+@needs_gpu
+def test_gpu_ring_steps_do_not_recompile():
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook"):
+        pytest.skip("this Triton has no jit_cache_hook")
+    case = Case("steps", sq=256, sk=256, causal=True, batch=1, heads=2, kv_heads=2, head_dim=64)
+    q, k, v, dout, _ = make_inputs(case, torch.bfloat16)
+
+    def step(q_offset, k_offset):
+        out, lse = triton_attention_forward(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=True)
+        triton_attention_backward(dout, q, k, v, out, lse, q_offset=q_offset, k_offset=k_offset, causal=True)
+
+    step(0, 0)  # diagonal block: compiles (and tunes) the band specialization
+    compiles = []
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda *args, **kwargs: compiles.append(kwargs.get("fn")) and False
+    try:
+        for q_offset, k_offset in ((256, 100), (1000, 990), (4096, 4001), (37, 5)):
+            step(q_offset, k_offset)  # every one a partial band: the same specialization
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    assert compiles == [], f"recompiled for new offsets: {compiles}"
