@@ -98,12 +98,19 @@ def _annotated_inputs(gm: fx.GraphModule, config: BackendConfig) -> list[tuple[f
         return []
     user = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
             and not isinstance(getattr(n.meta.get("grapharg"), "example", None), torch.nn.Parameter)]
-    out, found = [], set()
+    out = []
+    names = [input_name(n) for n in user]
     for key, dim in config.seq_dims.items():
         matches = [n for n in user if input_name(n) == key] if isinstance(key, str) else user[key:key + 1]
+        if not matches:
+            raise ValueError(f"autoshard: seq_dims names input {key!r}, but the compiled graph's tensor inputs "
+                             f"are {names}")
         for n in matches:
-            out.append((n, dim % n.meta["example_value"].dim()))
-            found.add(key)
+            ndim = n.meta["example_value"].dim()
+            if not -ndim <= dim < ndim:
+                raise ValueError(f"autoshard: seq_dims gives input {key!r} sequence dim {dim}, but it has "
+                                 f"shape {tuple(n.meta['example_value'].shape)}")
+            out.append((n, dim % ndim))
     return out
 
 

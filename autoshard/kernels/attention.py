@@ -10,7 +10,8 @@ inside the kernel, never materialized (contract: ``.notes/attention_contract.md`
   hides entirely, so a ring step whose keys all lie in the past runs the unmasked specialization.
 - ``key_mask`` ``[B, Sk]`` (True = may be attended) and ``segment_ids`` ``(seg_q [B, Sq], seg_k [B, Sk])``.
 
-Kernels (each a ``@triton.jit`` function below, launched by the ``_launch_*`` helpers):
+Kernels (``@triton.jit`` functions below; ``_forward`` / ``_backward`` / ``triton_merge`` launch them
+on a grid of (tile, head, batch) programs):
 
 - ``_attn_fwd_kernel``: one program per (query tile, batch*head). It walks the key tiles in three
   phases from ``_band_tiles``: band-edge tiles [lo, full_lo), fully visible tiles [full_lo, full_hi)
@@ -40,10 +41,10 @@ shared memory and register estimates fit the device. Under ``TRITON_INTERPRET=1`
 configuration is used. ``AUTOSHARD_TRITON_AUTOTUNE=0`` keeps only the first fitting configuration
 (no benchmarking; used by the GPU test run).
 
-Precision: fp16 / bf16 inputs use tensor-core dots with fp32 accumulation; fp32 inputs use
-``input_precision="ieee"`` (no tf32), so fp32 results match a float64 reference to ~1e-5.
-Outputs of the contract functions are float32; ``TritonAttentionFunction`` (single-block use)
-writes out and the gradients directly in the input dtype.
+Precision: fp16 / bf16 inputs use tensor-core dots (wgmma on Hopper) with fp32 accumulation; fp32
+inputs use exact ``input_precision="ieee"`` dots (no tf32) on small tiles, a correctness path that
+matches a float64 reference to ~1e-6. Outputs of the contract functions are float32;
+``TritonAttentionFunction`` (single-block use) writes out and the gradients in the input dtype.
 """
 
 from __future__ import annotations
@@ -75,7 +76,18 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _interpreter_requested() -> bool:
+    """Whether Triton interprets (rather than compiles) the kernels decorated below: it reads
+    TRITON_INTERPRET when a function is decorated, i.e. when this module is imported."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+_INTERPRET = _interpreter_requested()
 _AUTOTUNE = os.environ.get("AUTOSHARD_TRITON_AUTOTUNE", "1").lower() not in ("0", "false", "off", "no")
 
 
@@ -338,9 +350,9 @@ def _attn_fwd_kernel(
 ):
     # Last query tiles first: under causal masks they see the most keys, so the long programs start early.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    row = (b * num_heads + h).to(tl.int64) * Sq  # this (batch, head)'s rows of lse / delta
     hk = h // kv_group
     q_start = pid_m * BLOCK_M
     q_idx = q_start + tl.arange(0, BLOCK_M)
@@ -385,7 +397,7 @@ def _attn_fwd_kernel(
     lse = tl.where(has_keys, (m_i + tl.log2(l_ref)) * _LN2, float("-inf"))
     O_head = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     _store_tile(O_head + q_idx[:, None].to(tl.int64) * stride_os + offs_d[None, :], out, q_idx, Sq, offs_d, HEAD_DIM)
-    tl.store(Lse + pid_bh.to(tl.int64) * Sq + q_idx, lse, mask=q_idx < Sq)
+    tl.store(Lse + row + q_idx, lse, mask=q_idx < Sq)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -397,9 +409,8 @@ def _attn_fwd_kernel(
 def _attn_bwd_delta_kernel(Out, DO, Delta, stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos,
                            num_heads, Sq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta[b, h, i] = sum_d dout[b, h, i, d] * out[b, h, i, d] in fp32."""
-    pid_bh = tl.program_id(1)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
+    h = tl.program_id(1)
+    b = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     o = _load_tile(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
@@ -407,7 +418,7 @@ def _attn_bwd_delta_kernel(Out, DO, Delta, stride_ob, stride_oh, stride_os, stri
     do = _load_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
                     + rows[:, None].to(tl.int64) * stride_dos + cols[None, :], rows, Sq, cols, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + pid_bh.to(tl.int64) * Sq + rows, delta, mask=rows < Sq)
+    tl.store(Delta + (b * num_heads + h).to(tl.int64) * Sq + rows, delta, mask=rows < Sq)
 
 
 @triton.jit
@@ -463,10 +474,8 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)  # batch * kv head
-    num_kv_heads = num_heads // kv_group
-    b = pid_bh // num_kv_heads
-    hk = pid_bh % num_kv_heads
+    hk = tl.program_id(1)  # kv head
+    b = tl.program_id(2)
     k_start = pid_n * BLOCK_N
     k_idx = k_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -557,9 +566,9 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (causal) query tiles first
-    pid_bh = tl.program_id(1)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    row = (b * num_heads + h).to(tl.int64) * Sq  # this (batch, head)'s rows of lse / delta
     hk = h // kv_group
     q_start = pid_m * BLOCK_M
     q_idx = q_start + tl.arange(0, BLOCK_M)
@@ -571,7 +580,7 @@ def _attn_bwd_dq_kernel(
     do = _load_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
                     + q_idx[:, None].to(tl.int64) * stride_dos + offs_d[None, :], q_idx, Sq, offs_d,
                     HEAD_DIM, BLOCK_D, True).to(q.dtype)
-    lse2, delta = _load_row_stats(Lse + pid_bh.to(tl.int64) * Sq, Delta + pid_bh.to(tl.int64) * Sq, q_idx, Sq, True)
+    lse2, delta = _load_row_stats(Lse + row, Delta + row, q_idx, Sq, True)
     seg_q = q_idx
     if HAS_SEG:
         seg_q = tl.load(SegQ + b * Sq + q_idx, mask=q_idx < Sq, other=0)
@@ -609,13 +618,12 @@ def _merge_kernel(OutA, LseA, OutB, LseB, Out, Lse,
                   stride_ab, stride_ah, stride_as, stride_bb, stride_bh, stride_bs, stride_ob, stride_oh, stride_os,
                   num_heads, S, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """lse = logaddexp(lse_a, lse_b); out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse), in fp32."""
-    pid_bh = tl.program_id(1)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
+    h = tl.program_id(1)
+    b = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < S
-    stats = pid_bh.to(tl.int64) * S + rows
+    stats = (b * num_heads + h).to(tl.int64) * S + rows
     lse_a = tl.load(LseA + stats, mask=row_ok, other=float("-inf"))
     lse_b = tl.load(LseB + stats, mask=row_ok, other=float("-inf"))
     m = tl.maximum(lse_a, lse_b)
@@ -805,7 +813,7 @@ def _forward(p: _Problem, out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.T
     lse = torch.empty((batch, heads, sq), dtype=torch.float32, device=p.q.device)
     if p.hidden or sk == 0 or out.numel() == 0:  # nothing visible: out 0, lse -inf
         return out.zero_(), lse.fill_(float("-inf"))
-    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), heads, batch)  # noqa: E731
     _attn_fwd_kernel[grid](
         Q=p.q, K=p.k, V=p.v, Out=out, Lse=lse,
         **_strides("q", p.q), **_strides("k", p.k), **_strides("v", p.v), **_strides("o", out), **_kernel_args(p),
@@ -818,7 +826,7 @@ def _delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     delta = torch.empty((batch, heads, sq), dtype=torch.float32, device=out.device)
     block_d = _block_d(head_dim)
     block_m = _row_block(block_d)
-    _attn_bwd_delta_kernel[(triton.cdiv(sq, block_m), batch * heads)](
+    _attn_bwd_delta_kernel[(triton.cdiv(sq, block_m), heads, batch)](
         out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         heads, sq, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
     )
@@ -851,9 +859,9 @@ def _backward(p: _Problem, dout, out, lse, delta, grad_dtype: torch.dtype):
     lse = lse.float().contiguous()
     common = dict(Q=p.q, K=p.k, V=p.v, DO=dout, Lse=lse, Delta=delta, **_strides("q", p.q), **_strides("k", p.k),
                   **_strides("v", p.v), **_strides("do", dout), **_kernel_args(p))
-    _attn_bwd_dkdv_kernel[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), batch * kv_heads)](
+    _attn_bwd_dkdv_kernel[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), kv_heads, batch)](
         DK=dk, DV=dv, **_strides("dk", dk), **_strides("dv", dv), **common)
-    _attn_bwd_dq_kernel[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), batch * heads)](
+    _attn_bwd_dq_kernel[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), heads, batch)](
         DQ=dq, **_strides("dq", dq), **common)
     return dq, dk, dv
 
@@ -907,7 +915,7 @@ def triton_merge(out_a, lse_a, out_b, lse_b):
     out_a, out_b = _last_dim_contiguous(out_a), _last_dim_contiguous(out_b)
     block_d = _block_d(head_dim)
     block_m = _row_block(block_d)
-    _merge_kernel[(triton.cdiv(seq, block_m), batch * heads)](
+    _merge_kernel[(triton.cdiv(seq, block_m), heads, batch)](
         out_a, lse_a.float().contiguous(), out_b, lse_b.float().contiguous(), out, lse,
         out_a.stride(0), out_a.stride(1), out_a.stride(2), out_b.stride(0), out_b.stride(1), out_b.stride(2),
         out.stride(0), out.stride(1), out.stride(2), heads, seq, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,

@@ -59,6 +59,8 @@ class Families:
     """Node -> factorization of each dim (global sizes)."""
     refused: list[tuple[Elem, Elem, int, str]]
     """Edges not followed, with the reason."""
+    token_local: set[fx.Node] = field(default_factory=set)
+    """Nodes inside ``autoshard.token_local`` regions."""
 
     def dims_of(self, node: fx.Node) -> list[tuple[int, int, Family, int]]:
         """The (dim, factor, family, offset) of every element of ``node`` that is in a family."""
@@ -78,6 +80,8 @@ class LinkContext:
         self.factors: dict[fx.Node, list[list[int]]] = {}
         self.edges: dict[Elem, list[tuple[Elem, int]]] = {}
         self.seeds: list[tuple[Elem, fx.Node | None]] = []
+        self.token_local: set[fx.Node] = set()
+        """Nodes inside ``autoshard.token_local`` regions."""
 
     def factorization(self, node: fx.Node) -> list[list[int]]:
         """The factors of each dim of ``node`` (defaults to one factor per dim)."""
@@ -150,19 +154,52 @@ def find_families(ctx: LinkContext) -> Families:
                 fam.offsets[other] = other_off
                 node_dims[(other[0], fam.index)] = other[1:]
                 queue.append((other, other_off))
-    return Families(families, member, ctx.factors, refused)
+    return Families(families, member, ctx.factors, refused, ctx.token_local)
+
+
+def token_local_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes inside ``autoshard.token_local`` regions: reachable from an enter marker and reaching an exit one."""
+    from .ops import op_of
+
+    def marked(name):
+        return [n for n in gm.graph.nodes if (op_of(n) is not None and op_of(n).name == name)]
+
+    after, stack = set(), marked("token_local_enter")
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user not in after:
+                after.add(user)
+                stack.append(user)
+    before, stack = set(), marked("token_local_exit")
+    while stack:
+        n = stack.pop()
+        for inp in n.all_input_nodes:
+            if inp not in before:
+                before.add(inp)
+                stack.append(inp)
+    return after & before
 
 
 def link_graph(gm: fx.GraphModule) -> LinkContext:
-    """Run every node's link rule (seeds come from the attention rule and from markers)."""
-    from .ops import op_of
+    """Run every node's link rule (seeds come from the attention rule and from markers). Ops without a rule
+    inside token-local regions link like elementwise ops."""
+    from .ops import is_tensor_node, op_of
     from .rules import RULES, load_all
+    from .rules.pointwise import link_broadcast
 
     load_all()
     ctx = LinkContext()
+    ctx.token_local = token_local_nodes(gm)
     for node in gm.graph.nodes:
         op = op_of(node)
         rule = RULES.get(op.name) if op is not None else None
         if rule is not None:
             rule.link(ctx, node, op)
+        elif node in ctx.token_local and is_tensor_node(node):
+            link_broadcast(ctx, node, [n for n in node.all_input_nodes if is_tensor_node(n)])
+        if op is not None and op.name == "tuple_get" and op["input"] in ctx.token_local:
+            producer = op["input"]  # an output of a token-local op without a rule
+            if RULES.get(getattr(op_of(producer), "name", None)) is None:
+                link_broadcast(ctx, node, [n for n in producer.all_input_nodes if is_tensor_node(n)])
     return ctx

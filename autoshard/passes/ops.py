@@ -319,6 +319,36 @@ def _bind_dropout(input, p=0.5, training=True, inplace=False):
     return {"input": input, "p": p, "training": training}
 
 
+# --- autoshard's own markers (autoshard/annotations.py)
+def _marker_targets(name: str) -> list:
+    from .. import annotations  # noqa: F401 -- defines the ops
+
+    packet = getattr(torch.ops.autoshard, name)
+    return [packet, packet.default]
+
+
+@register_canonical("mark_sequence", functions=_marker_targets("mark_sequence"))
+def _bind_mark_sequence(x, dim):
+    return {"input": x, "dim": dim}
+
+
+@register_canonical("whole", functions=_marker_targets("whole"))
+def _bind_whole(x):
+    return {"input": x}
+
+
+@register_canonical("token_local_enter", functions=_marker_targets("token_local_enter"))
+@register_canonical("token_local_exit", functions=_marker_targets("token_local_exit"))
+def _bind_token_local(x):
+    return {"input": x}
+
+
+@register_canonical("attention", functions=_marker_targets("marked_attention"))
+def _bind_marked_attention(q, k, v, causal, scale):
+    return {"q": q, "k": k, "v": v, "attn_mask": None, "dropout_p": 0.0, "is_causal": causal, "scale": scale,
+            "enable_gqa": True}
+
+
 # --- nodes that carry no tensor computation
 _NOOPS = {torch._C._log_api_usage_once, torch._C._set_grad_enabled, torch.autograd.function.FunctionCtx,
           builtins.isinstance, torch._C._get_tracing_state}

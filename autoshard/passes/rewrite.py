@@ -266,6 +266,29 @@ class Rewriter:
         self.done(node, new, REPLICATE if not isinstance(value_of(node), (tuple, list)) else
                   tuple(REPLICATE for _ in value_of(node)))
 
+    def _token_local(self, node: fx.Node) -> None:
+        """An op without a rule inside a token-local region: it runs on this rank's positions."""
+        from .rules.pointwise import rewrite_broadcast
+
+        if is_tensor_node(node):
+            out = self.out_shard(node)
+            self.done(node, rewrite_broadcast(self, node, out), out or REPLICATE)
+            return
+        # several outputs (topk, sort, max with indices): every one keeps the split of the inputs
+        inputs = [n for n in node.all_input_nodes if is_tensor_node(n)]
+        split = next((s for s in (self.out_shard(n) for n in inputs) if s is not None), None)
+        if split is None:
+            self.fallback(node, "token-local op with no split input")
+            return
+        args = fx.node.map_arg(node.args, lambda n: self.input(n, self.out_shard(n) or REPLICATE))
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: self.input(n, self.out_shard(n) or REPLICATE))
+        length = shape_of(next(n for n in inputs if self.out_shard(n) == split))[split.dim]
+        for i, v in enumerate(value_of(node)):
+            if not (isinstance(v, torch.Tensor) and v.dim() > split.dim and v.shape[split.dim] == length):
+                raise RuntimeError(f"autoshard: token-local {node.format_node()} output {i} does not keep the "
+                                   f"sequence dim {split.dim}; only per-position functions may be token_local")
+        self.done(node, self.reemit(node, args, kwargs), tuple(split for _ in value_of(node)))
+
     def run(self) -> fx.GraphModule:
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
@@ -279,10 +302,12 @@ class Rewriter:
             else:
                 op = op_of(node)
                 rule = RULES.get(op.name) if op is not None else None
-                if rule is None:
-                    self.fallback(node, f"no rule for {node.target if node.op == 'call_function' else '.' + str(node.target)}")
-                else:
+                if rule is not None:
                     rule.rewrite(self, node, op)
+                elif node in self.families.token_local:
+                    self._token_local(node)
+                else:
+                    self.fallback(node, f"no rule for {node.target if node.op == 'call_function' else '.' + str(node.target)}")
         new_gm = fx.GraphModule(self.gm, self.graph)
         return new_gm
 

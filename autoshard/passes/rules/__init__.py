@@ -54,4 +54,4 @@ def register(*names: str, link: Callable, rewrite: Callable) -> None:
 
 def load_all() -> None:
     """Import every rule file (each registers itself)."""
-    from . import attention, conv, embedding, factories, loss, matmul, norms, pointwise, reductions, views  # noqa: F401
+    from . import attention, conv, embedding, factories, loss, markers, matmul, norms, pointwise, reductions, views  # noqa: F401

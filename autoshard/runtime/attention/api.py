@@ -86,6 +86,9 @@ def _check_token_mask(name: str, mask, q: torch.Tensor, kind: str, dtype_ok) -> 
 
 def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
     """Every check that needs only this rank's information; returns the strategy."""
+    if call.strategy not in STRATEGIES:
+        raise AttentionInputError(f"autoshard.attention: unknown strategy {call.strategy!r}; expected one of "
+                                  f"{tuple(STRATEGIES)}")
     _check_tensors(q, k, v, key_mask, segment_ids)
     strategy = STRATEGIES[call.strategy]
     seq_rank = strategy.check(q, k, v, call)
@@ -280,7 +283,7 @@ def attention(
         raise AttentionInputError(
             f"autoshard.attention: dropout is not part of distributed attention (dropout_p={dropout_p}); pass "
             f"dropout_p=0.0 (attention dropout is usually disabled for long-context training)")
-    if strategy not in STRATEGIES:
+    if strategy not in STRATEGIES:  # checked here too: it decides which groups to resolve
         raise AttentionInputError(f"autoshard.attention: unknown strategy {strategy!r}; expected one of "
                                   f"{tuple(STRATEGIES)}")
     if kernels not in KERNELS:

@@ -1,0 +1,104 @@
+"""Annotations on real ranks: each changes what the compiler does, and results stay exact."""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.testing import run_on_ranks
+from autoshard.testing.equivalence import compare_with_one_process
+
+
+class NoAttention(nn.Module):
+    """A token MLP and a mean over the sequence: no attention tells the compiler where the sequence is."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x):
+        x = autoshard.mark_sequence(x, 1)
+        h = self.mlp(x)
+        return h.mean(1), h
+
+
+class WholeBeforeFlip(nn.Module):
+    """``flip`` over the sequence needs it whole; ``whole`` says so explicitly."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(autoshard.mark_sequence(x, 1))
+        return self.proj(autoshard.whole(h).flip(1))
+
+
+class TopTwo(nn.Module):
+    """Keeps each token's two largest features: ``topk`` / ``scatter`` have no rules, but are per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    @autoshard.token_local
+    def sparsify(self, h):
+        values, index = torch.topk(h, 2, dim=-1)
+        return torch.zeros_like(h).scatter(-1, index, values)
+
+    def forward(self, x):
+        return self.proj(self.sparsify(self.proj(autoshard.mark_sequence(x, 1))))
+
+
+@autoshard.attention_function
+def my_attention(q, k, v, *, causal=False, scale=None):
+    """A hand-rolled kernel (here: plain math) with scaled_dot_product_attention's meaning."""
+    scores = q @ k.transpose(-1, -2) * (scale or 1 / math.sqrt(q.size(-1)))
+    if causal:
+        n = q.size(-2)
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+class CustomAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return self.out(my_attention(q, k, v, causal=True).transpose(1, 2).reshape(b, s, 16))
+
+
+def _check_all():
+    cases = {
+        "mark_sequence": (NoAttention, lambda: (torch.randn(2, 7, 8),)),
+        "whole": (WholeBeforeFlip, lambda: (torch.randn(2, 7, 8),)),
+        "token_local": (TopTwo, lambda: (torch.randn(2, 7, 8),)),
+        "attention_function": (CustomAttention, lambda: (torch.randn(2, 9, 16),)),
+    }
+    out = {}
+    for name, (model, inputs) in cases.items():
+        torch._dynamo.reset()
+        r = compare_with_one_process(model, inputs, dtype=torch.float64, strategy="ring")
+        out[name] = (r.max_error(), r.summary(), r.fallbacks, r.transitions, r.attention)
+    return out
+
+
+def test_annotations_change_the_plan_and_keep_results_exact():
+    for result in run_on_ranks(_check_all, 2, timeout=300):
+        for name, (err, summary, fallbacks, transitions, attention) in result.items():
+            assert err < 1e-9, f"{name}: {summary}"
+            assert fallbacks == [], f"{name}: {fallbacks}"
+        # mark_sequence split the MLP (a partial mean was reduced)
+        assert any(t.startswith("all_reduce") for t in result["mark_sequence"][3])
+        # whole gathered the value before the flip
+        assert any(t.startswith("all_gather h") for t in result["whole"][3]), result["whole"][3]
+        # token_local kept topk / scatter on shards: only the output is gathered
+        assert len(result["token_local"][3]) == 1 and result["token_local"][3][0].startswith("all_gather"), \
+            result["token_local"][3]
+        # the marked attention became distributed attention
+        assert [a["strategy"] for a in result["attention_function"][4]] == ["ring"]
