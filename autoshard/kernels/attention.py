@@ -50,6 +50,7 @@ matches a float64 reference to ~1e-6. Outputs of the contract functions are floa
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -75,7 +76,6 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
-
 
 
 def _interpreter_requested() -> bool:
@@ -231,10 +231,9 @@ def _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, K
     PARTIAL tiles check key bounds and the band from positions; key_mask / segment ids apply to
     every tile where present. KeyMask / SegK point at this batch row; seg_q holds the query segments.
     """
-    K_AXIS: tl.constexpr = 1 - Q_AXIS
     visible = tl.expand_dims(k_idx < Sk, Q_AXIS)
     if PARTIAL:
-        q_pos = tl.expand_dims(q_offset + q_idx, K_AXIS)
+        q_pos = tl.expand_dims(q_offset + q_idx, 1 - Q_AXIS)
         k_pos = tl.expand_dims(k_offset + k_idx, Q_AXIS)
         if HAS_RIGHT:
             visible = visible & (k_pos <= q_pos + right)
@@ -245,7 +244,7 @@ def _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, K
         visible = visible & tl.expand_dims(key_ok, Q_AXIS)
     if HAS_SEG:
         seg_k = tl.load(SegK + k_idx, mask=k_idx < Sk, other=0)
-        visible = visible & (tl.expand_dims(seg_q, K_AXIS) == tl.expand_dims(seg_k, Q_AXIS))
+        visible = visible & (tl.expand_dims(seg_q, 1 - Q_AXIS) == tl.expand_dims(seg_k, Q_AXIS))
     return visible
 
 
@@ -689,11 +688,57 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = operator.index(value)  # TypeError for anything that is not an integer
     if abs(value) >= _MAX_POSITION:
         raise ValueError(f"{name}={value} is out of the supported range (|{name}| < 2**30)")
     return value
+
+
+def _band(causal, window, q_offset: int, sq: int, k_offset: int, sk: int):
+    """(left, right, has_left, has_right, hidden) of the band i_pos - left <= j_pos <= i_pos + right
+    for this block: a bound no pair of the block can violate is dropped (no masking work for it), and
+    hidden is True when the band excludes every pair."""
+    left = right = -1
+    if window is not None:
+        if len(window) != 2:
+            raise ValueError(f"window must be a (left, right) pair, got {window!r}")
+        left, right = (_check_int("window", w) for w in window)
+        if left < -1 or right < -1:
+            raise ValueError(f"window bounds must be >= 0, or -1 for unbounded; got {window!r}")
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    max_ahead = (k_offset + sk - 1) - q_offset  # largest j_pos - i_pos in the block
+    max_behind = (q_offset + sq - 1) - k_offset  # largest i_pos - j_pos
+    has_right = 0 <= right < max_ahead
+    has_left = 0 <= left < max_behind
+    hidden = (right >= 0 and -max_behind > right) or (left >= 0 and -max_ahead > left)
+    return max(left, 0), max(right, 0), has_left, has_right, hidden
+
+
+def _key_mask(key_mask, batch: int, sk: int, device):
+    if key_mask is None:
+        return None
+    if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, sk):
+        raise ValueError(f"key_mask must be a bool tensor [B, Sk] = {(batch, sk)}, got "
+                         f"{key_mask.dtype} {tuple(key_mask.shape)}")
+    return key_mask.to(device).contiguous().view(torch.uint8)
+
+
+def _segments(segment_ids, batch: int, sq: int, sk: int, device):
+    if segment_ids is None:
+        return None, None
+    if len(segment_ids) != 2:
+        raise ValueError("segment_ids must be a (seg_q, seg_k) pair")
+    seg_q, seg_k = segment_ids
+    for seg in (seg_q, seg_k):
+        if seg.dtype.is_floating_point or seg.dtype.is_complex or seg.dtype == torch.bool:
+            raise TypeError(f"segment ids must be integer tensors, got {seg_q.dtype}, {seg_k.dtype}")
+    if tuple(seg_q.shape) != (batch, sq) or tuple(seg_k.shape) != (batch, sk):
+        raise ValueError(f"segment_ids must be [B, Sq] = {(batch, sq)} and [B, Sk] = {(batch, sk)}, got "
+                         f"{tuple(seg_q.shape)} and {tuple(seg_k.shape)}")
+    if seg_q.dtype != seg_k.dtype:
+        seg_q, seg_k = seg_q.long(), seg_k.long()
+    return seg_q.to(device).contiguous(), seg_k.to(device).contiguous()
 
 
 def _prepare(q, k, v, *, q_offset, k_offset, causal, window, key_mask, segment_ids, scale) -> _Problem:
@@ -724,51 +769,15 @@ def _prepare(q, k, v, *, q_offset, k_offset, causal, window, key_mask, segment_i
     k_offset = _check_int("k_offset", k_offset)
     _check_int("q_offset + Sq", q_offset + sq)
     _check_int("k_offset + Sk", k_offset + sk)
-
-    left = right = -1
-    if window is not None:
-        if len(window) != 2:
-            raise ValueError(f"window must be a (left, right) pair, got {window!r}")
-        left, right = (_check_int("window", w) for w in window)
-        if left < -1 or right < -1:
-            raise ValueError(f"window bounds must be >= 0, or -1 for unbounded; got {window!r}")
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    # Drop a bound that no pair of this block can violate, and detect a block the band hides entirely.
-    max_ahead = (k_offset + sk - 1) - q_offset  # largest j_pos - i_pos in the block
-    max_behind = (q_offset + sq - 1) - k_offset  # largest i_pos - j_pos
-    has_right = right >= 0 and right < max_ahead
-    has_left = left >= 0 and left < max_behind
-    hidden = (right >= 0 and -max_behind > right) or (left >= 0 and -max_ahead > left)
-
-    if key_mask is not None:
-        if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (batch, sk):
-            raise ValueError(f"key_mask must be a bool tensor [B, Sk] = {(batch, sk)}, got "
-                             f"{key_mask.dtype} {tuple(key_mask.shape)}")
-        key_mask = key_mask.to(q.device).contiguous().view(torch.uint8)
-    seg_q = seg_k = None
-    if segment_ids is not None:
-        if len(segment_ids) != 2:
-            raise ValueError("segment_ids must be a (seg_q, seg_k) pair")
-        seg_q, seg_k = segment_ids
-        if (seg_q.dtype.is_floating_point or seg_k.dtype.is_floating_point or seg_q.dtype == torch.bool
-                or seg_k.dtype == torch.bool or seg_q.is_complex() or seg_k.is_complex()):
-            raise TypeError(f"segment ids must be integer tensors, got {seg_q.dtype}, {seg_k.dtype}")
-        if tuple(seg_q.shape) != (batch, sq) or tuple(seg_k.shape) != (batch, sk):
-            raise ValueError(f"segment_ids must be [B, Sq] = {(batch, sq)} and [B, Sk] = {(batch, sk)}, got "
-                             f"{tuple(seg_q.shape)} and {tuple(seg_k.shape)}")
-        if seg_q.dtype != seg_k.dtype:
-            seg_q, seg_k = seg_q.long(), seg_k.long()
-        seg_q = seg_q.to(q.device).contiguous()
-        seg_k = seg_k.to(q.device).contiguous()
-
+    left, right, has_left, has_right, hidden = _band(causal, window, q_offset, sq, k_offset, sk)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if not scale > 0.0 or not math.isfinite(scale):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
+    seg_q, seg_k = _segments(segment_ids, batch, sq, sk, q.device)
     return _Problem(q=_last_dim_contiguous(q), k=_last_dim_contiguous(k), v=_last_dim_contiguous(v),
-                    key_mask=key_mask, seg_q=seg_q, seg_k=seg_k, q_offset=q_offset, k_offset=k_offset,
-                    left=max(left, 0), right=max(right, 0), has_left=has_left, has_right=has_right,
-                    hidden=hidden, scale=scale)
+                    key_mask=_key_mask(key_mask, batch, sk, q.device), seg_q=seg_q, seg_k=seg_k,
+                    q_offset=q_offset, k_offset=k_offset, left=left, right=right, has_left=has_left,
+                    has_right=has_right, hidden=hidden, scale=scale)
 
 
 def _kernel_args(p: _Problem):

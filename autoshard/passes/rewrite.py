@@ -167,7 +167,7 @@ class Rewriter:
             if isinstance(want, Replicate):
                 return self._replicated_use(node, new, partial_grad)
             return new
-        key = (node, want)
+        key = (node, want, partial_grad)
         if key in self._cache:
             return self._cache[key]
         if isinstance(have, Partial):
@@ -179,9 +179,7 @@ class Rewriter:
         elif isinstance(have, Replicate):
             out = self._shard(node, self._replicated_use(node, new, False), want)
         elif isinstance(want, Replicate):
-            out = self._unshard(node, new, have, expected, reason)
-            if partial_grad:
-                out = self._replicated_use(node, out, True)
+            out = self._unshard(node, new, have, expected, reason, local_use=partial_grad)
         elif isinstance(want, Shard) and (want.dim, want.factors, want.factor) == (have.dim, have.factors, have.factor):
             out = self._realign(node, new, have, want)
         else:
@@ -230,9 +228,13 @@ class Rewriter:
         x = self.call(torch.ops.autoshard.seq_shard.default, x, dim, want.layout.encode(), self.group)
         return self._merge_factors(node, x, want, local=True)
 
-    def _unshard(self, node: fx.Node, new: fx.Node, have: Shard, expected: bool, reason: str) -> fx.Node:
+    def _unshard(self, node: fx.Node, new: fx.Node, have: Shard, expected: bool, reason: str,
+                 local_use: bool = False) -> fx.Node:
+        """Gather; ``local_use``: the whole value feeds this rank's share of the work, so the backward
+        reduce-scatters the gradient shares (instead of keeping this rank's part of one gradient)."""
         x, dim = self._split_factors(node, new, have, local=True)
-        x = self.call(torch.ops.autoshard.seq_unshard.default, x, dim, have.layout.encode(), self.group)
+        op = torch.ops.autoshard.seq_unshard_for_local_use if local_use else torch.ops.autoshard.seq_unshard
+        x = self.call(op.default, x, dim, have.layout.encode(), self.group)
         local_elems = numel(self.local_shape(node, have)) // max(have.layout.local_length(self.rank), 1)
         nbytes = (self.world - 1) * have.layout.max_local_length * local_elems * _itemsize(node)
         self.report.transitions.append(Transition("all_gather", node.name, str(have), "R", nbytes, reason))

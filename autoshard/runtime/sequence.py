@@ -19,11 +19,15 @@ from __future__ import annotations
 import torch
 
 from .accounting import record
-from .collectives import _pg, _with, all_gather_impl
+from .collectives import _pg, _with, all_gather_impl, reduce_scatter_impl
 from .groups import GroupLike, resolve_group
 from .layouts import SequenceLayout
 
 __all__ = ["shard_sequence", "unshard_sequence", "sequence_positions", "resolve_layout"]
+
+# ``seq_unshard_for_local_use`` is the gather the compiler emits when the whole value is consumed by
+# computation on this rank's positions (keys gathered for this rank's queries): its gradient is then
+# this rank's share, and the backward reduce-scatters the shares instead of slicing.
 
 
 def resolve_layout(layout: str | SequenceLayout, length: int, world_size: int) -> SequenceLayout:
@@ -61,9 +65,15 @@ def _seq_shard(x: torch.Tensor, dim: int, layout: list[int], group: str) -> torc
     return _local_pieces(x, dim, SequenceLayout.decode(layout), _pg(group).rank())
 
 
-@_seq_shard.register_fake
-def _(x, dim, layout, group):
+def _local_fake(x, dim, layout, group):
     return x.new_empty(_with(x.shape, dim, SequenceLayout.decode(layout).local_length(_pg(group).rank())))
+
+
+def _whole_fake(x, dim, layout, group):
+    return x.new_empty(_with(x.shape, dim, SequenceLayout.decode(layout).length))
+
+
+_seq_shard.register_fake(_local_fake)
 
 
 @torch.library.custom_op("autoshard::seq_unshard", mutates_args=())
@@ -73,9 +83,32 @@ def _seq_unshard(x: torch.Tensor, dim: int, layout: list[int], group: str) -> to
     return _global_order(gathered, dim, lay)
 
 
-@_seq_unshard.register_fake
-def _(x, dim, layout, group):
-    return x.new_empty(_with(x.shape, dim, SequenceLayout.decode(layout).length))
+_seq_unshard.register_fake(_whole_fake)
+
+
+def _rank_order(x: torch.Tensor, dim: int, layout: SequenceLayout) -> torch.Tensor:
+    """Reorder a whole tensor (global position order) into the concatenation of every rank's positions."""
+    if layout.kind == "contiguous":
+        return x
+    return torch.cat([x.narrow(dim, s, e - s) for r in range(layout.world_size)
+                      for s, e in layout.local_intervals(r)], dim)
+
+
+@torch.library.custom_op("autoshard::seq_reduce_scatter", mutates_args=())
+def _seq_reduce_scatter(x: torch.Tensor, dim: int, layout: list[int], group: str) -> torch.Tensor:
+    lay = SequenceLayout.decode(layout)
+    return reduce_scatter_impl(_rank_order(x, dim, lay), dim, lay.local_lengths, _pg(group))
+
+
+_seq_reduce_scatter.register_fake(_local_fake)
+
+
+@torch.library.custom_op("autoshard::seq_unshard_for_local_use", mutates_args=())
+def _seq_unshard_local_use(x: torch.Tensor, dim: int, layout: list[int], group: str) -> torch.Tensor:
+    return _seq_unshard(x, dim, layout, group)
+
+
+_seq_unshard_local_use.register_fake(_whole_fake)
 
 
 def _setup(ctx, inputs, output):
@@ -87,6 +120,9 @@ _seq_shard.register_autograd(
     setup_context=_setup)
 _seq_unshard.register_autograd(
     lambda ctx, g: (torch.ops.autoshard.seq_shard(g, ctx.dim, ctx.layout, ctx.group), None, None, None),
+    setup_context=_setup)
+_seq_unshard_local_use.register_autograd(
+    lambda ctx, g: (torch.ops.autoshard.seq_reduce_scatter(g, ctx.dim, ctx.layout, ctx.group), None, None, None),
     setup_context=_setup)
 
 

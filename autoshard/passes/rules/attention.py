@@ -71,8 +71,8 @@ def rewrite_attention(rw, node, op):
         nd = len(shape_of(dense))
         mask_rows = out.moved(nd - 2) if shape_of(dense)[nd - 2] == shape_of(q)[2] else REPLICATE
         new = rw.call(F.scaled_dot_product_attention, rw.input(q, out),
-                      rw.input(k, REPLICATE, expected=False, reason=reason),
-                      rw.input(v, REPLICATE, expected=False, reason=reason),
+                      rw.input(k, REPLICATE, partial_grad=True, expected=False, reason=reason),
+                      rw.input(v, REPLICATE, partial_grad=True, expected=False, reason=reason),
                       attn_mask=rw.input(dense, mask_rows), scale=float(op["scale"]),
                       enable_gqa=shape_of(k)[1] != shape_of(q)[1])
         rw.done(node, new, out)

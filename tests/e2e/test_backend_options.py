@@ -1,0 +1,171 @@
+"""Backend options and bad input, on real ranks: grad_sync, sharded inputs/outputs, new lengths,
+world size 1, dropout, mismatched ranks, attention that cannot be distributed."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.models import BertClassifier, BertConfig, LlamaLM
+from autoshard.runtime import all_reduce, unshard_sequence
+from autoshard.testing import RankFailure, run_on_ranks
+from autoshard.testing.equivalence import compare_with_one_process
+
+
+def _llama_and_batch(seq: int):
+    torch.manual_seed(0)
+    model = LlamaLM().double()
+    return model, copy.deepcopy(model), torch.randint(0, 256, (2, seq)), torch.randint(0, 256, (2, seq))
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _grad_shares_sum_to_one_process():
+    model, ref, ids, labels = _llama_and_batch(11)
+    ref(ids, labels)[0].backward()
+    loss, _ = torch.compile(model, backend=autoshard.backend(grad_sync=False))(ids, labels)
+    loss.backward()
+    return max((all_reduce(g) - _grads(ref)[n]).abs().max().item() for n, g in _grads(model).items())
+
+
+def test_grad_sync_false_leaves_shares_that_sum_to_the_gradient():
+    for err in run_on_ranks(_grad_shares_sum_to_one_process, 2):
+        assert err < 1e-12
+
+
+def _sharded_io(layout: str):
+    model, ref, ids, labels = _llama_and_batch(13)
+    ref_loss, ref_logits = ref(ids, labels)
+    (ref_loss + ref_logits.pow(2).mean()).backward()
+    compiled = torch.compile(model, backend=autoshard.backend(inputs="sharded", outputs="sharded", layout=layout))
+    batch = autoshard.shard_inputs({"input_ids": ids, "labels": labels}, layout=layout)
+    loss, logits = compiled(**batch)
+    whole = unshard_sequence(logits, 1, layout=layout, length=13)
+    (loss + whole.pow(2).mean()).backward()
+    grad_err = max((g - _grads(ref)[n]).abs().max().item() for n, g in _grads(model).items())
+    return logits.shape[1], (loss - ref_loss).abs().item(), (whole - ref_logits).abs().max().item(), grad_err
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_sharded_inputs_and_outputs(layout):
+    results = run_on_ranks(_sharded_io, 2, layout)
+    assert [r[0] for r in results] == [7, 6] if layout == "contiguous" else [7, 6]
+    for _, loss_err, logits_err, grad_err in results:
+        assert loss_err < 1e-12 and logits_err < 1e-12 and grad_err < 1e-12
+
+
+def _new_lengths():
+    model, ref, _, _ = _llama_and_batch(8)
+    compiled = torch.compile(model, backend=autoshard.backend())
+    errors = []
+    for seq in (9, 8, 7, 12):  # the second length makes dynamo recompile with symbolic sizes
+        ids = torch.randint(0, 256, (2, seq))
+        errors.append((compiled(ids, ids)[0] - ref(ids, ids)[0]).abs().item())
+    return errors
+
+
+def test_new_sequence_lengths_recompile_and_stay_exact():
+    for errors in run_on_ranks(_new_lengths, 2):
+        assert max(errors) < 1e-12, errors
+
+
+def _world_of_one():
+    r = compare_with_one_process(LlamaLM, lambda: (torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 9))),
+                                 dtype=torch.float64)
+    return r.max_error()
+
+
+def test_world_size_one_just_works():
+    assert run_on_ranks(_world_of_one, 1)[0] == 0.0
+
+
+class _DropoutOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return F.dropout(autoshard.mark_sequence(x, 1), 0.5, self.training) + 0 * self.proj(x)
+
+
+def _dropout_masks():
+    torch.manual_seed(0)
+    out = torch.compile(_DropoutOnly().train(), backend=autoshard.backend())(torch.ones(1, 64, 4))
+    first, second = out[0, :32] != 0, out[0, 32:] != 0
+    # and a model with dropout trains: the loss goes down over a few steps
+    torch.manual_seed(0)
+    model = BertClassifier(BertConfig(dropout=0.1)).train()
+    compiled = torch.compile(model, backend=autoshard.backend())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ids, mask, labels = torch.randint(0, 256, (4, 16)), torch.ones(4, 16, dtype=torch.long), torch.tensor([0, 1, 2, 0])
+    losses = []
+    for _ in range(8):
+        loss, _ = compiled(ids, mask, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return bool((first == second).all()), losses
+
+
+def test_dropout_draws_different_masks_per_rank_and_trains():
+    for same_pattern, losses in run_on_ranks(_dropout_masks, 2):
+        assert not same_pattern  # rank 0's and rank 1's halves were not dropped alike
+        assert losses[-1] < losses[0]
+
+
+def _different_shapes():
+    seq = 8 if dist.get_rank() == 0 else 9
+    model, _, ids, _ = _llama_and_batch(seq)
+    torch.compile(model, backend=autoshard.backend())(ids)
+
+
+def test_ranks_with_different_shapes_fail_on_every_rank():
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_different_shapes, 2, timeout=120)
+    text = str(info.value)
+    assert "rank(s) [0, 1]" in text and text.count("ranks reached different graphs or input shapes") == 2
+
+
+class _DenseMaskAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x, bias):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # a bias the mask pass cannot structure
+        return self.out(a.transpose(1, 2).reshape(b, s, 8))
+
+
+def _dense_mask():
+    r = compare_with_one_process(_DenseMaskAttention, lambda: (torch.randn(2, 9, 8), torch.randn(9, 9)),
+                                 dtype=torch.float64)
+    return r.max_error(), r.attention, r.fallbacks
+
+
+def test_attention_that_cannot_be_distributed_is_exact_and_reported():
+    for err, attention, fallbacks in run_on_ranks(_dense_mask, 2):
+        assert err < 1e-9
+        assert attention[0]["strategy"] == "gathered-kv" and "mask" in attention[0]["reason"]
+        assert fallbacks  # the gathered keys and values are listed
+
+
+def test_invalid_options_fail_when_the_backend_is_built():
+    with pytest.raises(ValueError, match="layout='zigzag'"):
+        autoshard.backend(strategy="zigzag", layout="contiguous")
+    with pytest.raises(ValueError, match="2-D DeviceMesh"):
+        autoshard.backend(strategy="hybrid")
+    with pytest.raises(ValueError, match="not one of"):
+        autoshard.backend(outputs="scattered")
+    with pytest.raises(TypeError):
+        autoshard.backend(unknown_option=True)
+    with pytest.raises(IndexError, match="dim 3 does not exist"):
+        autoshard.mark_sequence(torch.zeros(2, 3), 3)
