@@ -230,6 +230,5 @@ def capture_attention(gm: fx.GraphModule) -> list[tuple[fx.Node, str | None]]:
         graph.erase_node(node)
         captured.append((new, reason))
     graph.eliminate_dead_code()
-    gm.recompile()
     return captured
 

@@ -53,4 +53,3 @@ def decompose(gm: fx.GraphModule) -> None:
             _decompose_diff(graph, node, op)
     for node in graph.nodes:
         op_of(node)
-    gm.recompile()
