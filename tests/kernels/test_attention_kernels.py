@@ -188,8 +188,8 @@ def test_runs_on_this_machine():
         assert not triton_available("cuda")
 
 
-def test_importing_autoshard_does_not_import_triton():
-    code = "import sys, autoshard, autoshard.kernels; assert 'triton' not in sys.modules, 'triton imported'"
+def test_importing_autoshard_does_not_require_triton():
+    code = "import sys; sys.modules['triton'] = None; import autoshard, autoshard.kernels"  # triton unimportable
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -445,7 +445,8 @@ def test_gpu_every_candidate_config():
                  HAS_SEG=False)
     try:
         for name, kernel in kernels.items():
-            for config in attn._fitting_configs(name, saved[name][0], dict(Q=q, **flags)):
+            for config in attn._fitting_configs(name, saved[name][0], dict(Q=q, **flags),
+                                                attn._max_shared_memory(q.device)):
                 kernel.configs = [config]
                 kernel.cache.clear()
                 run_and_check(replace(case, name=f"{name} {config}"), torch.bfloat16)
