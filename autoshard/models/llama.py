@@ -100,6 +100,7 @@ class LlamaLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.eps)
+        nn.init.normal_(self.embed.weight, std=0.02)  # the tied LM head starts near uniform
 
     def forward(self, input_ids, labels=None):
         h = self.embed(input_ids)

@@ -72,6 +72,20 @@ class CompileReport:
     attention: list[dict] = field(default_factory=list)
     """One entry per distributed attention: node, strategy, layout, mask."""
 
+    def summary(self) -> str:
+        """A few lines: what was split, how attention runs, what moves, what fell back."""
+        split = sum(1 for p in self.placements.values() if p.startswith("S"))
+        lines = [f"{split} of {len(self.placements)} values split along the sequence"]
+        for a in self.attention:
+            mask = ", ".join(k for k in ("causal", "window", "key_mask", "segment_ids") if a.get(k)) or "no mask"
+            lines.append(f"attention {a['node']}: {a['strategy']}" + (f" on the {a['layout']} layout of {a['length']} "
+                         f"positions ({mask})" if "layout" in a else f" ({a.get('reason', '')})"))
+        for t in self.transitions:
+            lines.append(f"{t.kind} of {t.node}: {t.have} -> {t.want}" + (f", {t.bytes_sent:,} B sent" if t.bytes_sent >= 0 else "")
+                         + (f" ({t.reason})" if t.reason else ""))
+        lines.append(f"fallbacks: {len(self.fallbacks)}" + "".join(f"\n  {f.node}: {f.reason}" for f in self.fallbacks))
+        return "\n".join(lines)
+
 
 class Rewriter:
     """Builds the local graph of one rank (see the module docstring)."""

@@ -1,7 +1,7 @@
-"""The main job: a real multi-rank sequence-parallel run on CPU, checked against one process.
+"""Sharding by hand: layouts, shard / unshard, and the bytes they move, checked against one process.
 
-    python examples/demo.py              # spawns 2 ranks (gloo)
-    torchrun --nproc-per-node 2 examples/demo.py
+    python examples/layouts.py           # spawns 2 ranks (gloo)
+    torchrun --nproc-per-node 2 examples/layouts.py
 
 Every rank holds the same full batch; each keeps only its zigzag shard of the sequence, runs a
 token-local MLP on it, and the shards are gathered back. Output and gradients must equal the
