@@ -9,18 +9,20 @@ Every op's link rule (``rules/*.py``) declares *edges* between elements of its i
 norms and linear layers give ``delta = 0``; slices, pads and concatenations give offsets (a shifted
 label is the next token's label).
 
-*Families* then grow from seeds -- the sequence dims of attention calls, of annotated inputs
-(``autoshard.mark_sequence``) and of ``seq_dims`` -- by a breadth-first walk over the edges. Each
-element reached gets an offset to the family's root (the first attention's query dim, whose layout
-the strategy chooses). An edge is *refused* when it would give an element a second offset, or put
-two dims of one value into the same family (attention scores ``[.., S, S]``); the op behind a
-refused edge then re-aligns or gathers that input when the graph is rewritten. Elements no family
-reaches are not split.
+Elements are then joined over the edges, *largest tensors first* (an edge weighs the smaller of its
+two tensors), keeping offsets: position ``i`` of an element is position ``i + offset`` of its group's
+root. An edge is *refused* when it would give an element a second offset (the same tensor used as
+token ids and as shifted labels), or put two dims of one value into one group (attention scores
+``[.., S, S]``); the op behind a refused edge re-aligns or gathers that input when the graph is
+rewritten -- and because big tensors were joined first, what moves is the small one (the labels, not
+the logits). Groups that contain a seed -- the sequence dims of attention calls, of annotated inputs
+(``autoshard.mark_sequence``) and of ``seq_dims`` -- are the *families*; the first seed is a family's
+root (the first attention's query dim, whose layout the strategy chooses). Elements in no family
+are not split.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -46,6 +48,8 @@ class Family:
     """Element -> offset: position ``i`` of the element is root position ``i + offset``."""
     attention_nodes: list[fx.Node] = field(default_factory=list)
     """Attention calls whose sequence this is."""
+    root_offset: int = 0
+    """The root's offset inside its joined group (an implementation detail of :func:`find_families`)."""
 
 
 @dataclass
@@ -78,7 +82,8 @@ class LinkContext:
 
     def __init__(self):
         self.factors: dict[fx.Node, list[list[int]]] = {}
-        self.edges: dict[Elem, list[tuple[Elem, int]]] = {}
+        self.edge_list: list[tuple[Elem, Elem, int, int]] = []
+        """(a, b, delta, order): position i of a is position i + delta of b."""
         self.seeds: list[tuple[Elem, fx.Node | None]] = []
         self.token_local: set[fx.Node] = set()
         """Nodes inside ``autoshard.token_local`` regions."""
@@ -96,8 +101,7 @@ class LinkContext:
         """Position ``i`` of element ``a`` is position ``i + delta`` of element ``b``."""
         if a[0] is b[0] and a[1:] == b[1:]:
             return
-        self.edges.setdefault(a, []).append((b, delta))
-        self.edges.setdefault(b, []).append((a, -delta))
+        self.edge_list.append((a, b, delta, len(self.edge_list)))
 
     def link_dims(self, a: fx.Node, da: int, b: fx.Node, db: int, delta: int = 0) -> None:
         """Link dim ``da`` of ``a`` with dim ``db`` of ``b``: factor by factor when both are the same merge
@@ -117,43 +121,75 @@ class LinkContext:
         self.seeds.append((elem, attention))
 
 
-def find_families(ctx: LinkContext) -> Families:
-    """Grow families from the seeds over the declared edges (see the module docstring)."""
-    member: dict[Elem, tuple[Family, int]] = {}
-    families: list[Family] = []
-    refused: list[tuple[Elem, Elem, int, str]] = []
-    node_dims: dict[tuple[fx.Node, int], tuple[int, int]] = {}  # (node, family) -> (dim, factor) in that family
+def _numel(node: fx.Node) -> int:
+    v = node.meta.get("example_value", node.meta.get("val"))
+    return int(v.numel()) if hasattr(v, "numel") else 0
 
-    for seed, attention in ctx.seeds:
-        if seed in member:
-            fam = member[seed][0]
-            if attention is not None and attention not in fam.attention_nodes:
-                fam.attention_nodes.append(attention)
+
+def find_families(ctx: LinkContext) -> Families:
+    """Join elements over the declared edges, largest tensors first, and keep the joined groups that
+    contain a seed (see the module docstring)."""
+    parent: dict[Elem, Elem] = {}
+    offset: dict[Elem, int] = {}  # position i of e is position i + offset[e] of parent[e]
+    members: dict[Elem, dict[fx.Node, tuple[int, int]]] = {}  # root -> the (dim, factor) each node has in it
+
+    def find(e: Elem) -> tuple[Elem, int]:
+        if e not in parent:
+            parent[e], offset[e], members[e] = e, 0, {e[0]: e[1:]}
+            return e, 0
+        path, total = [], 0
+        while parent[e] != e:
+            path.append(e)
+            total += offset[e]
+            e = parent[e]
+        acc = total
+        for p in path:  # compress: point straight at the root
+            step = offset[p]
+            parent[p], offset[p] = e, acc
+            acc -= step
+        return e, total
+
+    refused: list[tuple[Elem, Elem, int, str]] = []
+    edges = sorted(ctx.edge_list, key=lambda edge: (-min(_numel(edge[0][0]), _numel(edge[1][0])), edge[3]))
+    for a, b, delta, _ in edges:
+        ra, oa = find(a)  # position i of a is position i + oa of ra
+        rb, ob = find(b)
+        if ra == rb:
+            if oa != delta + ob:
+                refused.append((a, b, delta, "offset"))
             continue
-        size = ctx.factorization(seed[0])[seed[1]][seed[2]]
-        fam = Family(len(families), seed, size, attention_nodes=[attention] if attention is not None else [])
-        families.append(fam)
-        queue = deque([(seed, 0)])
-        member[seed] = (fam, 0)
-        fam.offsets[seed] = 0
-        node_dims[(seed[0], fam.index)] = seed[1:]
-        while queue:
-            elem, off = queue.popleft()
-            for other, delta in ctx.edges.get(elem, ()):
-                other_off = off - delta
-                hit = member.get(other)
-                if hit is not None:
-                    if hit[0] is not fam or hit[1] != other_off:
-                        refused.append((elem, other, delta, "offset" if hit[0] is fam else "family"))
-                    continue
-                taken = node_dims.get((other[0], fam.index))
-                if taken is not None and taken != other[1:]:
-                    refused.append((elem, other, delta, "second dim"))
-                    continue
-                member[other] = (fam, other_off)
-                fam.offsets[other] = other_off
-                node_dims[(other[0], fam.index)] = other[1:]
-                queue.append((other, other_off))
+        small, large = (ra, rb) if len(members[ra]) < len(members[rb]) else (rb, ra)
+        if any(large_dims != members[small].get(node, large_dims) for node, large_dims in members[large].items()
+               if node in members[small]):
+            refused.append((a, b, delta, "second dim"))
+            continue
+        # attach rb under ra: position i of rb is position i - ob + delta + oa of ra
+        parent[rb], offset[rb] = ra, oa - delta - ob
+        if small is rb:
+            members[ra].update(members.pop(rb))
+        else:
+            members[rb].update(members.pop(ra))
+            members[ra] = members.pop(rb)
+
+    families: list[Family] = []
+    by_root: dict[Elem, Family] = {}
+    for seed, attention in ctx.seeds:
+        root, seed_off = find(seed)
+        fam = by_root.get(root)
+        if fam is None:
+            size = ctx.factorization(seed[0])[seed[1]][seed[2]]
+            fam = by_root[root] = Family(len(families), seed, size)
+            fam.root_offset = seed_off
+            families.append(fam)
+        if attention is not None and attention not in fam.attention_nodes:
+            fam.attention_nodes.append(attention)
+    member: dict[Elem, tuple[Family, int]] = {}
+    for e in list(parent):
+        root, off = find(e)
+        fam = by_root.get(root)
+        if fam is not None:
+            member[e] = (fam, off - fam.root_offset)
+            fam.offsets[e] = off - fam.root_offset
     return Families(families, member, ctx.factors, refused, ctx.token_local)
 
 
