@@ -131,7 +131,7 @@ def _shape(config) -> tuple:
 
 def _resources(kernel: str, block_m: int, block_n: int, block_d: int, stages: int, itemsize: int, masked: bool):
     """(shared memory bytes, live fp32 values) of one program, estimated; calibrated on sm_90 compiles."""
-    if kernel == "fwd":  # q resident; k, v streamed; acc [M, D]; scores [M, N] (+ mask and row updates)
+    if kernel == "fwd":  # q resident; k, v streamed; acc [M, D]; scores [M, N] (+ key_mask / segment masks)
         return (itemsize * block_d * (block_m + 2 * stages * block_n),
                 block_m * (block_d + block_n * (2.5 if masked else 1.0)))
     if kernel == "dq":  # q, do resident; k, v streamed; dq [M, D]; scores and dp [M, N]
@@ -153,7 +153,7 @@ def _fitting_configs(kernel: str, configs, args, smem_limit: int):
         return [c for c in configs if _shape(c) in _FP32_CANDIDATES]
     configs = [c for c in configs if _shape(c) in _CANDIDATES[kernel]]
     block_d, itemsize = args["BLOCK_D"], args["Q"].element_size()
-    masked = args["HAS_LEFT"] or args["HAS_RIGHT"] or args["HAS_KEY_MASK"] or args["HAS_SEG"]
+    masked = args["HAS_KEY_MASK"] or args["HAS_SEG"]  # per-key loads and compares in every tile
     fitting = []
     for config in configs:
         m, n, warps, stages = _shape(config)
