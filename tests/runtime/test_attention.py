@@ -33,7 +33,8 @@ def _strategies(world: int) -> list[tuple[str, str, tuple[int, int] | None]]:
     """(strategy, layout, hybrid mesh) served at ``world`` ranks. A hybrid mesh is its shape
     ``(P_ring, P_ulysses)`` with axes named ("ring", "ulysses"), or ``("ulysses", "ring")``: a 2 x 2 mesh whose
     axes come in the other order, so sequence ranks differ from flattened ranks."""
-    out = [("ring", "contiguous", None), ("ring", "zigzag", None), ("zigzag", "zigzag", None),
+    out = [("ring", "contiguous", None), ("ring", "zigzag", None), ("ring", "striped", None),
+           ("zigzag", "zigzag", None),
            ("allgather", "contiguous", None), ("allgather", "zigzag", None), ("ulysses", "contiguous", None),
            ("ulysses", "zigzag", None)]
     if world == 2:
@@ -107,7 +108,12 @@ def _reference(case: dict):
 
 
 def _layout(case: dict, world: int) -> SequenceLayout:
-    return SequenceLayout.of(case["layout"], case["length"], world)
+    """The case's layout; "striped": runs of 3 positions dealt to the ranks in turn (a derived layout)."""
+    S = case["length"]
+    if case["layout"] == "striped":
+        return SequenceLayout.from_intervals(S, [[(c, min(c + 3, S)) for c in range(3 * r, S, 3 * world)]
+                                                 for r in range(world)])
+    return SequenceLayout.of(case["layout"], S, world)
 
 
 # ---------------------------------------------------------------------------- rank worker
@@ -117,12 +123,13 @@ def _run_case(case: dict, mesh) -> dict:
     q, k, v, dout, key_mask, segments = _inputs(case)
     layout = _layout(case, dist.get_world_size())
     seq_rank = hybrid_sequence_rank(mesh) if mesh is not None else dist.get_rank()
+    given_layout = layout if case["layout"] == "striped" else case["layout"]
     pos = layout.positions(seq_rank)
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
     shard = (lambda m: None if m is None else m[:, pos])  # noqa: E731
     group = mesh if mesh is not None else None
     with comm_counter() as fwd:
-        out = attention(ql, kl, vl, group=group, strategy=case["strategy"], layout=case["layout"],
+        out = attention(ql, kl, vl, group=group, strategy=case["strategy"], layout=given_layout,
                         key_mask=shard(key_mask), segment_ids=shard(segments), seq_len=case["length"],
                         kernels=case.get("kernels", "auto"), **_mask_args(case))
     with comm_counter() as bwd:
@@ -258,7 +265,8 @@ def _causal_flops(runs: list[tuple[str, str, int]]) -> list[int]:
 
 def test_zigzag_balances_causal_work():
     world, lengths = 4, (64, 203)  # 203: uneven chunks
-    runs = [(layout, strategy, n) for n in lengths for layout, strategy in (("zigzag", "zigzag"), ("contiguous", "ring"))]
+    runs = [(layout, strategy, n) for n in lengths
+            for layout, strategy in (("zigzag", "zigzag"), ("contiguous", "ring"))]
     per_rank = run_on_ranks(_causal_flops, world, runs)
     report = []
     for n, (layout, strategy, length) in enumerate(runs):
@@ -293,6 +301,7 @@ def _bad_inputs() -> dict[str, str]:
         "heads": lambda: attention(q, kv[:, :1].expand(1, 3, 8, 16), kv[:, :1].expand(1, 3, 8, 16), **ok),
         "not a shard": lambda: attention(q, kv, kv, seq_len=10),
         "layout cannot serve": lambda: attention(q[:, :, :1], kv[:, :, :1], kv[:, :, :1], layout="zigzag", seq_len=2),
+        "layout for 4 ranks": lambda: attention(q, kv, kv, layout=SequenceLayout.contiguous(32, 4)),
         "zigzag needs zigzag": lambda: attention(q, kv, kv, strategy="zigzag", **ok),
         "ulysses heads": lambda: attention(q[:, :1], kv[:, :1], kv[:, :1], strategy="ulysses", **ok),
         "hybrid needs a mesh": lambda: attention(q, kv, kv, strategy="hybrid", **ok),
@@ -328,6 +337,7 @@ EXPECTED_ERRORS = {
     "heads": ["multiple of the 3 kv heads"],
     "not a shard": ["holds 8 positions, but the contiguous layout of 10 positions on 2 ranks gives it 5"],
     "layout cannot serve": ["has only 2 positions"],
+    "layout for 4 ranks": ["the layout places the sequence on 4 ranks but the group has 2"],
     "zigzag needs zigzag": ["strategy 'zigzag' needs the zigzag layout", "layout='zigzag'"],
     "ulysses heads": ["needs at least one head per rank (H >= P)", "strategy 'ring' or 'zigzag'"],
     "hybrid needs a mesh": ["needs group= a 2-D DeviceMesh"],

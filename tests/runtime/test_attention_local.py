@@ -124,6 +124,21 @@ def test_low_precision_inputs_accumulate_in_fp32(path, dtype, tol):
             assert (got.double() - ref).abs().max() <= tol * ref.abs().max()
 
 
+def test_strided_inputs(path):
+    """Inputs laid out [B, S, H, D] and transposed (as models produce them) give the same result."""
+    q, k, v, dout, km, _ = _case(1, 6, 2, True, False)
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout)]
+    assert not strided[0].is_contiguous()
+    for kw in (dict(causal=True, q_offset=14, k_offset=0), dict(key_mask=km, window=(4, 4))):
+        out, lse = local_attention(q, k, v, **kw)
+        strided_out, strided_lse = local_attention(*strided[:3], **kw)
+        torch.testing.assert_close(strided_out, out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(strided_lse, lse, rtol=1e-12, atol=1e-12)
+        for got, ref in zip(local_attention_backward(strided[3], *strided[:3], out, lse, **kw),
+                            local_attention_backward(dout, q, k, v, out, lse, **kw)):
+            torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
 def test_fully_masked_rows_give_zero_and_minus_inf():
     q, k, v, dout, _, _ = _case(0, 2, 2, False, False)
     key_mask = torch.zeros(2, 33, dtype=torch.bool)

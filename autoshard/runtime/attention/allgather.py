@@ -1,11 +1,10 @@
 """All-gather K/V attention (Llama-3 style context parallelism).
 
-Forward: all-gather every rank's K and V (one collective for both; with ``key_mask`` / ``segment_ids``
-gathered alongside), then attend this rank's queries to the whole sequence in chunks: the gathered
-tensor is the concatenation of every rank's shard, i.e. a list of pieces of the global sequence, and
-each visible (query piece, key piece) pair is one :func:`~.local.local_attention` call at its global
-offsets (chunks the mask hides are skipped). Uneven shards are fine: the all-gather pads to the largest
-shard and drops the padding.
+Forward: all-gather every rank's K and V (with ``key_mask`` / ``segment_ids`` gathered alongside), then
+attend this rank's queries to the whole sequence in chunks: the gathered tensor is the concatenation of
+every rank's shard, i.e. a list of pieces of the global sequence, and each visible (query piece, key
+piece) pair is one :func:`~.local.local_attention` call at its global offsets (chunks the mask hides are
+skipped). Uneven shards are fine: the all-gather pads to the largest shard and drops the padding.
 
 Backward: all-gather K/V again (the custom op keeps only its inputs and outputs, not the gathered copy),
 compute dQ locally and the dK/dV of the *whole* sequence in fp32, then reduce-scatter dK/dV back to
@@ -31,36 +30,36 @@ _check = ring._check
 
 
 def _gather(k, v, key_mask, segment_ids, call: Call):
-    """Every rank's K and V (stacked, [2, B, Hkv, S, D]) and key-side masks, in rank order."""
+    """Every rank's K, V and key-side masks, concatenated in rank order (one all-gather each)."""
     pg, sizes = call.pg, list(call.layout.local_lengths)
-    kv = all_gather_impl(torch.stack([k, v]), 3, sizes, pg)
-    masks = [None if m is None else all_gather_impl(m, 1, sizes, pg) for m in (key_mask, segment_ids)]
-    return kv, *masks
+    return [None if t is None else all_gather_impl(t, 2 if t.dim() == 4 else 1, sizes, pg)
+            for t in (k, v, key_mask, segment_ids)]
 
 
 def _forward(q, k, v, key_mask, segment_ids, call: Call):
-    kv, all_keys_mask, all_segments = _gather(k, v, key_mask, segment_ids, call)
+    all_k, all_v, all_keys_mask, all_segments = _gather(k, v, key_mask, segment_ids, call)
     layout, rank = call.layout, call.pg.rank()
     out, lse = empty_result(q)
-    attend(out, lse, q, kv[0], kv[1], pieces(layout, [rank]), pieces(layout, range(layout.world_size)),
+    attend(out, lse, q, all_k, all_v, pieces(layout, [rank]), pieces(layout, range(layout.world_size)),
            heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, key_mask=all_keys_mask,
            seg_q=segment_ids, seg_k=all_segments, scale=call.scale, kernels=call.kernels)
     return out, lse
 
 
 def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
-    kv, all_keys_mask, all_segments = _gather(k, v, key_mask, segment_ids, call)
+    all_k, all_v, all_keys_mask, all_segments = _gather(k, v, key_mask, segment_ids, call)
     layout, rank = call.layout, call.pg.rank()
     ct = compute_dtype(q.dtype)
     dq = q.new_zeros(q.shape, dtype=ct)
-    dkv = kv.new_zeros(kv.shape, dtype=ct)
+    dk, dv = all_k.new_zeros(all_k.shape, dtype=ct), all_v.new_zeros(all_v.shape, dtype=ct)
     delta = row_delta(dout, out)
-    attend_backward(dq, dkv[0], dkv[1], dout, q, kv[0], kv[1], out, lse, delta, pieces(layout, [rank]),
+    attend_backward(dq, dk, dv, dout, q, all_k, all_v, out, lse, delta, pieces(layout, [rank]),
                     pieces(layout, range(layout.world_size)), heads=HeadSegment.all(q.size(1), k.size(1)),
                     spec=call.spec, key_mask=all_keys_mask, seg_q=segment_ids, seg_k=all_segments,
                     scale=call.scale, kernels=call.kernels)
-    dk, dv = reduce_scatter_impl(dkv, 3, list(layout.local_lengths), call.pg)
-    return dq, dk, dv
+    del all_k, all_v
+    sizes = list(layout.local_lengths)
+    return dq, reduce_scatter_impl(dk, 2, sizes, call.pg), reduce_scatter_impl(dv, 2, sizes, call.pg)
 
 
 register(Strategy("allgather", _check, _forward, _backward))

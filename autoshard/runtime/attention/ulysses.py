@@ -14,9 +14,10 @@ split allows -- and the backward sums the duplicated dK/dV on the kv head's owne
 span GQA groups unevenly computes them as up to three uniform head segments
 (:class:`~.blocks.HeadSegment`). The only constraint is ``H >= P`` (every rank needs a head).
 
-Backward: the custom op keeps only its inputs and outputs, so the backward moves ``q``, ``out``, ``dout``
-(stacked into one all-to-all), ``k``/``v`` and the LSE to head-split again, runs the local backward, and
-moves dQ, dK, dV back (in the input dtype; duplicated kv heads are summed in fp32 after arrival).
+Backward: the custom op keeps only its inputs and outputs, so the backward moves ``q``, ``out``, ``dout``,
+``k``, ``v`` and the LSE to head-split again, runs the local backward, and moves dQ, dK, dV back (in the
+input dtype; duplicated kv heads are summed in fp32 after arrival). Tensors move one per all-to-all,
+which keeps the transient copies an all-to-all makes small.
 
 :func:`ulysses_forward` / :func:`ulysses_backward` take an optional ring group: with it, the attention
 in head space is the ring of :mod:`.ring` across Ulysses groups -- the hybrid strategy.
@@ -85,11 +86,11 @@ def check_heads(heads: int, world: int, what: str) -> None:
 # ---------------------------------------------------------------------------- moving between splits
 
 
-def _move(x: torch.Tensor, head_dim: int, to_heads: bool, head_sizes, lengths, pg) -> torch.Tensor:
-    """All-to-all between sequence-split and head-split along (head_dim, head_dim + 1)."""
+def _move(x: torch.Tensor, to_heads: bool, head_sizes, lengths, pg) -> torch.Tensor:
+    """All-to-all of a [B, heads, S(, D)] tensor from sequence-split to head-split (or back)."""
     if to_heads:
-        return all_to_all_impl(x, head_dim, head_dim + 1, list(head_sizes), list(lengths), pg)
-    return all_to_all_impl(x, head_dim + 1, head_dim, list(lengths), list(head_sizes), pg)
+        return all_to_all_impl(x, 1, 2, list(head_sizes), list(lengths), pg)
+    return all_to_all_impl(x, 2, 1, list(lengths), list(head_sizes), pg)
 
 
 @dataclass(frozen=True)
@@ -129,11 +130,20 @@ def _plan(heads: int, kv_heads: int, pg, ring_pg, layout: SequenceLayout) -> _Pl
                  tuple(pieces(layout, m) for m in members))
 
 
-def _kv_to_heads(k, v, plan: _Plan) -> torch.Tensor:
-    kv = torch.stack([k, v])
+def _kv_to_heads(x: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """K or V to head-split: every rank receives the kv heads its query heads read."""
     if plan.kv_index is not None:
-        kv = kv.index_select(2, plan.kv_index.to(kv.device))
-    return _move(kv, 2, True, plan.kv_sizes, plan.lengths, plan.pg)
+        x = x.index_select(1, plan.kv_index.to(x.device))
+    return _move(x, True, plan.kv_sizes, plan.lengths, plan.pg)
+
+
+def _kv_to_sequence(x: torch.Tensor, plan: _Plan, like: torch.Tensor) -> torch.Tensor:
+    """dK or dV back to sequence-split in ``like``'s dtype, the copies of duplicated kv heads summed in fp32."""
+    x = _move(x.to(like.dtype), False, plan.kv_sizes, plan.lengths, plan.pg)
+    if plan.kv_index is None:
+        return x
+    summed = x.new_zeros(like.shape, dtype=compute_dtype(like.dtype))
+    return summed.index_add_(1, plan.kv_index.to(x.device), x.to(summed.dtype))
 
 
 def _gather_masks(key_mask, segment_ids, plan: _Plan):
@@ -145,14 +155,14 @@ def ulysses_forward(q, k, v, key_mask, segment_ids, *, pg, ring_pg, layout: Sequ
     """``(out, lse)`` of this rank's shard: all-to-all to head-split, attention over the gathered sequence
     (a ring across ``ring_pg`` when given), all-to-all back. ``out`` has ``q``'s dtype."""
     plan = _plan(q.size(1), k.size(1), pg, ring_pg, layout)
-    qh = _move(q, 1, True, plan.q_sizes, plan.lengths, pg)
-    kvh = _kv_to_heads(k, v, plan)
+    qh = _move(q, True, plan.q_sizes, plan.lengths, pg)
+    kh, vh = _kv_to_heads(k, plan), _kv_to_heads(v, plan)
     all_keys_mask, all_segments = _gather_masks(key_mask, segment_ids, plan)
-    out_h, lse_h = ring.ring_forward(qh, kvh[0], kvh[1], all_keys_mask, all_segments, pg=ring_pg,
+    out_h, lse_h = ring.ring_forward(qh, kh, vh, all_keys_mask, all_segments, pg=ring_pg,
                                      block_pieces=plan.block_pieces, heads=plan.share.segments(q.size(1) // k.size(1)),
                                      spec=spec, scale=scale, kernels=kernels)
-    out = _move(out_h.to(q.dtype), 1, False, plan.q_sizes, plan.lengths, pg)
-    lse = _move(lse_h, 1, False, plan.q_sizes, plan.lengths, pg)
+    out = _move(out_h.to(q.dtype), False, plan.q_sizes, plan.lengths, pg)
+    lse = _move(lse_h, False, plan.q_sizes, plan.lengths, pg)
     return out, lse
 
 
@@ -160,22 +170,19 @@ def ulysses_backward(dout, q, k, v, out, lse, key_mask, segment_ids, *, pg, ring
                      spec: MaskSpec, scale: float, kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`ulysses_forward` (``dq`` in ``q``'s dtype, ``dk``/``dv`` in the compute dtype)."""
     plan = _plan(q.size(1), k.size(1), pg, ring_pg, layout)
-    q_out_dout = _move(torch.stack([q, out.to(q.dtype), dout.to(q.dtype)]), 2, True, plan.q_sizes, plan.lengths, pg)
-    kvh = _kv_to_heads(k, v, plan)
-    lse_h = _move(lse, 1, True, plan.q_sizes, plan.lengths, pg)
+    # one tensor per all-to-all: each holds a few transient copies of its input, so moving them one by one
+    # keeps the peak low
+    qh, out_h, dout_h, lse_h = (_move(t, True, plan.q_sizes, plan.lengths, pg)
+                                for t in (q, out.to(q.dtype), dout.to(q.dtype), lse))
+    kh, vh = _kv_to_heads(k, plan), _kv_to_heads(v, plan)
     all_keys_mask, all_segments = _gather_masks(key_mask, segment_ids, plan)
-    qh, out_h, dout_h = q_out_dout
-    dqh, dkh, dvh = ring.ring_backward(dout_h, qh, kvh[0], kvh[1], out_h, lse_h, all_keys_mask, all_segments,
+    dqh, dkh, dvh = ring.ring_backward(dout_h, qh, kh, vh, out_h, lse_h, all_keys_mask, all_segments,
                                        pg=ring_pg, block_pieces=plan.block_pieces,
                                        heads=plan.share.segments(q.size(1) // k.size(1)), spec=spec, scale=scale,
                                        kernels=kernels)
-    dq = _move(dqh.to(q.dtype), 1, False, plan.q_sizes, plan.lengths, pg)
-    dkv = _move(torch.stack([dkh, dvh]).to(k.dtype), 2, False, plan.kv_sizes, plan.lengths, pg)
-    if plan.kv_index is not None:  # sum the copies of duplicated kv heads
-        ct = compute_dtype(k.dtype)
-        summed = dkv.new_zeros((2, k.size(0), k.size(1), k.size(2), k.size(3)), dtype=ct)
-        dkv = summed.index_add_(2, plan.kv_index.to(dkv.device), dkv.to(ct))
-    return dq, dkv[0], dkv[1]
+    del qh, out_h, dout_h, lse_h, kh, vh  # free the head-split copies before the all-to-alls back
+    dq = _move(dqh.to(q.dtype), False, plan.q_sizes, plan.lengths, pg)
+    return dq, _kv_to_sequence(dkh, plan, k), _kv_to_sequence(dvh, plan, v)
 
 
 # ---------------------------------------------------------------------------- the strategy
