@@ -24,18 +24,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import operator
+
 import torch
 import torch.fx as fx
 
 from ..config import BackendConfig
 from ..placements import REPLICATE, Partial, Placement, Replicate, Shard
 from ..runtime.layouts import SequenceLayout
-from ..runtime.redistribute import grad_scale, grad_sync, reduce_partial
+from ..runtime.redistribute import grad_scale, grad_sync, grad_sync_bucket, reduce_partial
 from .infer import Families, Family
 from .ops import is_tensor_node, numel, op_of, shape_of, value_of
 from .rules import RULES
 
-__all__ = ["Rewriter", "CompileReport", "Transition", "Fallback"]
+__all__ = ["Rewriter", "CompileReport", "Transition", "Fallback", "GRAD_BUCKET_BYTES"]
+
+GRAD_BUCKET_BYTES = 25 * 2**20
+"""Largest gradient bucket (as DDP's default)."""
 
 
 @dataclass
@@ -71,6 +76,8 @@ class CompileReport:
     fallbacks: list[Fallback] = field(default_factory=list)
     attention: list[dict] = field(default_factory=list)
     """One entry per distributed attention: node, strategy, layout, mask."""
+    grad_buckets: dict[str, list[str]] = field(default_factory=dict)
+    """Gradient buckets: bucket node -> the parameters whose gradients it sums in one all-reduce."""
 
     def summary(self) -> str:
         """A few lines: what was split, how attention runs, what moves, what fell back."""
@@ -106,6 +113,8 @@ class Rewriter:
         self.placements: dict[fx.Node, Any] = {}
         self.report = CompileReport()
         self._cache: dict[tuple, fx.Node] = {}
+        self._bucket: list | None = None  # [bucket node, bytes, dtype] of the open gradient bucket
+        self._last_placeholder: fx.Node | None = None
 
     # ------------------------------------------------------------------ facts about original nodes
     @staticmethod
@@ -207,7 +216,8 @@ class Rewriter:
         if partial_grad and self.config.grad_sync:
             key = (node, "grad_sync")
             if key not in self._cache:
-                self._cache[key] = self.call(grad_sync, new, self.group)
+                self._cache[key] = (self._bucketed(node, new) if node.op == "placeholder"
+                                    else self.call(grad_sync, new, self.group))
             return self._cache[key]
         if not partial_grad and not self.config.grad_sync and node.op == "placeholder":
             key = (node, "grad_scale")
@@ -215,6 +225,23 @@ class Rewriter:
                 self._cache[key] = self.call(grad_scale, new, 1.0 / self.world)
             return self._cache[key]
         return new
+
+    def _bucketed(self, node: fx.Node, new: fx.Node) -> fx.Node:
+        """``new`` (a parameter) through the open gradient bucket; a bucket holds parameters in order of
+        first use, up to ``GRAD_BUCKET_BYTES``, so its one all-reduce runs when the layer's backward is done."""
+        nbytes = value_of(node).numel() * value_of(node).element_size()
+        bucket = self._bucket
+        if bucket is None or bucket[1] + nbytes > GRAD_BUCKET_BYTES or bucket[2] != value_of(node).dtype:
+            with self.graph.inserting_after(self._last_placeholder):
+                bucket_node = self.call(grad_sync_bucket, self.group)
+            self._last_placeholder = bucket_node
+            bucket = self._bucket = [bucket_node, 0, value_of(node).dtype]
+        bucket_node = bucket[0]
+        index = len(bucket_node.args) - 1
+        bucket_node.args = bucket_node.args + (new,)
+        bucket[1] += nbytes
+        self.report.grad_buckets[bucket_node.name] = self.report.grad_buckets.get(bucket_node.name, []) + [node.name]
+        return self.call(operator.getitem, bucket_node, index)
 
     def _split_factors(self, node: fx.Node, new: fx.Node, shard: Shard, local: bool) -> tuple[fx.Node, int]:
         """View a merged dim as its factors; returns (view, dim of the sequence factor)."""
@@ -310,6 +337,7 @@ class Rewriter:
             if node.op == "placeholder":
                 new = self.graph.placeholder(node.name, type_expr=node.type)
                 new.meta.update(node.meta)
+                self._last_placeholder = new
                 self.done(node, new, self.sharded_inputs.get(node.name, REPLICATE))
             elif node.op == "get_attr":
                 self.done(node, self.graph.get_attr(node.target), REPLICATE)

@@ -3,10 +3,11 @@
 ``reduce_partial``
     Partial -> Replicate: all-reduce. Backward: identity (the replicated gradient is every rank's
     gradient of its partial term).
-``grad_sync``
+``grad_sync`` / ``grad_sync_bucket``
     Replicate used by sharded computation: identity forward; backward all-reduces (sums) the
-    gradient, which each rank computed from its own tokens only. Returns a view, so parameters are
-    not copied.
+    gradient, which each rank computed from its own tokens only. Returns views, so parameters are
+    not copied. A bucket syncs several parameters' gradients in one all-reduce once the last of
+    them is ready, so backward has a few synchronization points instead of one per parameter.
 ``grad_scale``
     identity forward, gradient scaled by a constant (``grad_sync=False``: a replicated parameter's
     gradient becomes each rank's 1/P share).
@@ -30,7 +31,7 @@ import torch
 from .collectives import _p2p, _pg, _with, all_gather_impl, all_reduce_impl
 from .layouts import SequenceLayout
 
-__all__ = ["reduce_partial", "grad_sync", "grad_scale", "seq_realign", "seq_cumsum", "realign_plan"]
+__all__ = ["reduce_partial", "grad_sync", "grad_sync_bucket", "grad_scale", "seq_realign", "seq_cumsum", "realign_plan"]
 
 
 # ---------------------------------------------------------------------------- reduce_partial
@@ -58,14 +59,22 @@ def reduce_partial(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
 
 
 class _GradSync(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+    """Identity on several tensors; backward sums all their gradients over the group in one all-reduce."""
 
     @staticmethod
-    def backward(ctx, g):
-        return torch.ops.autoshard.reduce_partial(g.contiguous(), "sum", ctx.group), None
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        present = [g for g in grads if g is not None]
+        if not present:
+            return (None,) + grads
+        flat = torch.cat([g.reshape(-1) for g in present]) if len(present) > 1 else present[0].reshape(-1)
+        summed = torch.ops.autoshard.reduce_partial(flat.contiguous(), "sum", ctx.group)
+        pieces = iter(torch.split(summed, [g.numel() for g in present]))
+        return (None,) + tuple(next(pieces).view_as(g) if g is not None else None for g in grads)
 
 
 class _GradScale(torch.autograd.Function):
@@ -81,7 +90,13 @@ class _GradScale(torch.autograd.Function):
 
 def grad_sync(x: torch.Tensor, group: str) -> torch.Tensor:
     """Identity whose backward sums the gradient over the group (a replicated value used by sharded work)."""
-    return _GradSync.apply(x, group)
+    return _GradSync.apply(group, x)[0]
+
+
+def grad_sync_bucket(group: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``grad_sync`` of several tensors with one all-reduce, when the last of their gradients is ready
+    (the bucket of parameters of a layer, as DDP does)."""
+    return _GradSync.apply(group, *xs)
 
 
 def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
