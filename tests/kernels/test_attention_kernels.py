@@ -211,6 +211,28 @@ def test_fp32_head_dim_not_power_of_two_with_scale():
                   torch.float32, scale=0.3)
 
 
+def test_bf16_inputs_with_fp32_dout():
+    """Ring strategies hand the backward a float32 dout (the merged out is float32)."""
+    case = Case("fp32_dout", sq=33, sk=40, q_offset=7, causal=True, key_mask="random", head_dim=32)
+    q, k, v, dout, mask_args = make_inputs(case, torch.bfloat16)
+    dout = torch.randn(dout.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out, lse = triton_attention_forward(q, k, v, **mask_args)
+    grads = triton_attention_backward(dout, q, k, v, out, lse, **mask_args)
+    expected = reference(q, k, v, dout, **mask_args)
+    for name, actual, exp in zip(("dq", "dk", "dv"), grads, expected[2:]):
+        assert_close(f"fp32 dout {name}", actual, exp, torch.bfloat16)
+
+
+def test_empty_blocks():
+    q, k, v = (torch.randn(1, 2, n, 16, device=DEVICE) for n in (8, 0, 0))
+    out, lse = triton_attention_forward(q, k, v)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    dq, dk, dv = triton_attention_backward(torch.ones_like(q), q, k, v, out, lse)
+    assert (dq == 0).all() and dk.shape == dv.shape == (1, 2, 0, 16)
+    out, lse = triton_attention_forward(q[:, :, :0], q, q)
+    assert out.shape == (1, 2, 0, 16) and lse.shape == (1, 2, 0)
+
+
 def test_fully_masked_rows_are_zero_with_neg_inf_lse_and_no_nan_gradients():
     case = next(c for c in MASK_CASES if c.name == "fully_masked_rows")
     q, k, v, dout, mask_args = make_inputs(case, torch.float32)
