@@ -2,12 +2,15 @@
 
 Runs happen in rank workers (:func:`autoshard.testing.run_on_ranks`) started with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so the resident-memory peak (``autoshard.testing.memory``) follows
-live tensors. Every figure is one timed forward + backward after a small warm-up call.
+live tensors. Every figure is a timed forward + backward after a small warm-up call; with repeats, the
+runs being compared take turns (so a burst of load elsewhere on the machine hits them alike) and the
+fastest repeat counts.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,7 +19,7 @@ import torch.nn.functional as F
 from autoshard.runtime import SequenceLayout, attention, comm_counter
 from autoshard.testing.memory import peak_memory
 
-__all__ = ["one_process", "distributed", "print_table", "HEADS", "HEAD_DIM"]
+__all__ = ["one_process", "distributed", "best_of", "print_table", "HEADS", "HEAD_DIM"]
 
 HEADS, HEAD_DIM = 8, 64
 
@@ -69,6 +72,17 @@ def distributed(strategy: str, layout: str, length: int, causal: bool, peer=None
         seconds, peak = _timed(step)
     sent = sum(s.bytes_sent for kind, s in cc.calls.items() if kind != "metadata")
     return seconds, sent, peak
+
+
+def best_of(repeat: int, runs: dict[str, Callable[[], tuple]]) -> dict[str, tuple]:
+    """Each run's result tuple ``(seconds, ...)`` from its fastest of ``repeat`` turns, runs interleaved."""
+    best: dict[str, tuple] = {}
+    for _ in range(repeat):
+        for name, run in runs.items():
+            result = run()
+            if name not in best or result[0] < best[name][0]:
+                best[name] = result
+    return best
 
 
 def print_table(title: str, columns: list[str], rows: list[list]) -> None:

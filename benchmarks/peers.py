@@ -23,12 +23,13 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import distributed, print_table
+from _common import best_of, distributed, print_table
 
 from autoshard.testing import run_on_ranks
 from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV
@@ -69,6 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="S in {1k, 2k} (a smoke run)")
     parser.add_argument("--seq", type=int, nargs="*", help="sequence lengths (default 8k 16k 32k)")
+    parser.add_argument("--repeat", type=int, default=1, help="interleaved repeats; the fastest counts")
     args = parser.parse_args()
     if importlib.util.find_spec("deepspeed") is None:
         print("DeepSpeed is not installed, so there is no peer to compare with; see the install lines in "
@@ -78,22 +80,28 @@ def main() -> None:
     rows = []
     for length in lengths:
         for causal in (False, True):
-            peer = run_on_ranks(distributed, WORLD, "peer", "contiguous", length, causal, deepspeed_ulysses,
-                                threads=1, env=LOW_MMAP_THRESHOLD_ENV, timeout=TIMEOUT)
-            peer_time = max(r[0] for r in peer)
-            mask = "causal" if causal else "full"
-            rows.append([f"{length // 1024}k", mask, "DeepSpeed-Ulysses + SDPA", f"{peer_time:.2f}", "1.00", "-",
-                         f"{max(r[2] for r in peer) / 2**20:.0f} MiB"])
-            for strategy, layout in OURS:
-                ours = run_on_ranks(distributed, WORLD, strategy, layout, length, causal, threads=1,
-                                    env=LOW_MMAP_THRESHOLD_ENV, timeout=TIMEOUT)
-                t = max(r[0] for r in ours)
-                sent, peak = max(r[1] for r in ours), max(r[2] for r in ours)
-                rows.append([f"{length // 1024}k", mask, f"autoshard {strategy}", f"{t:.2f}", f"{peer_time / t:.2f}",
+            runs = {"peer": functools.partial(_run, "peer", "contiguous", length, causal, deepspeed_ulysses)}
+            runs.update({s: functools.partial(_run, s, layout, length, causal) for s, layout in OURS})
+            best = best_of(args.repeat, runs)
+            peer_time, _, peer_peak = best["peer"]
+            size, mask = f"{length // 1024}k", "causal" if causal else "full"
+            rows.append([size, mask, "DeepSpeed-Ulysses + SDPA", f"{peer_time:.2f}", "1.00", "-",
+                         f"{peer_peak / 2**20:.0f} MiB"])
+            for strategy, _ in OURS:
+                t, sent, peak = best[strategy]
+                rows.append([size, mask, f"autoshard {strategy}", f"{t:.2f}", f"{peer_time / t:.2f}",
                              f"{sent / 2**20:.1f} MiB", f"{peak / 2**20:.0f} MiB"])
             print(f"done S={length} {mask}", flush=True)
-    print_table(f"P={WORLD} ranks x 1 thread, forward + backward, B=1 H=8 D=64 float32 (seconds; speed-up = peer time "
-                f"/ time)", ["S", "mask", "run", "T_P", "speed-up vs peer", "sent/rank", "peak/rank"], rows)
+    print_table(f"P={WORLD} ranks x 1 thread, forward + backward, B=1 H=8 D=64 float32 (seconds, best of "
+                f"{args.repeat}; speed-up = peer time / time; load average at the end {os.getloadavg()[0]:.1f} on "
+                f"{os.cpu_count()} cores)", ["S", "mask", "run", "T_P", "speed-up vs peer", "sent/rank", "peak/rank"],
+                rows)
+
+
+def _run(strategy: str, layout: str, length: int, causal: bool, peer=None) -> tuple:
+    ranks = run_on_ranks(distributed, WORLD, strategy, layout, length, causal, peer, threads=1,
+                         env=LOW_MMAP_THRESHOLD_ENV, timeout=TIMEOUT)
+    return tuple(max(r[i] for r in ranks) for i in range(3))  # the slowest rank; most bytes; highest peak
 
 
 if __name__ == "__main__":
