@@ -279,6 +279,7 @@ def _load_tile(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.con
 
 @triton.jit
 def _store_tile(ptrs, value, rows, n_rows, cols, HEAD_DIM: tl.constexpr):
+    """Store the rows < n_rows and columns < HEAD_DIM of a tile, cast to the destination dtype."""
     tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
 
 
