@@ -28,7 +28,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .graph import new_node
-from .masks import MaskSpec, Unstructurable, structure_mask
+from .masks import MaskSpec, Unstructurable, empty_rows_of, structure_mask
 from .ops import canonical, is_tensor_node, register_canonical, shape_of
 
 __all__ = ["captured_attention", "capture_attention", "dense_mask_of"]
@@ -56,22 +56,31 @@ def dense_mask_of(q_len: int, k_len: int, causal: bool, window, key_mask, segmen
 
 
 def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None,
-                       scale=None, dropout_p=0.0):
-    """Attention with a structured mask, on whole tensors (what one device computes)."""
+                       scale=None, dropout_p=0.0, empty_rows="zero"):
+    """Attention with a structured mask, on whole tensors (what one device computes). ``empty_rows``: what
+    a row with no visible key gets (see :class:`~autoshard.passes.masks.MaskSpec`)."""
     structured = causal or window is not None or key_mask is not None or segment_ids is not None
     mask = dense_mask_of(q.size(-2), k.size(-2), causal, window, key_mask, segment_ids, q.device) if structured else None
     if dense_mask is not None:
         mask = dense_mask if mask is None else (mask & dense_mask if dense_mask.dtype == torch.bool
                                                 else dense_mask.masked_fill(~mask, float("-inf")))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                          enable_gqa=k.size(-3) != q.size(-3))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                         enable_gqa=k.size(-3) != q.size(-3))
+    if empty_rows == "uniform" and mask is not None and mask.dtype == torch.bool:
+        from .rules.attention import uniform_attention
+
+        empty = ~mask.any(-1, keepdim=True)
+        scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+        out = torch.where(empty, uniform_attention(q, k, v, scale, k.size(-2)).to(out.dtype), out)
+    return out
 
 
 @register_canonical("attention", functions=[captured_attention])
 def _bind_captured(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None, scale=None,
-                   dropout_p=0.0):
+                   dropout_p=0.0, empty_rows="zero"):
     return {"q": q, "k": k, "v": v, "key_mask": key_mask, "segment_ids": segment_ids, "dense_mask": dense_mask,
-            "causal": causal, "window": window, "scale": scale, "dropout_p": dropout_p, "captured": True}
+            "causal": causal, "window": window, "scale": scale, "dropout_p": dropout_p, "empty_rows": empty_rows,
+            "captured": True}
 
 
 # ----------------------------------------------------------------------------- pattern helpers
@@ -138,22 +147,22 @@ def _constant_scale(node: fx.Node):
 
 
 def _masked(graph: fx.Graph, node: fx.Node, before: fx.Node):
-    """(scores, mask node or None): the mask an attention applies to its scores, as SDPA takes it
-    (bool = attend, or an additive float mask)."""
+    """(scores, mask node or None, fill or None): the mask an attention applies to its scores, as SDPA
+    takes it (bool = attend, or an additive float mask), and the value masked scores are set to."""
     op = _op(node)
     if op is None or op.name != "pointwise":
-        return node, None
+        return node, None, None
     fn = op["fn"]
     if fn == "add" and len(node.args) == 2 and all(is_tensor_node(a) for a in node.args):
         a, b = node.args
-        return (a, b) if shape_of(a) == shape_of(node) else (b, a)
+        return ((a, b) if shape_of(a) == shape_of(node) else (b, a)) + (None,)
     if fn == "masked_fill" and _is_neg_inf(node.args[2]):
         with graph.inserting_before(before):
             keep = new_node(graph, operator.invert, (node.args[1],))
-        return node.args[0], keep
+        return node.args[0], keep, float(node.args[2])
     if fn == "where" and _is_neg_inf(node.args[2]) and is_tensor_node(node.args[1]):
-        return node.args[1], node.args[0]
-    return node, None
+        return node.args[1], node.args[0], float(node.args[2])
+    return node, None, None
 
 
 def _is_neg_inf(value) -> bool:
@@ -177,7 +186,7 @@ def _handwritten(graph: fx.Graph, node: fx.Node):
         return None
     if s_op["dim"] % len(shape_of(probs)) != len(shape_of(probs)) - 1:
         return None
-    scores, mask = _masked(graph, _skip(s_op["input"]), node)
+    scores, mask, fill = _masked(graph, _skip(s_op["input"]), node)
     scores, scale = _constant_scale(_skip(scores))
     m_op = _op(scores)
     if m_op is None or m_op.name != "matmul":
@@ -186,7 +195,7 @@ def _handwritten(graph: fx.Graph, node: fx.Node):
     k = _transposed_last(kt)
     if k is None or not all(is_tensor_node(t) and len(shape_of(t)) == 4 for t in (q, k, v)):
         return None
-    return q, k, v, mask, scale, dropout_p
+    return q, k, v, mask, scale, dropout_p, fill
 
 
 def capture_attention(gm: fx.GraphModule) -> list[tuple[fx.Node, str | None]]:
@@ -199,11 +208,12 @@ def capture_attention(gm: fx.GraphModule) -> list[tuple[fx.Node, str | None]]:
         if op is not None and op.name == "attention" and node.target is not captured_attention:
             q, k, v = op["q"], op["k"], op["v"]
             mask, causal, scale, dropout_p = op["attn_mask"], bool(op["is_causal"]), op["scale"], float(op["dropout_p"])
+            fill = None
         elif op is not None and op.name == "matmul":
             found = _handwritten(graph, node)
             if found is None:
                 continue
-            q, k, v, mask, scale, dropout_p = found
+            q, k, v, mask, scale, dropout_p, fill = found
             causal = False
         else:
             continue
@@ -223,7 +233,7 @@ def capture_attention(gm: fx.GraphModule) -> list[tuple[fx.Node, str | None]]:
             reason = None
         kwargs = {"causal": spec.causal, "window": spec.window,
                   "scale": float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1]),
-                  "dropout_p": dropout_p}
+                  "dropout_p": dropout_p, "empty_rows": empty_rows_of(fill) if fill is not None else spec.empty_rows}
         with graph.inserting_before(node):
             new = new_node(graph, captured_attention, (q, k, v, spec.key_mask, spec.segment_ids, dense), kwargs)
         node.replace_all_uses_with(new)

@@ -35,7 +35,7 @@ from sympy.core.function import AppliedUndef
 from .graph import new_node as _new
 from .ops import canonical, is_tensor_node, shape_of, value_of
 
-__all__ = ["MaskSpec", "structure_mask", "Unstructurable"]
+__all__ = ["MaskSpec", "structure_mask", "Unstructurable", "empty_rows_of"]
 
 B, H, Q, K = sympy.symbols("b h q k", integer=True, nonnegative=True)
 _NEG_BIG = -1e4
@@ -56,6 +56,18 @@ class MaskSpec:
     """[B, S] bool, True = may be attended."""
     segment_ids: fx.Node | None = None
     """[B, S] int: attend within equal ids only."""
+    empty_rows: str = "zero"
+    """What a query row that sees no key gets: ``"zero"`` (boolean masks, as SDPA), ``"uniform"`` (an
+    additive mask filled with ~finfo.min: every score rounds to the fill, so softmax is uniform over all
+    keys), ``"scores"`` (a milder fill: softmax over all keys of the unmasked scores -- not supported,
+    a row like that raises at run time)."""
+
+
+def empty_rows_of(fill: float | None) -> str:
+    """The ``MaskSpec.empty_rows`` of a mask whose masked scores are set to ``fill``."""
+    if fill is None or fill == float("-inf"):
+        return "zero"
+    return "uniform" if fill <= -1e30 else "scores"
 
 
 # ----------------------------------------------------------------------------- abstract values
@@ -65,7 +77,7 @@ class MaskSpec:
 class _Abs:
     expr: object  # sympy expression (bool-valued for masks, numeric otherwise)
     shape: tuple[int, ...]
-    additive: bool = False  # a float mask: 0 where expr holds, very negative elsewhere
+    fill: float | None = None  # a float (additive) mask: 0 where expr holds, ``fill`` elsewhere
 
 
 def _sym(d: int) -> sympy.Symbol:
@@ -74,7 +86,7 @@ def _sym(d: int) -> sympy.Symbol:
 
 def _reindex(v: _Abs, mapping: dict[int, object], shape: tuple[int, ...]) -> _Abs:
     return _Abs(sympy.sympify(v.expr).xreplace({_sym(d): e for d, e in mapping.items()}) if mapping else v.expr,
-                shape, v.additive)
+                shape, v.fill)
 
 
 def _broadcast_to(v: _Abs, shape: tuple[int, ...]) -> _Abs:
@@ -155,12 +167,12 @@ class _Evaluator:
         if fn == "where":
             cond, a, b = vals
             if a.expr == 0 and _very_negative(b.expr):
-                return _Abs(cond.expr, shape, additive=True)
+                return _Abs(cond.expr, shape, fill=float(b.expr))
             if b.expr == 0 and _very_negative(a.expr):
-                return _Abs(sympy.Not(cond.expr), shape, additive=True)
+                return _Abs(sympy.Not(cond.expr), shape, fill=float(a.expr))
             return self.leaf(node)
         if fn == "masked_fill" and len(vals) == 3 and _very_negative(vals[2].expr):
-            return _Abs(sympy.Not(vals[1].expr), shape, additive=True) if vals[0].expr == 0 else self.leaf(node)
+            return _Abs(sympy.Not(vals[1].expr), shape, fill=float(vals[2].expr)) if vals[0].expr == 0 else self.leaf(node)
         binary = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
                   "le": sympy.Le, "lt": sympy.Lt, "ge": sympy.Ge, "gt": sympy.Gt, "eq": sympy.Eq, "ne": sympy.Ne,
                   "bitwise_and": sympy.And, "logical_and": sympy.And, "bitwise_or": sympy.Or, "logical_or": sympy.Or}
@@ -168,9 +180,9 @@ class _Evaluator:
             a, b = vals
             if fn == "mul" and value_of(node).dtype == torch.bool:
                 return _Abs(sympy.And(a.expr, b.expr), shape)
-            if fn in ("add", "sub") and (a.additive or b.additive):
-                if a.additive and b.additive and fn == "add":
-                    return _Abs(sympy.And(a.expr, b.expr), shape, additive=True)
+            if fn in ("add", "sub") and (a.fill is not None or b.fill is not None):
+                if a.fill is not None and b.fill is not None and fn == "add":
+                    return _Abs(sympy.And(a.expr, b.expr), shape, fill=a.fill + b.fill)
                 return self.leaf(node)
             return _Abs(binary[fn](a.expr, b.expr), shape)
         if fn in ("bitwise_not", "logical_not") and len(tensor_args) == 1:
@@ -189,7 +201,7 @@ class _Evaluator:
         if src.expr is sympy.true:
             return _Abs(band, shape)
         if _very_negative(src.expr):
-            return _Abs(sympy.Not(band), shape, additive=True)
+            return _Abs(sympy.Not(band), shape, fill=float(src.expr))
         return self.leaf(node)
 
     def _index(self, node, op, shape) -> _Abs:
@@ -315,8 +327,9 @@ def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bo
     evaluator = _Evaluator()
     if attn_mask is not None:
         v = evaluator(attn_mask)
-        if value_of(attn_mask).dtype != torch.bool and not v.additive:
+        if value_of(attn_mask).dtype != torch.bool and v.fill is None:
             raise Unstructurable("a float mask that is not where(mask, 0, -inf)")
+        spec.empty_rows = empty_rows_of(v.fill)
         full = _broadcast_to(v, (1,) * max(0, 4 - len(v.shape)) + v.shape)
         n = len(full.shape)
         names = {n - 1: K, n - 2: Q, n - 3: H, n - 4: B}

@@ -19,9 +19,46 @@ import torch
 import torch.nn.functional as F
 
 from ...placements import REPLICATE, Shard
+from ...runtime.collectives import all_reduce
 from ..ops import shape_of
 from . import register
 from .pointwise import whole_args
+
+
+def uniform_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, length: int,
+                      total=lambda t: t) -> torch.Tensor:
+    """Attention in which every score is equal -- what softmax gives rows whose scores all round to an
+    additive mask's ~finfo.min fill. The value is the mean of ``v`` over all ``length`` keys; the gradient is
+    softmax's at equal scores (the scores still depend on q and k for autograd), written with the
+    first-order expansion ``p_j = (1 + e_j - mean(e)) / length`` of zero-valued ``e = s - s.detach()``, which
+    has exactly that value and that gradient. ``total`` sums a per-rank partial over ranks (the keys are
+    split), identity on one device."""
+    group_size = q.size(-3) // k.size(-3)
+    expand = lambda t: t.repeat_interleave(group_size, dim=-3)  # noqa: E731  kv heads -> query heads
+    kv = expand(total(torch.einsum("bhsd,bhse->bhde", k, v.detach())))  # the scores' part: no gradient to v
+    k_mean = expand(total(k.sum(-2, keepdim=True))) / length
+    v_mean = expand(total(v.sum(-2, keepdim=True))) / length
+    first = torch.einsum("bhsd,bhde->bhse", q, kv) * (scale / length)
+    centre = (q * k_mean).sum(-1, keepdim=True) * scale
+    return v_mean + (first - first.detach()) - (centre - centre.detach()) * v_mean
+
+
+def fill_empty_rows(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float, length: int, mode: str, group: str) -> torch.Tensor:
+    """Query rows that see no key, as an additive mask makes them: ``"uniform"`` (a ~finfo.min fill) attends
+    uniformly to all ``length`` keys (:func:`uniform_attention`); ``"scores"`` (a milder fill) would attend
+    with the unmasked scores, which is not supported and raises if such a row occurs."""
+    empty = torch.isneginf(lse).unsqueeze(-1)
+    if mode == "scores":
+        if bool(empty.any()):
+            raise RuntimeError(
+                "autoshard: a query row sees no key under an additive attention mask whose fill is above "
+                "-1e30; one device then attends with the unmasked scores, which distributed attention does not "
+                "reproduce. Fill masks with torch.finfo(dtype).min (as transformers does) or use a boolean mask.")
+        return out
+    # the sums feed this rank's rows: their gradients are per-rank shares, summed by all_reduce's backward
+    uniform = uniform_attention(q, k, v, scale, length, lambda t: all_reduce(t, "sum", group=group))
+    return torch.where(empty, uniform.to(out.dtype), out)
 
 
 def link_attention(ctx, node, op):
@@ -59,7 +96,13 @@ def rewrite_attention(rw, node, op):
                        rw.ring_group if strategy == "hybrid" else "", bool(op.get("causal")),
                        window[0] if window else -1, window[1] if window else -1, float(op["scale"]),
                        rw.config.kernels)
-        rw.done(node, rw.call(operator.getitem, call, 0), out)
+        result = rw.call(operator.getitem, call, 0)
+        empty_rows = op.get("empty_rows", "zero")
+        if empty_rows != "zero":
+            lse = rw.call(operator.getitem, call, 1)
+            result = rw.call(fill_empty_rows, result, lse, *args[:3], float(op["scale"]), sq.layout.length,
+                             empty_rows, rw.group)
+        rw.done(node, result, out)
         rw.report.attention.append({"node": node.name, "strategy": strategy, "layout": sq.layout.kind,
                                     "length": sq.layout.length, "causal": bool(op.get("causal")),
                                     "window": window, "key_mask": op.get("key_mask") is not None,

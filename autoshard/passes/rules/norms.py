@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...placements import REPLICATE
+from ...runtime.collectives import all_reduce
 from ...runtime.redistribute import reduce_partial
 from ..ops import shape_of
 from . import register
@@ -57,7 +58,8 @@ def softmax_over_split(x: torch.Tensor, dim: int, log: bool, dtype, group: str) 
         x = x.to(dtype)
     m = reduce_partial(x.detach().amax(dim, keepdim=True), "max", group)
     shifted = x - m
-    total = reduce_partial(shifted.exp().sum(dim, keepdim=True), "sum", group)
+    # the normalizer feeds this rank's positions: its gradient is a share, summed by all_reduce's backward
+    total = all_reduce(shifted.exp().sum(dim, keepdim=True), "sum", group=group)
     return shifted - total.log() if log else shifted.exp() / total
 
 

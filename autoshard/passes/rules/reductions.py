@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from ...placements import REPLICATE, Partial, Shard
-from ...runtime.redistribute import reduce_partial, seq_cumsum
+from ...runtime.collectives import all_reduce
+from ...runtime.redistribute import reduce_partial
 from ..ops import shape_of, value_of
 from . import register
 from .pointwise import link_same, whole_args
@@ -85,7 +86,8 @@ def logsumexp_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, group:
 
 def var_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, correction: int, count: int, std: bool,
                    group: str) -> torch.Tensor:
-    mean = reduce_partial(x.sum(dims, keepdim=True), "sum", group) / count
+    # the mean feeds this rank's positions: its gradient is a share, summed by all_reduce's backward
+    mean = all_reduce(x.sum(dims, keepdim=True), "sum", group=group) / count
     sq = reduce_partial((x - mean).square().sum(dims, keepdim=True), "sum", group)
     out = sq / max(count - correction, 0)
     out = out.sqrt() if std else out
@@ -164,7 +166,7 @@ def rewrite_cumsum(rw, node, op):
     out_dtype = value_of(node).dtype
     if value_of(src).dtype != out_dtype:  # cumsum of bool / int promotes
         x = rw.method("to", x, out_dtype)
-    rw.done(node, rw.call(seq_cumsum, x, dim, out.layout, rw.group), out)
+    rw.done(node, rw.call(torch.ops.autoshard.seq_cumsum.default, x, dim, out.layout.encode(), False, rw.group), out)
 
 
 register("cumsum", link=link_same, rewrite=rewrite_cumsum)

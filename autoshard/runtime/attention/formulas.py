@@ -29,7 +29,7 @@ import sympy
 import torch
 
 __all__ = ["B", "S", "H", "Hkv", "D", "P", "P_r", "P_u", "e", "a", "M", "SYMBOLS", "STRATEGY_FORMULAS", "bytes_sent",
-           "mask_bytes_per_token", "values"]
+           "ring_bytes", "allgather_bytes", "ulysses_bytes", "hybrid_bytes", "mask_bytes_per_token", "values"]
 
 B, S, H, Hkv, D, P, P_r, P_u, e, a, M = sympy.symbols("B S H Hkv D P P_r P_u e a M", positive=True, integer=True)
 SYMBOLS = {symbol.name: symbol for symbol in (B, S, H, Hkv, D, P, P_r, P_u, e, a, M)}

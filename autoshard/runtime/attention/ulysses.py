@@ -26,6 +26,7 @@ in head space is the ring of :mod:`.ring` across Ulysses groups -- the hybrid st
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
