@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import warnings
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -58,6 +59,8 @@ class CompiledGraph:
     """Placements, transitions, fallbacks, attention decisions."""
     families: Any
     strategies: dict
+    gathered_output_shapes: set = None
+    """Global shapes of the outputs this graph gathers whole."""
 
 
 def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world: int, group: str,
@@ -76,7 +79,8 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world
     rewriter = Rewriter(gm, families, layouts, rank=rank, world=world, group=group, config=config,
                         strategies=strategies, ring_group=ring_group, sharded_inputs=sharded_inputs)
     new_gm = rewriter.run()
-    return CompiledGraph(new_gm, rewriter.report, families, strategies)
+    gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
+    return CompiledGraph(new_gm, rewriter.report, families, strategies, gathered)
 
 
 def input_name(node: fx.Node) -> str | None:
@@ -157,11 +161,25 @@ class AutoshardBackend:
         Shard placement its (local) input arrives in; ``global_inputs``: the inputs' global shapes, when
         they differ from ``example_inputs``'."""
         pg, ring_group, heads_axis = self._groups()
-        _check_same_graph(pg, next(_COMPILES), gm, global_inputs or example_inputs)
+        _check_same_graph(pg, next(_COMPILES), gm, global_inputs or example_inputs,
+                          same_values=self.config.inputs == "replicated")
         compiled = compile_graph(gm, config=self.config, rank=pg.rank(), world=pg.size(), group=pg.group_name,
                                  ring_group=ring_group, heads_axis_size=heads_axis, sharded_inputs=sharded_inputs)
+        self._warn_if_whole_from_earlier_graph(compiled, example_inputs)
         self.compiled.append(compiled)
         return _lower(compiled.graph_module, example_inputs, self.config.inner)
+
+    def _warn_if_whole_from_earlier_graph(self, compiled: CompiledGraph, example_inputs: list) -> None:
+        """A graph with no sequence of its own that takes, as input, a value an earlier graph gathered whole
+        (a graph break between the logits and the loss): correct, but the work after the break is not split."""
+        gathered = {shape for c in self.compiled for shape in c.gathered_output_shapes}
+        inputs = {tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor)}
+        if not compiled.families.families and gathered & inputs:
+            warnings.warn(
+                "autoshard: a graph break passes values the previous graph gathered whole (e.g. logits before a "
+                "loss computed in a separate graph); the code after the break runs unsplit on every rank. Remove "
+                "the break to keep it split (for transformers models, set config.loss_type, e.g. "
+                "'ForCausalLM').", stacklevel=2)
 
     def compile_for_sizes(self, gm: fx.GraphModule, args: list) -> Callable:
         """Compile a dynamic graph for the sizes of ``args``. With ``inputs="sharded"`` the symbolic dims of
@@ -217,18 +235,31 @@ def _lower(gm: fx.GraphModule, example_inputs: list, inner) -> Callable:
 
 
 def _fingerprint(gm: fx.GraphModule, example_inputs: list) -> str:
+    """What every rank must agree on: the graph and its inputs' shapes."""
     h = hashlib.sha256(gm.code.encode())
     for x in example_inputs:
         h.update(repr((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x).encode())
     return h.hexdigest()[:16]
 
 
-def _check_same_graph(pg: dist.ProcessGroup, index: int, gm: fx.GraphModule, example_inputs: list) -> None:
-    """Every rank of ``pg`` compiled the same graph for the same input shapes as its ``index``-th graph."""
+def _values_digest(example_inputs: list) -> str:
+    """A digest of the inputs' values: whole for data, a sample for parameters (cheap on large models)."""
+    h = hashlib.sha256()
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor) and x.device.type != "meta":
+            data = x.detach().reshape(-1)[:256] if isinstance(x, torch.nn.Parameter) else x.detach().reshape(-1)
+            h.update(data.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _check_same_graph(pg: dist.ProcessGroup, index: int, gm: fx.GraphModule, example_inputs: list,
+                      same_values: bool = True) -> None:
+    """Every rank of ``pg`` compiled the same graph for the same input shapes as its ``index``-th graph, and
+    (``same_values``, whole inputs) passed the same input values and parameters."""
     store = dist.distributed_c10d._get_default_store()
     world, rank = pg.size(), pg.rank()
     prefix = f"autoshard/{pg.group_name}/{index}"
-    mine = _fingerprint(gm, example_inputs)
+    mine = _fingerprint(gm, example_inputs) + "/" + (_values_digest(example_inputs) if same_values else "-")
     store.set(f"{prefix}/{rank}", mine)
     keys = [f"{prefix}/{r}" for r in range(world)]
     try:
@@ -239,15 +270,25 @@ def _check_same_graph(pg: dist.ProcessGroup, index: int, gm: fx.GraphModule, exa
             f"autoshard: rank {rank} compiled graph #{index} but rank(s) {missing} did not reach it within "
             f"{FINGERPRINT_TIMEOUT.seconds} s: every rank must call the compiled model with the same input "
             f"shapes and take the same code path") from exc
-    prints = [store.get(key).decode() for key in keys]
-    if len(set(prints)) > 1:
-        groups = {}
+    prints = [store.get(key).decode().split("/") for key in keys]
+
+    def groups(part):
+        out = {}
         for r, p in enumerate(prints):
-            groups.setdefault(p, []).append(r)
+            out.setdefault(p[part], []).append(r)
+        return sorted(out.values())
+
+    if len({p[0] for p in prints}) > 1:
         raise RuntimeError(
             "autoshard: ranks reached different graphs or input shapes for compiled graph "
-            f"#{index} (ranks grouped by what they compiled: {sorted(groups.values())}); every rank must "
+            f"#{index} (ranks grouped by what they compiled: {groups(0)}); every rank must "
             "pass inputs of the same shapes and take the same code path")
+    if len({p[1] for p in prints}) > 1:
+        raise RuntimeError(
+            f"autoshard: ranks passed different input values or parameters to compiled graph #{index} (ranks "
+            f"grouped by values: {groups(1)}); with inputs='replicated' every rank passes the same full batch and "
+            "holds the same parameters (seed the inputs, broadcast the initial weights), or split the batch with "
+            "autoshard.shard_inputs and inputs='sharded'")
 
 
 def backend(group: GroupLike = None, **options) -> AutoshardBackend:

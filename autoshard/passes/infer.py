@@ -159,9 +159,10 @@ def find_families(ctx: LinkContext) -> Families:
                 refused.append((a, b, delta, "offset"))
             continue
         small, large = (ra, rb) if len(members[ra]) < len(members[rb]) else (rb, ra)
-        if any(large_dims != members[small].get(node, large_dims) for node, large_dims in members[large].items()
-               if node in members[small]):
-            refused.append((a, b, delta, "second dim"))
+        clash = next((node for node, dims in members[small].items()
+                      if members[large].get(node, dims) != dims), None)
+        if clash is not None:
+            refused.append((a, b, delta, f"second dim of {clash.name}"))
             continue
         # attach rb under ra: position i of rb is position i - ob + delta + oa of ra
         parent[rb], offset[rb] = ra, oa - delta - ob

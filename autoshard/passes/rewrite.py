@@ -78,6 +78,9 @@ class CompileReport:
     """One entry per distributed attention: node, strategy, layout, mask."""
     grad_buckets: dict[str, list[str]] = field(default_factory=dict)
     """Gradient buckets: bucket node -> the parameters whose gradients it sums in one all-reduce."""
+    square_values: list[str] = field(default_factory=list)
+    """Values that carry the sequence on two dims (an S x S mask or score matrix would be one): they are
+    computed whole along one of them."""
 
     def summary(self) -> str:
         """A few lines: what was split, how attention runs, what moves, what fell back."""
@@ -114,6 +117,8 @@ class Rewriter:
         self.report = CompileReport()
         self._cache: dict[tuple, fx.Node] = {}
         self._bucket: list | None = None  # [bucket node, bytes, dtype] of the open gradient bucket
+        self.gathered_outputs: list[fx.Node] = []
+        """Outputs that were split and are gathered whole for the caller."""
         self._last_placeholder: fx.Node | None = None
 
     # ------------------------------------------------------------------ facts about original nodes
@@ -283,6 +288,13 @@ class Rewriter:
             self.report.fallbacks.append(Fallback(node.name, "gather", reason or "needed whole"))
         return self._merge_factors(node, x, have, local=False)
 
+    def realign_value(self, node: fx.Node, new: fx.Node, have: Shard, want: Shard) -> fx.Node:
+        """Move ``new`` (``node``'s value, split as ``have``) to ``want``: a gather and a slice when the split
+        moves to another dim, point-to-point otherwise."""
+        if (want.dim, want.factors, want.factor) == (have.dim, have.factors, have.factor):
+            return self._realign(node, new, have, want)
+        return self._shard(node, self._unshard(node, new, have, True, "re-sharded on another dim"), want)
+
     def _realign(self, node: fx.Node, new: fx.Node, have: Shard, want: Shard) -> fx.Node:
         x, dim = self._split_factors(node, new, have, local=True)
         x = self.call(torch.ops.autoshard.seq_realign.default, x, dim, have.layout.encode(), want.layout.encode(),
@@ -352,14 +364,18 @@ class Rewriter:
                     self._token_local(node)
                 else:
                     self.fallback(node, f"no rule for {node.target if node.op == 'call_function' else '.' + str(node.target)}")
-        new_gm = fx.GraphModule(self.gm, self.graph)
-        return new_gm
+        live = {n.name for n in self.placements}
+        self.report.square_values = sorted({why.split(" of ")[1] for _, _, _, why in self.families.refused
+                                            if why.startswith("second dim") and why.split(" of ")[1] in live})
+        return fx.GraphModule(self.gm, self.graph)
 
     def _outputs(self, node: fx.Node) -> None:
         def out(n):
             have = self.placement(n)
             if self.config.outputs == "sharded" and isinstance(have, Shard):
                 return self.env[n]
+            if isinstance(have, Shard):
+                self.gathered_outputs.append(n)
             return self.input(n, REPLICATE, reason="output")
         self.graph.output(fx.node.map_arg(node.args[0], out))
 

@@ -34,6 +34,8 @@ class Comparison:
     fallbacks: list[str] = field(default_factory=list)
     """Ops that were computed on gathered inputs."""
     transitions: list[str] = field(default_factory=list)
+    compiled_reports: list = field(default_factory=list)
+    """The :class:`~autoshard.passes.rewrite.CompileReport` of every graph compiled on this rank."""
 
     def max_error(self) -> float:
         return max([0.0, *self.outputs.values(), *self.grads.values()])
@@ -107,6 +109,7 @@ def compare_with_one_process(make_model: Callable[[], torch.nn.Module], make_inp
     result.grads = _errors({name: (p.grad, ref_params[name].grad) for name, p in model.named_parameters()
                             if p.grad is not None or ref_params[name].grad is not None})
     for graph in be.compiled:
+        result.compiled_reports.append(graph.report)
         result.attention += graph.report.attention
         result.fallbacks += [f"{f.node}: {f.reason}" for f in graph.report.fallbacks]
         result.transitions += [f"{t.kind} {t.node} {t.have}->{t.want}" for t in graph.report.transitions]

@@ -54,7 +54,7 @@ def _link_product(ctx, node, a, b, extra=None):
     if extra is not None:  # a bias broadcast over the output
         from .pointwise import link_broadcast
 
-        link_broadcast(ctx, node, [extra])
+        link_broadcast(ctx, node, [extra], set_factors=False)
 
 
 def _product_inputs(rw, node, a, b):

@@ -24,7 +24,7 @@ __all__ = ["softmax_over_split"]
 def link_norm(ctx, node, op):
     link_same(ctx, node, op)
     extras = [op.get(k) for k in ("weight", "bias")]
-    link_broadcast(ctx, node, [op["input"]] + [e for e in extras if e is not None])
+    link_broadcast(ctx, node, [e for e in extras if e is not None], set_factors=False)
 
 
 def _normalized_dims(node, op) -> set[int]:

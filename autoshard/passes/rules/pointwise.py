@@ -38,8 +38,9 @@ def _aligned_dim(out_ndim: int, inp: fx.Node, out_dim: int, out_size: int) -> in
     return d
 
 
-def link_broadcast(ctx, node: fx.Node, inputs: list[fx.Node]) -> None:
-    """Link every non-broadcast input dim to its output dim; the output takes the first input's factors."""
+def link_broadcast(ctx, node: fx.Node, inputs: list[fx.Node], set_factors: bool = True) -> None:
+    """Link every non-broadcast input dim to its output dim; the output takes the first input's factors
+    (unless ``set_factors`` is False: the output's factors were set by the op's own rule)."""
     out_shape = shape_of(node)
     factors = []
     for d, size in enumerate(out_shape):
@@ -50,7 +51,8 @@ def link_broadcast(ctx, node: fx.Node, inputs: list[fx.Node]) -> None:
                 chosen = list(ctx.factorization(inp)[d_in])
                 break
         factors.append(chosen)
-    ctx.set_factorization(node, factors)
+    if set_factors:
+        ctx.set_factorization(node, factors)
     for inp in inputs:
         for d, size in enumerate(out_shape):
             d_in = _aligned_dim(len(out_shape), inp, d, size)

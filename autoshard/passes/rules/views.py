@@ -287,7 +287,7 @@ def rewrite_index(rw, node, op):
     out = rw.out_shard(node)
     out_of, adv_dims = _output_dims(items, len(shape_of(node)))
     tensor_items = [it for it in items if it[0] == "tensor"]
-    have = _index_source_shard(items, out_of, out, shape_of(src)) or rw.out_shard(src) or rw.placement(src)
+    have = rw.out_shard(src) or rw.placement(src)
 
     if isinstance(have, Shard):
         k, item = next((k, it) for k, it in enumerate(items) if it[0] != "new" and it[1] == have.dim)
@@ -301,7 +301,11 @@ def rewrite_index(rw, node, op):
                 lo, hi = _local_range(have, rw.rank, item[2], item[3])
                 placement = Shard(out_of[k], have.layout.derive(item[2], item[3] - item[2]))
                 local_items = [("slice", it[1], lo, hi, 1) if it is item else it for it in items]
-            rw.done(node, rw.call(operator.getitem, x, _build_index(rw, local_items, None, node, adv_dims)), placement)
+            new = rw.call(operator.getitem, x, _build_index(rw, local_items, None, node, adv_dims))
+            if out is not None and out != placement:  # the kept positions sit elsewhere: move them (not the source)
+                new = rw.realign_value(node, new, placement, out)
+                placement = out
+            rw.done(node, new, placement)
             return
         if item[0] == "select" and not tensor_items and not have.factors:
             kept = [("slice", it[1], 0, None, 1) if it is item else it for it in items]
@@ -324,18 +328,6 @@ def rewrite_index(rw, node, op):
         return
     whole = rw.reemit(node, *whole_args(rw, node))  # the split starts at this value
     rw.done(node, rw.shard_value(node, whole, out), out)
-
-
-def _index_source_shard(items, out_of, out: Shard | None, src_shape) -> Shard | None:
-    """When the output is split on a dim a step-1 slice keeps, the placement the source must have."""
-    if out is None:
-        return None
-    for k, it in enumerate(items):
-        if it[0] == "slice" and out_of.get(k) == out.dim and it[4] == 1:
-            if out.factors:
-                return out.moved(it[1]) if (it[2], it[3]) == (0, src_shape[it[1]]) else None
-            return Shard(it[1], out.layout.derive(-it[2], src_shape[it[1]]))
-    return None
 
 
 def _local_range(shard: Shard, rank: int, start: int, stop: int) -> tuple[int, int]:

@@ -1,0 +1,100 @@
+"""Unmodified Hugging Face models under the one-liner: loss and every parameter gradient equal the
+uncompiled one-process run (float32, 1e-4 relative), 0 fallbacks, no S x S value on any rank.
+
+Small configs with random weights (hidden 64, 2 layers, S <= 64, nothing downloaded); sdpa and eager
+attention; lengths the world size does and does not divide; ring, zigzag and ulysses.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from autoshard.testing import run_on_ranks  # noqa: E402
+from autoshard.testing.equivalence import compare_with_one_process  # noqa: E402
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
+
+
+def build(name: str, seq: int, impl: str):
+    """(model factory, forward kwargs) of a small transformers model with random weights."""
+    T = transformers
+    ids = torch.randint(0, 256, (2, seq))
+    kwargs = {"input_ids": ids, "labels": ids.clone()}
+    if name.startswith("llama"):
+        cfg, cls = T.LlamaConfig(num_key_value_heads=2, max_position_embeddings=256, **SMALL), T.LlamaForCausalLM
+        if "pad" in name:  # left padding, labels not masked: padded rows count in the loss
+            mask = torch.ones(2, seq, dtype=torch.long)
+            mask[0, :3] = 0
+            kwargs["attention_mask"] = mask
+        if "nocache" in name:
+            kwargs["use_cache"] = False
+        if "posids" in name:  # two packed documents: positions restart, segments come from diff/cumsum
+            kwargs["position_ids"] = torch.cat([torch.arange(seq // 2), torch.arange(seq - seq // 2)]).repeat(2, 1)
+            kwargs["use_cache"] = False
+        if "nitems" in name:
+            kwargs["num_items_in_batch"] = torch.tensor(2 * seq - 7)
+    elif name == "qwen2":
+        cfg, cls = T.Qwen2Config(num_key_value_heads=2, **SMALL), T.Qwen2ForCausalLM
+    elif name == "mistral":
+        cfg, cls = T.MistralConfig(num_key_value_heads=2, sliding_window=seq // 3, **SMALL), T.MistralForCausalLM
+    elif name == "gpt2":
+        cfg = T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128, resid_pdrop=0.0,
+                           embd_pdrop=0.0, attn_pdrop=0.0)
+        cls = T.GPT2LMHeadModel
+    elif name == "bert":
+        cfg = T.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=128,
+                           **SMALL)
+        cls = T.BertForSequenceClassification
+        mask = torch.ones(2, seq, dtype=torch.long)
+        mask[1, seq - 5:] = 0  # right padding
+        kwargs = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1])}
+    elif name == "vit":  # 32x32 images, 8x8 patches: 16 patches + CLS = 17 tokens (odd)
+        cfg = T.ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          image_size=32, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                          num_labels=3)
+        cls = T.ViTForImageClassification
+        kwargs = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.tensor([0, 2])}
+    else:
+        raise ValueError(name)
+    cfg._attn_implementation = impl
+    if hasattr(cfg, "attention_dropout"):
+        cfg.attention_dropout = 0.0
+    return (lambda: cls(cfg)), kwargs
+
+
+def _run(cases):
+    out = []
+    for name, seq, impl, strategy in cases:
+        torch._dynamo.reset()
+        torch.manual_seed(0)  # every rank builds the same inputs
+        make, kwargs = build(name, seq, impl)
+        r = compare_with_one_process(make, lambda: (), kwargs=kwargs, strategy=strategy)
+        squares = [v for g in r.compiled_reports for v in g.square_values]
+        out.append((name, seq, impl, strategy, r.max_error(), r.summary(), r.fallbacks, r.attention, squares))
+    return out
+
+
+CASES_2 = [
+    ("llama", 64, "sdpa", "zigzag"), ("llama", 61, "eager", "ring"), ("llama_pad", 63, "sdpa", "ulysses"),
+    ("llama_pad", 64, "eager", "zigzag"), ("llama_nocache", 62, "sdpa", "ring"), ("llama_posids", 64, "sdpa", "zigzag"),
+    ("llama_posids", 63, "eager", "ulysses"), ("llama_nitems", 61, "sdpa", "ring"),
+    ("qwen2", 63, "sdpa", "zigzag"), ("qwen2", 64, "eager", "ulysses"),
+    ("mistral", 64, "sdpa", "ring"), ("mistral", 61, "eager", "zigzag"),
+    ("gpt2", 63, "sdpa", "ulysses"), ("gpt2", 64, "eager", "ring"),
+    ("bert", 61, "sdpa", "ring"), ("bert", 64, "eager", "ulysses"),
+    ("vit", 17, "sdpa", "zigzag"), ("vit", 17, "eager", "ring"),
+]
+CASES_4 = [("llama_pad", 62, "sdpa", "zigzag"), ("mistral", 64, "eager", "ring"), ("bert", 63, "sdpa", "ulysses"),
+           ("vit", 17, "eager", "ring"), ("gpt2", 61, "sdpa", "ring")]
+
+
+@pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)], ids=["P2", "P4"])
+def test_hf_models_match_one_process(world, cases):
+    for rank, results in enumerate(run_on_ranks(_run, world, cases, timeout=900)):
+        for name, seq, impl, strategy, err, summary, fallbacks, attention, squares in results:
+            where = f"{name} {impl} S={seq} {strategy} P={world} rank {rank}"
+            assert err <= 1e-4, f"{where}: {summary}"
+            assert fallbacks == [], f"{where}: {fallbacks}"
+            assert squares == [], f"{where}: S x S values {squares}"
+            assert attention and all(a["strategy"] == strategy for a in attention), f"{where}: {attention}"
