@@ -77,7 +77,8 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world
     families = find_families(links)
     layouts, strategies = choose(families, config=config, world=world, heads_axis_size=heads_axis_size)
     rewriter = Rewriter(gm, families, layouts, rank=rank, world=world, group=group, config=config,
-                        strategies=strategies, ring_group=ring_group, sharded_inputs=sharded_inputs)
+                        strategies=strategies, ring_group=ring_group, sharded_inputs=sharded_inputs,
+                        heads_axis_size=heads_axis_size)
     new_gm = rewriter.run()
     gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
     return CompiledGraph(new_gm, rewriter.report, families, strategies, gathered)

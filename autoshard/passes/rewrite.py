@@ -31,8 +31,10 @@ import torch.fx as fx
 
 from ..config import BackendConfig
 from ..placements import REPLICATE, Partial, Placement, Replicate, Shard
+from ..runtime.accounting import all_gather_bytes, all_reduce_bytes
 from ..runtime.layouts import SequenceLayout
 from ..runtime.redistribute import grad_scale, grad_sync, grad_sync_bucket, reduce_partial
+from .comms import CommBook
 from .infer import Families, Family
 from .ops import is_tensor_node, numel, op_of, shape_of, value_of
 from .rules import RULES
@@ -78,6 +80,9 @@ class CompileReport:
     """One entry per distributed attention: node, strategy, layout, mask."""
     grad_buckets: dict[str, list[str]] = field(default_factory=dict)
     """Gradient buckets: bucket node -> the parameters whose gradients it sums in one all-reduce."""
+    comms: list = field(default_factory=list)
+    """Every collective this rank performs, forward and backward, with every rank's bytes
+    (:class:`~autoshard.passes.comms.Comm`)."""
     square_values: list[str] = field(default_factory=list)
     """Values that carry the sequence on two dims (an S x S mask or score matrix would be one): they are
     computed whole along one of them."""
@@ -102,9 +107,11 @@ class Rewriter:
 
     def __init__(self, gm: fx.GraphModule, families: Families, layouts: dict[int, SequenceLayout], *,
                  rank: int, world: int, group: str, config: BackendConfig, strategies: dict[fx.Node, str],
-                 ring_group: str = "", sharded_inputs: dict[str, Shard] | None = None):
+                 ring_group: str = "", sharded_inputs: dict[str, Shard] | None = None,
+                 heads_axis_size: int | None = None):
         self.gm = gm
         self.ring_group = ring_group
+        self.heads_axis_size = heads_axis_size
         self.sharded_inputs = sharded_inputs or {}
         self.families = families
         self.layouts = layouts
@@ -115,8 +122,11 @@ class Rewriter:
         self.env: dict[fx.Node, Any] = {}
         self.placements: dict[fx.Node, Any] = {}
         self.report = CompileReport()
+        self.book = CommBook(world)
+        self.report.comms = self.book.comms
         self._cache: dict[tuple, fx.Node] = {}
         self._bucket: list | None = None  # [bucket node, bytes, dtype] of the open gradient bucket
+        self._root_of: dict[SequenceLayout, int] = {}  # layout -> the length of the family root it derives from
         self.gathered_outputs: list[fx.Node] = []
         """Outputs that were split and are gathered whole for the caller."""
         self._last_placeholder: fx.Node | None = None
@@ -137,7 +147,15 @@ class Rewriter:
         dim, factor, family, offset = dims[0]
         factors = self.families.factors[node][dim]
         layout = self.family_layout(family).derive(offset, factors[factor])
+        self._root_of[layout] = family.length
         return Shard(dim, layout, tuple(factors) if len(factors) > 1 else (), factor if len(factors) > 1 else 0)
+
+    def root_length(self, shard: Shard) -> int:
+        """The length of the family root a split value's layout derives from (for byte formulas)."""
+        known = self._root_of.get(shard.layout)
+        if known is not None:
+            return known
+        return self.families.families[0].length if self.families.families else shard.layout.length
 
     def placement(self, node: Any) -> Placement:
         if not isinstance(node, fx.Node):
@@ -221,8 +239,12 @@ class Rewriter:
         if partial_grad and self.config.grad_sync:
             key = (node, "grad_sync")
             if key not in self._cache:
-                self._cache[key] = (self._bucketed(node, new) if node.op == "placeholder"
-                                    else self.call(grad_sync, new, self.group))
+                if node.op == "placeholder":
+                    self._cache[key] = self._bucketed(node, new)
+                else:
+                    self._cache[key] = self.call(grad_sync, new, self.group)
+                    self.book.all_reduce(node.name, numel(self.shape(node)), _itemsize(node), "backward",
+                                         reason="gradient shares")
             return self._cache[key]
         if not partial_grad and not self.config.grad_sync and node.op == "placeholder":
             key = (node, "grad_scale")
@@ -270,6 +292,9 @@ class Rewriter:
         return self._shard(node, new, want)
 
     def _shard(self, node: fx.Node, new: fx.Node, want: Shard) -> fx.Node:
+        if self.requires_grad(node):  # the backward gathers the gradient shards
+            self.book.gather("all_gather", node.name, want, self.shape(node), _itemsize(node), self.root_length(want),
+                             "backward", "gradient of a split value used whole")
         x, dim = self._split_factors(node, new, want, local=False)
         x = self.call(torch.ops.autoshard.seq_shard.default, x, dim, want.layout.encode(), self.group)
         return self._merge_factors(node, x, want, local=True)
@@ -281,9 +306,14 @@ class Rewriter:
         x, dim = self._split_factors(node, new, have, local=True)
         op = torch.ops.autoshard.seq_unshard_for_local_use if local_use else torch.ops.autoshard.seq_unshard
         x = self.call(op.default, x, dim, have.layout.encode(), self.group)
-        local_elems = numel(self.local_shape(node, have)) // max(have.layout.local_length(self.rank), 1)
-        nbytes = (self.world - 1) * have.layout.max_local_length * local_elems * _itemsize(node)
+        nbytes = all_gather_bytes(have.layout.max_local_length * (numel(self.local_shape(node, have))
+                                  // max(have.layout.local_length(self.rank), 1)) * _itemsize(node), self.world)
         self.report.transitions.append(Transition("all_gather", node.name, str(have), "R", nbytes, reason))
+        root = self.root_length(have)
+        self.book.gather("all_gather", node.name, have, self.shape(node), _itemsize(node), root, "forward", reason)
+        if local_use and self.requires_grad(node):
+            self.book.gather("reduce_scatter", node.name, have, self.shape(node), _itemsize(node), root, "backward",
+                             "gradient shares of a gathered value")
         if not expected:
             self.report.fallbacks.append(Fallback(node.name, "gather", reason or "needed whole"))
         return self._merge_factors(node, x, have, local=False)
@@ -299,14 +329,18 @@ class Rewriter:
         x, dim = self._split_factors(node, new, have, local=True)
         x = self.call(torch.ops.autoshard.seq_realign.default, x, dim, have.layout.encode(), want.layout.encode(),
                       self.group)
-        self.report.transitions.append(Transition("realign", node.name, str(have), str(want), -1, "positions moved"))
+        row_bytes = numel(self.local_shape(node, have)) // max(have.layout.local_length(self.rank), 1) * _itemsize(node)
+        for phase in ("forward", "backward") if self.requires_grad(node) else ("forward",):
+            self.book.realign(node.name, have.layout, want.layout, row_bytes, phase)
+        sent = self.book.comms[-1 if not self.requires_grad(node) else -2].bytes_by_rank[self.rank]
+        self.report.transitions.append(Transition("realign", node.name, str(have), str(want), sent, "positions moved"))
         return self._merge_factors(node, x, want, local=True)
 
     def _reduce(self, node: fx.Node, new: fx.Node, have: Partial) -> fx.Node:
         out = self.call(reduce_partial, new, have.op, self.group)
-        chunk = -(-numel(self.shape(node)) // self.world) * _itemsize(node)
-        self.report.transitions.append(Transition("all_reduce", node.name, str(have), "R",
-                                                  2 * (self.world - 1) * chunk))
+        nbytes = all_reduce_bytes(numel(self.shape(node)), _itemsize(node), self.world)
+        self.report.transitions.append(Transition("all_reduce", node.name, str(have), "R", nbytes))
+        self.book.all_reduce(node.name, numel(self.shape(node)), _itemsize(node), "forward")
         return out
 
     # ------------------------------------------------------------------ generic behaviours
@@ -364,6 +398,10 @@ class Rewriter:
                     self._token_local(node)
                 else:
                     self.fallback(node, f"no rule for {node.target if node.op == 'call_function' else '.' + str(node.target)}")
+        for bucket, names in self.report.grad_buckets.items():
+            nodes = [n for n in self.placements if n.name in names]
+            total = sum(numel(self.shape(n)) for n in nodes)
+            self.book.all_reduce(bucket, total, _itemsize(nodes[0]), "backward", reason="parameter gradients")
         live = {n.name for n in self.placements}
         self.report.square_values = sorted({why.split(" of ")[1] for _, _, _, why in self.families.refused
                                             if why.startswith("second dim") and why.split(" of ")[1] in live})

@@ -26,7 +26,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
-__all__ = ["CommCounter", "CallStats", "comm_counter", "record"]
+__all__ = ["CommCounter", "CallStats", "comm_counter", "record", "all_gather_bytes", "reduce_scatter_bytes",
+           "all_reduce_bytes"]
 
 
 @dataclass
@@ -91,3 +92,22 @@ def record(kind: str, sent: int, received: int) -> None:
     with _lock:
         for counter in _active:
             counter.add(kind, int(sent), int(received))
+
+
+# ---------------------------------------------------------------------------- the convention, as functions
+# The runtime records with these and the planner predicts with them, so the two cannot drift apart.
+
+
+def all_gather_bytes(largest_shard_bytes: int, world: int) -> int:
+    """Bytes a rank sends (and receives) in an all-gather of shards padded to the largest one."""
+    return (world - 1) * largest_shard_bytes
+
+
+def reduce_scatter_bytes(largest_chunk_bytes: int, world: int) -> int:
+    """Bytes a rank sends (and receives) in a reduce-scatter of chunks padded to the largest one."""
+    return (world - 1) * largest_chunk_bytes
+
+
+def all_reduce_bytes(numel: int, itemsize: int, world: int) -> int:
+    """Bytes a rank sends (and receives) in an all-reduce: a reduce-scatter then an all-gather of ceil(numel/P)."""
+    return 2 * (world - 1) * (-(-numel // world)) * itemsize

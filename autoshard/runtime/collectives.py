@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .accounting import record
+from .accounting import all_gather_bytes, all_reduce_bytes, record, reduce_scatter_bytes
 from .groups import GroupLike, global_rank, group_name, resolve_group
 from .layouts import split_sizes as balanced_split
 
@@ -81,8 +81,8 @@ def all_gather_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], pg: dist.Pr
     moved = _narrow_pad(x, dim, longest).movedim(dim, 0).contiguous()
     out = moved.new_empty((world * longest,) + tuple(moved.shape[1:]))
     _all_gather_single(out, moved, group=pg)
-    nbytes = moved.numel() * moved.element_size()
-    record("all_gather", (world - 1) * nbytes, (world - 1) * nbytes)
+    nbytes = all_gather_bytes(moved.numel() * moved.element_size(), world)
+    record("all_gather", nbytes, nbytes)
     if len(set(sizes)) > 1:
         out = torch.cat([out[i * longest: i * longest + sizes[i]] for i in range(world)], 0)
     return out.movedim(0, dim).contiguous()
@@ -99,8 +99,8 @@ def reduce_scatter_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], pg: dis
     moved = moved.contiguous()
     out = moved.new_empty((longest,) + tuple(moved.shape[1:]))
     _reduce_scatter_single(out, moved, group=pg)
-    nbytes = out.numel() * out.element_size()
-    record("reduce_scatter", (world - 1) * nbytes, (world - 1) * nbytes)
+    nbytes = reduce_scatter_bytes(out.numel() * out.element_size(), world)
+    record("reduce_scatter", nbytes, nbytes)
     return out[: sizes[rank]].movedim(0, dim).contiguous()
 
 
@@ -109,8 +109,8 @@ def all_reduce_impl(x: torch.Tensor, op: str, pg: dist.ProcessGroup) -> torch.Te
     world = pg.size()
     out = x.contiguous().clone()
     dist.all_reduce(out, op=_REDUCE_OPS[op], group=pg)
-    chunk = -(-out.numel() // world) * out.element_size()
-    record("all_reduce", 2 * (world - 1) * chunk, 2 * (world - 1) * chunk)
+    nbytes = all_reduce_bytes(out.numel(), out.element_size(), world)
+    record("all_reduce", nbytes, nbytes)
     return out
 
 

@@ -13,7 +13,31 @@ from typing import Union
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["GroupLike", "resolve_group", "group_name", "group_rank", "group_size", "global_rank"]
+__all__ = ["GroupLike", "resolve_group", "group_name", "group_rank", "group_size", "global_rank", "PlanGroup",
+           "plan_group_name"]
+
+_PLAN_PREFIX = "autoshard-plan/"
+
+
+class PlanGroup:
+    """A stand-in group for planning: it has a rank and a size, and nothing communicates through it. Fake
+    (meta) implementations of the runtime's ops only need those, so a plan can run the per-rank graph on
+    meta tensors without a process group."""
+
+    def __init__(self, rank: int, world: int):
+        self._rank, self._world = rank, world
+        self.group_name = plan_group_name(rank, world)
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._world
+
+
+def plan_group_name(rank: int, world: int) -> str:
+    """The name of the plan group of ``rank`` out of ``world`` (see :class:`PlanGroup`)."""
+    return f"{_PLAN_PREFIX}{rank}/{world}"
 
 GroupLike = Union[None, str, dist.ProcessGroup, DeviceMesh]
 
@@ -35,8 +59,11 @@ def resolve_group(group: GroupLike) -> dist.ProcessGroup:
             )
         return group.get_group()
     if isinstance(group, str):
+        if group.startswith(_PLAN_PREFIX):
+            rank, world = group[len(_PLAN_PREFIX):].split("/")
+            return PlanGroup(int(rank), int(world))
         return dist.distributed_c10d._resolve_process_group(group)
-    if isinstance(group, dist.ProcessGroup):
+    if isinstance(group, (dist.ProcessGroup, PlanGroup)):
         return group
     raise TypeError(f"autoshard: group must be a ProcessGroup, a DeviceMesh, a group name or None, not {type(group)}")
 

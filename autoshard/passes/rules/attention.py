@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from ...placements import REPLICATE, Shard
 from ...runtime.collectives import all_reduce
-from ..ops import shape_of
+from ...runtime.attention import formulas
+from ..ops import shape_of, value_of
 from . import register
 from .pointwise import whole_args
 
@@ -61,6 +62,33 @@ def fill_empty_rows(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: to
     return torch.where(empty, uniform.to(out.dtype), out)
 
 
+def _record_attention_bytes(rw, node, op, strategy: str, sq: Shard) -> None:
+    """The attention's own traffic, forward and (when its inputs need gradients) backward."""
+    q, k = value_of(op["q"]), value_of(op["k"])
+    sizes = dict(B=q.shape[0], S=sq.layout.length, H=q.shape[1], Hkv=k.shape[1], D=q.shape[3])
+    if strategy == "hybrid":
+        sizes.update(P_u=rw.heads_axis_size, P_r=rw.world // rw.heads_axis_size)
+    else:
+        sizes.update(P=rw.world)
+    seg = op.get("segment_ids")
+    subs = formulas.values(dtype=q.dtype, key_mask=op.get("key_mask") is not None,
+                           segment_ids_dtype=value_of(seg).dtype if seg is not None else None, **sizes)
+    needs_grad = any(rw.requires_grad(op[t]) for t in ("q", "k", "v"))
+    for phase in ("forward", "backward") if needs_grad else ("forward",):
+        formula = formulas.bytes_sent(strategy, phase)
+        rw.book.attention(node.name, strategy, phase, int(formula.subs(subs)), formula)
+
+
+def _record_uniform_bytes(rw, node, op) -> None:
+    """The three all-reduces of :func:`uniform_attention` (and their backward)."""
+    q, k, v = (value_of(op[t]) for t in ("q", "k", "v"))
+    b, hkv, d, dv = k.shape[0], k.shape[1], k.shape[3], v.shape[3]
+    needs_grad = any(rw.requires_grad(op[t]) for t in ("q", "k", "v"))
+    for numel in (b * hkv * d * dv, b * hkv * d, b * hkv * dv):
+        for phase in ("forward", "backward") if needs_grad else ("forward",):
+            rw.book.all_reduce(node.name, numel, q.element_size(), phase, reason="rows with no visible key")
+
+
 def link_attention(ctx, node, op):
     q, k, v = op["q"], op["k"], op["v"]
     ctx.set_factorization(node, [list(f) for f in ctx.factorization(q)[:3]] + [[shape_of(node)[-1]]])
@@ -97,11 +125,14 @@ def rewrite_attention(rw, node, op):
                        window[0] if window else -1, window[1] if window else -1, float(op["scale"]),
                        rw.config.kernels)
         result = rw.call(operator.getitem, call, 0)
+        _record_attention_bytes(rw, node, op, strategy, sq)
         empty_rows = op.get("empty_rows", "zero")
         if empty_rows != "zero":
             lse = rw.call(operator.getitem, call, 1)
             result = rw.call(fill_empty_rows, result, lse, *args[:3], float(op["scale"]), sq.layout.length,
                              empty_rows, rw.group)
+            if empty_rows == "uniform":
+                _record_uniform_bytes(rw, node, op)
         rw.done(node, result, out)
         rw.report.attention.append({"node": node.name, "strategy": strategy, "layout": sq.layout.kind,
                                     "length": sq.layout.length, "causal": bool(op.get("causal")),

@@ -87,6 +87,9 @@ def rewrite_cross_entropy(rw, node, op):
         return
     denom = rw.call(loss_denominator, t, w, op["ignore_index"])
     rw.done(node, rw.call(mean_of_sums, total, denom, rw.group), REPLICATE)
+    rw.book.all_reduce(node.name, 1, value_of(node).element_size(), "forward", reason="loss sum")
+    rw.book.all_reduce(node.name, 1, 4 if weight is None else value_of(weight).element_size(), "forward",
+                       reason="loss denominator")
 
 
 register("cross_entropy", link=link_cross_entropy, rewrite=rewrite_cross_entropy)

@@ -14,7 +14,7 @@ import torch
 from ...placements import REPLICATE
 from ...runtime.collectives import all_reduce
 from ...runtime.redistribute import reduce_partial
-from ..ops import shape_of
+from ..ops import numel, shape_of, value_of
 from . import register
 from .pointwise import link_broadcast, link_same, mapped_args, whole_args
 
@@ -78,6 +78,11 @@ def rewrite_softmax(rw, node, op):
         return
     log = "log_softmax" in str(getattr(node.target, "__name__", node.target))
     rw.done(node, rw.call(softmax_over_split, x, dim, log, op["dtype"], rw.group), out)
+    v = value_of(node)
+    reduced = numel(v.shape) // v.shape[dim]
+    rw.book.all_reduce(node.name, reduced, v.element_size(), "forward", reason="softmax maximum")
+    for phase in ("forward", "backward") if rw.requires_grad(op["input"]) else ("forward",):
+        rw.book.all_reduce(node.name, reduced, v.element_size(), phase, reason="softmax normalizer")
 
 
 register("softmax", link=link_same, rewrite=rewrite_softmax)

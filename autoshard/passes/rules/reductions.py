@@ -22,7 +22,9 @@ import torch
 from ...placements import REPLICATE, Partial, Shard
 from ...runtime.collectives import all_reduce
 from ...runtime.redistribute import reduce_partial
-from ..ops import shape_of, value_of
+from ...runtime.accounting import all_gather_bytes
+from ..comms import Comm
+from ..ops import numel, shape_of, value_of
 from . import register
 from .pointwise import link_same, whole_args
 
@@ -135,15 +137,29 @@ def rewrite_reduce(rw, node, op):
         rw.done(node, rw.call(torch.mul, local_sum, 1.0 / count), Partial())
     elif kind in ("amax", "amin") or (kind in ("max", "min") and op["dim"] is None):
         rw.done(node, rw.call(extreme_over_split, x, dims, keepdim, kind in ("amax", "max"), rw.group), REPLICATE)
+        _record(rw, node, ["extreme", "tie count", "picked"], [])
     elif kind == "logsumexp":
         rw.done(node, rw.call(logsumexp_over_split, x, dims, keepdim, rw.group), REPLICATE)
+        _record(rw, node, ["maximum", "sum"], [])
     elif kind in ("var", "std"):
         correction = op.get("correction", 1)
         rw.done(node, rw.call(var_over_split, x, dims, keepdim, correction, count, kind == "std", rw.group), REPLICATE)
+        _record(rw, node, ["mean", "squares"], ["mean"] if rw.requires_grad(src) else [])
     elif kind in ("all", "any"):
         rw.done(node, rw.call(truth_over_split, x, dims, keepdim, kind == "all", rw.group), REPLICATE)
+        _record(rw, node, ["truth"], [], itemsize=4)
     else:
         rw.fallback(node, f"{kind} over the split sequence")
+
+
+def _record(rw, node, forward: list[str], backward: list[str], itemsize: int | None = None) -> None:
+    """The all-reduces of a reduction helper: one per name, of the (keepdim) result's size."""
+    v = value_of(node)
+    size = itemsize or v.element_size()
+    for what in forward:
+        rw.book.all_reduce(node.name, v.numel(), size, "forward", reason=what)
+    for what in backward:
+        rw.book.all_reduce(node.name, v.numel(), size, "backward", reason=what)
 
 
 register("reduce", link=link_reduce, rewrite=rewrite_reduce)
@@ -167,6 +183,11 @@ def rewrite_cumsum(rw, node, op):
     if value_of(src).dtype != out_dtype:  # cumsum of bool / int promotes
         x = rw.method("to", x, out_dtype)
     rw.done(node, rw.call(torch.ops.autoshard.seq_cumsum.default, x, dim, out.layout.encode(), False, rw.group), out)
+    width = max(len(out.layout.local_intervals(r)) for r in range(rw.world))
+    totals = width * numel(shape_of(node)) // shape_of(node)[dim] * value_of(node).element_size()
+    for phase in ("forward", "backward") if rw.requires_grad(src) else ("forward",):
+        rw.book.comms.append(Comm("all_gather", node.name, phase, [all_gather_bytes(totals, rw.world)] * rw.world,
+                                  None, reason="cumsum prefix"))
 
 
 register("cumsum", link=link_same, rewrite=rewrite_cumsum)
