@@ -18,6 +18,7 @@ a rank that reaches a different graph fails with an error, never a hang.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import hashlib
 import warnings
@@ -38,7 +39,7 @@ from .passes.ops import value_of
 from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
 from .runtime.layouts import SequenceLayout
-from .runtime.groups import GroupLike, resolve_group
+from .runtime.groups import GroupLike, plan_group_name, resolve_group
 from .strategy import choose
 
 __all__ = ["backend", "AutoshardBackend", "autoshard_backend", "CompiledGraph", "compile_graph"]
@@ -61,11 +62,13 @@ class CompiledGraph:
     strategies: dict
     gathered_output_shapes: set = None
     """Global shapes of the outputs this graph gathers whole."""
+    reasons: dict = None
+    """Attention node -> why its strategy was chosen."""
 
 
 def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world: int, group: str,
                   ring_group: str = "", heads_axis_size: int | None = None,
-                  sharded_inputs: dict[str, Any] | None = None) -> CompiledGraph:
+                  sharded_inputs: dict[str, Any] | None = None, topology=None, planning: bool = False) -> CompiledGraph:
     """Run the passes on ``gm`` (modified in place up to the rewrite) for ``rank`` of ``world``."""
     annotate(gm)
     capture_attention(gm)
@@ -75,13 +78,17 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world
     for node, dim in _annotated_inputs(gm, config):
         links.seed((node, dim, 0))
     families = find_families(links)
-    layouts, strategies = choose(families, config=config, world=world, heads_axis_size=heads_axis_size)
+    layouts, strategies, reasons, heads_axis_size = choose(families, config=config, world=world,
+                                                           heads_axis_size=heads_axis_size, topology=topology,
+                                                           planning=planning)
+    if planning and heads_axis_size and not ring_group:
+        ring_group = plan_group_name(rank // heads_axis_size, world // heads_axis_size)
     rewriter = Rewriter(gm, families, layouts, rank=rank, world=world, group=group, config=config,
                         strategies=strategies, ring_group=ring_group, sharded_inputs=sharded_inputs,
                         heads_axis_size=heads_axis_size)
     new_gm = rewriter.run()
     gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
-    return CompiledGraph(new_gm, rewriter.report, families, strategies, gathered)
+    return CompiledGraph(new_gm, rewriter.report, families, strategies, gathered, reasons)
 
 
 def input_name(node: fx.Node) -> str | None:
@@ -140,10 +147,10 @@ class AutoshardBackend:
         pg, ring_group, heads_axis = self._groups()
         world, rank = pg.size(), pg.rank()
         if self.config.dry_run:
-            from .plan import plan_graph
+            from .planner import plan_graph
 
             if rank == 0:
-                print(plan_graph(gm, world_size=world, config=self.config))
+                print(plan_graph(copy.deepcopy(gm), example_inputs, world_size=world, config=self.config))
             return gm.forward
         if world == 1:
             return gm.forward

@@ -1,45 +1,55 @@
 """Choosing a distributed-attention strategy per attention and a layout per sequence family.
 
-This is the first cost rule; the planner's cost model (``autoshard.plan``) refines it:
-
-* an explicit ``strategy`` / ``layout`` option wins (checked for feasibility);
-* otherwise Ulysses when the heads split evenly over the ranks (its all-to-alls move 4/P of the
-  activations, independent of the ring's P-1 steps), else the zigzag ring for causal attention
-  (balanced work) and the plain ring for the rest;
-* a family's layout is zigzag when one of its attentions uses the zigzag ring and the sequence has at
-  least 2P positions, contiguous otherwise (the ring over a zigzag layout *is* the zigzag strategy).
+An explicit ``strategy`` option wins. Otherwise the cost model (:mod:`autoshard.cost`) prices every
+strategy on the configured topology (default: 8-GPU NVLink nodes on InfiniBand) and the fastest
+feasible one is taken -- Ulysses when the heads cover the ranks and bandwidth is high, the zigzag ring
+for causal attention when ranks outnumber heads, the hybrid when the group spans nodes (it runs only
+on a 2-D mesh: with a 1-D group it is reported as what a 2-D mesh would gain). All attentions of a
+family share its layout: zigzag when its strategy is the zigzag ring (or an explicit ``layout``),
+contiguous otherwise.
 """
 
 from __future__ import annotations
 
 from .config import BackendConfig
+from .cost import AttentionShape, Topology, attention_costs, choose_strategy
 from .passes.infer import Families
-from .passes.ops import op_of, shape_of
+from .passes.ops import op_of, value_of
 from .runtime.layouts import SequenceLayout
 
 __all__ = ["choose"]
 
 
-def _auto_strategy(heads: int, kv_heads: int, causal: bool, world: int) -> str:
-    if heads % world == 0 and (kv_heads % world == 0 or world % kv_heads == 0):
-        return "ulysses"
-    return "zigzag" if causal else "ring"
+def _shape(node, length: int) -> AttentionShape:
+    op = op_of(node)
+    q, k = value_of(op["q"]), value_of(op["k"])
+    seg = op.get("segment_ids")
+    return AttentionShape(q.shape[0], length, q.shape[1], k.shape[1], q.shape[3], q.dtype, bool(op.get("causal")),
+                          op.get("window"), op.get("key_mask") is not None, value_of(seg).dtype if seg is not None else None)
 
 
-def choose(families: Families, *, config: BackendConfig, world: int,
-           heads_axis_size: int | None = None) -> tuple[dict[int, SequenceLayout], dict]:
-    """(root layout per family index, strategy per attention node)."""
-    layouts, strategies = {}, {}
+def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_size: int | None = None,
+           topology: Topology | None = None, planning: bool = False) -> tuple[dict[int, SequenceLayout], dict, dict, int | None]:
+    """(root layout per family index, strategy per attention node, reason per attention node, Ulysses axis
+    size of the hybrid). ``planning``: the hybrid may be chosen without a 2-D mesh (the plan then says
+    which mesh to build)."""
+    topology = topology or config.topology or Topology()
+    layouts, strategies, reasons = {}, {}, {}
     for fam in families.families:
         chosen = {}
         for node in fam.attention_nodes:
-            op = op_of(node)
-            heads, kv_heads = shape_of(op["q"])[1], shape_of(op["k"])[1]
-            causal = bool(op.get("causal"))
             if config.strategy != "auto":
                 chosen[node] = config.strategy
-            else:
-                chosen[node] = _auto_strategy(heads, kv_heads, causal, heads_axis_size or world)
+                reasons[node] = f"{config.strategy}: chosen by the strategy option"
+                continue
+            costs = attention_costs(_shape(node, fam.length), world, topology,
+                                    hybrid_possible=heads_axis_size is not None or planning,
+                                    memory_budget=config.memory_budget)
+            best, why = choose_strategy(costs)
+            chosen[node], reasons[node] = best.strategy, why
+            if best.strategy == "hybrid" and heads_axis_size is None:
+                heads_axis_size = best.mesh[1]
+                reasons[node] += f"; build a 2-D mesh (ring {best.mesh[0]}, ulysses {best.mesh[1]}) to run it"
         kind = config.layout
         if kind == "auto":
             wants_zigzag = any(s == "zigzag" for s in chosen.values())
@@ -50,4 +60,4 @@ def choose(families: Families, *, config: BackendConfig, world: int,
             chosen = {n: ("zigzag" if s == "ring" else s) for n, s in chosen.items()}
         layouts[fam.index] = SequenceLayout.of(kind, fam.length, world)
         strategies.update(chosen)
-    return layouts, strategies
+    return layouts, strategies, reasons, heads_axis_size

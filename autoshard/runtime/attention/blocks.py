@@ -95,10 +95,20 @@ def _mask_args(q_piece: Piece, k_piece: Piece, key_mask, seg_q, seg_k) -> dict:
 
 
 def _visible_pairs(q_pieces, k_pieces, spec: MaskSpec):
+    """The (query piece, key piece) pairs with a visible position. Without a position mask, positions do not
+    matter: the whole local tensors form one pair (one call instead of one per piece pair)."""
+    if not spec.is_positional:
+        yield _whole(q_pieces), _whole(k_pieces)
+        return
     for qp in q_pieces:
         for kp in k_pieces:
             if spec.classify(qp.start, qp.length, kp.start, kp.length) is not Visibility.HIDDEN:
                 yield qp, kp
+
+
+def _whole(parts: Sequence[Piece]) -> Piece:
+    """All of a local tensor as one piece (its global start is meaningless: only for position-free masks)."""
+    return Piece(0, 0, sum(p.length for p in parts))
 
 
 def attend(

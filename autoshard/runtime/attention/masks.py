@@ -74,6 +74,11 @@ class MaskSpec:
         return None if self.window[1] == -1 else self.window[1]
 
     @property
+    def is_positional(self) -> bool:
+        """Whether visibility depends on positions at all (False: no causal mask, no window)."""
+        return self.lower is not None or self.upper is not None
+
+    @property
     def is_plain_causal(self) -> bool:
         """Exactly ``j <= i`` (causal, no window cutting further)."""
         return self.causal and self.lower is None

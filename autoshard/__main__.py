@@ -1,0 +1,66 @@
+"""Command line: ``python -m autoshard plan path/to/file.py:factory --world-size 64 --seq-len 1048576``.
+
+``factory(seq_len)`` returns ``(model, args, kwargs)``; put the model and the inputs on the meta device
+to plan sizes that do not fit this machine. Prints the plan; ``--json`` / ``--dot`` also write it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from .config import STRATEGIES
+from .cost import Topology
+
+__all__ = ["main"]
+
+
+def _load_factory(spec: str):
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise SystemExit(f"autoshard plan: expected path/to/file.py:factory, got {spec!r}")
+    module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    if module_spec is None:
+        raise SystemExit(f"autoshard plan: cannot import {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module
+    module_spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autoshard", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="print the plan of a model on N ranks (a dry run)")
+    p.add_argument("factory", help="path/to/file.py:factory, factory(seq_len) -> (model, args, kwargs)")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--strategy", choices=STRATEGIES, default="auto")
+    p.add_argument("--layout", choices=("auto", "contiguous", "zigzag"), default="auto")
+    p.add_argument("--inputs", choices=("replicated", "sharded"), default="replicated")
+    p.add_argument("--outputs", choices=("gathered", "sharded"), default="gathered")
+    p.add_argument("--ranks-per-node", type=int, default=Topology().ranks_per_node)
+    p.add_argument("--rank", type=int, default=0, help="the rank whose view the plan shows")
+    p.add_argument("--json", help="also write the plan as JSON to this file")
+    p.add_argument("--dot", help="also write the graph, coloured by placement, as Graphviz to this file")
+    args = parser.parse_args(argv)
+
+    from .planner import plan
+
+    model, model_args, model_kwargs = _load_factory(args.factory)(args.seq_len)
+    result = plan(model, model_args, model_kwargs, world_size=args.world_size, strategy=args.strategy,
+                  layout=args.layout, outputs=args.outputs, topology=Topology(ranks_per_node=args.ranks_per_node),
+                  rank=args.rank)
+    print(result)
+    if args.json:
+        Path(args.json).write_text(result.to_json())
+    if args.dot:
+        Path(args.dot).write_text(result.to_dot())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,335 @@
+"""Dry-run plans: what the compiler will do, what it will move, and what it will hold -- without GPUs.
+
+    plan = autoshard.plan(model, (input_ids,), world_size=64)      # the model and inputs may be on meta
+    print(plan)                                                    # summary, then one row per layer
+    plan.attention[0].strategy, plan.attention[0].costs, plan.attention[0].reason
+    sum(c.bytes_per_rank for c in plan.collectives)                # what rank 0 sends, forward + backward
+    plan.memory_per_rank.total, plan.memory_per_rank.formula
+    Plan.from_json(plan.to_json()) == plan;  plan.to_dot()
+
+How: dynamo captures the model's graphs (on meta tensors nothing is computed), the compiler's passes
+run for one rank of a *plan group* (a stand-in with a rank and a size; nothing communicates), every
+collective the rewrite emits is recorded with every rank's bytes and a sympy formula
+(:mod:`autoshard.passes.comms`), the per-rank graph runs forward on fake tensors under autograd's
+saved-tensor hooks to measure what it keeps for backward, and the cost model
+(:mod:`autoshard.cost`) prices every attention strategy on the given topology.
+
+Memory per rank = parameters + their gradients + saved activations (exactly what autograd keeps, by
+storage) + outputs held by the caller + a transient term (twice the largest saved activation: the
+backward of the op that saved it holds its input gradient and output gradient at once).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+from .config import BackendConfig
+from .cost import AttentionShape, StrategyCost, Topology, attention_costs
+from .passes.ops import op_of, value_of
+from .runtime.attention import formulas
+from .runtime.groups import plan_group_name
+
+__all__ = ["Plan", "AttentionDecision", "Collective", "MemoryEstimate", "PlanFallback", "plan", "plan_graph",
+           "plan_graphs"]
+
+
+@dataclass
+class AttentionDecision:
+    """How one attention call is distributed, and why."""
+
+    node: str
+    layer: int
+    strategy: str
+    layout: str
+    reason: str
+    mask: str
+    shape: dict
+    """B, S, H, Hkv, D, dtype."""
+    costs: list[dict]
+    """Every strategy's estimated cost (:class:`~autoshard.cost.StrategyCost` fields)."""
+
+
+@dataclass
+class Collective:
+    """One collective, in one direction."""
+
+    kind: str
+    group: str
+    node: str
+    phase: str
+    bytes_per_rank: int
+    """Bytes the plan's rank sends."""
+    bytes_by_rank: list[int]
+    formula: Any
+    """Bytes per rank as a sympy expression of S, P, B, H, Hkv, D (None where only the count is exact)."""
+    reason: str = ""
+
+
+@dataclass
+class MemoryEstimate:
+    """Peak bytes on the plan's rank during forward + backward."""
+
+    parameters: int
+    gradients: int
+    saved_activations: int
+    outputs: int
+    transient: int
+    total: int
+    formula: Any
+    """``total`` as a sympy expression in S and P (activations scale with ceiling(S/P))."""
+
+
+@dataclass
+class PlanFallback:
+    node: str
+    op: str
+    reason: str
+
+
+@dataclass
+class Plan:
+    """What autoshard will do on ``world_size`` ranks (seen from ``rank``)."""
+
+    world_size: int
+    rank: int
+    topology: dict
+    symbols: dict[str, int]
+    """The sizes the formulas' symbols stand for."""
+    attention: list[AttentionDecision] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
+    memory_per_rank: MemoryEstimate | None = None
+    fallbacks: list[PlanFallback] = field(default_factory=list)
+    placements: dict[str, str] = field(default_factory=dict)
+    """Graph value (``g<i>.<name>``) -> placement (``S(1)``, ``R``, ``P(sum)``)."""
+    graphs: int = 0
+    edges: list[list[str]] = field(default_factory=list)
+    """Data flow between the values of ``placements`` (for :meth:`to_dot`)."""
+
+    # ------------------------------------------------------------------ reading
+    def bytes_sent(self, phase: str | None = None, rank: int | None = None) -> int:
+        """Total bytes ``rank`` (default: the plan's) sends, in ``phase`` or both."""
+        r = self.rank if rank is None else rank
+        return sum(c.bytes_by_rank[r] for c in self.collectives if phase is None or c.phase == phase)
+
+    def __str__(self) -> str:
+        mem = self.memory_per_rank
+        split = sum(1 for p in self.placements.values() if p.startswith("S"))
+        strategies = sorted({a.strategy for a in self.attention})
+        lines = [
+            f"autoshard plan: {self.world_size} ranks, {self.graphs} graph(s), seen from rank {self.rank}",
+            f"  sizes: " + ", ".join(f"{k}={v:,}" for k, v in self.symbols.items()),
+            f"  {split} of {len(self.placements)} values split along the sequence; {len(self.attention)} attention "
+            f"call(s) via {', '.join(strategies) or 'none'}; {len(self.fallbacks)} fallback(s)",
+            f"  sends per rank per step: forward {_size(self.bytes_sent('forward'))}, backward "
+            f"{_size(self.bytes_sent('backward'))}",
+        ]
+        if mem is not None:
+            lines.append(f"  memory per rank: {_size(mem.total)} (parameters {_size(mem.parameters)}, gradients "
+                         f"{_size(mem.gradients)}, saved activations {_size(mem.saved_activations)}, outputs "
+                         f"{_size(mem.outputs)}, transient {_size(mem.transient)})")
+            if mem.outputs > mem.saved_activations:
+                lines.append("  note: most of it is outputs gathered whole on every rank (the logits?); "
+                             "outputs='sharded' keeps them split")
+        if self.attention:
+            lines.append(f"  why: {self.attention[0].reason}")
+        for f in self.fallbacks:
+            lines.append(f"  fallback: {f.node} ({f.op}): {f.reason}")
+        lines.append("")
+        lines.append(f"  {'layer':>5}  {'attention':<22} {'strategy':<10} {'layout':<11} {'mask':<22} "
+                     f"{'fwd MiB':>9} {'bwd MiB':>9}")
+        per_node = {}
+        for c in self.collectives:
+            per_node.setdefault((c.node, c.phase), 0)
+            per_node[(c.node, c.phase)] += c.bytes_by_rank[self.rank]
+        for a in self.attention:
+            lines.append(f"  {a.layer:>5}  {a.node:<22} {a.strategy:<10} {a.layout:<11} {a.mask:<22} "
+                         f"{per_node.get((a.node, 'forward'), 0) / 2**20:>9.2f} "
+                         f"{per_node.get((a.node, 'backward'), 0) / 2**20:>9.2f}")
+        others = [c for c in self.collectives if c.node not in {a.node for a in self.attention}]
+        if others:
+            lines.append("")
+            lines.append(f"  {'other collectives':<40} {'kind':<15} {'phase':<9} {'bytes/rank':>14}")
+            for c in others:
+                lines.append(f"  {c.node[:40]:<40} {c.kind:<15} {c.phase:<9} {c.bytes_by_rank[self.rank]:>14,}")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ serialization
+    def to_json(self) -> str:
+        """Deterministic JSON (sorted keys; formulas as sympy strings)."""
+        data = asdict(self)
+        for c in data["collectives"]:
+            c["formula"] = None if c["formula"] is None else sympy.srepr(c["formula"])
+        if data["memory_per_rank"] is not None:
+            data["memory_per_rank"]["formula"] = sympy.srepr(data["memory_per_rank"]["formula"])
+        return json.dumps(data, sort_keys=True, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        data = json.loads(text)
+        data["attention"] = [AttentionDecision(**a) for a in data["attention"]]
+        data["collectives"] = [Collective(**{**c, "formula": None if c["formula"] is None else sympy.sympify(c["formula"])})
+                               for c in data["collectives"]]
+        if data["memory_per_rank"] is not None:
+            m = data["memory_per_rank"]
+            data["memory_per_rank"] = MemoryEstimate(**{**m, "formula": sympy.sympify(m["formula"])})
+        data["fallbacks"] = [PlanFallback(**f) for f in data["fallbacks"]]
+        return Plan(**data)
+
+    def to_dot(self) -> str:
+        """Graphviz of the values coloured by placement (split blue, whole grey, partial orange) and the
+        attention calls (red)."""
+        colours = {"S": "lightblue", "R": "lightgrey", "P": "orange"}
+        attention = {a.node for a in self.attention}
+        lines = ["digraph autoshard_plan {", "  rankdir=TB; node [shape=box, style=filled, fontsize=9];"]
+        for name, placement in self.placements.items():
+            colour = "tomato" if name.split(".", 1)[-1] in attention else colours.get(placement[0], "white")
+            lines.append(f'  "{name}" [label="{name}\\n{placement}", fillcolor={colour}];')
+        for a, b in self.edges:
+            lines.append(f'  "{a}" -> "{b}";')
+        lines.append("}")
+        return "\n".join(lines)
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:,.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+# ============================================================================= building
+
+
+def _capture(model, args: tuple, kwargs: dict) -> list[tuple[fx.GraphModule, list]]:
+    """Dynamo's graphs of ``model(*args, **kwargs)`` (run on the inputs as given: meta tensors compute nothing)."""
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch.compile(model, backend=grab, dynamic=False)(*args, **kwargs)
+    return graphs
+
+
+def _memory(compiled, example_inputs: list, world: int, root_length: int) -> tuple[MemoryEstimate, Any]:
+    """Run the per-rank graph forward on fake tensors and count what autograd saves (see the module
+    docstring); returns the estimate and the formula of its sequence-dependent part."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    params = [x for x, orig in zip(inputs, example_inputs) if isinstance(orig, torch.nn.Parameter)]
+    param_storages = {p.untyped_storage()._cdata for p in params}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage._cdata not in param_storages:
+            saved[storage._cdata] = storage.nbytes()
+        return t
+
+    with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outputs = compiled.graph_module(*inputs)
+    out_bytes = sum(t.untyped_storage().nbytes() for t in torch.utils._pytree.tree_leaves(outputs)
+                    if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in saved)
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    activations = sum(saved.values())
+    transient = 2 * max(saved.values(), default=0)
+    local = -(-root_length // world)
+    per_position = sympy.Rational(activations + out_bytes + transient, max(local, 1))
+    estimate = MemoryEstimate(param_bytes, grad_bytes, activations, out_bytes, transient,
+                              param_bytes + grad_bytes + activations + out_bytes + transient, None)
+    return estimate, per_position * sympy.ceiling(formulas.S / formulas.P)
+
+
+def _decisions(compiled, index: int, world: int, config: BackendConfig, topology: Topology) -> list[AttentionDecision]:
+    out = []
+    by_node = {a["node"]: a for a in compiled.report.attention}
+    layer = 0
+    for fam in compiled.families.families:
+        for node in fam.attention_nodes:
+            op = op_of(node)
+            q, k = value_of(op["q"]), value_of(op["k"])
+            seg = op.get("segment_ids")
+            shape = AttentionShape(q.shape[0], fam.length, q.shape[1], k.shape[1], q.shape[3], q.dtype,
+                                   bool(op.get("causal")), op.get("window"), op.get("key_mask") is not None,
+                                   value_of(seg).dtype if seg is not None else None)
+            costs = attention_costs(shape, world, topology, hybrid_possible=True, memory_budget=config.memory_budget)
+            decided = by_node.get(node.name, {})
+            strategy = decided.get("strategy", compiled.strategies.get(node, "?"))
+            reason = compiled.reasons.get(node, decided.get("reason", ""))
+            mask = ", ".join(k for k in ("causal", "window", "key_mask", "segment_ids") if decided.get(k)) or "none"
+            out.append(AttentionDecision(
+                node=f"g{index}.{node.name}", layer=layer, strategy=strategy, layout=decided.get("layout", "-"),
+                reason=reason, mask=mask,
+                shape={"B": shape.batch, "S": shape.seq, "H": shape.heads, "Hkv": shape.kv_heads, "D": shape.head_dim,
+                       "dtype": str(shape.dtype).replace("torch.", "")},
+                costs=[{k: v for k, v in asdict(c).items() if k != "mesh"} | {"mesh": list(c.mesh) if c.mesh else None}
+                       for c in costs]))
+            layer += 1
+    return out
+
+
+def plan_graphs(graphs: list[tuple[fx.GraphModule, list]], *, world_size: int, config: BackendConfig,
+                rank: int = 0) -> Plan:
+    """The plan of already-captured dynamo graphs (what ``backend(..., dry_run=True)`` prints)."""
+    from .compiler import compile_graph
+
+    topology = config.topology or Topology()
+    result = Plan(world_size=world_size, rank=rank, topology=asdict(topology), symbols={})
+    symbols: dict[str, int] = {"P": world_size}
+    memories = []
+    for index, (gm, example_inputs) in enumerate(graphs):
+        compiled = compile_graph(gm, config=config, rank=rank, world=world_size,
+                                 group=plan_group_name(rank, world_size), topology=topology, planning=True)
+        report = compiled.report
+        prefix = f"g{index}."
+        result.placements.update({prefix + k: v for k, v in report.placements.items()})
+        result.edges += [[prefix + i.name, prefix + n.name] for n in gm.graph.nodes for i in n.all_input_nodes
+                         if n.name in report.placements and i.name in report.placements]
+        for c in report.comms:
+            result.collectives.append(Collective(c.kind, c.group, prefix + c.node, c.phase, c.bytes_by_rank[rank],
+                                                 list(c.bytes_by_rank), c.formula, c.reason))
+        result.fallbacks += [PlanFallback(prefix + f.node, f.op, f.reason) for f in report.fallbacks]
+        decisions = _decisions(compiled, index, world_size, config, topology)
+        result.attention += decisions
+        if decisions and "S" not in symbols:
+            symbols.update({k: v for k, v in decisions[0].shape.items() if k != "dtype"})
+        root = compiled.families.families[0].length if compiled.families.families else 1
+        memories.append(_memory(compiled, example_inputs, world_size, root))
+    result.graphs = len(graphs)
+    result.symbols = symbols
+    if memories:  # graphs run one after the other: parameters once, activations add up
+        first = memories[0][0]
+        activations = sum(m.saved_activations for m, _ in memories)
+        outputs = sum(m.outputs for m, _ in memories)
+        transient = max(m.transient for m, _ in memories)
+        total = first.parameters + first.gradients + activations + outputs + transient
+        formula = first.parameters + first.gradients + sum(f for _, f in memories)
+        result.memory_per_rank = MemoryEstimate(first.parameters, first.gradients, activations, outputs, transient,
+                                                total, formula)
+    return result
+
+
+def plan_graph(gm: fx.GraphModule, example_inputs: list, *, world_size: int, config: BackendConfig) -> Plan:
+    """The plan of one dynamo graph."""
+    return plan_graphs([(gm, example_inputs)], world_size=world_size, config=config)
+
+
+def plan(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, *, world_size: int,
+         strategy: str = "auto", topology: Topology | None = None, rank: int = 0, **backend_options) -> Plan:
+    """What ``torch.compile(model, backend=autoshard.backend(...))`` would do on ``world_size`` ranks.
+
+    No process group is needed and nothing full-size is allocated when the model and the inputs are on
+    the meta device. ``backend_options`` are :class:`~autoshard.config.BackendConfig` fields."""
+    config = BackendConfig(strategy=strategy, topology=topology, **backend_options)
+    graphs = _capture(model, tuple(args), dict(kwargs or {}))
+    return plan_graphs(graphs, world_size=world_size, config=config, rank=rank)

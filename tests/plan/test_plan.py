@@ -1,0 +1,130 @@
+"""Dry-run plans: predicted bytes equal measured bytes, plans are deterministic and round-trip,
+the backend's dry run and the command line work, and nothing needs a process group."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import sympy
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard.models import BertClassifier, HandwrittenLM, LlamaLM, ViTClassifier, ViTConfig
+from autoshard.planner import Plan
+from autoshard.runtime import comm_counter
+from autoshard.runtime.attention import formulas
+from autoshard.testing import run_on_ranks
+
+STRATEGIES = ["ring", "zigzag", "allgather", "ulysses"]
+
+
+def _model_and_inputs(name: str, seq: int):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, seq))
+    if name == "llama":
+        return LlamaLM().double(), (ids, ids.clone())
+    if name == "handwritten":
+        return HandwrittenLM().double(), (ids, ids.clone())
+    if name == "bert":
+        mask = torch.ones(2, seq, dtype=torch.long)
+        mask[0, seq // 2:] = 0
+        return BertClassifier().double(), (ids, mask, torch.tensor([0, 2]))
+    return ViTClassifier(ViTConfig(image=16)).double(), (torch.randn(2, 3, 16, 16).double(), torch.tensor([1, 3]))
+
+
+def _predicted_vs_measured(cases):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for name, seq, strategy in cases:
+        torch._dynamo.reset()
+        model, inputs = _model_and_inputs(name, seq)
+        plan = autoshard.plan(model, inputs, world_size=world, strategy=strategy, rank=rank)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=autoshard.backend(strategy=strategy))
+        with comm_counter() as forward:
+            outputs = compiled(*inputs)
+        loss = sum(o.sum() for o in outputs if isinstance(o, torch.Tensor) and o.is_floating_point())
+        with comm_counter() as backward:
+            loss.backward()
+        measured_forward = forward.bytes_sent - (forward.calls["metadata"].bytes_sent if "metadata" in forward.calls else 0)
+        out.append((name, seq, strategy, plan.bytes_sent("forward"), measured_forward, plan.bytes_sent("backward"),
+                    backward.bytes_sent))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_predicted_bytes_equal_measured_bytes(world):
+    # lengths the layouts split evenly (4P; ViT's 16 patches + CLS = 5 tokens at P=2 is checked separately)
+    cases = [(name, 4 * world, s) for name in ("llama", "bert", "handwritten") for s in STRATEGIES]
+    for rank, results in enumerate(run_on_ranks(_predicted_vs_measured, world, cases, timeout=600)):
+        for name, seq, strategy, pf, mf, pb, mb in results:
+            assert (pf, pb) == (mf, mb), f"{name} S={seq} {strategy} P={world} rank {rank}: predicted " \
+                                         f"{pf}/{pb}, measured {mf}/{mb} (forward/backward)"
+
+
+def test_plan_needs_no_process_group_and_round_trips():
+    assert not dist.is_initialized()
+    model, inputs = _model_and_inputs("llama", 64)
+    plan = autoshard.plan(model, inputs, world_size=8)
+    again = autoshard.plan(model, inputs, world_size=8)
+    assert plan.to_json() == again.to_json()  # deterministic
+    restored = Plan.from_json(plan.to_json())
+    assert restored.to_json() == plan.to_json()
+    assert [a.strategy for a in plan.attention] == [a.strategy for a in restored.attention]
+    text = str(plan)
+    assert text.startswith("autoshard plan: 8 ranks") and "layer" in text
+    assert plan.fallbacks == [] and len(plan.attention) == 2
+    dot = plan.to_dot()
+    assert dot.startswith("digraph") and "lightblue" in dot and "->" in dot
+    # every collective: an int per rank and a formula that gives it when P divides S
+    subs = {formulas.SYMBOLS[k]: v for k, v in plan.symbols.items() if k in formulas.SYMBOLS}
+    for c in plan.collectives:
+        assert isinstance(c.bytes_per_rank, int) and len(c.bytes_by_rank) == 8
+        if c.formula is not None and c.kind != "realign":
+            value = sympy.sympify(c.formula).subs(subs)
+            value = value.subs(formulas.values(dtype=torch.float64, **{k: v for k, v in plan.symbols.items()
+                                                                       if k in ("B", "S", "H", "Hkv", "D", "P")}))
+            assert int(value) == c.bytes_per_rank, (c, value)
+    assert plan.memory_per_rank.total == (plan.memory_per_rank.parameters + plan.memory_per_rank.gradients
+                                          + plan.memory_per_rank.saved_activations + plan.memory_per_rank.outputs
+                                          + plan.memory_per_rank.transient)
+
+
+def test_plan_on_the_meta_device():
+    with torch.device("meta"):
+        model = LlamaLM()
+        ids = torch.randint(0, 256, (1, 4096))
+    plan = autoshard.plan(model, (ids, ids), world_size=16)
+    assert plan.symbols["S"] == 4096 and plan.symbols["P"] == 16
+    assert plan.memory_per_rank.saved_activations > 0
+
+
+def _dry_run():
+    model, inputs = _model_and_inputs("llama", 16)
+    out = torch.compile(model, backend=autoshard.backend(dry_run=True))(*inputs)
+    return out[0].item(), model(*inputs)[0].item()
+
+
+def test_dry_run_prints_the_plan_and_runs_unsharded(capfd):
+    results = run_on_ranks(_dry_run, 2)
+    for compiled, eager in results:
+        assert compiled == eager
+
+
+def test_command_line(tmp_path):
+    factory = tmp_path / "factory.py"
+    factory.write_text(
+        "import torch\nfrom autoshard.models import LlamaLM\n"
+        "def make(seq_len):\n"
+        "    with torch.device('meta'):\n"
+        "        m = LlamaLM(); ids = torch.randint(0, 256, (1, seq_len))\n"
+        "    return m, (ids, ids), {}\n")
+    out = subprocess.run([sys.executable, "-m", "autoshard", "plan", f"{factory}:make", "--world-size", "16",
+                          "--seq-len", "8192", "--json", str(tmp_path / "p.json"), "--dot", str(tmp_path / "p.dot")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "autoshard plan: 16 ranks" in out.stdout
+    assert json.loads((tmp_path / "p.json").read_text())["world_size"] == 16
+    assert (tmp_path / "p.dot").read_text().startswith("digraph")

@@ -1,0 +1,45 @@
+"""The cost model picks what the issue asks for on synthetic topologies, and says why."""
+
+import torch
+
+from autoshard.cost import AttentionShape, Topology, attention_costs, choose_strategy
+
+
+def _pick(world, heads, causal, topology=Topology(), seq=1 << 16, kv_heads=8, hybrid_possible=True, budget=None):
+    shape = AttentionShape(1, seq, heads, kv_heads, 128, torch.bfloat16, causal)
+    return choose_strategy(attention_costs(shape, world, topology, hybrid_possible=hybrid_possible,
+                                           memory_budget=budget))
+
+
+def test_ulysses_when_heads_suffice_and_bandwidth_is_high():
+    for causal in (True, False):
+        best, why = _pick(8, 32, causal)
+        assert best.strategy == "ulysses", why
+        assert "heads" in why and "zigzag" in why  # the alternatives are named with their cost
+
+
+def test_ring_when_ranks_exceed_heads_zigzag_if_causal():
+    best, why = _pick(16, 8, True, Topology(ranks_per_node=16))
+    assert best.strategy == "zigzag" and "ulysses impossible" in why, why
+    best, why = _pick(16, 8, False, Topology(ranks_per_node=16))
+    assert best.strategy == "ring", why
+
+
+def test_hybrid_when_the_group_spans_nodes():
+    best, why = _pick(64, 32, True, seq=1 << 20)
+    assert best.strategy == "hybrid" and best.mesh == (8, 8), why
+    # without a 2-D mesh the hybrid is not possible and a ring takes over
+    best, why = _pick(64, 32, True, seq=1 << 20, hybrid_possible=False)
+    assert best.strategy == "zigzag" and "2-D device mesh" in why, why
+
+
+def test_memory_budget_rules_out_gathering_kv():
+    costs = attention_costs(AttentionShape(1, 1 << 22, 8, 8, 128, torch.bfloat16, True), 16, Topology(),
+                            memory_budget=4 * 2**30)
+    allgather = next(c for c in costs if c.strategy == "allgather")
+    assert not allgather.feasible and "budget" in allgather.why_not
+
+
+def test_short_sequences_cannot_zigzag():
+    costs = attention_costs(AttentionShape(1, 6, 8, 8, 16, torch.float32, True), 4, Topology())
+    assert not next(c for c in costs if c.strategy == "zigzag").feasible
