@@ -141,14 +141,14 @@ class Plan:
         for f in self.fallbacks:
             lines.append(f"  fallback: {f.node} ({f.op}): {f.reason}")
         lines.append("")
-        lines.append(f"  {'layer':>5}  {'attention':<22} {'strategy':<10} {'layout':<11} {'mask':<22} "
+        lines.append(f"  {'layer':>5}  {'attention':<26} {'strategy':<10} {'layout':<11} {'mask':<22} "
                      f"{'fwd MiB':>9} {'bwd MiB':>9}")
         per_node = {}
         for c in self.collectives:
             per_node.setdefault((c.node, c.phase), 0)
             per_node[(c.node, c.phase)] += c.bytes_by_rank[self.rank]
         for a in self.attention:
-            lines.append(f"  {a.layer:>5}  {a.node:<22} {a.strategy:<10} {a.layout:<11} {a.mask:<22} "
+            lines.append(f"  {a.layer:>5}  {a.node:<26} {a.strategy:<10} {a.layout:<11} {a.mask:<22} "
                          f"{per_node.get((a.node, 'forward'), 0) / 2**20:>9.2f} "
                          f"{per_node.get((a.node, 'backward'), 0) / 2**20:>9.2f}")
         others = [c for c in self.collectives if c.node not in {a.node for a in self.attention}]

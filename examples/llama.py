@@ -3,9 +3,9 @@
     python examples/llama.py                      # spawns 2 ranks (gloo)
     torchrun --nproc-per-node 2 examples/llama.py
 
-Every rank passes the same full batch. The compiled model splits the sequence (zigzag ring
-attention for this causal model), and its loss and every parameter gradient equal the plain
-model's on one process.
+Every rank passes the same full batch. Rank 0 prints the plan (what will be split, how attention
+is distributed and why, every collective and its bytes, memory per rank); then the compiled model
+runs, and its loss and every parameter gradient must equal the plain model's on one process.
 """
 
 import copy
@@ -26,6 +26,10 @@ def main(seq_len: int = 250):
     labels = ids.clone()
     labels[:, :5] = -100  # ignored prompt tokens
 
+    if rank == 0:  # what will happen, before it happens (no process group needed for this)
+        print(autoshard.plan(model, (ids, labels), world_size=dist.get_world_size()))
+        print()
+
     backend = autoshard.backend()  # the default group; autoshard.backend(mesh) for a DeviceMesh
     compiled = torch.compile(model, backend=backend)
     loss, logits = compiled(ids, labels)
@@ -36,7 +40,6 @@ def main(seq_len: int = 250):
     grad_err = max((p.grad - q.grad).abs().max().item() / q.grad.abs().max().item()
                    for p, q in zip(model.parameters(), one_process.parameters()))
     if rank == 0:
-        print(backend.compiled[0].report.summary())
         print(f"loss {loss.item():.12f} (one process {ref_loss.item():.12f}); "
               f"logits max diff {(logits - ref_logits).abs().max().item():.1e}; "
               f"max relative gradient diff {grad_err:.1e}")
