@@ -169,3 +169,13 @@ def test_invalid_options_fail_when_the_backend_is_built():
         autoshard.backend(unknown_option=True)
     with pytest.raises(IndexError, match="dim 3 does not exist"):
         autoshard.mark_sequence(torch.zeros(2, 3), 3)
+
+
+def _seq_dims_naming_a_missing_input():
+    model, _, ids, _ = _llama_and_batch(8)
+    torch.compile(model, backend=autoshard.backend(seq_dims={"token_ids": 1}))(ids)
+
+
+def test_seq_dims_naming_a_missing_input_fails_clearly():
+    with pytest.raises(RankFailure, match="seq_dims names input 'token_ids'.*input_ids"):
+        run_on_ranks(_seq_dims_naming_a_missing_input, 2, timeout=120)
