@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from autoshard.runtime.attention import local as local_impl
 from autoshard.runtime import SequenceLayout, attention, comm_counter
-from autoshard.runtime.attention import attention_flops, hybrid_sequence_rank
+from autoshard.runtime.attention import attention_flops, hybrid_layout, hybrid_sequence_rank
 from autoshard.runtime.attention.formulas import bytes_sent, values
 from autoshard.testing import run_on_ranks
 
@@ -121,8 +121,10 @@ def _layout(case: dict, world: int) -> SequenceLayout:
 
 def _run_case(case: dict, mesh) -> dict:
     q, k, v, dout, key_mask, segments = _inputs(case)
-    layout = _layout(case, dist.get_world_size())
-    seq_rank = hybrid_sequence_rank(mesh) if mesh is not None else dist.get_rank()
+    if mesh is None:
+        layout, seq_rank = _layout(case, dist.get_world_size()), dist.get_rank()
+    else:  # the helpers a hand-sharding user of the hybrid strategy needs
+        layout, seq_rank = hybrid_layout(mesh, case["length"], case["layout"]), hybrid_sequence_rank(mesh)
     given_layout = layout if case["layout"] == "striped" else case["layout"]
     pos = layout.positions(seq_rank)
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
