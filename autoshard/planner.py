@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from .config import BackendConfig
-from .cost import AttentionShape, StrategyCost, Topology, attention_costs
+from .cost import AttentionShape, Topology, attention_costs
 from .passes.ops import op_of, value_of
 from .runtime.attention import formulas
 from .runtime.groups import plan_group_name
@@ -123,7 +123,7 @@ class Plan:
         strategies = sorted({a.strategy for a in self.attention})
         lines = [
             f"autoshard plan: {self.world_size} ranks, {self.graphs} graph(s), seen from rank {self.rank}",
-            f"  sizes: " + ", ".join(f"{k}={v:,}" for k, v in self.symbols.items()),
+            "  sizes: " + ", ".join(f"{k}={v:,}" for k, v in self.symbols.items()),
             f"  {split} of {len(self.placements)} values split along the sequence; {len(self.attention)} attention "
             f"call(s) via {', '.join(strategies) or 'none'}; {len(self.fallbacks)} fallback(s)",
             f"  sends per rank per step: forward {_size(self.bytes_sent('forward'))}, backward "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 

@@ -4,7 +4,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import autoshard
 from autoshard.testing import run_on_ranks

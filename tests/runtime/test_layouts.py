@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from autoshard.runtime import SequenceLayout, comm_counter, sequence_positions, shard_sequence, unshard_sequence
 from autoshard.testing import run_on_ranks
@@ -45,7 +44,6 @@ def test_derived_layout_follows_root_owner(offset, length):
 
 
 def _round_trip(kind: str, length: int, dim: int):
-    rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
     full = torch.randn(3, length, 5, generator=g, dtype=torch.float64).movedim(1, dim).contiguous()
     weight = torch.randn(full.shape, generator=g, dtype=torch.float64)

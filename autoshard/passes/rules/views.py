@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...placements import REPLICATE, Partial, Replicate, Shard
+from ...placements import REPLICATE, Partial, Shard
 from ..ops import Op, is_tensor_node, shape_of, value_of
 from . import register
 from .pointwise import TUPLE_LINKS, whole_args
