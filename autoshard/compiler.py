@@ -35,7 +35,7 @@ from .passes.capture import capture_attention
 from .passes.infer import find_families, link_graph
 from .passes.normalize import annotate, decompose
 from .passes.rewrite import CompileReport, Rewriter
-from .passes.ops import value_of
+from .passes.ops import op_of, value_of
 from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
 from .runtime.layouts import SequenceLayout
@@ -71,13 +71,21 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world
                   sharded_inputs: dict[str, Any] | None = None, topology=None, planning: bool = False) -> CompiledGraph:
     """Run the passes on ``gm`` (modified in place up to the rewrite) for ``rank`` of ``world``."""
     annotate(gm)
-    capture_attention(gm)
+    missed: list[str] = []
+    capture_attention(gm, missed)
     annotate(gm)  # capture rewired nodes: their canonical ops must name the new inputs
     decompose(gm)
     links = link_graph(gm)
     for node, dim in _annotated_inputs(gm, config):
         links.seed((node, dim, 0))
     families = find_families(links)
+    has_layers = any(getattr(op_of(n), "name", None) in ("linear", "matmul", "addmm") for n in gm.graph.nodes)
+    if not families.families and world > 1 and (missed or has_layers):
+        detail = "; ".join(missed) if missed else (
+            "no scaled_dot_product_attention or softmax(QK^T)V in it, and no input marked with "
+            "autoshard.mark_sequence or seq_dims")
+        warnings.warn(f"autoshard: nothing in this graph is split along a sequence, so it runs whole on every "
+                      f"rank: {detail}", stacklevel=3)
     layouts, strategies, reasons, heads_axis_size = choose(families, config=config, world=world,
                                                            heads_axis_size=heads_axis_size, topology=topology,
                                                            planning=planning)

@@ -170,7 +170,9 @@ def _is_neg_inf(value) -> bool:
 
 
 def _handwritten(graph: fx.Graph, node: fx.Node):
-    """(q, k, v, mask, scale, dropout_p) when ``node`` is ``matmul(softmax(scores), v)``, else None."""
+    """(q, k, v, mask, scale, dropout_p, fill) when ``node`` is ``matmul(softmax(scores), v)``; a string saying
+    what did not match when ``node`` is ``matmul(softmax(x), v)`` but ``x`` is not scaled ``q @ k^T`` plus a
+    mask (an attention that cannot be captured, e.g. with soft-capping); None otherwise."""
     op = _op(node)
     if op is None or op.name != "matmul":
         return None
@@ -190,7 +192,9 @@ def _handwritten(graph: fx.Graph, node: fx.Node):
     scores, scale = _constant_scale(_skip(scores))
     m_op = _op(scores)
     if m_op is None or m_op.name != "matmul":
-        return None
+        what = m_op.get("fn", m_op.name) if m_op is not None else str(scores.target)
+        return (f"{node.name} looks like attention (matmul of a softmax over keys) but its scores go through "
+                f"{what} ({scores.name}), which distributed attention does not support")
     q, kt = m_op["a"], m_op["b"]
     k = _transposed_last(kt)
     if k is None or not all(is_tensor_node(t) and len(shape_of(t)) == 4 for t in (q, k, v)):
@@ -198,8 +202,9 @@ def _handwritten(graph: fx.Graph, node: fx.Node):
     return q, k, v, mask, scale, dropout_p, fill
 
 
-def capture_attention(gm: fx.GraphModule) -> list[tuple[fx.Node, str | None]]:
-    """Replace every attention of ``gm`` by ``captured_attention``; returns (node, reason the mask stayed dense)."""
+def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> list[tuple[fx.Node, str | None]]:
+    """Replace every attention of ``gm`` by ``captured_attention``; returns (node, reason the mask stayed dense).
+    Attention-like patterns that could not be captured are appended to ``missed`` with the reason."""
     graph = gm.graph
     captured = []
     mask_cache: dict[tuple, MaskSpec | str] = {}
@@ -211,7 +216,9 @@ def capture_attention(gm: fx.GraphModule) -> list[tuple[fx.Node, str | None]]:
             fill = None
         elif op is not None and op.name == "matmul":
             found = _handwritten(graph, node)
-            if found is None:
+            if isinstance(found, str) and missed is not None:
+                missed.append(found)
+            if not isinstance(found, tuple):
                 continue
             q, k, v, mask, scale, dropout_p, fill = found
             causal = False
