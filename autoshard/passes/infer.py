@@ -87,6 +87,7 @@ class LinkContext:
         self.seeds: list[tuple[Elem, fx.Node | None]] = []
         self.token_local: set[fx.Node] = set()
         """Nodes inside ``autoshard.token_local`` regions."""
+        self._linked: set[tuple[fx.Node, int]] = set()  # (node, dim) pairs some edge already uses
 
     def factorization(self, node: fx.Node) -> list[list[int]]:
         """The factors of each dim of ``node`` (defaults to one factor per dim)."""
@@ -101,12 +102,17 @@ class LinkContext:
         """Position ``i`` of element ``a`` is position ``i + delta`` of element ``b``."""
         if a[0] is b[0] and a[1:] == b[1:]:
             return
+        self._linked.update(((a[0], a[1]), (b[0], b[1])))
         self.edge_list.append((a, b, delta, len(self.edge_list)))
 
     def link_dims(self, a: fx.Node, da: int, b: fx.Node, db: int, delta: int = 0) -> None:
         """Link dim ``da`` of ``a`` with dim ``db`` of ``b``: factor by factor when both are the same merge
         (then ``delta`` must be 0), as one position each when both are plain dims (sizes may differ, as
         across a slice). A size-1 dim is never linked: it is broadcast, not a position."""
+        fa, fb = self.factorization(a)[da], self.factorization(b)[db]
+        for node, mine, theirs, d in ((a, fa, fb, da), (b, fb, fa, db)):
+            if len(mine) == 1 and len(theirs) > 1 and mine[0] == _product(theirs) and (node, d) not in self._linked:
+                self.factors[node][d] = list(theirs)  # a dim not linked yet takes the merge it meets
         fa, fb = self.factorization(a)[da], self.factorization(b)[db]
         if len(fa) == 1 and len(fb) == 1:
             if fa != [1] and fb != [1]:
@@ -124,6 +130,13 @@ class LinkContext:
 def _numel(node: fx.Node) -> int:
     v = node.meta.get("example_value", node.meta.get("val"))
     return int(v.numel()) if hasattr(v, "numel") else 0
+
+
+def _product(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 def find_families(ctx: LinkContext) -> Families:
@@ -215,7 +228,13 @@ def token_local_nodes(gm: fx.GraphModule) -> set[fx.Node]:
             if inp not in before:
                 before.add(inp)
                 stack.append(inp)
-    return after & before
+    region = after & before
+    made_here = lambda n: n.op == "call_function" and not n.all_input_nodes  # noqa: E731  (factories)
+    # mutations (x[i] = y) have no users, so they reach no exit marker: they belong to the region they write
+    region |= {n for n in after if not n.users and all(i in region or made_here(i) for i in n.all_input_nodes)}
+    # factories used only inside the region (an arange of the tokens) belong to it
+    region |= {n for n in gm.graph.nodes if made_here(n) and n.users and set(n.users) <= region}
+    return region
 
 
 def link_graph(gm: fx.GraphModule) -> LinkContext:
@@ -233,10 +252,14 @@ def link_graph(gm: fx.GraphModule) -> LinkContext:
         rule = RULES.get(op.name) if op is not None else None
         if rule is not None:
             rule.link(ctx, node, op)
-        elif node in ctx.token_local and is_tensor_node(node):
-            link_broadcast(ctx, node, [n for n in node.all_input_nodes if is_tensor_node(n)])
+        inputs = [n for n in node.all_input_nodes if is_tensor_node(n)]
+        if node in ctx.token_local and is_tensor_node(node) and getattr(op, "name", None) not in ("view", "expand"):
+            # per-position code: equal-sized dims are the same positions, even along a sort or a gather
+            link_broadcast(ctx, node, inputs, set_factors=rule is None)
+        elif node in ctx.token_local and not is_tensor_node(node) and len(inputs) > 1:
+            link_broadcast(ctx, inputs[0], inputs[1:], set_factors=False)  # x[i] = y: y is placed like x
         if op is not None and op.name == "tuple_get" and op["input"] in ctx.token_local:
-            producer = op["input"]  # an output of a token-local op without a rule
-            if RULES.get(getattr(op_of(producer), "name", None)) is None:
-                link_broadcast(ctx, node, [n for n in producer.all_input_nodes if is_tensor_node(n)])
+            producer = op["input"]  # an output of a token-local op with several outputs
+            link_broadcast(ctx, node, [n for n in producer.all_input_nodes if is_tensor_node(n)],
+                           set_factors=RULES.get(getattr(op_of(producer), "name", None)) is None)
     return ctx

@@ -262,6 +262,17 @@ for _kind in _REDUCTIONS:
     register_canonical("reduce", functions=[getattr(torch, _kind)], methods=[_kind])(_bind_reduce_named(_kind))
 
 
+@register_canonical("along_dim", functions=[torch.topk], methods=["topk"])
+def _bind_topk(input, k, dim=-1, largest=True, sorted=True, *, out=None):
+    return {"input": input, "dim": dim}
+
+
+@register_canonical("along_dim", functions=[torch.sort, torch.argsort, torch.cummax, torch.cummin],
+                    methods=["sort", "argsort", "cummax", "cummin"])
+def _bind_sort(input, dim=-1, *args, **kwargs):
+    return {"input": input, "dim": dim if isinstance(dim, int) else -1}
+
+
 @register_canonical("cumsum", functions=[torch.cumsum], methods=["cumsum"])
 def _bind_cumsum(input, dim, *, dtype=None, out=None):
     return {"input": input, "dim": dim, "dtype": dtype}

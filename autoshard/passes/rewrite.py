@@ -102,6 +102,13 @@ class CompileReport:
         return "\n".join(lines)
 
 
+def _mutates(node: fx.Node) -> bool:
+    """True for ops that change their first argument in place (``x.add_(y)``, ``x[i] = y``, ``x /= y``)."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in ("setitem", "__setitem__") or (
+        node.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv))
+
+
 class Rewriter:
     """Builds the local graph of one rank (see the module docstring)."""
 
@@ -345,7 +352,18 @@ class Rewriter:
 
     # ------------------------------------------------------------------ generic behaviours
     def fallback(self, node: fx.Node, reason: str) -> None:
-        """Run ``node`` on whole inputs; its output is replicated."""
+        """Run ``node`` on whole inputs; its output is replicated. Inside a token-local region the op runs
+        on this rank's positions instead (the user said the code is per position)."""
+        if node in self.families.token_local and any(self.out_shard(n) for n in node.all_input_nodes
+                                                     if is_tensor_node(n)):
+            self._token_local(node)
+            return
+        target = node.args[0] if node.args else None
+        if _mutates(node) and is_tensor_node(target) and not isinstance(self.placement(target), Replicate):
+            raise RuntimeError(
+                f"autoshard: {node.format_node()} changes {target.name} in place, and {target.name} is split along "
+                f"the sequence ({self.placement(target)}); {reason}. Write it out of place, or wrap the code in "
+                f"autoshard.token_local if it works position by position.")
         sharded = [n for n in node.all_input_nodes if not isinstance(self.placement(n), Replicate)]
         args = fx.node.map_arg(node.args, lambda n: self.input(n, REPLICATE, expected=False, reason=reason))
         kwargs = fx.node.map_arg(node.kwargs, lambda n: self.input(n, REPLICATE, expected=False, reason=reason))
@@ -356,27 +374,27 @@ class Rewriter:
                   tuple(REPLICATE for _ in value_of(node)))
 
     def _token_local(self, node: fx.Node) -> None:
-        """An op without a rule inside a token-local region: it runs on this rank's positions."""
-        from .rules.pointwise import rewrite_broadcast
+        """An op without a usable rule inside a token-local region: it runs on this rank's positions, every
+        input as it is placed (split inputs stay split, whole ones stay whole and get their gradient summed)."""
+        def local(n):
+            want = self.out_shard(n) or self.placement(n)
+            return self.input(n, want, partial_grad=isinstance(want, Replicate))
 
+        args, kwargs = fx.node.map_arg(node.args, local), fx.node.map_arg(node.kwargs, local)
+        new = self.reemit(node, args, kwargs)
         if is_tensor_node(node):
-            out = self.out_shard(node)
-            self.done(node, rewrite_broadcast(self, node, out), out or REPLICATE)
-            return
-        # several outputs (topk, sort, max with indices): every one keeps the split of the inputs
-        inputs = [n for n in node.all_input_nodes if is_tensor_node(n)]
-        split = next((s for s in (self.out_shard(n) for n in inputs) if s is not None), None)
-        if split is None:
-            self.fallback(node, "token-local op with no split input")
-            return
-        args = fx.node.map_arg(node.args, lambda n: self.input(n, self.out_shard(n) or REPLICATE))
-        kwargs = fx.node.map_arg(node.kwargs, lambda n: self.input(n, self.out_shard(n) or REPLICATE))
-        length = shape_of(next(n for n in inputs if self.out_shard(n) == split))[split.dim]
-        for i, v in enumerate(value_of(node)):
-            if not (isinstance(v, torch.Tensor) and v.dim() > split.dim and v.shape[split.dim] == length):
-                raise RuntimeError(f"autoshard: token-local {node.format_node()} output {i} does not keep the "
-                                   f"sequence dim {split.dim}; only per-position functions may be token_local")
-        self.done(node, self.reemit(node, args, kwargs), tuple(split for _ in value_of(node)))
+            self.done(node, new, self.out_shard(node) or REPLICATE)
+        elif isinstance(value_of(node), (tuple, list)):  # topk, sort, ...: every output keeps the split
+            inputs = [n for n in node.all_input_nodes if is_tensor_node(n)]
+            split = next(s for s in (self.out_shard(n) for n in inputs) if s is not None)
+            length = shape_of(next(n for n in inputs if self.out_shard(n) == split))[split.dim]
+            for i, v in enumerate(value_of(node)):
+                if not (isinstance(v, torch.Tensor) and v.dim() > split.dim and v.shape[split.dim] == length):
+                    raise RuntimeError(f"autoshard: token-local {node.format_node()} output {i} does not keep the "
+                                       f"sequence dim {split.dim}; only per-position functions may be token_local")
+            self.done(node, new, tuple(split for _ in value_of(node)))
+        else:  # a mutation (x[i] = y): done in place, as placed
+            self.done(node, new, REPLICATE)
 
     def run(self) -> fx.GraphModule:
         for node in self.gm.graph.nodes:
@@ -394,8 +412,6 @@ class Rewriter:
                 rule = RULES.get(op.name) if op is not None else None
                 if rule is not None:
                     rule.rewrite(self, node, op)
-                elif node in self.families.token_local:
-                    self._token_local(node)
                 else:
                     self.fallback(node, f"no rule for {node.target if node.op == 'call_function' else '.' + str(node.target)}")
         for bucket, names in self.report.grad_buckets.items():

@@ -66,16 +66,21 @@ def _objective(outputs: dict[str, torch.Tensor], seed: int) -> torch.Tensor:
     return total
 
 
-def _errors(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
-    """Relative errors of (got, reference) pairs with the floor described in the module docstring."""
+def _errors(pairs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]) -> dict[str, float]:
+    """Relative errors of (got, reference) pairs with the floor described in the module docstring; a missing
+    gradient counts as zeros."""
     def mag(t):
-        return t.detach().double().abs().max().item() if t.numel() else 0.0
+        return t.detach().double().abs().max().item() if t is not None and t.numel() else 0.0
 
     floor = 1e-3 * max([mag(b) for _, b in pairs.values()] + [1e-30])
     out = {}
     for name, (a, b) in pairs.items():
-        if a is None or b is None or a.shape != b.shape:
-            out[name] = 0.0 if a is None and b is None else float("inf")
+        if a is None and b is None:
+            out[name] = 0.0
+            continue
+        a, b = (torch.zeros_like(b) if a is None else a), (torch.zeros_like(a) if b is None else b)
+        if a.shape != b.shape:
+            out[name] = float("inf")
             continue
         diff = (a.detach().double() - b.detach().double()).abs().max().item() if b.numel() else 0.0
         out[name] = diff / max(mag(b), floor)

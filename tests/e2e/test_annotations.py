@@ -51,6 +51,32 @@ class TopTwo(nn.Module):
         return self.proj(self.sparsify(self.proj(autoshard.mark_sequence(x, 1))))
 
 
+class Experts(nn.Module):
+    """Top-2 mixture of experts dispatched like transformers does it: sort the (token, expert) pairs by
+    expert, gather the tokens, run each expert on its slice, put them back with an inverse permutation
+    written in place. Every step mixes the token dim globally, yet the result is per token."""
+
+    def __init__(self, experts: int = 4, width: int = 8):
+        super().__init__()
+        self.router = nn.Linear(width, experts, bias=False)
+        self.w = nn.Parameter(torch.randn(experts, width, width) * 0.3)
+
+    @autoshard.token_local
+    def dispatch(self, h):
+        tokens = h.reshape(-1, h.shape[-1])
+        weights, expert = torch.topk(self.router(tokens).softmax(-1), 2, dim=-1)
+        order = torch.sort(expert.reshape(-1))
+        sorted_expert, perm = order[0], order[1]
+        picked = tokens[perm // 2]
+        out = torch.einsum("td,tde->te", picked, self.w[sorted_expert]) * weights.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=h.device)
+        return out[inverse].view(tokens.shape[0], 2, -1).sum(1).view(h.shape)
+
+    def forward(self, x):
+        return self.dispatch(autoshard.mark_sequence(x, 1))
+
+
 @autoshard.attention_function
 def my_attention(q, k, v, *, causal=False, scale=None):
     """A hand-rolled kernel (here: plain math) with scaled_dot_product_attention's meaning."""
@@ -78,6 +104,7 @@ def _check_all():
         "whole": (WholeBeforeFlip, lambda: (torch.randn(2, 7, 8),)),
         "token_local": (TopTwo, lambda: (torch.randn(2, 7, 8),)),
         "attention_function": (CustomAttention, lambda: (torch.randn(2, 9, 16),)),
+        "token_local_moe": (Experts, lambda: (torch.randn(2, 9, 8),)),
     }
     out = {}
     for name, (model, inputs) in cases.items():
@@ -99,5 +126,7 @@ def test_annotations_change_the_plan_and_keep_results_exact():
         # token_local kept topk / scatter on shards: only the output is gathered
         assert len(result["token_local"][3]) == 1 and result["token_local"][3][0].startswith("all_gather"), \
             result["token_local"][3]
+        # the mixture of experts dispatched each rank's tokens locally: only the output is gathered
+        assert len(result["token_local_moe"][3]) == 1, result["token_local_moe"][3]
         # the marked attention became distributed attention
         assert [a["strategy"] for a in result["attention_function"][4]] == ["ring"]

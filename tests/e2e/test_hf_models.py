@@ -49,6 +49,24 @@ def build(name: str, seq: int, impl: str):
         mask = torch.ones(2, seq, dtype=torch.long)
         mask[1, seq - 5:] = 0  # right padding
         kwargs = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1])}
+    elif name == "qwen3":
+        cfg, cls = T.Qwen3Config(num_key_value_heads=2, head_dim=16, **SMALL), T.Qwen3ForCausalLM
+    elif name == "opt":  # learned positions with an offset of 2
+        cfg = T.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+                          word_embed_proj_dim=64, dropout=0.0)
+        cls = T.OPTForCausalLM
+    elif name == "neox":  # rotary on half of each head
+        cfg = T.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              vocab_size=256, rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0)
+        cls = T.GPTNeoXForCausalLM
+    elif name == "roberta":  # positions from a cumulative sum of the padding mask
+        cfg = T.RobertaConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=130,
+                              pad_token_id=1, **SMALL)
+        cls = T.RobertaForSequenceClassification
+        mask = torch.ones(2, seq, dtype=torch.long)
+        mask[1, seq - 5:] = 0
+        kwargs = {"input_ids": ids.clamp(min=2).masked_fill(mask == 0, 1), "attention_mask": mask,
+                  "labels": torch.tensor([0, 1])}
     elif name == "vit":  # 32x32 images, 8x8 patches: 16 patches + CLS = 17 tokens (odd)
         cfg = T.ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                           image_size=32, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -84,6 +102,9 @@ CASES_2 = [
     ("gpt2", 63, "sdpa", "ulysses"), ("gpt2", 64, "eager", "ring"),
     ("bert", 61, "sdpa", "ring"), ("bert", 64, "eager", "ulysses"),
     ("vit", 17, "sdpa", "zigzag"), ("vit", 17, "eager", "ring"),
+    # other architectures from the same blocks
+    ("qwen3", 62, "sdpa", "zigzag"), ("opt", 63, "sdpa", "ring"), ("neox", 64, "sdpa", "ulysses"),
+    ("roberta", 61, "sdpa", "ring"),
 ]
 CASES_4 = [("llama_pad", 62, "sdpa", "zigzag"), ("mistral", 64, "eager", "ring"), ("bert", 63, "sdpa", "ulysses"),
            ("vit", 17, "eager", "ring"), ("gpt2", 61, "sdpa", "ring")]

@@ -11,6 +11,7 @@ file               ops
 ``matmul``         linear, matmul/bmm/mm, addmm
 ``norms``          layer_norm, rms_norm, softmax/log_softmax (and over the sequence)
 ``reductions``     sum/mean/amax/... over any dims, cumsum
+``selection``      topk, sort, argsort, cummax along a dim (and max/min with indices)
 ``embedding``      embedding, gather, index_select
 ``factories``      arange and friends: positions of the local tokens
 ``loss``           cross_entropy / nll_loss, elementwise losses: exact global reductions
@@ -54,4 +55,5 @@ def register(*names: str, link: Callable, rewrite: Callable) -> None:
 
 def load_all() -> None:
     """Import every rule file (each registers itself)."""
-    from . import attention, conv, embedding, factories, loss, markers, matmul, norms, pointwise, reductions, views  # noqa: F401
+    from . import (attention, conv, embedding, factories, loss, markers, matmul, norms, pointwise,  # noqa: F401
+                   reductions, selection, views)

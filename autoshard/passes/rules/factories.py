@@ -61,7 +61,10 @@ def rewrite_factory(rw, node, op):
         return
     val = value_of(node)
     local = rw.local_shape(node, out)
-    if name == "arange" and not out.factors:
+    if name == "arange" and node in rw.families.token_local:
+        start, step = _arange_start_step(node)  # inside per-position code an arange enumerates the local tokens
+        new = rw.call(torch.arange, start, start + step * local[0], step, dtype=val.dtype, device=val.device)
+    elif name == "arange" and not out.factors:
         start, step = _arange_start_step(node)
         new = rw.call(local_arange, start, step, out.layout.encode(), rw.rank, val.dtype, val.device)
     elif name.endswith("_like"):

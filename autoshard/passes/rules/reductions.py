@@ -108,8 +108,15 @@ def truth_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, every: boo
 
 def rewrite_reduce(rw, node, op):
     src, kind = op["input"], op["kind"]
-    if not isinstance(value_of(node), torch.Tensor):
-        rw.fallback(node, f"{kind} with indices")
+    if not isinstance(value_of(node), torch.Tensor):  # max / min with indices
+        have = rw.out_shard(src) or rw.placement(src)
+        reduced = _reduced_dims(op, len(shape_of(src)))
+        if getattr(have, "dim", None) is not None and have.dim not in reduced:
+            kept = have.moved(have.dim - sum(1 for d in reduced if d < have.dim and not op["keepdim"]))
+            new = rw.reemit(node, (rw.input(src, have),) + tuple(node.args[1:]), dict(node.kwargs))
+            rw.done(node, new, (kept, kept))
+        else:
+            rw.fallback(node, f"{kind} with indices over the split sequence")
         return
     ndim = len(shape_of(src))
     reduced = _reduced_dims(op, ndim)
