@@ -4,8 +4,9 @@ Every strategy x mask x head layout x dtype runs on 2, 3 and 4 ranks (hybrid on 
 size allows); each rank returns its output shard and the gradients of its q, k, v shards, and the
 parent compares them with SDPA over the whole sequence (float64, with the equivalent dense mask)
 restricted to the rank's positions. Cases are batched: one ``run_on_ranks`` call per world size.
-The same runs measure bytes sent per call (forward and backward separately) against
-:mod:`autoshard.runtime.attention.formulas`.
+The same runs measure bytes sent per call (forward and backward separately) on every rank against
+:func:`~autoshard.runtime.attention.formulas.bytes_sent_by_rank`, exactly (uneven shards and head splits
+included), and that against the sympy formulas of :mod:`autoshard.runtime.attention.formulas`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from autoshard.runtime.attention import local as local_impl
 from autoshard.runtime import SequenceLayout, attention, comm_counter
 from autoshard.runtime.attention import attention_flops, hybrid_layout, hybrid_sequence_rank
-from autoshard.runtime.attention.formulas import bytes_sent, values
+from autoshard.runtime.attention.formulas import bytes_sent, bytes_sent_by_rank, values
 from autoshard.testing import run_on_ranks
 
 MASKS = ["none", "causal", "causal+window", "key_mask", "segments+causal"]
@@ -51,7 +52,7 @@ def _cases(world: int) -> list[dict]:
         cases.append(dict(
             strategy=strategy, layout=layout, mesh=mesh, mask=mask, heads=h, kv_heads=hkv, dtype=dtype,
             batch=2, head_dim=24 if n % 2 else 8,          # 24: not a power of two
-            length=(8 * world if n % 3 else 8 * world + 3),  # every third length uneven
+            length=(8 * world if n % 3 else 8 * world + 1),  # every third length uneven (at every world size)
             tiled=n % 4 == 1,                              # force the tiled path with small tiles
             seed=n))
     return cases
@@ -215,6 +216,13 @@ def _mesh_sizes(case: dict, world: int) -> tuple[int, int]:
     return (1, world) if case["strategy"] == "ulysses" else (world, 1)
 
 
+def _size_args(case: dict) -> dict:
+    """The case's sizes and masks, as the byte functions take them."""
+    return dict(B=case["batch"], H=case["heads"], Hkv=case["kv_heads"], D=case["head_dim"], dtype=case["dtype"],
+                key_mask=case["mask"] == "key_mask",
+                segment_ids_dtype=torch.int64 if case["mask"] == "segments+causal" else None)
+
+
 def _formula_bytes(case: dict, world: int, direction: str) -> int | None:
     """The formula's bytes, or None where the formula is not exact (heads Ulysses splits unevenly)."""
     P_r, P_u = _mesh_sizes(case, world)
@@ -223,30 +231,73 @@ def _formula_bytes(case: dict, world: int, direction: str) -> int | None:
         return None
     sizes = dict(B=case["batch"], S=case["length"], H=H, Hkv=Hkv, D=case["head_dim"])
     sizes.update(dict(P_r=P_r, P_u=P_u) if case["mesh"] else dict(P=world))
-    subs = values(dtype=case["dtype"], key_mask=case["mask"] == "key_mask",
-                  segment_ids_dtype=torch.int64 if case["mask"] == "segments+causal" else None, **sizes)
+    args = _size_args(case)
+    subs = values(dtype=args["dtype"], key_mask=args["key_mask"], segment_ids_dtype=args["segment_ids_dtype"], **sizes)
     expr = bytes_sent(case["strategy"], direction).subs(subs)
     assert expr.is_Rational, expr
     return expr
 
 
-def test_bytes_sent_equal_the_formulas(runs):
+def _exact_bytes(case: dict, world: int, direction: str) -> list[int]:
+    """:func:`bytes_sent_by_rank` of a case, per sequence rank."""
+    lengths = _layout(case, world).local_lengths
+    return bytes_sent_by_rank(case["strategy"], direction, lengths, P_u=_mesh_sizes(case, world)[1], **_size_args(case))
+
+
+def test_bytes_sent_equal_the_exact_bytes_and_the_formulas(runs):
+    """Every rank sends exactly :func:`bytes_sent_by_rank`; where the sympy formula is exact (even shards, even
+    head splits) that is the formula on every rank, with uneven shards its mean over ranks."""
     world, cases, results = runs
-    checked = 0
+    checked = uneven = 0
     for n, case in enumerate(cases):
         for direction in ("forward", "backward"):
+            column = "fwd_bytes" if direction == "forward" else "bwd_bytes"
+            measured = [0] * world
+            for rank in range(world):
+                measured[results[rank][n]["seq_rank"]] = results[rank][n][column]
+            exact = _exact_bytes(case, world, direction)
+            assert measured == exact, (case, direction, measured, exact)
+            layout = _layout(case, world)
+            uneven += not layout.is_even
             expected = _formula_bytes(case, world, direction)
             if expected is None:
                 continue
-            column = "fwd_bytes" if direction == "forward" else "bwd_bytes"
-            measured = [results[rank][n][column] for rank in range(world)]
-            layout = _layout(case, world)
             if layout.is_even:  # every rank sends exactly the formula
-                assert measured == [expected] * world, (case, direction, measured, expected)
+                assert exact == [expected] * world, (case, direction, exact, expected)
+            elif case["strategy"] == "hybrid" and case["mask"] in ("key_mask", "segments+causal"):
+                # a Ulysses group pads its mask all-gather to its own largest shard, at most ceiling(S / P)
+                assert sum(exact) <= expected * world, (case, direction, exact, expected)
             else:  # uneven shards: the formula is the mean over ranks
-                assert sum(measured) == expected * world, (case, direction, measured, expected)
+                assert sum(exact) == expected * world, (case, direction, exact, expected)
             checked += 1
+    assert uneven >= len(cases) // 2  # every third case of every strategy, forward and backward
     assert checked >= len(cases)  # ulysses at 3 ranks (8 heads) is the only case without an exact formula
+
+
+def test_exact_bytes_are_the_formulas_on_even_splits():
+    """Where the sympy formulas are exact, :func:`bytes_sent_by_rank` gives them on every rank (no ranks needed)."""
+    meshes = [(1, 2), (2, 1), (1, 3), (3, 1), (1, 4), (4, 1), (2, 2), (2, 4), (4, 2), (1, 8)]
+    heads = [(8, 8), (8, 2), (8, 1), (16, 4), (12, 3)]
+    masks = [(False, None), (True, torch.int64), (False, torch.int32)]
+    checked = 0
+    for strategy, (P_r, P_u), (H, Hkv), dtype, (key_mask, seg) in itertools.product(
+            ["ring", "zigzag", "allgather", "ulysses", "hybrid"], meshes, heads, DTYPES, masks):
+        if strategy != "hybrid" and min(P_r, P_u) > 1:
+            continue
+        world = P_r * P_u
+        heads_axis = P_u if strategy == "hybrid" else world if strategy == "ulysses" else 1
+        if H % heads_axis or not (Hkv % heads_axis == 0 or heads_axis % Hkv == 0):
+            continue
+        S, shape = 6 * world, dict(B=2, H=H, Hkv=Hkv, D=8)
+        sizes = dict(S=S, **shape, **(dict(P_r=P_r, P_u=P_u) if strategy == "hybrid" else dict(P=world)))
+        for direction in ("forward", "backward"):
+            formula = bytes_sent(strategy, direction).subs(values(dtype=dtype, key_mask=key_mask,
+                                                                   segment_ids_dtype=seg, **sizes))
+            exact = bytes_sent_by_rank(strategy, direction, [S // world] * world, dtype=dtype, key_mask=key_mask,
+                                       segment_ids_dtype=seg, P_u=P_u if strategy == "hybrid" else None, **shape)
+            assert exact == [formula] * world, (strategy, P_r, P_u, H, Hkv, dtype, key_mask, seg, direction)
+            checked += 1
+    assert checked > 1000
 
 
 # ---------------------------------------------------------------------------- causal balance

@@ -20,16 +20,33 @@ divides ``S``; ``2P`` for zigzag), ``P`` divides ``H`` (``P_u`` for hybrid) and 
 remainder (``P`` divides ``Hkv`` or ``Hkv`` divides ``P``, where a kv head goes to ``P / Hkv`` ranks). With
 uneven shards (no padding anywhere but inside all-gathers) the terms in ``S / P`` hold for the **mean
 over ranks** and the all-gather terms, written with ``ceiling(S / P)`` (the largest shard of the
-built-in layouts), hold on every rank.
+built-in layouts), hold on every rank -- except ``hybrid``'s mask all-gather, which a Ulysses group pads to
+its own largest shard, at most ``ceiling(S / P)``.
+
+:func:`bytes_sent_by_rank` gives the exact bytes of every rank for any shard lengths and head split, in
+integers, from the sizes the strategies themselves use (the Ulysses head plan and groups, the ring's
+block schedule, the accountant's all-gather convention); where the formulas are exact the two agree.
+
+    from autoshard.runtime.attention.formulas import bytes_sent_by_rank
+    bytes_sent_by_rank("ring", "backward", SequenceLayout.contiguous(17, 4).local_lengths,
+                       B=1, H=32, Hkv=8, D=128, dtype=torch.bfloat16)   # [sent by rank 0, 1, 2, 3]
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 import sympy
 import torch
 
+from ..accounting import all_gather_bytes, reduce_scatter_bytes
+from .local import compute_dtype
+from .ring import block_source
+from .ulysses import group_members, head_plan
+
 __all__ = ["B", "S", "H", "Hkv", "D", "P", "P_r", "P_u", "e", "a", "M", "SYMBOLS", "STRATEGY_FORMULAS", "bytes_sent",
-           "ring_bytes", "allgather_bytes", "ulysses_bytes", "hybrid_bytes", "mask_bytes_per_token", "values"]
+           "ring_bytes", "allgather_bytes", "ulysses_bytes", "hybrid_bytes", "mask_bytes_per_token", "values",
+           "bytes_sent_by_rank"]
 
 B, S, H, Hkv, D, P, P_r, P_u, e, a, M = sympy.symbols("B S H Hkv D P P_r P_u e a M", positive=True, integer=True)
 SYMBOLS = {symbol.name: symbol for symbol in (B, S, H, Hkv, D, P, P_r, P_u, e, a, M)}
@@ -114,7 +131,107 @@ def values(*, dtype: torch.dtype = torch.float32, key_mask: bool = False,
     if "P" not in sizes and "P_r" in sizes and "P_u" in sizes:
         sizes["P"] = sizes["P_r"] * sizes["P_u"]
     out = {SYMBOLS[name]: int(value) for name, value in sizes.items()}
-    out[e] = torch.empty((), dtype=dtype).element_size()
-    out[a] = 8 if dtype == torch.float64 else 4
+    out[e], out[a] = _element_sizes(dtype)
     out[M] = mask_bytes_per_token(key_mask, segment_ids_dtype)
     return out
+
+
+def _element_sizes(dtype: torch.dtype) -> tuple[int, int]:
+    """``(e, a)``: bytes per element of the inputs and of the compute dtype (accumulators, LSE)."""
+    return torch.empty((), dtype=dtype).element_size(), torch.empty((), dtype=compute_dtype(dtype)).element_size()
+
+
+# ---------------------------------------------------------------------------- exact bytes of every rank
+
+
+class _Sizes(NamedTuple):
+    """The sizes of one attention call: shapes, element sizes (``e`` inputs, ``a`` compute) and mask bytes per token."""
+
+    B: int
+    H: int
+    Hkv: int
+    D: int
+    e: int
+    a: int
+    M: int
+
+
+def bytes_sent_by_rank(strategy: str, direction: str, lengths: Sequence[int], *, B: int, H: int, Hkv: int, D: int,
+                       dtype: torch.dtype = torch.float32, key_mask: bool = False,
+                       segment_ids_dtype: torch.dtype | None = None, P_u: int | None = None) -> list[int]:
+    """Bytes every sequence rank sends in the ``"forward"`` or ``"backward"`` of one call of ``strategy``, exactly.
+
+    ``lengths``: the shard length of every sequence rank (``layout.local_lengths``); ``P_u``: the Ulysses axis size
+    of ``hybrid``. The list is in sequence-rank order (the flattened rank of a ``(ring, ulysses)`` mesh).
+    """
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    if strategy not in STRATEGY_FORMULAS:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(STRATEGY_FORMULAS)}")
+    lengths = [int(n) for n in lengths]
+    sizes = _Sizes(B, H, Hkv, D, *_element_sizes(dtype), mask_bytes_per_token(key_mask, segment_ids_dtype))
+    backward = direction == "backward"
+    if strategy == "allgather":
+        return [_allgather_rank(lengths, sizes, backward)] * len(lengths)
+    if strategy == "hybrid":
+        if P_u is None or P_u < 1 or len(lengths) % P_u:
+            raise ValueError(f"hybrid needs P_u, a Ulysses axis size dividing the {len(lengths)} ranks; got {P_u}")
+        ulysses_ranks = P_u
+    else:  # the two axes of hybrid: ring and zigzag are a ring of Ulysses groups of one, ulysses one group
+        ulysses_ranks = len(lengths) if strategy == "ulysses" else 1
+    return _ulysses_ring(lengths, ulysses_ranks, sizes, backward)
+
+
+def _allgather_rank(lengths: list[int], n: _Sizes, backward: bool) -> int:
+    """Every rank: K, V and masks all-gathered (padded to the largest shard); backward again, plus dK, dV
+    reduce-scattered in the compute dtype."""
+    world, longest = len(lengths), max(lengths)
+    sent = 2 * all_gather_bytes(n.B * n.Hkv * longest * n.D * n.e, world) + all_gather_bytes(n.B * longest * n.M, world)
+    if backward:
+        sent += 2 * reduce_scatter_bytes(n.B * n.Hkv * longest * n.D * n.a, world)
+    return sent
+
+
+def _ulysses_ring(lengths: list[int], ulysses_ranks: int, n: _Sizes, backward: bool) -> list[int]:
+    """Every sequence rank of Ulysses groups of ``ulysses_ranks`` ranks joined by a ring (:mod:`.ulysses`)."""
+    groups = group_members(len(lengths) // ulysses_ranks, ulysses_ranks)
+    shares = head_plan(n.H, n.Hkv, ulysses_ranks)
+    kv_heads = _head_counts(shares)[1]
+    union_lengths = [sum(lengths[s] for s in group) for group in groups]  # the ring's blocks
+    return [_ulysses_rank([lengths[s] for s in group], member, shares, n, backward)
+            + _ring_rank(union_lengths, ring_rank, kv_heads[member], n, backward)
+            for ring_rank, group in enumerate(groups) for member in range(ulysses_ranks)]
+
+
+def _ulysses_rank(lengths: list[int], member: int, shares, n: _Sizes, backward: bool) -> int:
+    """One member of a Ulysses group whose members hold ``lengths`` tokens: the heads other members compute leave
+    with this member's tokens (q, K, V; backward also out, dout, LSE), this member's heads of the other members'
+    tokens go back to them (out, LSE; backward dq, dK, dV), and the masks are all-gathered."""
+    q_heads, kv_heads = _head_counts(shares)
+    own, others = lengths[member], sum(lengths) - lengths[member]
+    q_out = (n.H - q_heads[member]) * own  # (head, token) rows that leave for head-split
+    kv_out = (sum(kv_heads) - kv_heads[member]) * own  # a kv head goes to every member whose query heads read it
+    q_back, kv_back = q_heads[member] * others, kv_heads[member] * others  # rows that go back to sequence-split
+    row, lse = n.B * n.D * n.e, n.B * n.a
+    masks = all_gather_bytes(n.B * max(lengths) * n.M, len(lengths))
+    if backward:  # q, out, dout, LSE and K, V out; dq, dK, dV back
+        return (3 * row + lse) * q_out + 2 * row * kv_out + row * q_back + 2 * row * kv_back + masks
+    return row * q_out + 2 * row * kv_out + (row + lse) * q_back + masks  # q, K, V out; out, LSE back
+
+
+def _ring_rank(block_lengths: list[int], rank: int, kv_heads: int, n: _Sizes, backward: bool) -> int:
+    """One rank of a ring over blocks of ``block_lengths`` tokens (:mod:`.ring`): it forwards the K/V block (and
+    masks) it holds at every step but the last; backward again, plus the dK/dV accumulator (compute dtype) of the
+    block it holds at every step but the first."""
+    world = len(block_lengths)
+    forwarded = sum(block_lengths[block_source(rank, step, world)] for step in range(world - 1))
+    sent = forwarded * n.B * (2 * kv_heads * n.D * n.e + n.M)
+    if backward:
+        accumulated = sum(block_lengths[block_source(rank, step, world)] for step in range(1, world))
+        sent += accumulated * n.B * 2 * kv_heads * n.D * n.a
+    return sent
+
+
+def _head_counts(shares) -> tuple[list[int], list[int]]:
+    """Query and kv heads of every member of a Ulysses group (:func:`~.ulysses.head_plan`)."""
+    return [s.q[1] - s.q[0] for s in shares], [s.kv[1] - s.kv[0] for s in shares]

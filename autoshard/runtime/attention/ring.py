@@ -35,7 +35,7 @@ from .blocks import HeadSegment, Piece, attend, attend_backward, empty_result, p
 from .local import compute_dtype, row_delta
 from .masks import MaskSpec
 
-__all__ = ["ring_attention", "ring_forward", "ring_backward"]
+__all__ = ["ring_attention", "ring_forward", "ring_backward", "block_source"]
 
 
 def _block(k, v, key_mask, segment_ids) -> list[torch.Tensor]:
@@ -64,6 +64,11 @@ def _length(block_pieces: Sequence[Piece]) -> int:
     return sum(p.length for p in block_pieces)
 
 
+def block_source(rank: int, step: int, world: int) -> int:
+    """The ring rank whose K/V block ``rank`` holds at ``step`` (blocks move one rank forward per step)."""
+    return (rank - step) % world
+
+
 def ring_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -88,9 +93,9 @@ def ring_forward(
     block = _block(k, v, key_mask, segment_ids)
     comm = RingCommunicator(pg) if world > 1 else None
     for step in range(world):
-        source = (rank - step) % world
+        source = block_source(rank, step, world)
         if step < world - 1:
-            comm.start(block, _like(block, _length(block_pieces[(source - 1) % world])))
+            comm.start(block, _like(block, _length(block_pieces[block_source(rank, step + 1, world)])))
         kb, vb, kmb, segb = _unpack(block, key_mask, segment_ids)
         attend(out, lse, q, kb, vb, block_pieces[rank], block_pieces[source], heads=heads, spec=spec,
                key_mask=kmb, seg_q=segment_ids, seg_k=segb, scale=scale, kernels=kernels)
@@ -126,8 +131,8 @@ def ring_backward(
     grad_comm = RingCommunicator(pg) if world > 1 else None
     own = None
     for step in range(world):
-        source = (rank - step) % world
-        upcoming = _length(block_pieces[(source - 1) % world])
+        source = block_source(rank, step, world)
+        upcoming = _length(block_pieces[block_source(rank, step + 1, world)])
         if step < world - 1:
             kv_comm.start(block, _like(block, upcoming))
         kb, vb, kmb, segb = _unpack(block, key_mask, segment_ids)

@@ -38,7 +38,7 @@ from .blocks import HeadSegment, pieces
 from .local import compute_dtype
 from .masks import MaskSpec
 
-__all__ = ["ulysses_attention", "HeadShare", "head_plan", "ulysses_forward", "ulysses_backward"]
+__all__ = ["ulysses_attention", "HeadShare", "head_plan", "group_members", "ulysses_forward", "ulysses_backward"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,12 @@ def head_plan(heads: int, kv_heads: int, world: int) -> tuple[HeadShare, ...]:
     for n in split_sizes(heads, world):
         bounds.append(bounds[-1] + n)
     return tuple(HeadShare((lo, hi), (lo // group, (hi - 1) // group + 1)) for lo, hi in zip(bounds, bounds[1:]))
+
+
+def group_members(ring_world: int, world: int) -> list[list[int]]:
+    """The sequence ranks of every Ulysses group of ``world`` ranks: group ``i`` (ring rank ``i`` of ``ring_world``)
+    holds sequence ranks ``i * world + j``, its member ``j`` first to last."""
+    return [[i * world + j for j in range(world)] for i in range(ring_world)]
 
 
 def check_heads(heads: int, world: int, what: str) -> None:
@@ -123,7 +129,7 @@ class _Plan:
 def _plan(heads: int, kv_heads: int, pg, ring_pg, layout: SequenceLayout) -> _Plan:
     world = pg.size()
     ring_world, ring_rank = (1, 0) if ring_pg is None else (ring_pg.size(), ring_pg.rank())
-    members = [[i * world + j for j in range(world)] for i in range(ring_world)]
+    members = group_members(ring_world, world)
     shares = head_plan(heads, kv_heads, world)
     index = [h for s in shares for h in range(*s.kv)]
     kv_index = None if index == list(range(kv_heads)) else torch.tensor(index)
