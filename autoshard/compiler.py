@@ -67,7 +67,7 @@ class CompiledGraph:
 
 
 def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world: int, group: str,
-                  ring_group: str = "", heads_axis_size: int | None = None,
+                  ring_group: str = "", heads_group: str = "", heads_axis_size: int | None = None,
                   sharded_inputs: dict[str, Any] | None = None, topology=None, planning: bool = False) -> CompiledGraph:
     """Run the passes on ``gm`` (modified in place up to the rewrite) for ``rank`` of ``world``."""
     annotate(gm)
@@ -91,9 +91,10 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world
                                                            planning=planning)
     if planning and heads_axis_size and not ring_group:
         ring_group = plan_group_name(rank // heads_axis_size, world // heads_axis_size)
+        heads_group = plan_group_name(rank % heads_axis_size, heads_axis_size)
     rewriter = Rewriter(gm, families, layouts, rank=rank, world=world, group=group, config=config,
-                        strategies=strategies, ring_group=ring_group, sharded_inputs=sharded_inputs,
-                        heads_axis_size=heads_axis_size)
+                        strategies=strategies, ring_group=ring_group, heads_group=heads_group,
+                        sharded_inputs=sharded_inputs, heads_axis_size=heads_axis_size)
     new_gm = rewriter.run()
     gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
     return CompiledGraph(new_gm, rewriter.report, families, strategies, gathered, reasons)
@@ -144,15 +145,16 @@ class AutoshardBackend:
         """Every graph compiled so far on this rank (the last is the newest)."""
 
     def _groups(self):
-        """(sequence group, ring-axis group name, ulysses axis size) for this backend's group."""
+        """(sequence group, ring-axis group name, ulysses-axis group name, ulysses axis size) for this
+        backend's group."""
         from torch.distributed.device_mesh import DeviceMesh
 
         if isinstance(self.group, DeviceMesh) and self.group.ndim == 2:
             return hybrid_groups(self.group)
-        return resolve_group(self.group), "", None
+        return resolve_group(self.group), "", "", None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
-        pg, ring_group, heads_axis = self._groups()
+        pg = self._groups()[0]
         world, rank = pg.size(), pg.rank()
         if self.config.dry_run:
             from .planner import plan_graph
@@ -176,11 +178,12 @@ class AutoshardBackend:
         """Compile one static graph for this rank and lower it. ``sharded_inputs``: placeholder name -> the
         Shard placement its (local) input arrives in; ``global_inputs``: the inputs' global shapes, when
         they differ from ``example_inputs``'."""
-        pg, ring_group, heads_axis = self._groups()
+        pg, ring_group, heads_group, heads_axis = self._groups()
         _check_same_graph(pg, next(_COMPILES), gm, global_inputs or example_inputs,
                           same_values=self.config.inputs == "replicated")
         compiled = compile_graph(gm, config=self.config, rank=pg.rank(), world=pg.size(), group=pg.group_name,
-                                 ring_group=ring_group, heads_axis_size=heads_axis, sharded_inputs=sharded_inputs)
+                                 ring_group=ring_group, heads_group=heads_group, heads_axis_size=heads_axis,
+                                 sharded_inputs=sharded_inputs)
         self._warn_if_whole_from_earlier_graph(compiled, example_inputs)
         self.compiled.append(compiled)
         return _lower(compiled.graph_module, example_inputs, self.config.inner)
@@ -330,8 +333,9 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
     return _default_backend(gm, example_inputs)
 
 
-def hybrid_groups(mesh) -> tuple[dist.ProcessGroup, str, int]:
-    """(whole sequence group, ring-axis group name, ulysses axis size) of a 2-D (ring, ulysses) mesh.
+def hybrid_groups(mesh) -> tuple[dist.ProcessGroup, str, str, int]:
+    """(whole sequence group, ring-axis group name, ulysses-axis group name, ulysses axis size) of a 2-D
+    (ring, ulysses) mesh.
 
     The sequence is laid out over the flattened mesh: mesh coordinate (ring i, ulysses j) holds shard
     ``i * P_ulysses + j``, so the flattened group's rank order is the sequence order."""
@@ -340,4 +344,4 @@ def hybrid_groups(mesh) -> tuple[dist.ProcessGroup, str, int]:
         raise ValueError("autoshard: order the hybrid mesh as (ring, ulysses): "
                          "init_device_mesh(device, (P_ring, P_ulysses), mesh_dim_names=('ring', 'ulysses'))")
     flat = mesh._flatten().get_group()
-    return flat, mesh.get_group(0).group_name, mesh.size(1)
+    return flat, mesh.get_group(0).group_name, mesh.get_group(1).group_name, mesh.size(1)

@@ -114,10 +114,10 @@ class Rewriter:
 
     def __init__(self, gm: fx.GraphModule, families: Families, layouts: dict[int, SequenceLayout], *,
                  rank: int, world: int, group: str, config: BackendConfig, strategies: dict[fx.Node, str],
-                 ring_group: str = "", sharded_inputs: dict[str, Shard] | None = None,
+                 ring_group: str = "", heads_group: str = "", sharded_inputs: dict[str, Shard] | None = None,
                  heads_axis_size: int | None = None):
         self.gm = gm
-        self.ring_group = ring_group
+        self.ring_group, self.heads_group = ring_group, heads_group
         self.heads_axis_size = heads_axis_size
         self.sharded_inputs = sharded_inputs or {}
         self.families = families

@@ -7,6 +7,7 @@ batched per world size so one pool of ranks runs many of them.
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard.models import BertClassifier, BertConfig, HandwrittenLM, LlamaLM, ViTClassifier, ViTConfig
 from autoshard.testing import run_on_ranks
@@ -74,3 +75,28 @@ def test_reference_models_match_one_process(world):
             expected = "zigzag" if strategy == "zigzag" else strategy
             if model in ("llama", "handwritten") or strategy != "zigzag":
                 assert all(a["strategy"] == expected for a in attention), f"{where}: {attention}"
+
+
+def _run_hybrid_cases(cases):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    out = []
+    for model, seq in cases:
+        torch._dynamo.reset()
+        r = compare_with_one_process(_model(model, seq), _inputs(model, seq), dtype=torch.float64, group=mesh,
+                                     strategy="hybrid")
+        out.append((model, seq, r.max_error(), r.summary(), r.attention, r.fallbacks))
+    return out
+
+
+def test_hybrid_on_a_2d_mesh_matches_one_process():
+    """strategy="hybrid" on a (ring 2, ulysses 2) mesh: causal models take the zigzag layout over the
+    flattened mesh, bidirectional ones the contiguous layout."""
+    cases = [("llama", 17), ("llama", 16), ("handwritten", 15), ("bert", 19)]
+    for rank_results in run_on_ranks(_run_hybrid_cases, 4, cases, timeout=600):
+        for model, seq, err, summary, attention, fallbacks in rank_results:
+            where = f"{model} S={seq} hybrid 2x2 float64"
+            assert err <= TOLERANCE[torch.float64], f"{where}: {summary}"
+            assert fallbacks == [], f"{where}: fallbacks {fallbacks}"
+            layout = "contiguous" if model == "bert" else "zigzag"
+            assert attention and all(a["strategy"] == "hybrid" and a["layout"] == layout for a in attention), \
+                f"{where}: {attention}"

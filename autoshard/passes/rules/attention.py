@@ -120,8 +120,10 @@ def rewrite_attention(rw, node, op):
         args = [rw.input(q, sq), rw.input(k, sk), rw.input(v, sk)]
         per_key = Shard(1, sk.layout)
         args += [rw.input(t, per_key) if t is not None else None for t in (op.get("key_mask"), op.get("segment_ids"))]
-        call = rw.call(torch.ops.autoshard.attention.default, *args, strategy, sq.layout.encode(), rw.group,
-                       rw.ring_group if strategy == "hybrid" else "", bool(op.get("causal")),
+        # the hybrid's group is its Ulysses axis; the layout spans the whole (flattened) mesh
+        groups = (rw.heads_group, rw.ring_group) if strategy == "hybrid" else (rw.group, "")
+        call = rw.call(torch.ops.autoshard.attention.default, *args, strategy, sq.layout.encode(), *groups,
+                       bool(op.get("causal")),
                        window[0] if window else -1, window[1] if window else -1, float(op["scale"]),
                        rw.config.kernels)
         result = rw.call(operator.getitem, call, 0)
