@@ -30,7 +30,7 @@ import torch
 
 from .runtime.attention import formulas
 
-__all__ = ["Topology", "StrategyCost", "attention_costs", "choose_strategy", "AttentionShape"]
+__all__ = ["Topology", "StrategyCost", "attention_costs", "choose_strategy", "AttentionShape", "preferred_layout"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +124,15 @@ class StrategyCost:
                 f"{(self.bytes_forward + self.bytes_backward) / 2**20:.1f} MiB)")
 
 
+def preferred_layout(strategy: str, shape: AttentionShape, world: int) -> str:
+    """The sequence layout ``strategy`` runs best on. Zigzag balances a causal mask for the zigzag ring,
+    the all-gather and the hybrid (whose ring spans the flattened mesh) once the sequence has 2P
+    positions; the contiguous ring and Ulysses (each rank attends whole sequences of its heads) take
+    the contiguous layout."""
+    balances = strategy == "zigzag" or (strategy in ("allgather", "hybrid") and shape.causal)
+    return "zigzag" if balances and shape.seq >= 2 * world else "contiguous"
+
+
 def _merge_time(shape: AttentionShape, world: int, steps: int, topology: Topology) -> float:
     """Seconds a ring spends merging ``steps`` partial results per rank (fp32 read, read, write)."""
     local = -(-shape.seq // world)
@@ -177,7 +186,7 @@ def attention_costs(shape: AttentionShape, world: int, topology: Topology = Topo
     costs.append(StrategyCost("allgather", True, compute_s=balanced, comm_s=comm, exposed_comm_s=comm,
                               latency_s=latency, total_s=balanced + comm + latency, bytes_forward=fwd,
                               bytes_backward=bwd, memory_bytes=qkvo + gathered,
-                              layout="zigzag" if shape.causal and shape.seq >= 2 * world else "contiguous"))
+                              layout=preferred_layout("allgather", shape, world)))
 
     if shape.heads >= world:
         fwd, bwd = _bytes("ulysses", shape, {"P": world})
@@ -216,8 +225,7 @@ def attention_costs(shape: AttentionShape, world: int, topology: Topology = Topo
         costs.append(StrategyCost("hybrid", True, compute_s=compute, comm_s=inner_comm + ring_comm, exposed_comm_s=exposed,
                                   latency_s=latency, total_s=compute + exposed + latency, bytes_forward=fwd,
                                   bytes_backward=bwd, memory_bytes=qkvo,
-                                  layout="zigzag" if shape.causal and shape.seq >= 2 * world else "contiguous",
-                                  mesh=(outer, inner)))
+                                  layout=preferred_layout("hybrid", shape, world), mesh=(outer, inner)))
 
     for c in costs:
         if c.feasible and c.memory_bytes > budget:

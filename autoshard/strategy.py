@@ -5,14 +5,15 @@ strategy on the configured topology (default: 8-GPU NVLink nodes on InfiniBand) 
 feasible one is taken -- Ulysses when the heads cover the ranks and bandwidth is high, the zigzag ring
 for causal attention when ranks outnumber heads, the hybrid when the group spans nodes (it runs only
 on a 2-D mesh: with a 1-D group it is reported as what a 2-D mesh would gain). All attentions of a
-family share its layout: zigzag when its strategy is the zigzag ring (or an explicit ``layout``),
+family share its layout: an explicit ``layout``, or zigzag when any of them runs best on it (the
+zigzag ring; the all-gather and the hybrid under a causal mask: :func:`~autoshard.cost.preferred_layout`),
 contiguous otherwise.
 """
 
 from __future__ import annotations
 
 from .config import BackendConfig
-from .cost import AttentionShape, Topology, attention_costs, choose_strategy
+from .cost import AttentionShape, Topology, attention_costs, choose_strategy, preferred_layout
 from .passes.infer import Families
 from .passes.ops import op_of, value_of
 from .runtime.layouts import SequenceLayout
@@ -36,24 +37,26 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
     topology = topology or config.topology or Topology()
     layouts, strategies, reasons = {}, {}, {}
     for fam in families.families:
-        chosen = {}
+        chosen, wanted_layouts = {}, set()
         for node in fam.attention_nodes:
+            shape = _shape(node, fam.length)
             if config.strategy != "auto":
                 chosen[node] = config.strategy
                 reasons[node] = f"{config.strategy}: chosen by the strategy option"
+                wanted_layouts.add(preferred_layout(config.strategy, shape, world))
                 continue
-            costs = attention_costs(_shape(node, fam.length), world, topology,
+            costs = attention_costs(shape, world, topology,
                                     hybrid_possible=heads_axis_size is not None or planning,
                                     memory_budget=config.memory_budget)
             best, why = choose_strategy(costs)
             chosen[node], reasons[node] = best.strategy, why
+            wanted_layouts.add(best.layout)
             if best.strategy == "hybrid" and heads_axis_size is None:
                 heads_axis_size = best.mesh[1]
                 reasons[node] += f"; build a 2-D mesh (ring {best.mesh[0]}, ulysses {best.mesh[1]}) to run it"
         kind = config.layout
         if kind == "auto":
-            wants_zigzag = any(s == "zigzag" for s in chosen.values())
-            kind = "zigzag" if wants_zigzag and fam.length >= 2 * world else "contiguous"
+            kind = "zigzag" if "zigzag" in wanted_layouts and fam.length >= 2 * world else "contiguous"
         if kind == "contiguous":
             chosen = {n: ("ring" if s == "zigzag" else s) for n, s in chosen.items()}
         else:
