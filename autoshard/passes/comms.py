@@ -105,5 +105,8 @@ class CommBook:
             per_rank.append(sum(n for peer_runs in runs.values() for _, n in peer_runs) * row_bytes)
         self.comms.append(Comm("realign", node, phase, per_rank, None, reason="positions moved"))
 
-    def attention(self, node: str, strategy: str, phase: str, per_rank: int, formula: sympy.Expr) -> None:
-        self.comms.append(Comm(strategy, node, phase, [per_rank] * self.world, formula))
+    def attention(self, node: str, strategy: str, phase: str, bytes_by_rank: list[int], formula: sympy.Expr) -> None:
+        """A distributed attention's own traffic: exact bytes of every rank, and the strategy's formula."""
+        if len(bytes_by_rank) != self.world:
+            raise ValueError(f"attention {node}: {len(bytes_by_rank)} byte counts for {self.world} ranks")
+        self.comms.append(Comm(strategy, node, phase, list(bytes_by_rank), formula))

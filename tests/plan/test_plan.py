@@ -56,8 +56,10 @@ def _predicted_vs_measured(cases):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_predicted_bytes_equal_measured_bytes(world):
-    # lengths the layouts split evenly (4P; ViT's 16 patches + CLS = 5 tokens at P=2 is checked separately)
+    """On every rank, forward and backward: lengths the layouts split evenly (4P), and uneven ones (llama at
+    4P + 1; ViT's 16 patches + CLS = 17 tokens)."""
     cases = [(name, 4 * world, s) for name in ("llama", "bert", "handwritten") for s in STRATEGIES]
+    cases += [("llama", 4 * world + 1, s) for s in STRATEGIES] + [("vit", 17, s) for s in ("ring", "ulysses")]
     for rank, results in enumerate(run_on_ranks(_predicted_vs_measured, world, cases, timeout=600)):
         for name, seq, strategy, pf, mf, pb, mb in results:
             assert (pf, pb) == (mf, mb), f"{name} S={seq} {strategy} P={world} rank {rank}: predicted " \

@@ -63,20 +63,19 @@ def fill_empty_rows(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: to
 
 
 def _record_attention_bytes(rw, node, op, strategy: str, sq: Shard) -> None:
-    """The attention's own traffic, forward and (when its inputs need gradients) backward."""
+    """The attention's own traffic, forward and (when its inputs need gradients) backward: the exact bytes of
+    every rank (uneven shards and head splits included) and the strategy's formula."""
     q, k = value_of(op["q"]), value_of(op["k"])
-    sizes = dict(B=q.shape[0], S=sq.layout.length, H=q.shape[1], Hkv=k.shape[1], D=q.shape[3])
-    if strategy == "hybrid":
-        sizes.update(P_u=rw.heads_axis_size, P_r=rw.world // rw.heads_axis_size)
-    else:
-        sizes.update(P=rw.world)
     seg = op.get("segment_ids")
-    subs = formulas.values(dtype=q.dtype, key_mask=op.get("key_mask") is not None,
-                           segment_ids_dtype=value_of(seg).dtype if seg is not None else None, **sizes)
+    sizes = dict(B=q.shape[0], H=q.shape[1], Hkv=k.shape[1], D=q.shape[3], dtype=q.dtype,
+                 key_mask=op.get("key_mask") is not None,
+                 segment_ids_dtype=value_of(seg).dtype if seg is not None else None,
+                 P_u=rw.heads_axis_size if strategy == "hybrid" else None)
     needs_grad = any(rw.requires_grad(op[t]) for t in ("q", "k", "v"))
     for phase in ("forward", "backward") if needs_grad else ("forward",):
-        formula = formulas.bytes_sent(strategy, phase)
-        rw.book.attention(node.name, strategy, phase, int(formula.subs(subs)), formula)
+        rw.book.attention(node.name, strategy, phase,
+                          formulas.bytes_sent_by_rank(strategy, phase, sq.layout.local_lengths, **sizes),
+                          formulas.bytes_sent(strategy, phase))
 
 
 def _record_uniform_bytes(rw, node, op) -> None:
