@@ -29,6 +29,16 @@ def _shape(node, length: int) -> AttentionShape:
                           op.get("window"), op.get("key_mask") is not None, value_of(seg).dtype if seg is not None else None)
 
 
+def _planned_mesh(shape: AttentionShape, world: int, topology: Topology) -> tuple[int, int]:
+    """The (ring, ulysses) mesh a plan of ``strategy="hybrid"`` without a 2-D mesh assumes: the one the
+    cost model prices for ``topology`` (Ulysses inside a node)."""
+    hybrid = next(c for c in attention_costs(shape, world, topology) if c.strategy == "hybrid")
+    if not hybrid.feasible:
+        raise ValueError(f"autoshard: strategy='hybrid' cannot be planned on {world} ranks: {hybrid.why_not}. Pass "
+                         f"topology=Topology(ranks_per_node=...) with nodes smaller than the group")
+    return hybrid.mesh
+
+
 def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_size: int | None = None,
            topology: Topology | None = None, planning: bool = False) -> tuple[dict[int, SequenceLayout], dict, dict, int | None]:
     """(root layout per family index, strategy per attention node, reason per attention node, Ulysses axis
@@ -44,6 +54,9 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
                 chosen[node] = config.strategy
                 reasons[node] = f"{config.strategy}: chosen by the strategy option"
                 wanted_layouts.add(preferred_layout(config.strategy, shape, world))
+                if config.strategy == "hybrid" and heads_axis_size is None:
+                    heads_axis_size = _planned_mesh(shape, world, topology)[1]
+                    reasons[node] += f"; planned on a 2-D mesh (ring {world // heads_axis_size}, ulysses {heads_axis_size})"
                 continue
             costs = attention_costs(shape, world, topology,
                                     hybrid_possible=heads_axis_size is not None or planning,

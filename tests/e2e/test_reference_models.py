@@ -7,9 +7,13 @@ batched per world size so one pool of ranks runs many of them.
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+import autoshard
+from autoshard.cost import Topology
 from autoshard.models import BertClassifier, BertConfig, HandwrittenLM, LlamaLM, ViTClassifier, ViTConfig
+from autoshard.runtime import comm_counter
 from autoshard.testing import run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process
 
@@ -82,21 +86,30 @@ def _run_hybrid_cases(cases):
     out = []
     for model, seq in cases:
         torch._dynamo.reset()
-        r = compare_with_one_process(_model(model, seq), _inputs(model, seq), dtype=torch.float64, group=mesh,
-                                     strategy="hybrid")
-        out.append((model, seq, r.max_error(), r.summary(), r.attention, r.fallbacks))
+        inputs = tuple(x.double() if x.is_floating_point() else x for x in _inputs(model, seq)())
+        plan = autoshard.plan(_model(model, seq)().double(), inputs, world_size=4, strategy="hybrid",
+                              topology=Topology(ranks_per_node=2), rank=dist.get_rank())
+        torch._dynamo.reset()
+        with comm_counter() as sent:
+            r = compare_with_one_process(_model(model, seq), _inputs(model, seq), dtype=torch.float64, group=mesh,
+                                         strategy="hybrid")
+        measured = sent.bytes_sent - (sent.calls["metadata"].bytes_sent if "metadata" in sent.calls else 0)
+        predicted = plan.bytes_sent("forward") + plan.bytes_sent("backward")
+        out.append((model, seq, r.max_error(), r.summary(), r.attention, r.fallbacks, predicted, measured))
     return out
 
 
 def test_hybrid_on_a_2d_mesh_matches_one_process():
     """strategy="hybrid" on a (ring 2, ulysses 2) mesh: causal models take the zigzag layout over the
-    flattened mesh, bidirectional ones the contiguous layout."""
+    flattened mesh, bidirectional ones the contiguous layout; the plan of the same mesh predicts every
+    rank's bytes (forward + backward) exactly."""
     cases = [("llama", 17), ("llama", 16), ("handwritten", 15), ("bert", 19)]
-    for rank_results in run_on_ranks(_run_hybrid_cases, 4, cases, timeout=600):
-        for model, seq, err, summary, attention, fallbacks in rank_results:
+    for rank, rank_results in enumerate(run_on_ranks(_run_hybrid_cases, 4, cases, timeout=600)):
+        for model, seq, err, summary, attention, fallbacks, predicted, measured in rank_results:
             where = f"{model} S={seq} hybrid 2x2 float64"
             assert err <= TOLERANCE[torch.float64], f"{where}: {summary}"
             assert fallbacks == [], f"{where}: fallbacks {fallbacks}"
             layout = "contiguous" if model == "bert" else "zigzag"
             assert attention and all(a["strategy"] == "hybrid" and a["layout"] == layout for a in attention), \
                 f"{where}: {attention}"
+            assert predicted == measured, f"{where} rank {rank}: predicted {predicted} bytes, measured {measured}"

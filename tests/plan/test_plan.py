@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
+from autoshard.cost import Topology
 from autoshard.models import BertClassifier, HandwrittenLM, LlamaLM, ViTClassifier, ViTConfig
 from autoshard.planner import Plan
 from autoshard.runtime import comm_counter
@@ -130,3 +131,12 @@ def test_command_line(tmp_path):
     assert "autoshard plan: 16 ranks" in out.stdout
     assert json.loads((tmp_path / "p.json").read_text())["world_size"] == 16
     assert (tmp_path / "p.dot").read_text().startswith("digraph")
+
+
+def test_hybrid_is_planned_on_the_mesh_the_topology_implies():
+    model, inputs = _model_and_inputs("llama", 17)
+    plan = autoshard.plan(model, inputs, world_size=4, strategy="hybrid", topology=Topology(ranks_per_node=2))
+    assert plan.attention[0].strategy == "hybrid" and plan.attention[0].layout == "zigzag"
+    assert "(ring 2, ulysses 2)" in plan.attention[0].reason
+    with pytest.raises(ValueError, match="cannot be planned on 4 ranks: the group fits in one node"):
+        autoshard.plan(model, inputs, world_size=4, strategy="hybrid")
