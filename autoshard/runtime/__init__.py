@@ -4,6 +4,10 @@
 * :mod:`~autoshard.runtime.layouts` / :mod:`~autoshard.runtime.sequence` -- sequence layouts and
   moving tensors between whole and sharded;
 * :mod:`~autoshard.runtime.accounting` -- the byte counter every collective reports to.
+* :mod:`~autoshard.runtime.attention` -- distributed attention (ring, zigzag, all-gather, Ulysses,
+  hybrid) over one local primitive with global offsets; :func:`attention` is its public entry point.
+* :mod:`~autoshard.runtime.redistribute` / :mod:`~autoshard.runtime.random` -- the ops the compiler
+  inserts (partial sums, gradient syncs, realigns, sharded cumsum and dropout).
 """
 
 from .accounting import CommCounter, comm_counter

@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
-__all__ = ["CommCounter", "CallStats", "comm_counter", "record", "all_gather_bytes", "reduce_scatter_bytes",
+__all__ = ["CommCounter", "CallStats", "comm_counter", "counting", "record", "all_gather_bytes", "reduce_scatter_bytes",
            "all_reduce_bytes"]
 
 
@@ -73,16 +73,20 @@ _lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def comm_counter() -> Iterator[CommCounter]:
-    """Count the bytes every autoshard collective on this rank sends and receives inside the block."""
-    counter = CommCounter()
+def counting(counter, active: list) -> Iterator:
+    """``counter`` in ``active`` (the counters that records reach) for the duration of the block."""
     with _lock:
-        _active.append(counter)
+        active.append(counter)
     try:
         yield counter
     finally:
         with _lock:
-            _active.remove(counter)
+            active.remove(counter)
+
+
+def comm_counter() -> contextlib.AbstractContextManager[CommCounter]:
+    """Count the bytes every autoshard collective on this rank sends and receives inside the block."""
+    return counting(CommCounter(), _active)
 
 
 def record(kind: str, sent: int, received: int) -> None:

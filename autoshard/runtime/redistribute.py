@@ -158,42 +158,37 @@ def realign_plan(src: SequenceLayout, dst: SequenceLayout, rank: int):
     return tuple(keep), sends, recvs
 
 
-def _realign_impl(x: torch.Tensor, dim: int, src: SequenceLayout, dst: SequenceLayout, pg) -> torch.Tensor:
-    rank = pg.rank()
-    keep, sends, recvs = realign_plan(src, dst, rank)
-    out = x.new_empty(_with(x.shape, dim, dst.local_length(rank)))
-    for dst_local, src_local, n in keep:
-        out.narrow(dim, dst_local, n).copy_(x.narrow(dim, src_local, n))
-    send_list = [(torch.cat([x.narrow(dim, s, n) for s, n in runs], dim), peer) for peer, runs in sends.items() if runs]
-    recv_bufs = {peer: x.new_empty(_with(x.shape, dim, sum(n for _, n in runs))) for peer, runs in recvs.items() if runs}
+def _move_runs(x: torch.Tensor, dim: int, out: torch.Tensor, keep, outgoing: dict, incoming: dict, pg,
+               combine: str) -> torch.Tensor:
+    """Runs of ``x`` along ``dim`` into ``out`` (``combine``: ``"copy_"`` or ``"add_"``): ``keep`` holds the
+    local ``(to, from, length)`` runs, ``outgoing`` peer -> the ``(from, length)`` runs sent to it,
+    ``incoming`` peer -> the ``(to, length)`` runs received from it, in order."""
+    for to, frm, n in keep:
+        getattr(out.narrow(dim, to, n), combine)(x.narrow(dim, frm, n))
+    send_list = [(torch.cat([x.narrow(dim, s, n) for s, n in runs], dim), peer) for peer, runs in outgoing.items() if runs]
+    recv_bufs = {peer: x.new_empty(_with(x.shape, dim, sum(n for _, n in runs))) for peer, runs in incoming.items() if runs}
     for w in _p2p(send_list, [(buf, peer) for peer, buf in recv_bufs.items()], pg, "realign"):
         w.wait()
     for peer, buf in recv_bufs.items():
         off = 0
-        for dst_local, n in recvs[peer]:
-            out.narrow(dim, dst_local, n).copy_(buf.narrow(dim, off, n))
+        for to, n in incoming[peer]:
+            getattr(out.narrow(dim, to, n), combine)(buf.narrow(dim, off, n))
             off += n
     return out
+
+
+def _realign_impl(x: torch.Tensor, dim: int, src: SequenceLayout, dst: SequenceLayout, pg) -> torch.Tensor:
+    keep, sends, recvs = realign_plan(src, dst, pg.rank())
+    out = x.new_empty(_with(x.shape, dim, dst.local_length(pg.rank())))
+    return _move_runs(x, dim, out, keep, sends, recvs, pg, "copy_")
 
 
 def _realign_backward_impl(g: torch.Tensor, dim: int, src: SequenceLayout, dst: SequenceLayout, pg) -> torch.Tensor:
-    """Adjoint of the realign: gradients return to their source owners and are added there."""
-    rank = pg.rank()
-    keep, sends, recvs = realign_plan(src, dst, rank)
-    out = g.new_zeros(_with(g.shape, dim, src.local_length(rank)))
-    for dst_local, src_local, n in keep:
-        out.narrow(dim, src_local, n).add_(g.narrow(dim, dst_local, n))
-    # what this rank received forward, it now sends back; what it sent, it receives back
-    send_list = [(torch.cat([g.narrow(dim, d, n) for d, n in runs], dim), peer) for peer, runs in recvs.items() if runs]
-    recv_bufs = {peer: g.new_empty(_with(g.shape, dim, sum(n for _, n in runs))) for peer, runs in sends.items() if runs}
-    for w in _p2p(send_list, [(buf, peer) for peer, buf in recv_bufs.items()], pg, "realign"):
-        w.wait()
-    for peer, buf in recv_bufs.items():
-        off = 0
-        for src_local, n in sends[peer]:
-            out.narrow(dim, src_local, n).add_(buf.narrow(dim, off, n))
-            off += n
-    return out
+    """Adjoint of the realign: gradients return to their source owners and are added there (what this
+    rank received forward, it now sends back; what it sent, it receives back)."""
+    keep, sends, recvs = realign_plan(src, dst, pg.rank())
+    out = g.new_zeros(_with(g.shape, dim, src.local_length(pg.rank())))
+    return _move_runs(g, dim, out, [(frm, to, n) for to, frm, n in keep], recvs, sends, pg, "add_")
 
 
 @torch.library.custom_op("autoshard::seq_realign", mutates_args=())

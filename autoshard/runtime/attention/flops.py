@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+
+from ..accounting import counting
 
 __all__ = ["AttentionFlops", "attention_flops", "record_flops"]
 
@@ -50,17 +51,9 @@ _active: list[AttentionFlops] = []
 _lock = threading.Lock()
 
 
-@contextlib.contextmanager
-def attention_flops() -> Iterator[AttentionFlops]:
+def attention_flops() -> contextlib.AbstractContextManager[AttentionFlops]:
     """Count the attention FLOPs this rank computes inside the block."""
-    counter = AttentionFlops()
-    with _lock:
-        _active.append(counter)
-    try:
-        yield counter
-    finally:
-        with _lock:
-            _active.remove(counter)
+    return counting(AttentionFlops(), _active)
 
 
 def record_flops(direction: str, pairs: int, heads: int, head_dim: int) -> None:
@@ -70,6 +63,6 @@ def record_flops(direction: str, pairs: int, heads: int, head_dim: int) -> None:
     per_pair = FORWARD_FLOPS_PER_PAIR if direction == "forward" else BACKWARD_FLOPS_PER_PAIR
     flops = per_pair * pairs * heads * head_dim
     with _lock:
-        for counter in _active:
+        for counter in tuple(_active):
             setattr(counter, direction, getattr(counter, direction) + flops)
             counter.calls += 1
