@@ -33,6 +33,8 @@ def _entry(rank: int, world_size: int, port: int, main: Callable, args: tuple) -
     dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world_size)
     try:
         main(*args)
+        # every rank is done before any tears down: rank 0 hosts the store the others still talk to
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
