@@ -197,11 +197,12 @@ def test_matches_one_process_sdpa(runs):
 
 
 def test_triton_kernels_plug_into_the_strategies():
-    """The same strategies with ``kernels="triton"`` (the Triton interpreter on CPU)."""
+    """Every strategy with ``kernels="triton"`` (the Triton interpreter on CPU), at least once each."""
     pytest.importorskip("triton")
     pytest.importorskip("autoshard.kernels.attention")
-    wanted = {("zigzag", "zigzag", "causal"), ("ulysses", "contiguous", "segments+causal"),
-              ("zigzag", "zigzag", "key_mask")}
+    wanted = {("ring", "contiguous", "causal+window"), ("zigzag", "zigzag", "causal"),
+              ("zigzag", "zigzag", "key_mask"), ("allgather", "contiguous", "key_mask"),
+              ("ulysses", "contiguous", "segments+causal"), ("hybrid", "zigzag", "causal")}
     cases = [dict(case, kernels="triton", dtype=torch.float32, tiled=False, length=20, head_dim=16)
              for case in _cases(2) if case["dtype"] == torch.float64 and (case["heads"], case["kv_heads"]) == (8, 2)
              and (case["strategy"], case["layout"], case["mask"]) in wanted]
