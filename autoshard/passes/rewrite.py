@@ -87,20 +87,6 @@ class CompileReport:
     """Values that carry the sequence on two dims (an S x S mask or score matrix would be one): they are
     computed whole along one of them."""
 
-    def summary(self) -> str:
-        """A few lines: what was split, how attention runs, what moves, what fell back."""
-        split = sum(1 for p in self.placements.values() if p.startswith("S"))
-        lines = [f"{split} of {len(self.placements)} values split along the sequence"]
-        for a in self.attention:
-            mask = ", ".join(k for k in ("causal", "window", "key_mask", "segment_ids") if a.get(k)) or "no mask"
-            lines.append(f"attention {a['node']}: {a['strategy']}" + (f" on the {a['layout']} layout of {a['length']} "
-                         f"positions ({mask})" if "layout" in a else f" ({a.get('reason', '')})"))
-        for t in self.transitions:
-            lines.append(f"{t.kind} of {t.node}: {t.have} -> {t.want}" + (f", {t.bytes_sent:,} B sent" if t.bytes_sent >= 0 else "")
-                         + (f" ({t.reason})" if t.reason else ""))
-        lines.append(f"fallbacks: {len(self.fallbacks)}" + "".join(f"\n  {f.node}: {f.reason}" for f in self.fallbacks))
-        return "\n".join(lines)
-
 
 def _mutates(node: fx.Node) -> bool:
     """True for ops that change their first argument in place (``x.add_(y)``, ``x[i] = y``, ``x /= y``)."""
@@ -226,24 +212,26 @@ class Rewriter:
         if isinstance(have, Partial):
             out = self._reduce(node, new, have)
             if isinstance(want, Shard):
-                out = self._shard(node, out, want)
+                out = self.shard_value(node, out, want)
             elif partial_grad:
                 out = self._replicated_use(node, out, True)
         elif isinstance(have, Replicate):
-            out = self._shard(node, self._replicated_use(node, new, False), want)
+            out = self.shard_value(node, self._replicated_use(node, new, False), want)
         elif isinstance(want, Replicate):
             out = self._unshard(node, new, have, expected, reason, local_use=partial_grad)
-        elif isinstance(want, Shard) and (want.dim, want.factors, want.factor) == (have.dim, have.factors, have.factor):
-            out = self._realign(node, new, have, want)
         else:
-            out = self._shard(node, self._unshard(node, new, have, expected, reason or "re-sharded on another dim"), want)
+            out = self.realign_value(node, new, have, want, expected, reason)
         self._cache[key] = out
         return out
 
     def _replicated_use(self, node: fx.Node, new: fx.Node, partial_grad: bool) -> fx.Node:
+        """``new`` for a replicated use. Its gradient must come out whole on every rank wherever it flows on
+        through replicated work: a share (``partial_grad``) of an intermediate value is summed there. A
+        parameter's share is summed only with ``grad_sync``; without it the parameter keeps its share, and
+        its whole gradients from replicated uses are scaled by 1/P, so the shares still sum to the gradient."""
         if not self.requires_grad(node) or self.world == 1:
             return new
-        if partial_grad and self.config.grad_sync:
+        if partial_grad and (self.config.grad_sync or node.op != "placeholder"):
             key = (node, "grad_sync")
             if key not in self._cache:
                 if node.op == "placeholder":
@@ -296,9 +284,6 @@ class Rewriter:
 
     def shard_value(self, node: fx.Node, new: fx.Node, want: Shard) -> fx.Node:
         """This rank's part of ``new``, a new-graph node holding ``node``'s whole value."""
-        return self._shard(node, new, want)
-
-    def _shard(self, node: fx.Node, new: fx.Node, want: Shard) -> fx.Node:
         if self.requires_grad(node):  # the backward gathers the gradient shards
             self.book.gather("all_gather", node.name, want, self.shape(node), _itemsize(node), self.root_length(want),
                              "backward", "gradient of a split value used whole")
@@ -313,8 +298,7 @@ class Rewriter:
         x, dim = self._split_factors(node, new, have, local=True)
         op = torch.ops.autoshard.seq_unshard_for_local_use if local_use else torch.ops.autoshard.seq_unshard
         x = self.call(op.default, x, dim, have.layout.encode(), self.group)
-        nbytes = all_gather_bytes(have.layout.max_local_length * (numel(self.local_shape(node, have))
-                                  // max(have.layout.local_length(self.rank), 1)) * _itemsize(node), self.world)
+        nbytes = all_gather_bytes(have.layout.max_local_length * self._row_bytes(node, have), self.world)
         self.report.transitions.append(Transition("all_gather", node.name, str(have), "R", nbytes, reason))
         root = self.root_length(have)
         self.book.gather("all_gather", node.name, have, self.shape(node), _itemsize(node), root, "forward", reason)
@@ -325,23 +309,28 @@ class Rewriter:
             self.report.fallbacks.append(Fallback(node.name, "gather", reason or "needed whole"))
         return self._merge_factors(node, x, have, local=False)
 
-    def realign_value(self, node: fx.Node, new: fx.Node, have: Shard, want: Shard) -> fx.Node:
+    def realign_value(self, node: fx.Node, new: fx.Node, have: Shard, want: Shard, expected: bool = True,
+                      reason: str = "") -> fx.Node:
         """Move ``new`` (``node``'s value, split as ``have``) to ``want``: a gather and a slice when the split
         moves to another dim, point-to-point otherwise."""
         if (want.dim, want.factors, want.factor) == (have.dim, have.factors, have.factor):
             return self._realign(node, new, have, want)
-        return self._shard(node, self._unshard(node, new, have, True, "re-sharded on another dim"), want)
+        return self.shard_value(node, self._unshard(node, new, have, expected, reason or "re-sharded on another dim"),
+                                want)
 
     def _realign(self, node: fx.Node, new: fx.Node, have: Shard, want: Shard) -> fx.Node:
         x, dim = self._split_factors(node, new, have, local=True)
         x = self.call(torch.ops.autoshard.seq_realign.default, x, dim, have.layout.encode(), want.layout.encode(),
                       self.group)
-        row_bytes = numel(self.local_shape(node, have)) // max(have.layout.local_length(self.rank), 1) * _itemsize(node)
         for phase in ("forward", "backward") if self.requires_grad(node) else ("forward",):
-            self.book.realign(node.name, have.layout, want.layout, row_bytes, phase)
+            self.book.realign(node.name, have.layout, want.layout, self._row_bytes(node, have), phase)
         sent = self.book.comms[-1 if not self.requires_grad(node) else -2].bytes_by_rank[self.rank]
         self.report.transitions.append(Transition("realign", node.name, str(have), str(want), sent, "positions moved"))
         return self._merge_factors(node, x, want, local=True)
+
+    def _row_bytes(self, node: fx.Node, shard: Shard) -> int:
+        """Bytes of one sequence position of ``node`` (from its global shape: a rank's shard may be empty)."""
+        return numel(self.shape(node)) // shard.layout.length * _itemsize(node)
 
     def _reduce(self, node: fx.Node, new: fx.Node, have: Partial) -> fx.Node:
         out = self.call(reduce_partial, new, have.op, self.group)
