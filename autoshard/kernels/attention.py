@@ -2,7 +2,7 @@
 
 One kernel family serves every ring step: the caller passes the GLOBAL position of the first query row
 (``q_offset``) and of the first key column (``k_offset``), and every mask is evaluated from positions
-inside the kernel, never materialized (contract: ``.notes/attention_contract.md``):
+inside the kernel, never materialized (the contract of :func:`autoshard.runtime.attention.local.local_attention`):
 
 - causal ``j_pos <= i_pos``; window ``(left, right)``: ``i_pos - left <= j_pos <= i_pos + right``
   (``-1`` = unbounded). Both are one *band* ``i_pos - L <= j_pos <= i_pos + R`` with ``R = min(right, 0)``

@@ -45,11 +45,9 @@ def annotate(gm: fx.GraphModule) -> None:
 
 
 def decompose(gm: fx.GraphModule) -> None:
-    """Rewrite composites into ops with rules (``diff``); new nodes are annotated."""
+    """Rewrite composites into ops with rules (``diff``); new nodes get their canonical op on first use."""
     graph = gm.graph
     for node in list(graph.nodes):
         op = op_of(node)
         if op is not None and op.name == "diff" and isinstance(op["n"], int):
             _decompose_diff(graph, node, op)
-    for node in graph.nodes:
-        op_of(node)

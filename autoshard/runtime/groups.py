@@ -13,7 +13,7 @@ from typing import Union
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["GroupLike", "resolve_group", "group_name", "group_rank", "group_size", "global_rank", "PlanGroup",
+__all__ = ["GroupLike", "resolve_group", "group_name", "global_rank", "PlanGroup",
            "plan_group_name"]
 
 _PLAN_PREFIX = "autoshard-plan/"
@@ -71,16 +71,6 @@ def resolve_group(group: GroupLike) -> dist.ProcessGroup:
 def group_name(group: GroupLike) -> str:
     """The registered name of the group (what custom ops carry)."""
     return resolve_group(group).group_name
-
-
-def group_rank(group: GroupLike) -> int:
-    """This process's rank inside the group."""
-    return dist.get_rank(resolve_group(group))
-
-
-def group_size(group: GroupLike) -> int:
-    """The number of ranks in the group."""
-    return dist.get_world_size(resolve_group(group))
 
 
 def global_rank(group: GroupLike, rank: int) -> int:
