@@ -23,6 +23,7 @@ are not split.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -111,7 +112,7 @@ class LinkContext:
         across a slice). A size-1 dim is never linked: it is broadcast, not a position."""
         fa, fb = self.factorization(a)[da], self.factorization(b)[db]
         for node, mine, theirs, d in ((a, fa, fb, da), (b, fb, fa, db)):
-            if len(mine) == 1 and len(theirs) > 1 and mine[0] == _product(theirs) and (node, d) not in self._linked:
+            if len(mine) == 1 and len(theirs) > 1 and mine[0] == math.prod(theirs) and (node, d) not in self._linked:
                 self.factors[node][d] = list(theirs)  # a dim not linked yet takes the merge it meets
         fa, fb = self.factorization(a)[da], self.factorization(b)[db]
         if len(fa) == 1 and len(fb) == 1:
@@ -130,13 +131,6 @@ class LinkContext:
 def _numel(node: fx.Node) -> int:
     v = node.meta.get("example_value", node.meta.get("val"))
     return int(v.numel()) if hasattr(v, "numel") else 0
-
-
-def _product(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def find_families(ctx: LinkContext) -> Families:
