@@ -12,8 +12,8 @@ forward            backward
 =================  ==========================================================================
 ``all_gather``     ``reduce_scatter`` (sum) of the output gradient
 ``reduce_scatter`` ``all_gather`` of the output gradient
-``all_reduce``     ``all_reduce`` (sum) of the output gradient (``max``: routed to the ranks
-                   that hold the maximum)
+``all_reduce``     ``all_reduce`` (sum) of the output gradient (``max``: split evenly among the
+                   ranks that hold the maximum, as ``torch.amax`` splits it among tied elements)
 ``all_to_all``     the reverse ``all_to_all``
 ``halo_exchange``  halo gradients sent back to their owners and added there
 ``ring_shift``     the opposite shift
@@ -297,11 +297,14 @@ def _all_reduce_setup(ctx, inputs, output):
 
 
 def _all_reduce_backward(ctx, grad):
-    total = torch.ops.autoshard.all_reduce(grad, "sum", ctx.group)
-    if ctx.op != "sum":
-        x, out = ctx.saved_tensors
-        total = total * (x == out)
-    return total, None, None
+    if ctx.op == "sum":
+        return torch.ops.autoshard.all_reduce(grad, "sum", ctx.group), None, None
+    # max / min: the summed gradient split evenly among the ranks that hold the extremum (torch.amax's rule
+    # for ties); the gradient and the tie count travel in one all-reduce
+    x, out = ctx.saved_tensors
+    hit = (x == out).to(grad.dtype)
+    total, ties = torch.ops.autoshard.all_reduce(torch.stack([grad, hit]), "sum", ctx.group).unbind(0)
+    return total * hit / ties, None, None
 
 
 _all_reduce_op.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
@@ -403,7 +406,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, *, group: GroupLike = None, sizes:
 
 def all_reduce(x: torch.Tensor, op: str = "sum", *, group: GroupLike = None) -> torch.Tensor:
     """Elementwise ``op`` (``"sum"`` or ``"max"``) over ranks, out of place. Backward: the summed gradient
-    (for ``max``, only on the ranks whose value is the maximum)."""
+    (for ``max``, split evenly among the ranks whose value is the maximum -- ``torch.amax``'s rule for
+    ties -- and zero elsewhere; the tie counts ride along in the backward all-reduce)."""
     if op not in ("sum", "max"):
         raise ValueError(f"all_reduce: op must be 'sum' or 'max', not {op!r}")
     return torch.ops.autoshard.all_reduce(x, op, group_name(group))

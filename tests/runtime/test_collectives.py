@@ -19,10 +19,16 @@ def _rand(seed: int, *shape, dtype=torch.float64):
     return torch.randn(*shape, generator=g, dtype=dtype)
 
 
-def _on_rank(collective: str, shapes: list[tuple], out_shapes: list[tuple], **kw):
-    """Run collective ``op`` on this rank's input; return (output, input grad, bytes sent, bytes received)."""
+def _tied(seed: int, *shape):
+    """Values from {0, 1}: an elementwise maximum over ranks then has ties across ranks, often several."""
+    return _rand(seed, *shape).gt(0).to(torch.float64)
+
+
+def _on_rank(collective: str, shapes: list[tuple], out_shapes: list[tuple], make=_rand, **kw):
+    """Run collective ``op`` on this rank's input (drawn by ``make``); return (output, input grad, bytes sent,
+    bytes received)."""
     rank = dist.get_rank()
-    x = _rand(rank, *shapes[rank]).requires_grad_()
+    x = make(rank, *shapes[rank]).requires_grad_()
     fn = {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce,
           "all_to_all": all_to_all, "halo_exchange": halo_exchange, "ring_shift": ring_shift}[collective]
     with comm_counter() as cc:
@@ -32,8 +38,8 @@ def _on_rank(collective: str, shapes: list[tuple], out_shapes: list[tuple], **kw
     return y.detach(), x.grad, cc.bytes_sent, cc.bytes_received
 
 
-def _reference(shapes, out_shapes, linear_map):
-    xs = [_rand(r, *s).requires_grad_() for r, s in enumerate(shapes)]
+def _reference(shapes, out_shapes, linear_map, make=_rand):
+    xs = [make(r, *s).requires_grad_() for r, s in enumerate(shapes)]
     ys = linear_map(xs)
     sum((y * _rand(1000 + r, *out_shapes[r])).sum() for r, y in enumerate(ys)).backward()
     return [y.detach() for y in ys], [x.grad for x in xs]
@@ -77,16 +83,19 @@ def test_reduce_scatter(world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("op", ["sum", "max"])
-def test_all_reduce(world, op):
+@pytest.mark.parametrize("op,make", [("sum", _rand), ("max", _rand), ("max", _tied)], ids=["sum", "max", "max-ties"])
+def test_all_reduce(world, op, make):
+    """max's gradient is one process's torch.amax gradient: all of it to a unique maximum, split evenly among
+    ranks that tie (the tie count rides along in the backward all-reduce, doubling its size)."""
     shapes = [(4, 3)] * world
     out_shape = [(4, 3) for r in range(world)]
-    res = run_on_ranks(_on_rank, world, "all_reduce", shapes, out_shape, op=op)
+    res = run_on_ranks(_on_rank, world, "all_reduce", shapes, out_shape, make=make, op=op)
     reducer = (lambda xs: sum(xs)) if op == "sum" else (lambda xs: torch.stack(xs).amax(0))
-    _check(res, *_reference(shapes, out_shape, lambda xs: [reducer(xs)] * world))
-    chunk = -(-12 // world) * 8
+    _check(res, *_reference(shapes, out_shape, lambda xs: [reducer(xs)] * world, make=make))
+    backward_numel = 12 if op == "sum" else 24
+    expected = sum(2 * (world - 1) * -(-n // world) * 8 for n in (12, backward_numel))
     for _, _, sent, _ in res:
-        assert sent == 2 * 2 * (world - 1) * chunk  # forward + backward all-reduce
+        assert sent == expected  # forward + backward all-reduce
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
