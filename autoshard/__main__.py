@@ -40,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--strategy", choices=STRATEGIES, default="auto")
     p.add_argument("--layout", choices=("auto", "contiguous", "zigzag"), default="auto")
-    p.add_argument("--inputs", choices=("replicated", "sharded"), default="replicated")
     p.add_argument("--outputs", choices=("gathered", "sharded"), default="gathered")
     p.add_argument("--ranks-per-node", type=int, default=Topology().ranks_per_node)
     p.add_argument("--rank", type=int, default=0, help="the rank whose view the plan shows")

@@ -13,7 +13,16 @@ and hands the per-rank graph to the inner compiler:
 
 Every rank compiles its own graph (uneven shards make ranks' shapes differ) and, before the first
 run, checks through the rendezvous store that all ranks compiled the same graph for the same shapes:
-a rank that reaches a different graph fails with an error, never a hang.
+a rank that reaches a different graph fails with an error, never a hang. Each rank deletes its store
+key of one check once the next check shows that every rank has read it, so a long run leaves at most
+one check's keys per group in the store.
+
+A dynamic-shape graph (dynamo's symbolic sizes, after a second sequence length) is compiled once per
+distinct set of sizes; the ``SIZES_CACHED`` sets of sizes used most recently keep their compiled graph.
+Every rank makes the same cache decision on every call: with split inputs (``inputs="sharded"``) the
+ranks' local lengths differ, so on every call they all-gather their local lengths and a digest of their
+other sizes (a few bytes, counted as ``"metadata"``) and key the cache on all ranks' lengths; a rank
+whose shard is not the one the layout gives it, or whose other sizes differ, makes every rank raise.
 """
 
 from __future__ import annotations
@@ -21,8 +30,9 @@ from __future__ import annotations
 import copy
 import datetime
 import hashlib
-import warnings
 import itertools
+import warnings
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,16 +48,23 @@ from .passes.rewrite import CompileReport, Rewriter
 from .passes.ops import op_of, value_of
 from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
+from .runtime.accounting import record
 from .runtime.layouts import SequenceLayout
 from .runtime.groups import GroupLike, plan_group_name, resolve_group
 from .strategy import choose
 
-__all__ = ["backend", "AutoshardBackend", "autoshard_backend", "CompiledGraph", "compile_graph"]
+__all__ = ["backend", "AutoshardBackend", "autoshard_backend", "CompiledGraph", "GraphRecord", "compile_graph"]
 
 FINGERPRINT_TIMEOUT = datetime.timedelta(seconds=120)
 _COMPILES = itertools.count()
 """Numbers this process's compiles; ranks compile in the same order, so the n-th compile of every rank
 must be the same graph."""
+SIZES_CACHED = 8
+"""How many sets of sizes of one dynamic-shape graph keep their compiled graph (least recently used first out)."""
+RECORDS_KEPT = 64
+"""How many compiled graphs' records a backend keeps for reports and warnings (oldest first out)."""
+_LAST_CHECK: dict[str, int] = {}
+"""Group name -> number of this rank's last graph check in that group (whose store key it still holds)."""
 
 
 @dataclass
@@ -64,6 +81,18 @@ class CompiledGraph:
     """Global shapes of the outputs this graph gathers whole."""
     reasons: dict = None
     """Attention node -> why its strategy was chosen."""
+
+
+@dataclass
+class GraphRecord:
+    """What the backend keeps of a graph it compiled: what reports read, nothing that holds the graphs."""
+
+    report: CompileReport
+    """Placements, transitions, fallbacks, attention decisions."""
+    gathered_output_shapes: set
+    """Global shapes of the outputs the graph gathers whole."""
+    splits_sequence: bool
+    """Whether anything in the graph is split along a sequence."""
 
 
 def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world: int, group: str,
@@ -141,8 +170,8 @@ class AutoshardBackend:
     def __init__(self, group: GroupLike = None, config: BackendConfig | None = None):
         self.group = group
         self.config = config or BackendConfig()
-        self.compiled: list[CompiledGraph] = []
-        """Every graph compiled so far on this rank (the last is the newest)."""
+        self.compiled: deque[GraphRecord] = deque(maxlen=RECORDS_KEPT)
+        """What reports need of the graphs compiled on this rank, newest last (the last ``RECORDS_KEPT``)."""
 
     def _groups(self):
         """(sequence group, ring-axis group name, ulysses-axis group name, ulysses axis size) for this
@@ -184,34 +213,33 @@ class AutoshardBackend:
         compiled = compile_graph(gm, config=self.config, rank=pg.rank(), world=pg.size(), group=pg.group_name,
                                  ring_group=ring_group, heads_group=heads_group, heads_axis_size=heads_axis,
                                  sharded_inputs=sharded_inputs)
-        self._warn_if_whole_from_earlier_graph(compiled, example_inputs)
-        self.compiled.append(compiled)
+        record = GraphRecord(compiled.report, compiled.gathered_output_shapes, bool(compiled.families.families))
+        self._warn_if_whole_from_earlier_graph(record, example_inputs)
+        self.compiled.append(record)
         return _lower(compiled.graph_module, example_inputs, self.config.inner)
 
-    def _warn_if_whole_from_earlier_graph(self, compiled: CompiledGraph, example_inputs: list) -> None:
+    def _warn_if_whole_from_earlier_graph(self, compiled: GraphRecord, example_inputs: list) -> None:
         """A graph with no sequence of its own that takes, as input, a value an earlier graph gathered whole
         (a graph break between the logits and the loss): correct, but the work after the break is not split."""
         gathered = {shape for c in self.compiled for shape in c.gathered_output_shapes}
         inputs = {tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor)}
-        if not compiled.families.families and gathered & inputs:
+        if not compiled.splits_sequence and gathered & inputs:
             warnings.warn(
                 "autoshard: a graph break passes values the previous graph gathered whole (e.g. logits before a "
                 "loss computed in a separate graph); the code after the break runs unsplit on every rank. Remove "
                 "the break to keep it split (for transformers models, set config.loss_type, e.g. "
                 "'ForCausalLM').", stacklevel=2)
 
-    def compile_for_sizes(self, gm: fx.GraphModule, args: list) -> Callable:
+    def compile_for_sizes(self, gm: fx.GraphModule, args: list, lengths: tuple | None = None) -> Callable:
         """Compile a dynamic graph for the sizes of ``args``. With ``inputs="sharded"`` the symbolic dims of
-        tensor inputs are the split sequence: their global lengths are the sum over ranks, and the global
-        graph is compiled with those inputs arriving split."""
-        if self.config.inputs != "sharded":
+        tensor inputs are the split sequence, ``lengths[r][k]`` rank ``r``'s local length of the ``k``-th
+        (see :func:`_split_lengths`): their global lengths are the sums over ranks, and the global graph is
+        compiled with those inputs arriving split."""
+        if lengths is None:
             return self.compile(specialize(gm, args), args)
         pg = self._groups()[0]
         dims = symbolic_dims(gm)
-        local = torch.tensor([args[i].size(d) for i, d, _ in dims], dtype=torch.long)
-        gathered = [torch.zeros_like(local) for _ in range(pg.size())]
-        dist.all_gather(gathered, local, group=pg)
-        totals = sum(gathered).tolist()
+        totals = [sum(column) for column in zip(*lengths)]
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         global_of = {sym: n for (_, _, sym), n in zip(dims, totals)}
         shapes: dict[int, list] = {}
@@ -229,18 +257,61 @@ class AutoshardBackend:
 
 
 class _PerSizes:
-    """A dynamic-shape graph, compiled once per distinct set of sizes it is called with."""
+    """A dynamic-shape graph, compiled once per distinct set of sizes it is called with; the
+    ``SIZES_CACHED`` sets used most recently keep their compiled graph (see the module docstring)."""
 
     def __init__(self, backend: AutoshardBackend, gm: fx.GraphModule):
         self.backend, self.gm = backend, gm
-        self.cache: dict[tuple, Callable] = {}
+        self.cache: OrderedDict[tuple, Callable] = OrderedDict()
+        self.sharded = backend.config.inputs == "sharded"
 
     def __call__(self, *args):
-        key = size_key(args)
+        lengths = _split_lengths(self.backend, self.gm, args) if self.sharded else None
+        key = (size_key(args), lengths)
         fn = self.cache.get(key)
         if fn is None:
-            fn = self.cache[key] = self.backend.compile_for_sizes(self.gm, list(args))
+            fn = self.cache[key] = self.backend.compile_for_sizes(self.gm, list(args), lengths)
+            if len(self.cache) > SIZES_CACHED:
+                self.cache.popitem(last=False)
+        else:
+            self.cache.move_to_end(key)
         return fn(*args)
+
+
+def _split_lengths(backend: AutoshardBackend, gm: fx.GraphModule, args) -> tuple[tuple[int, ...], ...]:
+    """Every rank's local lengths of the split inputs' symbolic dims (``[rank][dim]``), all-gathered with
+    a digest of each rank's other sizes; raises on every rank alike when the ranks' other sizes differ or
+    a rank's shard is not the part the layout gives it."""
+    pg = backend._groups()[0]
+    world = pg.size()
+    dims = symbolic_dims(gm)
+    local = [args[i].size(d) for i, d, _ in dims]
+    symbols = {sym for _, _, sym in dims}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    others = [[list(a.shape), a.dtype] if isinstance(a, torch.Tensor) else None if symbol_of(p) in symbols else a
+              for p, a in zip(placeholders, args)]
+    for i, d, _ in dims:
+        others[i][0][d] = None
+    digest = int.from_bytes(hashlib.sha256(repr(others).encode()).digest()[:7], "big")
+    mine = torch.tensor(local + [digest], dtype=torch.long)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=pg)
+    record("metadata", 8 * len(mine) * (world - 1), 8 * len(mine) * (world - 1))
+    rows = [tuple(g.tolist()) for g in gathered]
+    if len({row[-1] for row in rows}) > 1:
+        raise RuntimeError("autoshard: with inputs='sharded' every rank must pass inputs of the same shapes apart "
+                           "from the split sequence dim; the ranks' other sizes differ")
+    lengths = tuple(row[:-1] for row in rows)
+    kind = "contiguous" if backend.config.layout == "auto" else backend.config.layout
+    for k, (i, d, _) in enumerate(dims):
+        column = tuple(row[k] for row in lengths)
+        expected = SequenceLayout.of(kind, sum(column), world).local_lengths
+        if column != expected:
+            raise RuntimeError(
+                f"autoshard: input {i} arrives split along dim {d} into local lengths {list(column)} over the "
+                f"ranks, but the {kind} layout of {sum(column)} positions gives {list(expected)}; split inputs "
+                f"with autoshard.shard_inputs(..., layout={kind!r})")
+    return lengths
 
 
 def _lower(gm: fx.GraphModule, example_inputs: list, inner) -> Callable:
@@ -290,6 +361,10 @@ def _check_same_graph(pg: dist.ProcessGroup, index: int, gm: fx.GraphModule, exa
             f"{FINGERPRINT_TIMEOUT.seconds} s: every rank must call the compiled model with the same input "
             f"shapes and take the same code path") from exc
     prints = [store.get(key).decode().split("/") for key in keys]
+    previous = _LAST_CHECK.get(pg.group_name)
+    if previous is not None:  # every rank set its key of this check after reading all keys of the previous one
+        store.delete_key(f"autoshard/{pg.group_name}/{previous}/{rank}")
+    _LAST_CHECK[pg.group_name] = index
 
     def groups(part):
         out = {}

@@ -23,7 +23,9 @@ class BackendConfig:
 
     layout: str = "auto"
     """How the sequence is split: ``"contiguous"``, ``"zigzag"`` (balances causal attention), or
-    ``"auto"`` (zigzag when an attention is causal and its strategy is ring-based, else contiguous)."""
+    ``"auto"`` (the layout the chosen strategy runs best on: zigzag for the zigzag ring, and for a causal
+    attention under the all-gather or the hybrid; contiguous for the contiguous ring and Ulysses).
+    Inputs split by ``autoshard.shard_inputs`` arrive contiguous under ``"auto"``."""
 
     seq_dims: Mapping[Union[str, int], int] | None = None
     """The sequence dim of inputs whose sequence dim inference cannot find, by input name (the

@@ -83,6 +83,46 @@ def test_sharded_inputs_and_outputs(layout):
         assert loss_err < 1e-12 and logits_err < 1e-12 and grad_err < 1e-12
 
 
+def _sharded_lengths_and_cache():
+    """Global lengths whose local shard repeats on rank 0 but not on rank 1 (13 -> 7+6, 14 -> 7+7): each
+    call must run the graph of its global length on both ranks; the store keeps no key of old checks."""
+    model, ref, _, _ = _llama_and_batch(13)
+    compiled = torch.compile(model, backend=autoshard.backend(inputs="sharded"))
+    errors = []
+    for seq in (13, 14, 12, 13, 14):
+        ids = torch.randint(0, 256, (2, seq))
+        loss = compiled(**autoshard.shard_inputs({"input_ids": ids, "labels": ids}))[0]
+        errors.append((loss - ref(ids, ids)[0]).abs().item())
+    store = dist.distributed_c10d._get_default_store()
+    group = dist.group.WORLD.group_name
+    kept = [i for i in range(64) for r in range(2) if store.check([f"autoshard/{group}/{i}/{r}"])]
+    return errors, kept
+
+
+def test_sharded_inputs_of_new_global_lengths_stay_exact():
+    results = run_on_ranks(_sharded_lengths_and_cache, 2)
+    for errors, kept in results:
+        assert max(errors) < 1e-12, errors
+        assert len(kept) == 2  # one check's keys, one per rank: the last
+
+
+def _mis_split():
+    model, _, ids, _ = _llama_and_batch(13)
+    compiled = torch.compile(model, backend=autoshard.backend(inputs="sharded"))
+    batch = autoshard.shard_inputs({"input_ids": ids, "labels": ids})
+    if dist.get_rank() == 1:  # rank 1 loads one position too few: 7 + 5, where a split of 12 is 6 + 6
+        batch = {k: v[:, :-1].contiguous() for k, v in batch.items()}
+        for v in batch.values():
+            torch._dynamo.mark_dynamic(v, 1)
+    compiled(**batch)
+
+
+def test_sharded_inputs_split_unlike_the_layout_fail_on_every_rank():
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_mis_split, 2, timeout=120)
+    assert str(info.value).count("local lengths [7, 5]") == 2
+
+
 def _new_lengths():
     model, ref, _, _ = _llama_and_batch(8)
     compiled = torch.compile(model, backend=autoshard.backend())
