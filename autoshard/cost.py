@@ -57,15 +57,19 @@ class Topology:
     """Memory per rank."""
 
     def __post_init__(self):
-        if self.ranks_per_node < 1 or min(self.intra_node_bandwidth, self.inter_node_bandwidth,
-                                          self.attention_flops) <= 0:
-            raise ValueError(f"Topology: sizes, bandwidths and FLOP/s must be positive: {self}")
+        rates = (self.intra_node_bandwidth, self.inter_node_bandwidth, self.attention_flops, self.memory_bandwidth,
+                 self.memory_bytes)
+        times = (self.intra_node_latency, self.inter_node_latency, self.step_overhead)
+        if self.ranks_per_node < 1 or min(rates) <= 0 or min(times) < 0:
+            raise ValueError(f"Topology: ranks per node, bandwidths, FLOP/s and memory must be positive and "
+                             f"latencies not negative: {self}")
 
     def bandwidth(self, ranks: int) -> float:
         """Bandwidth of a collective over ``ranks`` consecutive ranks."""
         return self.intra_node_bandwidth if ranks <= self.ranks_per_node else self.inter_node_bandwidth
 
     def latency(self, ranks: int) -> float:
+        """Seconds per message of a collective over ``ranks`` consecutive ranks."""
         return self.intra_node_latency if ranks <= self.ranks_per_node else self.inter_node_latency
 
 
@@ -157,24 +161,24 @@ def attention_costs(shape: AttentionShape, world: int, topology: Topology = Topo
     budget = memory_budget if memory_budget is not None else topology.memory_bytes
     costs = []
 
-    def ring_like(name: str, ranks: int, layout: str, compute: float, extra_bytes=(0, 0), extra_time=0.0,
-                  sizes=None, mesh=None):
-        fwd, bwd = _bytes(name, shape, sizes or {"P": ranks})
-        comm = (fwd + bwd) / topology.bandwidth(world if name != "hybrid" else world)
-        steps = 2 * ranks
-        exposed = max(0.0, comm - compute) + extra_time
-        latency = steps * (topology.latency(world) + topology.step_overhead) + _merge_time(shape, world, ranks, topology)
+    def ring_like(name: str, layout: str, compute: float):
+        """A ring over all ``world`` ranks: K/V blocks travel while the previous block is computed."""
+        fwd, bwd = _bytes(name, shape, {"P": world})
+        comm = (fwd + bwd) / topology.bandwidth(world)
+        exposed = max(0.0, comm - compute)
+        latency = 2 * world * (topology.latency(world) + topology.step_overhead) + _merge_time(shape, world, world,
+                                                                                              topology)
         memory = qkvo + 2 * 2 * shape.batch * local * shape.kv_heads * shape.head_dim * item
-        costs.append(StrategyCost(name, True, compute_s=compute, comm_s=comm + extra_time, exposed_comm_s=exposed,
+        costs.append(StrategyCost(name, True, compute_s=compute, comm_s=comm, exposed_comm_s=exposed,
                                   latency_s=latency, total_s=compute + exposed + latency, bytes_forward=fwd,
-                                  bytes_backward=bwd, memory_bytes=memory, layout=layout, mesh=mesh))
+                                  bytes_backward=bwd, memory_bytes=memory, layout=layout))
 
     balanced = total_flops / world / topology.attention_flops
     imbalanced = balanced * ((2 * world - 1) / world if shape.causal and shape.window is None else 1.0)
 
-    ring_like("ring", world, "contiguous", imbalanced)
+    ring_like("ring", "contiguous", imbalanced)
     if shape.seq >= 2 * world:
-        ring_like("zigzag", world, "zigzag", balanced)
+        ring_like("zigzag", "zigzag", balanced)
     else:
         costs.append(StrategyCost("zigzag", False, f"the zigzag layout needs 2P = {2 * world} positions, the sequence "
                                                    f"has {shape.seq}"))

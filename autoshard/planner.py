@@ -30,10 +30,10 @@ import torch
 import torch.fx as fx
 
 from .config import BackendConfig
-from .cost import AttentionShape, Topology, attention_costs
-from .passes.ops import op_of, value_of
+from .cost import Topology, attention_costs
 from .runtime.attention import formulas
 from .runtime.groups import plan_group_name
+from .strategy import attention_shape
 
 __all__ = ["Plan", "AttentionDecision", "Collective", "MemoryEstimate", "PlanFallback", "plan", "plan_graph",
            "plan_graphs"]
@@ -256,12 +256,7 @@ def _decisions(compiled, index: int, world: int, config: BackendConfig, topology
     layer = 0
     for fam in compiled.families.families:
         for node in fam.attention_nodes:
-            op = op_of(node)
-            q, k = value_of(op["q"]), value_of(op["k"])
-            seg = op.get("segment_ids")
-            shape = AttentionShape(q.shape[0], fam.length, q.shape[1], k.shape[1], q.shape[3], q.dtype,
-                                   bool(op.get("causal")), op.get("window"), op.get("key_mask") is not None,
-                                   value_of(seg).dtype if seg is not None else None)
+            shape = attention_shape(node, fam.length)
             costs = attention_costs(shape, world, topology, hybrid_possible=True, memory_budget=config.memory_budget)
             decided = by_node.get(node.name, {})
             strategy = decided.get("strategy", compiled.strategies.get(node, "?"))

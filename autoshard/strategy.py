@@ -18,10 +18,11 @@ from .passes.infer import Families
 from .passes.ops import op_of, value_of
 from .runtime.layouts import SequenceLayout
 
-__all__ = ["choose"]
+__all__ = ["choose", "attention_shape"]
 
 
-def _shape(node, length: int) -> AttentionShape:
+def attention_shape(node, length: int) -> AttentionShape:
+    """What the cost model needs of the attention ``node`` over a sequence of ``length`` positions."""
     op = op_of(node)
     q, k = value_of(op["q"]), value_of(op["k"])
     seg = op.get("segment_ids")
@@ -49,7 +50,7 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
     for fam in families.families:
         chosen, wanted_layouts = {}, set()
         for node in fam.attention_nodes:
-            shape = _shape(node, fam.length)
+            shape = attention_shape(node, fam.length)
             if config.strategy != "auto":
                 chosen[node] = config.strategy
                 reasons[node] = f"{config.strategy}: chosen by the strategy option"
