@@ -1,5 +1,6 @@
 """The cost model picks what the issue asks for on synthetic topologies, and says why."""
 
+import pytest
 import torch
 
 from autoshard.cost import AttentionShape, Topology, attention_costs, choose_strategy
@@ -43,3 +44,9 @@ def test_memory_budget_rules_out_gathering_kv():
 def test_short_sequences_cannot_zigzag():
     costs = attention_costs(AttentionShape(1, 6, 8, 8, 16, torch.float32, True), 4, Topology())
     assert not next(c for c in costs if c.strategy == "zigzag").feasible
+
+
+def test_topology_rejects_values_the_model_would_divide_by():
+    for bad in ({"memory_bandwidth": 0}, {"memory_bytes": 0}, {"inter_node_latency": -1e-6}, {"ranks_per_node": 0}):
+        with pytest.raises(ValueError, match="Topology"):
+            Topology(**bad)
