@@ -134,9 +134,7 @@ class _Evaluator:
         name_fn = op.get("fn") if op is not None else None
         target = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         if name == "factory" and target == "arange":
-            args = list(node.args)
-            start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
-            return _Abs(sympy.Integer(start) + sympy.Integer(step) * _sym(0), shape)
+            return _Abs(sympy.sympify(op["start"]) + sympy.sympify(op["step"]) * _sym(0), shape)
         fills = {"new_ones": 1, "ones": 1, "ones_like": 1, "new_zeros": 0, "zeros": 0, "zeros_like": 0}
         if name == "factory" and (target in fills or "full" in target):
             fill = fills.get(target, node.kwargs.get("fill_value", node.args[-1] if node.args else None))

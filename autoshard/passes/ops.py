@@ -284,7 +284,7 @@ def _bind_diff(input, n=1, dim=-1, prepend=None, append=None):
 
 
 # --- factories (no tensor inputs, or only for dtype/device/shape)
-_FACTORIES = ["arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor", "zeros_like",
+_FACTORIES = ["zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor", "zeros_like",
               "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like", "linspace",
               "scalar_tensor", "as_tensor"]
 
@@ -293,6 +293,19 @@ _FACTORIES = ["arange", "zeros", "ones", "full", "empty", "rand", "randn", "rand
            methods=["new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"])
 def _bind_factory(*args, **kwargs):
     return {"args": args, "kwargs": kwargs}
+
+
+_ARANGE_BOUNDS = ("start", "end", "step")
+
+
+@register_canonical("factory", functions=[torch.arange])
+def _bind_arange(*args, **kwargs):
+    """``arange(end)``, ``arange(start, end[, step])``, any bound by keyword: ``start``, ``end`` and ``step``
+    (defaults 0 and 1) next to the factory's ``args`` / ``kwargs``."""
+    names = ("end",) if len(args) == 1 and "end" not in kwargs else _ARANGE_BOUNDS
+    bounds = {"start": 0, "step": 1, **dict(zip(names, args))}
+    bounds.update((k, v) for k, v in kwargs.items() if k in _ARANGE_BOUNDS)
+    return {"args": args, "kwargs": kwargs, **bounds}
 
 
 # --- convolution

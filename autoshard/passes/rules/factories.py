@@ -46,13 +46,6 @@ def link_factory(ctx, node, op):
         link_identity(ctx, node, node.args[0])
 
 
-def _arange_start_step(node) -> tuple:
-    args = list(node.args)
-    if len(args) == 1:
-        return 0, 1
-    return args[0], (args[2] if len(args) > 2 else node.kwargs.get("step", 1))
-
-
 def rewrite_factory(rw, node, op):
     out = rw.out_shard(node)
     name = _name(node)
@@ -61,11 +54,10 @@ def rewrite_factory(rw, node, op):
         return
     val = value_of(node)
     local = rw.local_shape(node, out)
-    if name == "arange" and node in rw.families.token_local:
-        start, step = _arange_start_step(node)  # inside per-position code an arange enumerates the local tokens
+    start, step = rw.value(op.get("start")), rw.value(op.get("step"))  # arange's bounds (ops.py binds them)
+    if name == "arange" and node in rw.families.token_local:  # per-position code: it enumerates the local tokens
         new = rw.call(torch.arange, start, start + step * local[0], step, dtype=val.dtype, device=val.device)
     elif name == "arange" and not out.factors:
-        start, step = _arange_start_step(node)
         new = rw.call(local_arange, start, step, out.layout.encode(), rw.rank, val.dtype, val.device)
     elif name.endswith("_like"):
         template = rw.input(node.args[0], out)
