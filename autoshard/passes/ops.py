@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import inspect
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -325,10 +326,27 @@ def _bind_cross_entropy(input, target, weight=None, size_average=None, ignore_in
             "reduction": reduction, "label_smoothing": label_smoothing}
 
 
-@register_canonical("elementwise_loss", functions=[F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
-                                          F.binary_cross_entropy_with_logits, F.binary_cross_entropy])
-def _bind_elementwise_loss(input, target, *args, reduction="mean", **kwargs):
-    return {"input": input, "target": target, "reduction": reduction}
+def _bind_elementwise_loss(loss: Callable) -> Callable:
+    """The binder of one elementwise loss, by its own signature: ``input``, ``target``, ``reduction`` (the
+    legacy ``size_average`` / ``reduce`` folded in) and ``options``, every other argument the call gave by
+    name (``beta``, ``delta``, ``weight``, ``pos_weight``)."""
+    signature = inspect.signature(loss)
+
+    def bind(*args, **kwargs):
+        options = dict(signature.bind(*args, **kwargs).arguments)
+        size_average, reduce = options.pop("size_average", None), options.pop("reduce", None)
+        reduction = options.pop("reduction", "mean")
+        if size_average is not None or reduce is not None:
+            reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+        return {"input": options.pop("input"), "target": options.pop("target"), "reduction": reduction,
+                "options": options}
+
+    return bind
+
+
+for _loss in (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy_with_logits,
+              F.binary_cross_entropy):
+    register_canonical("elementwise_loss", functions=[_loss])(_bind_elementwise_loss(_loss))
 
 
 # --- attention and randomness

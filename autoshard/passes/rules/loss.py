@@ -5,19 +5,25 @@
 own mean is therefore *not* a share of the global mean when ranks hold different numbers of counted
 targets (padding, uneven shards, shifted labels). Every rank computes its local sum and its local
 denominator, both are all-reduced, and the loss is their quotient -- the one-device value on every
-rank. ``reduction="sum"`` is a partial sum; ``"none"`` stays split. Elementwise losses (MSE, L1, BCE)
-divide by the global element count.
+rank. ``reduction="sum"`` is a partial sum; ``"none"`` stays split.
+
+Elementwise losses (MSE, L1, smooth L1, Huber, BCE) run on each rank's positions with every argument
+they were given: scalars (``beta``, ``delta``) as they are, tensors (``weight``, ``pos_weight``) split
+like the input where they span the sequence, whole where they broadcast along it. Their mean divides by
+the global element count -- or, for a weighted ``mse_loss`` / ``l1_loss``, by the all-reduced summed
+weights. A split input broadcast to a larger loss runs whole (a fallback in the plan).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ...placements import REPLICATE, Partial
 from ...runtime.redistribute import reduce_partial
-from ..ops import numel, shape_of, value_of
+from ..ops import is_tensor_node, numel, shape_of, value_of
 from . import register
-from .pointwise import link_broadcast, whole_args
+from .pointwise import link_broadcast, want_broadcast, whole_args
 
 __all__ = ["loss_denominator", "mean_of_sums"]
 
@@ -95,34 +101,69 @@ def rewrite_cross_entropy(rw, node, op):
 register("cross_entropy", link=link_cross_entropy, rewrite=rewrite_cross_entropy)
 
 
+_MEAN_OVER_WEIGHTS = (F.mse_loss, F.l1_loss)
+"""Losses whose weighted mean divides by the summed weights; the others' means divide by the element count."""
+
+
+def _tensor_options(op) -> list:
+    """The loss's tensor arguments besides input and target (``weight``, ``pos_weight``)."""
+    return [v for v in op["options"].values() if is_tensor_node(v)]
+
+
 def link_elementwise_loss(ctx, node, op):
-    link_broadcast(ctx, op["input"], [op["target"]])
+    others = [op["target"], *_tensor_options(op)]
+    link_broadcast(ctx, op["input"], others, set_factors=False)
     if op["reduction"] == "none":
-        link_broadcast(ctx, node, [op["input"], op["target"]])
+        link_broadcast(ctx, node, [op["input"], *others])
+
+
+def _unsupported(node, op, anchor, loss_shape) -> str | None:
+    """Why the loss cannot run on this rank's positions, or None."""
+    if anchor is None:
+        return "an elementwise loss broadcasting its split input"
+    weight = op["options"].get("weight")
+    if node.target in _MEAN_OVER_WEIGHTS and op["reduction"] == "mean" and is_tensor_node(weight) and \
+            shape_of(weight) != loss_shape:
+        return "a weighted mean over a broadcast weight"
+    return None
 
 
 def rewrite_elementwise_loss(rw, node, op):
+    """Each rank's loss on its positions: tensor arguments split like the split one, or whole where they
+    broadcast along it; ``"sum"`` and the element-count mean are partial sums, a weighted mean divides
+    the all-reduced sums."""
     inp, tgt = op["input"], op["target"]
-    s = rw.out_shard(inp) or rw.out_shard(tgt)
-    if s is None:
+    split = [n for n in (inp, tgt) if rw.out_shard(n) is not None]
+    if not split:
         rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
         return
-    from .pointwise import want_broadcast
+    loss_shape = tuple(torch.broadcast_shapes(shape_of(inp), shape_of(tgt)))
+    anchor = next((n for n in split if shape_of(n) == loss_shape), None)  # split as the loss is
+    reason = _unsupported(node, op, anchor, loss_shape)
+    if reason is not None:
+        rw.fallback(node, reason)
+        return
+    s = rw.out_shard(anchor)
 
-    anchor = inp if rw.out_shard(inp) is not None else tgt
-    other = tgt if anchor is inp else inp
-    other_want, other_pg = want_broadcast(rw, anchor, other, s)
-    x = rw.input(anchor, s)
-    y = rw.input(other, other_want, partial_grad=other_pg)
-    args = (x, y) if anchor is inp else (y, x)
+    def local(n):
+        want, partial_grad = want_broadcast(rw, anchor, n, s)
+        return rw.input(n, want, partial_grad=partial_grad)
+
+    options = {k: local(v) if is_tensor_node(v) else v for k, v in op["options"].items()}
+    x, y = local(inp), local(tgt)
     reduction = op["reduction"]
     if reduction == "none":
-        rw.done(node, rw.call(node.target, *args, reduction="none"), s)
+        rw.done(node, rw.call(node.target, x, y, reduction="none", **options), s)
         return
-    total = rw.call(node.target, *args, reduction="sum")
-    if reduction == "mean":
-        total = rw.call(torch.mul, total, 1.0 / numel(shape_of(inp)))
-    rw.done(node, total, Partial())
+    total = rw.call(node.target, x, y, reduction="sum", **options)
+    if reduction == "sum":
+        rw.done(node, total, Partial())
+    elif node.target in _MEAN_OVER_WEIGHTS and options.get("weight") is not None:
+        rw.done(node, rw.call(mean_of_sums, total, rw.call(torch.sum, options["weight"]), rw.group), REPLICATE)
+        for reason in ("loss sum", "loss denominator"):
+            rw.book.all_reduce(node.name, 1, value_of(node).element_size(), "forward", reason=reason)
+    else:
+        rw.done(node, rw.call(torch.mul, total, 1.0 / numel(loss_shape)), Partial())
 
 
 register("elementwise_loss", link=link_elementwise_loss, rewrite=rewrite_elementwise_loss)
