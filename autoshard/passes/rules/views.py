@@ -385,8 +385,9 @@ def select_owned(x: torch.Tensor, dim: int, position: int, layout_code: list[int
         if s <= position < e:
             return x.select(dim, local + position - s)
         local += e - s
-    # zeros that stay connected to ``x``: every rank must run the same backward (and its collectives)
-    return x.sum(dim) * 0
+    # zeros that stay connected to ``x`` (every rank must run the same backward, and its collectives): the sum of
+    # an empty slice, so no inf or NaN of ``x`` reaches them, in ``x``'s dtype (bool and integers too)
+    return x.narrow(dim, 0, 0).sum(dim, dtype=x.dtype)
 
 
 register("getitem", "narrow", "select", link=link_index, rewrite=rewrite_index)
