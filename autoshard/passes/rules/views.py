@@ -396,12 +396,14 @@ register("getitem", "narrow", "select", link=link_index, rewrite=rewrite_index)
 # ============================================================================= split / chunk / unbind
 
 
-def _split_pieces(node: fx.Node, op: Op) -> tuple[int, list[int]] | None:
-    """(dim, piece sizes) of a split-like node, from its outputs."""
-    outs = value_of(node)
+def _split_pieces(node: fx.Node, op: Op) -> tuple[int, list[int] | None]:
+    """(dim, piece sizes) of a split-like node, from its outputs; the sizes are None for ``unbind``, whose
+    pieces drop the dim."""
     src_shape = shape_of(op["input"])
     if node.target in ("unbind", torch.unbind):
-        return None
+        dim = op["dim"] if op["dim"] is not None else (op["args"][0] if op["args"] else 0)
+        return dim % len(src_shape), None
+    outs = value_of(node)
     dims = [d for d in range(len(src_shape)) if any(o.shape[d] != src_shape[d] for o in outs)]
     dim = dims[0] if dims else (op["dim"] if op["dim"] is not None else (op["args"][1] if len(op["args"]) > 1 else 0))
     return dim % len(src_shape), [int(o.shape[dim]) for o in outs]
@@ -409,11 +411,14 @@ def _split_pieces(node: fx.Node, op: Op) -> tuple[int, list[int]] | None:
 
 def link_split_piece(ctx, producer, producer_op, index, node):
     src = producer_op["input"]
-    pieces = _split_pieces(producer, producer_op)
-    if pieces is None:
-        return
-    dim, sizes = pieces
+    dim, sizes = _split_pieces(producer, producer_op)
     factors = [list(f) for f in ctx.factorization(src)]
+    if sizes is None:  # unbind: piece dim d is source dim d, or d + 1 past the unbound dim
+        del factors[dim]
+        ctx.set_factorization(node, factors)
+        for d in range(len(factors)):
+            ctx.link_dims(node, d, src, d + (d >= dim))
+        return
     factors[dim] = [sizes[index]]
     ctx.set_factorization(node, factors)
     for d in range(len(factors)):
@@ -421,13 +426,16 @@ def link_split_piece(ctx, producer, producer_op, index, node):
 
 
 def rewrite_split(rw, node, op):
+    """Pieces cut along another dim than the split one keep the split (``unbind`` drops its dim, so a later
+    split dim moves down by one); cutting along the split dim gathers."""
     src = op["input"]
-    pieces = _split_pieces(node, op)
+    dim, sizes = _split_pieces(node, op)
     have = rw.out_shard(src) or rw.placement(src)
     n = len(value_of(node))
-    if isinstance(have, Shard) and pieces is not None and have.dim != pieces[0]:
+    if isinstance(have, Shard) and have.dim != dim:
+        piece = have if sizes is not None else have.moved(have.dim - (have.dim > dim))
         rw.done(node, rw.reemit(node, (rw.input(src, have),) + tuple(node.args[1:]), dict(node.kwargs)),
-                tuple(have for _ in range(n)))
+                tuple(piece for _ in range(n)))
     elif isinstance(have, Shard):
         rw.fallback(node, "splitting along the split sequence dim")
     elif isinstance(have, Partial):
