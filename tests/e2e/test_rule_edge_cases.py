@@ -1,0 +1,163 @@
+"""Rule edge cases found in review, each against one process (outputs and parameter gradients):
+
+* elementwise losses keep their extra arguments on shards (``beta``, ``delta``, per-position and
+  broadcast ``weight``, ``pos_weight``; the weighted mean of ``mse_loss`` / ``l1_loss`` divides by the
+  summed weights);
+* ``arange`` in every spelling (keywords, a step), as a factory and inside a structured attention mask;
+* selecting one position of a split value: no inf or NaN held by other ranks leaks into it, bool and
+  integer values work;
+* ``unbind`` off the sequence dim keeps the split (timm-style ``q, k, v = qkv.unbind(0)``), along it
+  gathers.
+
+Every case of one world size runs in one launch (a launch costs seconds).
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.testing import run_on_ranks
+from autoshard.testing.equivalence import compare_with_one_process
+
+DIM, HEADS = 8, 2
+
+
+class Losses(nn.Module):
+    """Every elementwise loss with its extra arguments, on a split sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.register_buffer("class_weight", torch.rand(DIM) + 0.5)  # the BCEs have no weight gradients
+        self.register_buffer("pos_weight", torch.rand(DIM) + 0.5)
+        self.weight_scale = nn.Parameter(torch.rand(DIM) + 0.5)
+
+    def forward(self, x, t, w):
+        h = self.proj(autoshard.mark_sequence(x, 1))
+        p, y = torch.sigmoid(h), torch.sigmoid(t)
+        per_token = w[..., :1]  # [B, S, 1]: a weight per position
+        return (F.smooth_l1_loss(h, t, beta=0.3),
+                F.smooth_l1_loss(h, t, None, None, "sum", 0.2),  # positional, legacy arguments included
+                F.smooth_l1_loss(h, t, reduction="none", beta=0.3),
+                F.huber_loss(h, t, delta=0.4),
+                F.huber_loss(h, t, "mean", 0.4, w),
+                F.binary_cross_entropy(p, y, per_token),
+                F.binary_cross_entropy(p, y, self.class_weight, reduction="sum"),
+                F.binary_cross_entropy_with_logits(h, y, weight=per_token, pos_weight=self.pos_weight),
+                F.binary_cross_entropy_with_logits(h, y, weight=self.class_weight, reduction="none"),
+                F.mse_loss(h, t, weight=w * self.weight_scale),
+                F.l1_loss(h, t, weight=w))
+
+
+class Aranges(nn.Module):
+    """``arange`` with keywords and steps: positions of the local tokens, and a causal mask built from them."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, 3 * DIM)
+
+    def forward(self, x):
+        h = self.proj(autoshard.mark_sequence(x, 1))
+        b, s, _ = h.shape
+        q, k, v = (t.view(b, s, HEADS, DIM // HEADS).transpose(1, 2) for t in h.chunk(3, -1))
+        by_keyword = torch.arange(start=2, end=2 + 3 * s, step=3, dtype=h.dtype)
+        positional = torch.arange(1, 1 + 2 * s, 2, dtype=h.dtype)
+        tokens = torch.arange(end=s)
+        causal = tokens[None, :] <= torch.arange(start=0, end=s)[:, None]
+        stepped = tokens[None, :] <= torch.arange(0, 2 * s, step=2)[:, None]  # query i sees keys j <= 2 i: not causal
+        return (h * by_keyword[None, :, None] + positional[:, None],
+                F.scaled_dot_product_attention(q, k, v, attn_mask=causal),
+                F.scaled_dot_product_attention(q, k, v, attn_mask=stepped))
+
+
+class SelectOne(nn.Module):
+    """One position of a split value whose other positions hold inf, and of split bool / integer values."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x, fill):
+        h = self.proj(autoshard.mark_sequence(x, 1))
+        z = h + fill  # inf at the last position
+        positive = h > 0
+        return z[:, 0] * 2, h[:, 0] * positive[:, 0], h[:, -1] * (positive.long()[:, -1] + 1)
+
+
+class UnbindAttention(nn.Module):
+    """timm's attention: ``qkv.reshape(...).permute(2, 0, 3, 1, 4).unbind(0)``; and unbinds of a split value
+    along other dims and along the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x, along_sequence: bool):
+        x = autoshard.mark_sequence(x, 1)
+        b, n, c = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, HEADS, c // HEADS).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = self.proj(o.transpose(1, 2).reshape(b, n, c))
+        first, second = h.unbind(0)  # [S, C] each: the split moves to dim 0
+        columns = h.unbind(2)         # [B, S] each
+        out = (first * second, columns[0] - columns[-1])
+        if along_sequence:
+            tokens = h.unbind(1)
+            out += (tokens[0] * tokens[-1],)
+        return out
+
+
+def _losses(seq):
+    return compare_with_one_process(Losses, lambda: (torch.randn(2, seq, DIM), torch.randn(2, seq, DIM),
+                                                     torch.rand(2, seq, DIM) + 0.1), dtype=torch.float64)
+
+
+def _aranges(seq):
+    return compare_with_one_process(Aranges, lambda: (torch.randn(2, seq, DIM),), dtype=torch.float64)
+
+
+def _select_one(seq):
+    def inputs():
+        fill = torch.zeros(2, seq, DIM)
+        fill[:, -1] = float("inf")
+        return torch.randn(2, seq, DIM), fill
+
+    return compare_with_one_process(SelectOne, inputs, dtype=torch.float64)
+
+
+def _unbind(seq, along_sequence):
+    return compare_with_one_process(UnbindAttention, lambda: (torch.randn(2, seq, DIM), along_sequence),
+                                    dtype=torch.float64)
+
+
+CASES = {"losses": (_losses,), "aranges": (_aranges,), "select": (_select_one,),
+         "unbind": (_unbind, False), "unbind_along_sequence": (_unbind, True)}
+
+
+def _run_cases(seq):
+    results = {}
+    for name, (fn, *args) in CASES.items():
+        torch._dynamo.reset()
+        r = fn(seq, *args)
+        results[name] = {"error": r.max_error(), "summary": r.summary(), "fallbacks": r.fallbacks,
+                         "attention": r.attention,
+                         "placements": {k: v for rep in r.compiled_reports for k, v in rep.placements.items()}}
+    return results
+
+
+@pytest.mark.parametrize("world,seq", [(2, 9), (3, 13)])
+def test_rule_edge_cases_match_one_process(world, seq):
+    for rank_results in run_on_ranks(_run_cases, world, seq, timeout=300):
+        for name, r in rank_results.items():
+            assert r["error"] < 1e-9, f"{name}: {r['summary']}"
+        unbind = rank_results["unbind"]
+        assert not unbind["fallbacks"], unbind["fallbacks"]
+        placed = unbind["placements"]  # [B, H, S, D] queries, keys and values split along S
+        assert [placed[name] for name in ("q", "k", "v", "first", "second")] == ["S(2)"] * 3 + ["S(0)"] * 2, placed
+        assert [a["strategy"] for a in unbind["attention"]] not in ([], ["whole"], ["gathered-kv"]), unbind["attention"]
+        assert any("splitting along the split sequence dim" in f for f in rank_results["unbind_along_sequence"]["fallbacks"])
+        assert any("not causal" in f for f in rank_results["aranges"]["fallbacks"])  # the stepped mask stays dense
