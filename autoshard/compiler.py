@@ -1,15 +1,9 @@
 """The torch.compile backend: ``torch.compile(model, backend=autoshard.backend(mesh))``.
 
-Dynamo hands the backend one graph per captured region; the backend runs the passes (in order)
-and hands the per-rank graph to the inner compiler:
-
-1. ``annotate``   -- every node's canonical op (:mod:`~autoshard.passes.ops`);
-2. ``capture``    -- attention calls become ``captured_attention`` with structured masks;
-3. ``decompose``  -- composites without rules (``diff``) become ops with rules;
-4. ``link``       -- rules declare which dims carry the same positions; families grow from attention;
-5. ``choose``     -- a strategy per attention and a layout per family;
-6. ``rewrite``    -- the local graph of this rank, with placement transitions;
-7. ``lower``      -- the inner compiler (eager by default).
+Dynamo hands the backend one graph per captured region; the backend runs the passes of
+:data:`autoshard.passes.pipeline.PASSES` in order (canonical ops, capture, decompose, link, families,
+strategy, rewrite; ``AUTOSHARD_DUMP=<dir>`` writes what each produced) and lowers the per-rank graph
+with the inner compiler (eager by default).
 
 Every rank compiles its own graph (uneven shards make ranks' shapes differ) and, before the first
 run, checks through the rendezvous store that all ranks compiled the same graph for the same shapes:
@@ -31,6 +25,7 @@ import copy
 import datetime
 import hashlib
 import itertools
+import os
 import warnings
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -41,17 +36,14 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .config import BackendConfig
-from .passes.capture import capture_attention
-from .passes.infer import find_families, link_graph
-from .passes.normalize import annotate, decompose
-from .passes.rewrite import CompileReport, Rewriter
-from .passes.ops import op_of, value_of
+from .passes.ops import value_of
+from .passes.pipeline import PipelineState, run_pipeline
+from .passes.rewrite import CompileReport
 from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
 from .runtime.accounting import record
 from .runtime.layouts import SequenceLayout
-from .runtime.groups import GroupLike, plan_group_name, resolve_group
-from .strategy import choose
+from .runtime.groups import GroupLike, resolve_group
 
 __all__ = ["backend", "AutoshardBackend", "autoshard_backend", "CompiledGraph", "GraphRecord", "compile_graph"]
 
@@ -63,6 +55,8 @@ SIZES_CACHED = 8
 """How many sets of sizes of one dynamic-shape graph keep their compiled graph (least recently used first out)."""
 RECORDS_KEPT = 64
 """How many compiled graphs' records a backend keeps for reports and warnings (oldest first out)."""
+_DUMPS = itertools.count()
+"""Numbers this process's dumped compiles (``AUTOSHARD_DUMP``), one folder each."""
 _LAST_CHECK: dict[str, int] = {}
 """Group name -> number of this rank's last graph check in that group (whose store key it still holds)."""
 
@@ -98,35 +92,24 @@ class GraphRecord:
 def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world: int, group: str,
                   ring_group: str = "", heads_group: str = "", heads_axis_size: int | None = None,
                   sharded_inputs: dict[str, Any] | None = None, topology=None, planning: bool = False) -> CompiledGraph:
-    """Run the passes on ``gm`` (modified in place up to the rewrite) for ``rank`` of ``world``."""
-    annotate(gm)
-    missed: list[str] = []
-    capture_attention(gm, missed)
-    annotate(gm)  # capture rewired nodes: their canonical ops must name the new inputs
-    decompose(gm)
-    links = link_graph(gm)
-    for node, dim in _annotated_inputs(gm, config):
-        links.seed((node, dim, 0))
-    families = find_families(links)
-    has_layers = any(getattr(op_of(n), "name", None) in ("linear", "matmul", "addmm") for n in gm.graph.nodes)
-    if not families.families and world > 1 and (missed or has_layers):
-        detail = "; ".join(missed) if missed else (
+    """Run the passes (:data:`~autoshard.passes.pipeline.PASSES`) on ``gm`` (modified in place up to the
+    rewrite) for ``rank`` of ``world``; ``AUTOSHARD_DUMP=<dir>`` writes every pass's output under ``dir``."""
+    dump = os.environ.get("AUTOSHARD_DUMP")
+    state = run_pipeline(PipelineState(
+        gm=gm, config=config, rank=rank, world=world, group=group, ring_group=ring_group, heads_group=heads_group,
+        heads_axis_size=heads_axis_size, sharded_inputs=sharded_inputs, seeds=_annotated_inputs(gm, config),
+        topology=topology, planning=planning,
+        dump_dir=os.path.join(dump, f"graph{next(_DUMPS)}-rank{rank}") if dump else None))
+    families, rewriter = state.families, state.rewriter
+    if not families.families and world > 1 and (state.missed or state.stats["capture"].counts["layers"]):
+        detail = "; ".join(state.missed) if state.missed else (
             "no scaled_dot_product_attention or softmax(QK^T)V in it, and no input marked with "
             "autoshard.mark_sequence or seq_dims")
         warnings.warn(f"autoshard: nothing in this graph is split along a sequence, so it runs whole on every "
                       f"rank: {detail}", stacklevel=3)
-    layouts, strategies, reasons, heads_axis_size = choose(families, config=config, world=world,
-                                                           heads_axis_size=heads_axis_size, topology=topology,
-                                                           planning=planning)
-    if planning and heads_axis_size and not ring_group:
-        ring_group = plan_group_name(rank // heads_axis_size, world // heads_axis_size)
-        heads_group = plan_group_name(rank % heads_axis_size, heads_axis_size)
-    rewriter = Rewriter(gm, families, layouts, rank=rank, world=world, group=group, config=config,
-                        strategies=strategies, ring_group=ring_group, heads_group=heads_group,
-                        sharded_inputs=sharded_inputs, heads_axis_size=heads_axis_size)
-    new_gm = rewriter.run()
+    rewriter.report.passes = state.stats
     gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
-    return CompiledGraph(new_gm, rewriter.report, families, strategies, gathered, reasons)
+    return CompiledGraph(state.gm, rewriter.report, families, state.strategies, gathered, state.reasons)
 
 
 def input_name(node: fx.Node) -> str | None:

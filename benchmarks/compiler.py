@@ -32,8 +32,9 @@ from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
 # ----------------------------------------------------------------------------- 1. compile overhead
 
 
-def compile_overhead(layers: int, repeats: int = 3) -> list[float]:
-    """Seconds of ``compile_graph`` on the dynamo graph of a ``layers``-layer model (rank 0 of 2, fake world)."""
+def compile_overhead(layers: int, repeats: int = 3) -> tuple[list[float], dict[str, float]]:
+    """Seconds of ``compile_graph`` on the dynamo graph of a ``layers``-layer model (rank 0 of 2, fake world),
+    and each pass's seconds in the run of median total."""
     from autoshard.compiler import compile_graph
     from autoshard.config import BackendConfig
     from autoshard.testing import fake_world
@@ -46,16 +47,19 @@ def compile_overhead(layers: int, repeats: int = 3) -> list[float]:
 
     model = LlamaLM(LlamaConfig(layers=layers))
     ids = torch.randint(0, 256, (1, 128))
-    times = []
+    times, per_pass = [], []
     with fake_world(2):
         for _ in range(repeats):
             graphs.clear()
             torch._dynamo.reset()
             torch.compile(model, backend=grab)(ids, ids)
             start = time.perf_counter()
-            compile_graph(graphs[0], config=BackendConfig(), rank=0, world=2, group=dist.group.WORLD.group_name)
+            compiled = compile_graph(graphs[0], config=BackendConfig(), rank=0, world=2,
+                                     group=dist.group.WORLD.group_name)
             times.append(time.perf_counter() - start)
-    return times
+            per_pass.append({name: stats.seconds for name, stats in compiled.report.passes.items()})
+    middle = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]
+    return times, per_pass[middle]
 
 
 # ----------------------------------------------------------------------------- 2. memory
@@ -150,9 +154,10 @@ def main():
     opts = parser.parse_args()
     layers, mem_seq, step_seq, steps = (32, opts.seq_len, opts.step_seq_len, 5) if not opts.quick else (8, 1024, 512, 2)
 
-    overhead = compile_overhead(layers)
+    overhead, per_pass = compile_overhead(layers)
     print(f"\n1. compile overhead of the autoshard passes, {layers}-layer Llama-style graph")
-    print(f"   median {statistics.median(overhead):.2f} s over {len(overhead)} runs (target <= 2 s)")
+    print(f"   median {statistics.median(overhead):.2f} s over {len(overhead)} runs (target <= 2 s); by pass:")
+    print("   " + "  ".join(f"{name} {seconds:.3f}" for name, seconds in per_pass.items()))
 
     args = {"seq_len": mem_seq, "layers": 2, "hidden": 256}
     one = run_on_ranks(peak_step_memory, 1, args, False, timeout=3600, env=LOW_MMAP_THRESHOLD_ENV)[0]

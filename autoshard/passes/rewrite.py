@@ -86,6 +86,8 @@ class CompileReport:
     square_values: list[str] = field(default_factory=list)
     """Values that carry the sequence on two dims (an S x S mask or score matrix would be one): they are
     computed whole along one of them."""
+    passes: dict = field(default_factory=dict)
+    """Pass name -> its :class:`~autoshard.passes.pipeline.PassStats` (seconds, counts), in pass order."""
 
 
 def _mutates(node: fx.Node) -> bool:

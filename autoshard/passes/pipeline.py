@@ -1,0 +1,196 @@
+"""The compile pipeline: the passes one graph goes through, in one ordered list, each with a name.
+
+=============  ==================================================================================
+``canonical``  record every node's canonical op (:mod:`.normalize`, :mod:`.ops`)
+``capture``    attention calls become ``captured_attention`` with a structured mask (:mod:`.capture`)
+``decompose``  composites (``diff``) become ops that have rules (:mod:`.normalize`)
+``link``       every node's rule links its dims to its inputs' dims; annotations seed (:mod:`.infer`)
+``families``   linked dims joined into sequence families (:mod:`.infer`)
+``strategy``   an attention algorithm per attention, a layout per family (:mod:`autoshard.strategy`)
+``rewrite``    the local graph of this rank (:mod:`.rewrite`)
+=============  ==================================================================================
+
+Each pass reads and writes one :class:`PipelineState` and returns what it counted (attentions captured,
+masks left dense, patterns missed, families, fallbacks...). :func:`run_pipeline` times every pass and
+keeps its counts in ``state.stats`` (the compile report carries them). With ``dump_dir`` set (the
+backend takes it from the environment variable ``AUTOSHARD_DUMP``), every pass writes what it produced
+-- the graph's code after a graph pass, the families, the decisions -- to a numbered file, so a
+surprising result can be traced to the pass that made it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from ..config import BackendConfig
+from ..runtime.groups import plan_group_name
+from ..strategy import choose
+from .capture import capture_attention
+from .infer import Families, LinkContext, find_families, link_graph
+from .normalize import annotate, decompose
+from .ops import op_of
+from .rewrite import Rewriter
+
+__all__ = ["PipelineState", "PassStats", "PASSES", "run_pipeline"]
+
+
+@dataclass
+class PassStats:
+    """What one pass took and counted."""
+
+    seconds: float
+    """Wall time of the pass."""
+    counts: dict[str, int]
+    """What the pass counted (its own keys: ``attention``, ``dense_masks``, ``families``, ...)."""
+
+
+@dataclass(kw_only=True)
+class PipelineState:
+    """The graph and what the passes learn about it, filled in pass order."""
+
+    gm: fx.GraphModule
+    """The graph; graph passes change it in place, ``rewrite`` replaces it by this rank's graph."""
+    config: BackendConfig
+    """The backend's options."""
+    rank: int
+    """This rank in the sequence group."""
+    world: int
+    """Ranks in the sequence group."""
+    group: str
+    """Name of the sequence group."""
+    ring_group: str = ""
+    """Name of the ring-axis group of a 2-D mesh (hybrid), else empty."""
+    heads_group: str = ""
+    """Name of the Ulysses-axis group of a 2-D mesh (hybrid), else empty."""
+    heads_axis_size: int | None = None
+    """Ranks on the Ulysses axis of a 2-D mesh, else None."""
+    sharded_inputs: dict[str, Any] | None = None
+    """Placeholder name -> the Shard placement its input arrives in (``inputs="sharded"``)."""
+    seeds: list[tuple[fx.Node, int]] = field(default_factory=list)
+    """(placeholder, sequence dim) of inputs the user named in ``seq_dims``."""
+    topology: Any = None
+    """Cluster description for the cost model; None = the default."""
+    planning: bool = False
+    """A dry run: the hybrid may be chosen without a 2-D mesh (the plan names the mesh to build)."""
+    dump_dir: str | None = None
+    """Where every pass writes what it produced, or None."""
+
+    missed: list[str] = field(default_factory=list)
+    """capture: attention-like patterns that were not captured, with the reason."""
+    links: LinkContext | None = None
+    """link: the dims every rule linked."""
+    families: Families | None = None
+    """families: the sequence families."""
+    layouts: dict = field(default_factory=dict)
+    """strategy: family index -> root layout."""
+    strategies: dict = field(default_factory=dict)
+    """strategy: attention node -> algorithm."""
+    reasons: dict = field(default_factory=dict)
+    """strategy: attention node -> why."""
+    rewriter: Rewriter | None = None
+    """rewrite: the rewriter (its report, its gathered outputs)."""
+    stats: dict[str, PassStats] = field(default_factory=dict)
+    """Pass name -> what it took and counted, in pass order."""
+
+
+def _canonical(state: PipelineState) -> dict[str, int]:
+    annotate(state.gm)
+    return {"nodes": len(state.gm.graph.nodes)}
+
+
+def _capture(state: PipelineState) -> dict[str, int]:
+    captured = capture_attention(state.gm, state.missed)
+    annotate(state.gm)  # rewired nodes: their canonical ops must name the new inputs
+    layers = sum(getattr(op_of(n), "name", None) in ("linear", "matmul", "addmm") for n in state.gm.graph.nodes)
+    return {"attention": len(captured), "dense_masks": sum(reason is not None for _, reason in captured),
+            "missed": len(state.missed), "layers": layers}
+
+
+def _decompose(state: PipelineState) -> dict[str, int]:
+    before = len(state.gm.graph.nodes)
+    decompose(state.gm)
+    return {"nodes_added": len(state.gm.graph.nodes) - before}
+
+
+def _link(state: PipelineState) -> dict[str, int]:
+    state.links = link_graph(state.gm)
+    for node, dim in state.seeds:
+        state.links.seed((node, dim, 0))
+    return {"seeds": len(state.seeds)}
+
+
+def _families(state: PipelineState) -> dict[str, int]:
+    state.families = find_families(state.links)
+    return {"families": len(state.families.families), "refused_links": len(state.families.refused)}
+
+
+def _strategy(state: PipelineState) -> dict[str, int]:
+    state.layouts, state.strategies, state.reasons, state.heads_axis_size = choose(
+        state.families, config=state.config, world=state.world, heads_axis_size=state.heads_axis_size,
+        topology=state.topology, planning=state.planning)
+    if state.planning and state.heads_axis_size and not state.ring_group:
+        state.ring_group = plan_group_name(state.rank // state.heads_axis_size, state.world // state.heads_axis_size)
+        state.heads_group = plan_group_name(state.rank % state.heads_axis_size, state.heads_axis_size)
+    return dict(Counter(state.strategies.values()))
+
+
+def _rewrite(state: PipelineState) -> dict[str, int]:
+    state.rewriter = Rewriter(state.gm, state.families, state.layouts, rank=state.rank, world=state.world,
+                              group=state.group, config=state.config, strategies=state.strategies,
+                              ring_group=state.ring_group, heads_group=state.heads_group,
+                              sharded_inputs=state.sharded_inputs, heads_axis_size=state.heads_axis_size)
+    state.gm = state.rewriter.run()
+    report = state.rewriter.report
+    return {"transitions": len(report.transitions), "fallbacks": len(report.fallbacks),
+            "collectives": len(report.comms)}
+
+
+def _graph_code(state: PipelineState) -> str:
+    state.gm.recompile()  # the passes edit the graph; the code is regenerated from it
+    return state.gm.code
+
+
+def _families_text(state: PipelineState) -> str:
+    lines = [f"family {i}: length {fam.length}, attention {[n.name for n in fam.attention_nodes]}"
+             for i, fam in enumerate(state.families.families)]
+    lines += [f"refused {a} -- {b}: {why}" for a, b, _, why in state.families.refused]
+    return "\n".join(lines) + "\n"
+
+
+def _decisions_text(state: PipelineState) -> str:
+    lines = [f"family {i}: {layout}" for i, layout in state.layouts.items()]
+    lines += [f"{node.name}: {strategy} ({state.reasons.get(node, '')})" for node, strategy in state.strategies.items()]
+    return "\n".join(lines) + "\n"
+
+
+PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[PipelineState], str]], ...] = (
+    ("canonical", _canonical, _graph_code),
+    ("capture", _capture, _graph_code),
+    ("decompose", _decompose, _graph_code),
+    ("link", _link, lambda state: f"{len(state.links.factors)} nodes with linked dims\n"),
+    ("families", _families, _families_text),
+    ("strategy", _strategy, _decisions_text),
+    ("rewrite", _rewrite, _graph_code),
+)
+"""(name, pass, what the pass produced as text for a dump), in the order they run."""
+
+
+def run_pipeline(state: PipelineState) -> PipelineState:
+    """Run :data:`PASSES` in order on ``state``, recording each one's time and counts (and its output,
+    with ``state.dump_dir``)."""
+    dump = Path(state.dump_dir) if state.dump_dir else None
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+    for index, (name, run, describe) in enumerate(PASSES):
+        start = time.perf_counter()
+        counts = run(state)
+        state.stats[name] = PassStats(time.perf_counter() - start, counts)
+        if dump is not None:
+            (dump / f"{index:02d}-{name}.txt").write_text(f"# {name}: {counts}\n{describe(state)}")
+    return state

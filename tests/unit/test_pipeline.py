@@ -1,0 +1,34 @@
+"""The pass pipeline: passes run in the listed order, each counted, and AUTOSHARD_DUMP writes what each
+produced (planned on a fake world: no process group)."""
+
+import torch
+
+import autoshard
+from autoshard.models import HandwrittenLM, LlamaLM
+from autoshard.passes.pipeline import PASSES
+
+
+def _dumped(tmp_path, monkeypatch, model, inputs):
+    monkeypatch.setenv("AUTOSHARD_DUMP", str(tmp_path))
+    torch._dynamo.reset()
+    autoshard.plan(model, inputs, world_size=2, strategy="ring")
+    (folder,) = sorted(tmp_path.iterdir())[-1:]
+    return {p.name: p.read_text() for p in sorted(folder.iterdir())}
+
+
+def test_every_pass_runs_in_order_counts_and_dumps(tmp_path, monkeypatch):
+    ids = torch.randint(0, 256, (1, 12))
+    files = _dumped(tmp_path, monkeypatch, LlamaLM(), (ids, ids))
+    assert list(files) == [f"{i:02d}-{name}.txt" for i, (name, _, _) in enumerate(PASSES)]
+    capture = files["01-capture.txt"]
+    assert capture.startswith("# capture: {'attention': 2, 'dense_masks': 0, 'missed': 0,")
+    assert "captured_attention" in capture
+    assert files["04-families.txt"].count("family ") == 1
+    assert files["05-strategy.txt"].count(": ring (") == 2
+    assert "autoshard.attention" in files["06-rewrite.txt"] and "captured_attention" not in files["06-rewrite.txt"]
+
+
+def test_handwritten_attention_is_captured_and_counted(tmp_path, monkeypatch):
+    ids = torch.randint(0, 256, (1, 12))
+    files = _dumped(tmp_path, monkeypatch, HandwrittenLM(), (ids,))
+    assert files["01-capture.txt"].startswith("# capture: {'attention': 2,")
