@@ -8,16 +8,22 @@ the same positions as the output dim; a size-1 or missing dim is broadcast. So o
 * partial inputs stay partial through linear ops (``a + b`` of two partial sums, ``p * r``, ``p / r``,
   ``-p``, casts); any other op first reduces them.
 
-Dropout on a split value draws a different mask on every rank (``runtime/random.py``).
+Dropout on a split value multiplies this rank's part of the one-process dropout factor, which every
+rank draws whole (``runtime/random.py``); alpha dropout, whose noise is not a factor, runs on the
+gathered value.
 """
 
 from __future__ import annotations
 
+import operator
+
+import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from ...placements import REPLICATE, Partial, Replicate, Shard
-from ...runtime.random import sharded_dropout
-from ..ops import is_tensor_node, op_of, shape_of
+from ...runtime import random as _random  # noqa: F401 -- defines autoshard::sequence_draw
+from ..ops import is_tensor_node, op_of, shape_of, value_of
 from . import register
 
 _LINEAR_IN_EVERY_INPUT = {"add", "sub"}
@@ -163,13 +169,27 @@ def rewrite_same(rw, node, op):
 register("identity", "to", link=link_same, rewrite=rewrite_same)
 
 
+_DROPOUT_DRAWS = {F.dropout: "dropout", torch.dropout: "dropout", F.dropout1d: "dropout1d", F.dropout2d: "dropout2d"}
+"""Dropout functions whose output is the input times a random factor -> their draw in ``runtime/random.py``."""
+
+
 def rewrite_dropout(rw, node, op):
     out = rw.out_shard(node)
     if out is None:
         rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
         return
-    x = rw.input(op["input"], out)
-    rw.done(node, rw.call(sharded_dropout, x, float(op["p"]), bool(op["training"]), rw.rank), out)
+    if not op["training"] or op["p"] == 0.0:  # the identity, drawing nothing
+        rw.done(node, rw.input(op["input"], out), out)
+        return
+    kind = _DROPOUT_DRAWS.get(node.target)
+    if kind is None:
+        whole = rw.reemit(node, *whole_args(rw, node, f"{node.target.__name__} is drawn on the whole value"))
+        rw.done(node, rw.shard_value(node, whole, out), out)
+        return
+    val = value_of(node)
+    factor = rw.call(torch.ops.autoshard.sequence_draw.default, kind, float(op["p"]), list(val.shape), out.dim,
+                     list(out.factors), out.factor, out.layout.encode(), rw.rank, node.name, val.dtype, val.device)
+    rw.done(node, rw.call(operator.mul, rw.input(op["input"], out), factor), out)
 
 
 register("dropout", link=link_same, rewrite=rewrite_dropout)
