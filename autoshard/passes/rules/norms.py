@@ -16,6 +16,7 @@ from ...runtime.collectives import all_reduce
 from ...runtime.redistribute import reduce_partial
 from ..ops import numel, shape_of, value_of
 from . import register
+from .reductions import local_extreme
 from .pointwise import link_broadcast, link_same, mapped_args, whole_args
 
 __all__ = ["softmax_over_split"]
@@ -56,7 +57,7 @@ def softmax_over_split(x: torch.Tensor, dim: int, log: bool, dtype, group: str) 
     """(log-)softmax along a dim split over ranks: the max and the normalizer are all-reduced."""
     if dtype is not None:
         x = x.to(dtype)
-    m = reduce_partial(x.detach().amax(dim, keepdim=True), "max", group)
+    m = reduce_partial(local_extreme(x, [dim]), "max", group)  # an empty shard joins with -inf
     shifted = x - m
     # the normalizer feeds this rank's positions: its gradient is a share, summed by all_reduce's backward
     total = all_reduce(shifted.exp().sum(dim, keepdim=True), "sum", group=group)

@@ -11,11 +11,19 @@ split dim:
 * ``all`` / ``any``: an all-reduce of the local answer;
 * others (``argmax``, ``prod``, ``norm``, ``max(dim)`` with indices) gather, recorded as fallbacks.
 
+A rank's shard may be empty (a slice of the sequence can leave a rank no position of it). Every rank
+still joins every all-reduce, with the reduction's identity as its part: ``-inf`` for a maximum
+(:func:`local_extreme`), zero for sums, true for ``all`` and false for ``any`` (what torch's own
+reductions of an empty tensor give), so the all-reduced answer is the one over the ranks that hold
+positions.
+
 A partial input stays partial through ``sum`` and ``mean`` (they are linear). ``cumsum`` along the
 split dim adds the sums of all earlier positions held by other ranks (``seq_cumsum``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -28,7 +36,7 @@ from ..ops import numel, shape_of, value_of
 from . import register
 from .pointwise import link_same, whole_args
 
-__all__ = ["extreme_over_split", "logsumexp_over_split", "var_over_split", "truth_over_split"]
+__all__ = ["local_extreme", "extreme_over_split", "logsumexp_over_split", "var_over_split", "truth_over_split"]
 
 
 def _reduced_dims(op, ndim: int) -> list[int]:
@@ -67,11 +75,27 @@ def _source_shard(op, out: Shard | None, ndim: int, reduced: list[int]) -> Shard
     return out.moved(kept[out.dim])
 
 
+def _lowest(dtype: torch.dtype, largest: bool) -> float | int | bool:
+    """The identity of a maximum (``largest``) or minimum of ``dtype`` values."""
+    if dtype.is_floating_point:
+        return -math.inf if largest else math.inf
+    if dtype == torch.bool:
+        return not largest
+    return torch.iinfo(dtype).min if largest else torch.iinfo(dtype).max
+
+
+def local_extreme(x: torch.Tensor, dims: list[int], largest: bool = True) -> torch.Tensor:
+    """This rank's part of an amax (``largest``) / amin over ``dims`` (keepdim, no gradient); where the shard
+    has no position along a reduced dim, the all-reduce's identity, which torch's amax refuses to give."""
+    x = x.detach()
+    if all(x.size(d) for d in dims):
+        return x.amax(dims, keepdim=True) if largest else x.amin(dims, keepdim=True)
+    return x.new_full([1 if d in dims else n for d, n in enumerate(x.shape)], _lowest(x.dtype, largest))
+
+
 def extreme_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, largest: bool, group: str) -> torch.Tensor:
     """amax / amin over dims one of which is split: value all-reduced, gradient shared among all ties."""
-    local = x.detach().amax(dims, keepdim=True) if largest else x.detach().amin(dims, keepdim=True)
-    value = reduce_partial(local if largest else -local, "max", group)
-    value = value if largest else -value
+    value = reduce_partial(local_extreme(x, dims, largest), "max" if largest else "min", group)
     hit = (x == value).to(x.dtype)
     count = reduce_partial(hit.sum(dims, keepdim=True), "sum", group)
     picked = reduce_partial((x * hit).sum(dims, keepdim=True), "sum", group) / count
@@ -80,7 +104,7 @@ def extreme_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, largest:
 
 
 def logsumexp_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, group: str) -> torch.Tensor:
-    m = reduce_partial(x.detach().amax(dims, keepdim=True), "max", group)
+    m = reduce_partial(local_extreme(x, dims), "max", group)
     total = reduce_partial((x - m).exp().sum(dims, keepdim=True), "sum", group)
     out = total.log() + m
     return out if keepdim else out.squeeze(dims)
