@@ -9,6 +9,12 @@ Rewrite: with queries, keys and values split along one layout and a structured m
 that keeps a dense mask (one the mask pass could not structure) runs on gathered keys and values
 with this rank's rows of the mask; an attention with dropout, or one whose keys are another sequence,
 runs on whole tensors. Both are recorded in the plan.
+
+Rows that see no key under an additive mask (:func:`fill_empty_rows`) get what one device gives them.
+Such rows can sit on some ranks only (left padding under a causal mask leaves the first rank's rows
+empty), so every rank takes the same path whatever its own rows are: a ~finfo.min fill is always
+computed from all-reduced sums; for a milder fill the ranks first all-reduce whether any row anywhere
+is empty (one integer), and only then all gather the keys and values, together.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ...placements import REPLICATE, Shard
-from ...runtime.collectives import all_reduce
+from ...runtime.collectives import all_gather, all_reduce
 from ...runtime.attention import formulas
 from ..ops import shape_of, value_of
 from . import register
@@ -44,21 +50,33 @@ def uniform_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return v_mean + (first - first.detach()) - (centre - centre.detach()) * v_mean
 
 
+def attend_to_every_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sizes: list[int],
+                        group: str) -> torch.Tensor:
+    """Unmasked attention of this rank's queries to every key -- what softmax gives a row whose scores are all
+    shifted by the same mild fill. Keys and values are gathered in rank order (``sizes``: every rank's number
+    of keys), which softmax does not mind; all_gather's backward sums every rank's share of their gradient."""
+    keys, values = (all_gather(t, -2, group=group, sizes=sizes) for t in (k, v))
+    return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=k.size(-3) != q.size(-3))
+
+
+def _anywhere(flags: torch.Tensor, group: str) -> bool:
+    """Whether any element of ``flags`` is set on any rank: the same answer on every rank."""
+    return bool(all_reduce(flags.any().to(torch.int32).reshape(1), "max", group=group))
+
+
 def fill_empty_rows(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    scale: float, length: int, mode: str, group: str) -> torch.Tensor:
-    """Query rows that see no key, as an additive mask makes them: ``"uniform"`` (a ~finfo.min fill) attends
-    uniformly to all ``length`` keys (:func:`uniform_attention`); ``"scores"`` (a milder fill) would attend
-    with the unmasked scores, which is not supported and raises if such a row occurs."""
+                    scale: float, sizes: list[int], mode: str, group: str) -> torch.Tensor:
+    """Query rows that see no key, as an additive mask makes them (``sizes``: every rank's number of keys):
+    ``"uniform"`` (a ~finfo.min fill) attends uniformly to all keys (:func:`uniform_attention`); ``"scores"``
+    (a milder fill) attends to all keys with the unmasked scores (:func:`attend_to_every_key`), gathering
+    them only when some rank has such a row."""
     empty = torch.isneginf(lse).unsqueeze(-1)
     if mode == "scores":
-        if bool(empty.any()):
-            raise RuntimeError(
-                "autoshard: a query row sees no key under an additive attention mask whose fill is above "
-                "-1e30; one device then attends with the unmasked scores, which distributed attention does not "
-                "reproduce. Fill masks with torch.finfo(dtype).min (as transformers does) or use a boolean mask.")
-        return out
+        if not _anywhere(empty, group):
+            return out
+        return torch.where(empty, attend_to_every_key(q, k, v, scale, sizes, group).to(out.dtype), out)
     # the sums feed this rank's rows: their gradients are per-rank shares, summed by all_reduce's backward
-    uniform = uniform_attention(q, k, v, scale, length, lambda t: all_reduce(t, "sum", group=group))
+    uniform = uniform_attention(q, k, v, scale, sum(sizes), lambda t: all_reduce(t, "sum", group=group))
     return torch.where(empty, uniform.to(out.dtype), out)
 
 
@@ -78,9 +96,14 @@ def _record_attention_bytes(rw, node, op, strategy: str, sq: Shard) -> None:
                           formulas.bytes_sent(strategy, phase))
 
 
-def _record_uniform_bytes(rw, node, op) -> None:
-    """The three all-reduces of :func:`uniform_attention` (and their backward)."""
+def _record_empty_row_bytes(rw, node, op, mode: str) -> None:
+    """What :func:`fill_empty_rows` always sends: the three all-reduces of :func:`uniform_attention` (and their
+    backward), or the one-integer all-reduce that asks whether any rank has an empty row (the gather that
+    follows when one has is not planned for)."""
     q, k, v = (value_of(op[t]) for t in ("q", "k", "v"))
+    if mode == "scores":
+        rw.book.all_reduce(node.name, 1, 4, "forward", reason="any row with no visible key")
+        return
     b, hkv, d, dv = k.shape[0], k.shape[1], k.shape[3], v.shape[3]
     needs_grad = any(rw.requires_grad(op[t]) for t in ("q", "k", "v"))
     for numel in (b * hkv * d * dv, b * hkv * d, b * hkv * dv):
@@ -130,10 +153,9 @@ def rewrite_attention(rw, node, op):
         empty_rows = op.get("empty_rows", "zero")
         if empty_rows != "zero":
             lse = rw.call(operator.getitem, call, 1)
-            result = rw.call(fill_empty_rows, result, lse, *args[:3], float(op["scale"]), sq.layout.length,
-                             empty_rows, rw.group)
-            if empty_rows == "uniform":
-                _record_uniform_bytes(rw, node, op)
+            result = rw.call(fill_empty_rows, result, lse, *args[:3], float(op["scale"]),
+                             list(sq.layout.local_lengths), empty_rows, rw.group)
+            _record_empty_row_bytes(rw, node, op, empty_rows)
         rw.done(node, result, out)
         rw.report.attention.append({"node": node.name, "strategy": strategy, "layout": sq.layout.kind,
                                     "length": sq.layout.length, "causal": bool(op.get("causal")),

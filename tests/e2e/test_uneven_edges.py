@@ -1,0 +1,65 @@
+"""Inputs that leave ranks in different situations, against one process (values and gradients):
+
+* a slice of the sequence that leaves the first rank no position of it, under every reduction and
+  softmax that all-reduces over the sequence (the empty rank joins with the reduction's identity);
+* an additive attention mask with a mild fill (-1e4) and left padding under a causal mask, so that the
+  first rank's first row sees no key while the other ranks' rows all see keys (one device attends with
+  the unmasked scores there; every rank must take the same path).
+
+One compile per world size, with every case in one model.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.testing import run_on_ranks
+from autoshard.testing.equivalence import compare_with_one_process
+
+DIM, HEADS = 8, 2
+SLICE_START = 4
+"""With ``3 * world`` positions (contiguous), rank 0 holds positions 0-2: none of ``h[:, 4:]``."""
+
+
+class UnevenEdges(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+
+    def forward(self, x, keep):
+        h = torch.tanh(self.proj(autoshard.mark_sequence(x, 1)))
+        return self.sliced_reductions(h[:, SLICE_START:]), self.padded_attention(h, keep)
+
+    @staticmethod
+    def sliced_reductions(t):
+        truth = (t > 0).any(1).to(t.dtype) + (t > -0.9).all(1).to(t.dtype)
+        return (t.amax(1) + t.amin(1), torch.max(t), F.softmax(3 * t, dim=1), F.log_softmax(t, dim=1),
+                torch.logsumexp(t, 1), t.var(1), t.mean(1) * truth)
+
+    def padded_attention(self, h, keep):
+        b, s, _ = h.shape
+        q, k, v = self.qkv(h).view(b, s, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        causal = torch.ones(s, s, dtype=torch.bool, device=h.device).tril()
+        outs = []
+        for allowed in (causal & keep[:, None, None, :].bool(), causal[None, None]):  # padded, and no empty row
+            mask = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill(~allowed, -1e4)
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        return outs
+
+
+def _compare(seq: int):
+    keep = torch.ones(2, seq, dtype=torch.long)
+    keep[0, 0] = 0  # batch 0's first key is padding: its first row sees no key, and only rank 0 holds it
+    r = compare_with_one_process(UnevenEdges, lambda: (torch.randn(2, seq, DIM), keep), dtype=torch.float64,
+                                 layout="contiguous")
+    return r.max_error(), r.summary(), r.attention
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_empty_shards_and_rows_with_no_key_on_one_rank(world):
+    for rank, (err, summary, attention) in enumerate(run_on_ranks(_compare, world, 3 * world, timeout=120)):
+        assert err < 1e-9, f"rank {rank}: {summary}"
+        assert len(attention) == 2 and all(a["strategy"] != "whole" for a in attention), attention
