@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
+from autoshard.runtime.layouts import SequenceLayout
+from autoshard.runtime.random import DRAWS
 from autoshard.testing import run_on_ranks
 
 
@@ -102,3 +104,19 @@ def test_aot_eager_attention_on_strided_heads():
 
 def test_inductor_dropout_and_attention_match_one_process():
     _check(run_on_ranks(_against_one_process, 2, "inductor", 8, torch.float32, timeout=300), 1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(DRAWS))
+def test_every_ranks_draw_is_its_part_of_the_one_process_draw(kind):
+    """``sequence_draw`` alone, every rank in this process, from the same seed: a rank's part is the
+    one-process draw at the positions the rank holds (zigzag over 3 ranks, the sequence as the inner
+    factor of a merged (batch * sequence) dim)."""
+    rest = [3, 4, 2] if kind == "dropout2d" else [3, 4]  # dropout2d takes (N, C, H, W)
+    layout = SequenceLayout.zigzag(10, 3)
+    torch.manual_seed(0)
+    whole = DRAWS[kind]([2 * 10, *rest], 0.4, torch.float64, torch.device("cpu")).view(2, 10, *rest)
+    for rank in range(3):
+        torch.manual_seed(0)
+        part = torch.ops.autoshard.sequence_draw(kind, 0.4, [2 * 10, *rest], 0, [2, 10], 1, layout.encode(), rank,
+                                                 "site", torch.float64, torch.device("cpu"))
+        assert torch.equal(part.view(2, -1, *rest), whole[:, layout.positions(rank)])
