@@ -37,15 +37,21 @@ from .layouts import SequenceLayout
 
 __all__ = ["DRAWS", "rank_generator", "sequence_draw"]
 
+
+def _dropout_factor(dropout):
+    """The draw of ``dropout``'s factor: ``dropout`` applied to ones (0 or ``1 / (1 - p)`` per element)."""
+    return lambda shape, p, dtype, device: dropout(torch.ones(shape, dtype=dtype, device=device), p, True)
+
+
 DRAWS = {
-    "dropout": lambda shape, p, dtype, device: F.dropout(torch.ones(shape, dtype=dtype, device=device), p, True),
-    "dropout1d": lambda shape, p, dtype, device: F.dropout1d(torch.ones(shape, dtype=dtype, device=device), p, True),
-    "dropout2d": lambda shape, p, dtype, device: F.dropout2d(torch.ones(shape, dtype=dtype, device=device), p, True),
+    "dropout": _dropout_factor(F.dropout),
+    "dropout1d": _dropout_factor(F.dropout1d),
+    "dropout2d": _dropout_factor(F.dropout2d),
     "rand": lambda shape, p, dtype, device: torch.rand(shape, dtype=dtype, device=device),
     "randn": lambda shape, p, dtype, device: torch.randn(shape, dtype=dtype, device=device),
 }
-"""Kind -> the one-process draw of a global ``shape``. A dropout kind draws the factor its input is
-multiplied by (0 or ``1 / (1 - p)``, broadcast to ``shape``); ``p`` is ignored by ``rand``/``randn``."""
+"""Kind -> the one-process draw of a global ``shape``: for a dropout kind the factor its input is multiplied
+by (broadcast to ``shape``); ``p`` is ignored by ``rand``/``randn``."""
 
 
 def _local_shape(shape: list[int], dim: int, factors: list[int], factor: int, length: int) -> list[int]:
