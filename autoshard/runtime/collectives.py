@@ -25,6 +25,11 @@ follow the *logical-tensor* convention instead (as DTensor does); they reuse the
 Uneven sizes are first-class: ``all_gather`` and ``reduce_scatter`` take every rank's size along the
 dim, ``all_to_all`` takes how the split dim is cut and every rank's size along the concatenated dim.
 Every call records its bytes in the :mod:`~autoshard.runtime.accounting` counter.
+
+Bad arguments fail on every rank, never on one while the others wait in the collective: a check that
+depends on what only one rank holds (its shard's length) first exchanges those facts
+(:func:`gather_facts`, a few bytes counted as ``"metadata"``) and then decides from what every rank now
+knows identically, so every rank raises the same error.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ __all__ = [
     "reduce_scatter_impl",
     "all_reduce_impl",
     "all_to_all_impl",
+    "gather_facts",
 ]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -164,12 +170,40 @@ def _p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, 
     return dist.batch_isend_irecv(ops) if ops else []
 
 
+def gather_facts(facts: Sequence[int], pg: dist.ProcessGroup) -> list[list[int]]:
+    """Every rank's ``facts`` (as many integers on every rank), in rank order, on every rank."""
+    mine = torch.tensor(list(facts), dtype=torch.long)
+    out = mine.new_empty(pg.size() * mine.numel())
+    _all_gather_single(out, mine, group=pg)
+    nbytes = all_gather_bytes(mine.numel() * mine.element_size(), pg.size())
+    record("metadata", nbytes, nbytes)
+    return out.view(pg.size(), -1).tolist()
+
+
+def _per_position(x: torch.Tensor, dim: int) -> int:
+    """Elements of ``x`` per position along ``dim``."""
+    return _prod(_with(x.shape, dim, 1))
+
+
+def _check_halo(x: torch.Tensor, dim: int, left: int, right: int, pg: dist.ProcessGroup) -> None:
+    """Raise, on every rank alike, unless the ranks agree on the halo and the shape of a position, and every
+    rank holds the positions it sends: its last ``left`` (all but the last rank), its first ``right`` (all but
+    the first)."""
+    facts = gather_facts([x.size(dim), left, right, _per_position(x, dim)], pg)
+    if len({tuple(f[1:]) for f in facts}) > 1:
+        raise ValueError(f"halo_exchange: the ranks differ in (left, right, elements per position along dim {dim}): "
+                         f"{[tuple(f[1:]) for f in facts]} by rank")
+    world = len(facts)
+    short = [r for r, (n, *_) in enumerate(facts) if (r < world - 1 and n < left) or (r > 0 and n < right)]
+    if short:
+        raise ValueError(
+            f"halo_exchange: rank(s) {short} hold {[facts[r][0] for r in short]} positions along dim {dim}, fewer "
+            f"than the halo they send ({left} left, {right} right); use fewer ranks or a longer sequence")
+
+
 def _halo_impl(x: torch.Tensor, dim: int, left: int, right: int, fill: float, pg: dist.ProcessGroup) -> torch.Tensor:
     world, rank = pg.size(), pg.rank()
-    if x.size(dim) < max(left, right):
-        raise ValueError(
-            f"halo_exchange: rank {rank} holds {x.size(dim)} positions along dim {dim}, fewer than the halo "
-            f"({left} left, {right} right); use fewer ranks or a longer sequence")
+    _check_halo(x, dim, left, right, pg)
     left_halo = x.new_full(_with(x.shape, dim, left), fill)
     right_halo = x.new_full(_with(x.shape, dim, right), fill)
     sends, recvs = [], []
@@ -443,8 +477,9 @@ def halo_exchange(x: torch.Tensor, dim: int, *, left: int = 0, right: int = 0, f
                   group: GroupLike = None) -> torch.Tensor:
     """Extend this rank's contiguous shard along ``dim`` with the previous rank's last ``left`` positions
     and the next rank's first ``right`` positions; at the global ends the halo holds ``fill`` (zero by
-    default, which is what a zero-padded convolution expects). Backward: halo gradients return to their
-    owners and are added there."""
+    default, which is what a zero-padded convolution expects). Every rank must hold at least the positions it
+    sends; the ranks check that together (their lengths travel as ``"metadata"``), so a short rank fails on
+    every rank. Backward: halo gradients return to their owners and are added there."""
     if left < 0 or right < 0:
         raise ValueError("halo_exchange: left and right must be >= 0")
     return torch.ops.autoshard.halo_exchange(x, _dim(x, dim), left, right, float(fill), group_name(group))

@@ -151,3 +151,37 @@ def test_collectives_trace_under_torch_compile():
     expected = torch.cat([torch.arange(4.0) * 2, (torch.arange(4.0) + 1) * 2]) + 1
     for out in res:
         torch.testing.assert_close(out, expected)
+
+
+def _halo_errors(cases: list[dict]) -> list[str]:
+    """Each case's halo exchange on this rank: the error it raised, or "no error"."""
+    rank = dist.get_rank()
+    out = []
+    for case in cases:
+        x = torch.zeros(2, case["lengths"][rank], 3)
+        try:
+            halo_exchange(x, 1, left=case["left"][rank], right=case["right"])
+            out.append("no error")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_halo_exchange_rejects_bad_shards_on_every_rank(world):
+    """A rank too short for the halo it sends (rank 1, which sends its first position left), or ranks asking
+    for different halos, fail on every rank with the same error -- not on one while the others wait. A last
+    rank that holds fewer positions than the left halo sends nothing, so that is no error."""
+    short = [4] * world
+    short[1] = 0
+    empty_last = [4] * (world - 1) + [0]
+    cases = [dict(lengths=short, left=[2] * world, right=1),
+             dict(lengths=[4] * world, left=[1 + r for r in range(world)], right=0),
+             dict(lengths=empty_last, left=[2] * world, right=0)]
+    results = run_on_ranks(_halo_errors, world, cases, timeout=30)
+    for case, messages in zip(cases, zip(*results)):
+        assert len(set(messages)) == 1, (case, messages)  # the same on every rank
+    too_short, differ, fine = results[0]
+    assert "rank(s) [1] hold [0] positions" in too_short
+    assert "the ranks differ in (left, right" in differ
+    assert fine == "no error"
