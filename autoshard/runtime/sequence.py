@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .accounting import record
-from .collectives import _pg, _with, all_gather_impl, reduce_scatter_impl
+from .collectives import _per_position, _pg, _with, all_gather_impl, gather_facts, reduce_scatter_impl
 from .groups import GroupLike, resolve_group
 from .layouts import SequenceLayout
 
@@ -144,21 +143,35 @@ def unshard_sequence(x: torch.Tensor, dim: int, *, group: GroupLike = None,
                      layout: str | SequenceLayout = "contiguous", length: int | None = None) -> torch.Tensor:
     """The whole tensor, in global order, on every rank, from every rank's shard along ``dim``.
 
-    ``length``: the global length. When omitted it is found by exchanging the local lengths (a few
-    bytes, counted as ``"metadata"``). Backward: this rank's part of the gradient.
+    ``length``: the global length (default: the sum of the ranks' lengths along ``dim``). The ranks first
+    exchange their lengths (a few bytes, counted as ``"metadata"``) and check them against the layout
+    together, so shards that do not fit it fail on every rank. Backward: this rank's part of the gradient.
     """
     pg = resolve_group(group)
     dim = dim % x.dim()
     if isinstance(layout, SequenceLayout):
         length = layout.length
-    if length is None:
-        length = _global_length(x.size(dim), pg)
-    lay = resolve_layout(layout, length, pg.size())
-    if x.size(dim) != lay.local_length(pg.rank()):
-        raise ValueError(
-            f"unshard_sequence: rank {pg.rank()} holds {x.size(dim)} positions along dim {dim}, but the "
-            f"{lay.kind} layout of {length} positions on {pg.size()} ranks gives it {lay.local_length(pg.rank())}")
+    facts = gather_facts([x.size(dim), _per_position(x, dim), -1 if length is None else length], pg)
+    lay = _agreed_layout(facts, layout, dim)
     return torch.ops.autoshard.seq_unshard(x, dim, lay.encode(), pg.group_name)
+
+
+def _agreed_layout(facts: list[list[int]], layout: str | SequenceLayout, dim: int) -> SequenceLayout:
+    """The layout the ranks' (length along ``dim``, elements per position, requested length or -1) facts
+    describe; raises -- the same on every rank, as every rank has the same facts -- when they do not fit."""
+    held = [f[0] for f in facts]
+    for what, index in (f"elements per position along dim {dim}", 1), ("length", 2):
+        if len({f[index] for f in facts}) > 1:
+            raise ValueError(f"unshard_sequence: the ranks differ in {what}: {[f[index] for f in facts]} by rank")
+    length = facts[0][2] if facts[0][2] >= 0 else sum(held)
+    lay = resolve_layout(layout, length, len(facts))
+    wrong = [r for r, n in enumerate(held) if n != lay.local_length(r)]
+    if wrong:
+        raise ValueError(
+            f"unshard_sequence: rank(s) {wrong} hold {[held[r] for r in wrong]} positions along dim {dim}, but the "
+            f"{lay.kind} layout of {length} positions on {len(facts)} ranks gives them "
+            f"{[lay.local_length(r) for r in wrong]}")
+    return lay
 
 
 def sequence_positions(length: int, *, group: GroupLike = None, layout: str | SequenceLayout = "contiguous",
@@ -166,13 +179,3 @@ def sequence_positions(length: int, *, group: GroupLike = None, layout: str | Se
     """The global position of each of this rank's local positions (int64), for a ``length``-long sequence."""
     pg = resolve_group(group)
     return resolve_layout(layout, length, pg.size()).positions(pg.rank(), device=device)
-
-
-def _global_length(local: int, pg) -> int:
-    import torch.distributed as dist
-
-    sizes = [torch.zeros((), dtype=torch.long) for _ in range(pg.size())]
-    dist.all_gather(sizes, torch.tensor(local, dtype=torch.long), group=pg)
-    record("metadata", 8 * (pg.size() - 1), 8 * (pg.size() - 1))
-    return int(sum(int(s) for s in sizes))
-

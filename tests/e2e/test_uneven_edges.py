@@ -4,17 +4,21 @@
   softmax that all-reduces over the sequence (the empty rank joins with the reduction's identity);
 * an additive attention mask with a mild fill (-1e4) and left padding under a causal mask, so that the
   first rank's first row sees no key while the other ranks' rows all see keys (one device attends with
-  the unmasked scores there; every rank must take the same path).
+  the unmasked scores there; every rank must take the same path);
+* shards that do not fit the layout ``unshard_sequence`` is given: the same clear error on every rank
+  within the timeout, never an error on some ranks while the others wait in the gather.
 
-One compile per world size, with every case in one model.
+One compile per world size, with every case in one model; one launch per world size for the errors.
 """
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
+from autoshard.runtime import shard_sequence, unshard_sequence
 from autoshard.testing import run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process
 
@@ -63,3 +67,46 @@ def test_empty_shards_and_rows_with_no_key_on_one_rank(world):
     for rank, (err, summary, attention) in enumerate(run_on_ranks(_compare, world, 3 * world, timeout=120)):
         assert err < 1e-9, f"rank {rank}: {summary}"
         assert len(attention) == 2 and all(a["strategy"] != "whole" for a in attention), attention
+
+
+def _unshard_errors(cases: list[dict]) -> list[str]:
+    """Each case's ``unshard_sequence`` on this rank: the error it raised, or "no error"."""
+    rank = dist.get_rank()
+    out = []
+    for case in cases:
+        lengths = case["held"]
+        try:
+            unshard_sequence(torch.zeros(2, lengths[rank]), 1, length=case["length"][rank])
+            out.append("no error")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def _round_trip(length: int) -> torch.Tensor:
+    x = torch.arange(2.0 * length).view(2, length).requires_grad_()
+    whole = unshard_sequence(shard_sequence(x, 1), 1)
+    whole.sum().backward()
+    return whole.detach(), x.grad
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_unshard_rejects_shards_that_do_not_fit_on_every_rank(world):
+    """3 * world + 1 positions, contiguous: rank 0 holds 4, the others 3. A length one short puts rank 0 alone
+    off the layout; the extra position on the last rank instead puts ranks 0 and world - 1 off it; ranks
+    passing different lengths disagree. After the errors the group still works."""
+    n = 3 * world + 1
+    even = [4] + [3] * (world - 1)
+    cases = [dict(held=even, length=[n - 1] * world),
+             dict(held=[3] * (world - 1) + [4], length=[None] * world),
+             dict(held=even, length=[n + r for r in range(world)])]
+    results = run_on_ranks(_unshard_errors, world, cases, timeout=30)
+    for case, messages in zip(cases, zip(*results)):
+        assert len(set(messages)) == 1, (case, messages)  # the same on every rank
+    one_short, last_long, differ = results[0]
+    assert "rank(s) [0] hold [4] positions along dim 1" in one_short
+    assert f"rank(s) [0, {world - 1}] hold [3, 4] positions" in last_long
+    assert "the ranks differ in length" in differ
+    for whole, grad in run_on_ranks(_round_trip, world, n, timeout=30):
+        assert whole.tolist() == torch.arange(2.0 * n).view(2, n).tolist()
+        assert grad.tolist() == torch.ones(2, n).tolist()
