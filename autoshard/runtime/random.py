@@ -21,9 +21,6 @@ tagged ``nondeterministic_seeded``: partitioners save its output instead of reco
 backward, and constant folding leaves it alone. Its ``site`` argument (the graph node it serves)
 keeps two draws with otherwise equal arguments apart under common-subexpression elimination, which
 merges calls of pure ops by their arguments.
-
-``rank_generator`` is the older scheme -- an independent stream per rank, not the one-process draw --
-still used by the ``rand``/``randn`` factory rule; ``sequence_draw(kind="rand" | "randn")`` replaces it.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ import torch.nn.functional as F
 
 from .layouts import SequenceLayout
 
-__all__ = ["DRAWS", "rank_generator", "sequence_draw"]
+__all__ = ["DRAWS", "sequence_draw"]
 
 
 def _dropout_factor(dropout):
@@ -80,11 +77,3 @@ def sequence_draw(kind: str, p: float, shape: list[int], dim: int, factors: list
 def _(kind, p, shape, dim, factors, factor, layout, rank, site, dtype, device):
     length = SequenceLayout.decode(layout).local_length(rank)
     return torch.empty(_local_shape(shape, dim, factors, factor, length), dtype=dtype, device=device)
-
-
-def rank_generator(device: torch.device, rank: int) -> torch.Generator:
-    """A generator for this rank's share of a random draw (consumes one draw of the default generator)."""
-    seed = int(torch.randint(0, 2**62, (), device="cpu"))
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + rank) % (2**63 - 1))
-    return gen

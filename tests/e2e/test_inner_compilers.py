@@ -95,11 +95,30 @@ def test_aot_eager_alpha_dropout_runs_on_the_gathered_value():
     _check(results, 1e-12, fallbacks=["reshape_1"])
 
 
-@pytest.mark.xfail(strict=True, reason="autoshard::attention's fake output is empty_like(q), with q's strides, but "
-                   "the op returns a contiguous tensor, so a view AOTAutograd traced on the fake fails "
-                   "(runtime/attention/api.py)")
 def test_aot_eager_attention_on_strided_heads():
+    """Heads as strided views of the projections, and the output viewed back: the op's fake strides must be
+    the real ones for AOTAutograd's views to hold."""
     _check(run_on_ranks(_against_one_process, 2, "aot_eager", 12, torch.float64, strided_heads=True), 1e-12)
+
+
+def _reference_models_under_aot_eager():
+    from autoshard.models import BertClassifier, LlamaLM
+    from autoshard.testing.equivalence import compare_with_one_process
+
+    ids = lambda: torch.randint(0, 256, (2, 13))  # noqa: E731
+    out = []
+    for make, inputs in ((LlamaLM, lambda: (ids(), ids())),
+                         (BertClassifier, lambda: (ids(), torch.ones(2, 13, dtype=torch.long), torch.tensor([0, 1])))):
+        torch._dynamo.reset()
+        r = compare_with_one_process(make, inputs, dtype=torch.float64, inner="aot_eager")
+        out.append((make.__name__, r.max_error(), r.fallbacks, [a["strategy"] for a in r.attention]))
+    return out
+
+
+def test_reference_models_under_aot_eager_match_one_process():
+    for results in run_on_ranks(_reference_models_under_aot_eager, 2, timeout=300):
+        for name, err, fallbacks, strategies in results:
+            assert err < 1e-9 and not fallbacks and strategies, (name, err, fallbacks, strategies)
 
 
 def test_inductor_dropout_and_attention_match_one_process():
@@ -120,3 +139,38 @@ def test_every_ranks_draw_is_its_part_of_the_one_process_draw(kind):
         part = torch.ops.autoshard.sequence_draw(kind, 0.4, [2 * 10, *rest], 0, [2, 10], 1, layout.encode(), rank,
                                                  "site", torch.float64, torch.device("cpu"))
         assert torch.equal(part.view(2, -1, *rest), whole[:, layout.positions(rank)])
+
+
+class RandomFactories(nn.Module):
+    """Noise made by factories on a split value's shape: ``rand``, ``randn_like`` (drawn as their one-process
+    parts) and ``randint_like`` (drawn whole)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.proj(autoshard.mark_sequence(x, 1))
+        return h * torch.rand(h.shape, dtype=h.dtype) + torch.randn_like(h) + torch.randint_like(h, 3)
+
+
+def _random_factories(inner):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = RandomFactories().double()
+    x = torch.randn(2, 11, 6, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    ref_out, ref_grads, ref_next = _run(reference, reference, x)
+    backend = autoshard.backend(inner=inner)
+    out, grads, next_draw = _run(torch.compile(model, backend=backend), model, x)
+    placements = backend.compiled[-1].report.placements
+    error = max([(out - ref_out).abs().max().item()] + [(grads[n] - g).abs().max().item() for n, g in ref_grads.items()])
+    return error, torch.equal(next_draw, ref_next), {n: p for n, p in placements.items() if "rand" in n}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_random_factories_draw_the_one_process_numbers(world):
+    for inner in ("eager", "aot_eager"):
+        for error, same_next_draw, placements in run_on_ranks(_random_factories, world, inner):
+            assert error < 1e-12 and same_next_draw, (inner, error)
+            assert placements["rand"].startswith("S(") and placements["randn_like"].startswith("S("), placements

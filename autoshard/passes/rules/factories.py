@@ -6,7 +6,8 @@ built directly at their local size, so no rank ever materializes the whole seque
 
 * ``arange(start, end, step)`` gives ``start + step * p`` for the global positions ``p`` this rank holds;
 * ``zeros`` / ``ones`` / ``full`` / ``empty`` and their ``new_*`` / ``*_like`` forms use the local shape;
-* ``rand`` / ``randn`` draw from a per-rank generator (different numbers for different tokens).
+* ``rand`` / ``randn`` / ``rand_like`` / ``randn_like`` give this rank's part of the one-process draw (``autoshard::sequence_draw``, see
+  :mod:`autoshard.runtime.random`): the same numbers the tokens get on one process.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import torch
 
 from ...placements import REPLICATE
 from ...runtime.layouts import SequenceLayout
-from ...runtime.random import rank_generator
+from ...runtime import random as _random  # noqa: F401 -- defines autoshard::sequence_draw
 from ..ops import is_tensor_node, shape_of, value_of
 from . import register
 from .pointwise import link_identity, whole_args
 
-__all__ = ["local_arange", "local_random"]
+__all__ = ["local_arange"]
 
 _FILLS = {"zeros": 0, "ones": 1, "new_zeros": 0, "new_ones": 1, "zeros_like": 0, "ones_like": 1}
+_DRAWS = {"rand": "rand", "randn": "randn", "rand_like": "rand", "randn_like": "randn"}
+"""Random factories -> the ``sequence_draw`` kind that gives this rank its part of their one-process draw."""
 
 
 def _name(node) -> str:
@@ -33,12 +36,6 @@ def local_arange(start, step, layout_code: list[int], rank: int, dtype: torch.dt
     """``start + step * p`` for the global positions ``p`` of ``rank`` under the layout."""
     positions = SequenceLayout.decode(layout_code).positions(rank, device=device)
     return (positions * step + start).to(dtype)
-
-
-def local_random(kind: str, shape: list[int], rank: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """``torch.rand`` / ``torch.randn`` of the local shape, from this rank's generator."""
-    gen = rank_generator(torch.device(device), rank)
-    return getattr(torch, kind)(shape, generator=gen, dtype=dtype, device=device)
 
 
 def link_factory(ctx, node, op):
@@ -59,7 +56,10 @@ def rewrite_factory(rw, node, op):
         new = rw.call(torch.arange, start, start + step * local[0], step, dtype=val.dtype, device=val.device)
     elif name == "arange" and not out.factors:
         new = rw.call(local_arange, start, step, out.layout.encode(), rw.rank, val.dtype, val.device)
-    elif name.endswith("_like"):
+    elif name in _DRAWS:
+        new = rw.call(torch.ops.autoshard.sequence_draw.default, _DRAWS[name], 0.0, list(val.shape), out.dim,
+                      list(out.factors), out.factor, out.layout.encode(), rw.rank, node.name, val.dtype, val.device)
+    elif name.endswith("_like") and name != "randint_like":  # randint_like is drawn whole, below
         template = rw.input(node.args[0], out)
         new = rw.reemit(node, (template,) + tuple(rw.value(a) for a in node.args[1:]), rw.value(node.kwargs))
     elif name in _FILLS or name in ("full", "new_full", "empty", "new_empty"):
@@ -70,8 +70,6 @@ def rewrite_factory(rw, node, op):
             new = rw.call(torch.empty, local, dtype=val.dtype, device=val.device)
         else:
             new = rw.call(torch.full, local, fill, dtype=val.dtype, device=val.device)
-    elif name in ("rand", "randn"):
-        new = rw.call(local_random, name, local, rw.rank, val.dtype, val.device)
     else:
         new = rw.shard_value(node, rw.reemit(node, *whole_args(rw, node)), out)
     rw.done(node, new, out)

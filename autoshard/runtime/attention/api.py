@@ -105,10 +105,12 @@ def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
 
 
 def _separate(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors, each with its own storage (a custom op's outputs may not alias; strategies may return
-    the halves of one stacked buffer)."""
+    """The tensors, contiguous, each with its own storage (a custom op's outputs may not alias, and strategies
+    may return the halves of one stacked buffer; the fake implementations promise contiguous strides, which
+    AOTAutograd and Inductor plan the following views with)."""
     seen, out = set(), []
     for t in tensors:
+        t = t.contiguous()
         ptr = t.untyped_storage().data_ptr()
         out.append(t.clone() if ptr in seen else t)
         seen.add(ptr)
@@ -133,7 +135,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: O
 @_attention_op.register_fake
 def _(q, k, v, key_mask, segment_ids, strategy, layout, group, ring_group, causal, window_left, window_right, scale,
       kernels):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype))
 
 
 @torch.library.custom_op("autoshard::attention_backward", mutates_args=())
@@ -150,7 +152,7 @@ def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 @_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, key_mask, segment_ids, strategy, layout, group, ring_group, causal, window_left,
       window_right, scale, kernels):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):
