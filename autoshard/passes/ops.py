@@ -358,7 +358,7 @@ def _bind_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 
 @register_canonical("dropout", functions=[F.dropout, torch.dropout, F.dropout1d, F.dropout2d, F.alpha_dropout])
 def _bind_dropout(input, p=0.5, training=True, inplace=False):
-    return {"input": input, "p": p, "training": training}
+    return {"input": input, "p": p, "training": training, "inplace": inplace}
 
 
 # --- autoshard's own markers (autoshard/annotations.py)

@@ -174,3 +174,33 @@ def test_random_factories_draw_the_one_process_numbers(world):
         for error, same_next_draw, placements in run_on_ranks(_random_factories, world, inner):
             assert error < 1e-12 and same_next_draw, (inner, error)
             assert placements["rand"].startswith("S(") and placements["randn_like"].startswith("S("), placements
+
+
+class InplaceDropout(nn.Module):
+    """``F.dropout(..., inplace=True)`` changes its input: the later use of ``h`` sees the dropped value."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.proj(autoshard.mark_sequence(x, 1)) + 1  # nothing saves h for the backward
+        y = F.dropout(h, 0.5, self.training, inplace=True)
+        return h * 2 + y
+
+
+def _inplace_dropout(inner):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = InplaceDropout().double()
+    x = torch.randn(2, 11, 6, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    ref_out, ref_grads, _ = _run(reference, reference, x)
+    out, grads, _ = _run(torch.compile(model, backend=autoshard.backend(inner=inner)), model, x)
+    return max([(out - ref_out).abs().max().item()] + [(grads[n] - g).abs().max().item() for n, g in ref_grads.items()])
+
+
+def test_inplace_dropout_changes_its_input_as_on_one_process():
+    for inner in ("eager", "aot_eager"):
+        for error in run_on_ranks(_inplace_dropout, 2, inner):
+            assert error < 1e-12, (inner, error)

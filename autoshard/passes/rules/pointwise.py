@@ -189,7 +189,8 @@ def rewrite_dropout(rw, node, op):
     val = value_of(node)
     factor = rw.call(torch.ops.autoshard.sequence_draw.default, kind, float(op["p"]), list(val.shape), out.dim,
                      list(out.factors), out.factor, out.layout.encode(), rw.rank, node.name, val.dtype, val.device)
-    rw.done(node, rw.call(operator.mul, rw.input(op["input"], out), factor), out)
+    multiply = torch.Tensor.mul_ if op["inplace"] else operator.mul  # in place: later uses see the dropped value
+    rw.done(node, rw.call(multiply, rw.input(op["input"], out), factor), out)
 
 
 register("dropout", link=link_same, rewrite=rewrite_dropout)
