@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ...placements import REPLICATE
 from . import register
-from .pointwise import link_same, rewrite_same
+from .pointwise import link_nothing, link_same, rewrite_same
 
 
 def link_mark_sequence(ctx, node, op):
@@ -20,12 +20,8 @@ register("mark_sequence", link=link_mark_sequence, rewrite=rewrite_same)
 register("token_local_enter", "token_local_exit", link=link_same, rewrite=rewrite_same)
 
 
-def _no_links(ctx, node, op):
-    return None
-
-
 def rewrite_whole(rw, node, op):
     rw.done(node, rw.reemit(node, (rw.input(op["input"], REPLICATE, reason="autoshard.whole"),)), REPLICATE)
 
 
-register("whole", link=_no_links, rewrite=rewrite_whole)
+register("whole", link=link_nothing, rewrite=rewrite_whole)

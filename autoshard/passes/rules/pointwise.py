@@ -199,7 +199,8 @@ register("dropout", link=link_same, rewrite=rewrite_dropout)
 # ----------------------------------------------------------------------------- nodes without tensors
 
 
-def _no_links(ctx, node, op):
+def link_nothing(ctx, node, op):
+    """The link rule of a node whose output shares no positions with its inputs (or has no tensor inputs)."""
     return None
 
 
@@ -207,7 +208,7 @@ def rewrite_noop(rw, node, op):
     rw.done(node, rw.reemit(node), REPLICATE)
 
 
-register("noop", link=_no_links, rewrite=rewrite_noop)
+register("noop", link=link_nothing, rewrite=rewrite_noop)
 
 
 # ----------------------------------------------------------------------------- picking from tuple outputs

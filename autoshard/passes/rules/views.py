@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ...placements import REPLICATE, Partial, Shard
 from ..ops import Op, is_tensor_node, shape_of, value_of
 from . import register
-from .pointwise import TUPLE_LINKS, whole_args
+from .pointwise import TUPLE_LINKS, link_nothing, whole_args
 
 # ============================================================================= views (reshape family)
 
@@ -444,11 +444,7 @@ def rewrite_split(rw, node, op):
         rw.done(node, rw.reemit(node, *whole_args(rw, node)), tuple(REPLICATE for _ in range(n)))
 
 
-def _no_links(ctx, node, op):
-    return None
-
-
-register("split", link=_no_links, rewrite=rewrite_split)
+register("split", link=link_nothing, rewrite=rewrite_split)
 TUPLE_LINKS["split"] = link_split_piece
 
 
