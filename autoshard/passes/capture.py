@@ -28,7 +28,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .graph import new_node
-from .masks import MaskSpec, Unstructurable, empty_rows_of, structure_mask
+from .masks import StructuredMask, Unstructurable, empty_rows_of, structure_mask
 from .ops import canonical, is_tensor_node, register_canonical, shape_of
 
 __all__ = ["captured_attention", "capture_attention", "dense_mask_of"]
@@ -58,7 +58,7 @@ def dense_mask_of(q_len: int, k_len: int, causal: bool, window, key_mask, segmen
 def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None,
                        scale=None, dropout_p=0.0, empty_rows="zero"):
     """Attention with a structured mask, on whole tensors (what one device computes). ``empty_rows``: what
-    a row with no visible key gets (see :class:`~autoshard.passes.masks.MaskSpec`)."""
+    a row with no visible key gets (see :class:`~autoshard.passes.masks.StructuredMask`)."""
     structured = causal or window is not None or key_mask is not None or segment_ids is not None
     mask = dense_mask_of(q.size(-2), k.size(-2), causal, window, key_mask, segment_ids, q.device) if structured else None
     if dense_mask is not None:
@@ -207,7 +207,7 @@ def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> li
     Attention-like patterns that could not be captured are appended to ``missed`` with the reason."""
     graph = gm.graph
     captured = []
-    mask_cache: dict[tuple, MaskSpec | str] = {}
+    mask_cache: dict[tuple, StructuredMask | str] = {}
     for node in list(graph.nodes):
         op = _op(node)
         if op is not None and op.name == "attention" and node.target is not captured_attention:
@@ -235,7 +235,7 @@ def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> li
         spec = mask_cache[key]
         dense = None
         if isinstance(spec, str):
-            reason, dense, spec = spec, mask, MaskSpec(causal=causal)
+            reason, dense, spec = spec, mask, StructuredMask(causal=causal)
         else:
             reason = None
         kwargs = {"causal": spec.causal, "window": spec.window,

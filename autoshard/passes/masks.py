@@ -35,7 +35,7 @@ from sympy.core.function import AppliedUndef
 from .graph import new_node as _new
 from .ops import canonical, is_tensor_node, shape_of, value_of
 
-__all__ = ["MaskSpec", "structure_mask", "Unstructurable", "empty_rows_of"]
+__all__ = ["StructuredMask", "structure_mask", "Unstructurable", "empty_rows_of"]
 
 B, H, Q, K = sympy.symbols("b h q k", integer=True, nonnegative=True)
 _NEG_BIG = -1e4
@@ -46,8 +46,9 @@ class Unstructurable(Exception):
 
 
 @dataclass
-class MaskSpec:
-    """A structured attention mask."""
+class StructuredMask:
+    """A structured attention mask, as the graph builds it (its tensors are graph nodes). The runtime's
+    position-only part is :class:`autoshard.runtime.attention.MaskSpec`."""
 
     causal: bool = False
     window: tuple[int, int] | None = None
@@ -59,12 +60,12 @@ class MaskSpec:
     empty_rows: str = "zero"
     """What a query row that sees no key gets: ``"zero"`` (boolean masks, as SDPA), ``"uniform"`` (an
     additive mask filled with ~finfo.min: every score rounds to the fill, so softmax is uniform over all
-    keys), ``"scores"`` (a milder fill: softmax over all keys of the unmasked scores -- not supported,
-    a row like that raises at run time)."""
+    keys), ``"scores"`` (a milder fill: softmax over all keys of the unmasked scores, which the rewrite
+    computes on gathered keys only when some rank has such a row)."""
 
 
 def empty_rows_of(fill: float | None) -> str:
-    """The ``MaskSpec.empty_rows`` of a mask whose masked scores are set to ``fill``."""
+    """The ``StructuredMask.empty_rows`` of a mask whose masked scores are set to ``fill``."""
     if fill is None or fill == float("-inf"):
         return "zero"
     return "uniform" if fill <= -1e30 else "scores"
@@ -315,10 +316,10 @@ def _same_values(a: fx.Node, b: fx.Node) -> bool:
 
 
 def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bool, q_len: int, k_len: int,
-                   batch: int) -> MaskSpec:
+                   batch: int) -> StructuredMask:
     """The structured form of ``attn_mask`` (and ``is_causal``) for the attention ``attention``; materialized
     key masks / segment ids are inserted before it. Raises :class:`Unstructurable`."""
-    spec = MaskSpec()
+    spec = StructuredMask()
     atoms = []
     if is_causal:
         atoms.append(sympy.Le(K, Q))
