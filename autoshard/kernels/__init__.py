@@ -6,3 +6,5 @@
 This package imports nothing at import time, so ``import autoshard`` never requires Triton; import the
 submodule where the kernels are needed (``from autoshard.kernels.attention import ...``).
 """
+
+__all__: list[str] = []  # the kernels live in submodules, imported where needed

@@ -31,6 +31,8 @@ from ..ops import shape_of, value_of
 from . import register
 from .pointwise import whole_args
 
+__all__ = ["uniform_attention", "attend_to_every_key", "fill_empty_rows"]
+
 
 def uniform_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, length: int,
                       total=lambda t: t) -> torch.Tensor:

@@ -26,6 +26,9 @@ from ...runtime import random as _random  # noqa: F401 -- defines autoshard::seq
 from ..ops import is_tensor_node, op_of, shape_of, value_of
 from . import register
 
+__all__ = ["TUPLE_LINKS", "link_broadcast", "link_identity", "link_nothing", "link_same", "mapped_args",
+           "rewrite_same", "want_broadcast", "whole_args"]
+
 _LINEAR_IN_EVERY_INPUT = {"add", "sub"}
 _LINEAR_IN_ONE_INPUT = {"mul"}
 _LINEAR_IN_FIRST_INPUT = {"div", "true_divide", "neg", "positive"}

@@ -26,6 +26,8 @@ from ..ops import Op, is_tensor_node, shape_of, value_of
 from . import register
 from .pointwise import TUPLE_LINKS, link_nothing, whole_args
 
+__all__ = ["permutation", "select_owned"]
+
 # ============================================================================= views (reshape family)
 
 
