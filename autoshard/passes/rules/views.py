@@ -183,7 +183,8 @@ register("expand", link=link_expand, rewrite=rewrite_expand)
 
 def parse_index(shape, index) -> list[tuple]:
     """Items of a ``x[index]``: ("slice", in_dim, start, stop, step), ("select", in_dim, i), ("new",),
-    ("tensor", in_dim, node) with start/stop clamped to the dim."""
+    ("tensor", in_dim, node), ("list", in_dim, indices) with start/stop clamped to the dim and the
+    indices of a constant list made nonnegative. Tensors and lists are the advanced items."""
     if not isinstance(index, tuple):
         index = (index,)
     consuming = sum(1 for it in index if it is not None and it is not Ellipsis)
@@ -205,6 +206,9 @@ def parse_index(shape, index) -> list[tuple]:
         elif isinstance(it, fx.Node) and is_tensor_node(it) and value_of(it).dtype != torch.bool:
             items.append(("tensor", d, it))
             d += 1
+        elif _int_list(it):
+            items.append(("list", d, tuple(i % shape[d] for i in it)))
+            d += 1
         else:
             raise _Unsupported(f"index item {it!r}")
     while d < len(shape):
@@ -215,6 +219,20 @@ def parse_index(shape, index) -> list[tuple]:
 
 class _Unsupported(Exception):
     pass
+
+
+def _int_list(item) -> bool:
+    """A constant flat list of ints (``qkv[..., [-2], :]``); not bools, which would be a mask."""
+    return (isinstance(item, list) and bool(item)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in item))
+
+
+_ADVANCED = ("tensor", "list")
+
+
+def _advanced_shape(item: tuple) -> tuple[int, ...]:
+    """The index shape of an advanced item: the tensor's, or ``(len(list),)``."""
+    return shape_of(item[2]) if item[0] == "tensor" else (len(item[2]),)
 
 
 def _index_items(node: fx.Node, op: Op) -> list[tuple]:
@@ -231,15 +249,15 @@ def _index_items(node: fx.Node, op: Op) -> list[tuple]:
 
 def _output_dims(items: list[tuple], out_ndim: int) -> tuple[dict[int, int], list[int]]:
     """Output dim of each basic item (by item position) and the output dims of the advanced block."""
-    tensors = [k for k, it in enumerate(items) if it[0] == "tensor"]
-    adv_ndim = max((len(shape_of(items[k][2])) for k in tensors), default=0)
+    tensors = [k for k, it in enumerate(items) if it[0] in _ADVANCED]
+    adv_ndim = max((len(_advanced_shape(items[k])) for k in tensors), default=0)
     adjacent = not tensors or tensors == list(range(tensors[0], tensors[-1] + 1))
     out_of, od = {}, 0
     adv_start = 0 if (tensors and not adjacent) else None
     if adv_start == 0:
         od = adv_ndim
     for k, it in enumerate(items):
-        if it[0] == "tensor":
+        if it[0] in _ADVANCED:
             if adv_start is None:
                 adv_start = od
                 od += adv_ndim
@@ -288,7 +306,7 @@ def rewrite_index(rw, node, op):
         return
     out = rw.out_shard(node)
     out_of, adv_dims = _output_dims(items, len(shape_of(node)))
-    tensor_items = [it for it in items if it[0] == "tensor"]
+    tensor_items = [it for it in items if it[0] == "tensor"]  # the advanced items that are graph values
     have = rw.out_shard(src) or rw.placement(src)
 
     if isinstance(have, Shard):
@@ -309,13 +327,13 @@ def rewrite_index(rw, node, op):
                 placement = out
             rw.done(node, new, placement)
             return
-        if item[0] == "select" and not tensor_items and not have.factors:
+        if item[0] == "select" and not any(it[0] in _ADVANCED for it in items) and not have.factors:
             kept = [("slice", it[1], 0, None, 1) if it is item else it for it in items]
             local = rw.call(operator.getitem, x, _build_index(rw, kept, None, node, adv_dims))
             owned = rw.call(select_owned, local, _dim_after(items, item), item[2], have.layout.encode(), rw.rank)
             rw.done(node, owned, Partial())
             return
-        rw.fallback(node, "indexing a split dim with a step, a tensor or a merged dim")
+        rw.fallback(node, "indexing a split dim with a step, a tensor, a list or a merged dim")
         return
 
     if isinstance(have, Partial) and not tensor_items and out is None:
@@ -365,6 +383,8 @@ def _build_index(rw, items, out, node, adv_dims):
             result.append(slice(it[2], it[3], it[4]))
         elif it[0] == "select":
             result.append(it[2])
+        elif it[0] == "list":
+            result.append(list(it[2]))
         else:
             idx = it[2]
             want = REPLICATE
