@@ -8,7 +8,8 @@ every value is a sympy expression of its own index symbols (``d0, d1, ...``), so
 ``T(d0, d3)`` of the gathered indices. Aligning the mask's last four dims to (batch, head, query, key)
 gives one boolean formula in ``b, h, q, k``; its conjuncts are classified:
 
-* only ``q`` and ``k``, linear: bounds on ``k - q`` -> ``causal`` and ``window=(left, right)``;
+* only ``q`` and ``k``, linear, or a distance ``|k - q|`` bounded above (a bidirectional sliding window:
+  ModernBERT, EmbeddingGemma): bounds on ``k - q`` -> ``causal`` and ``window=(left, right)``;
 * no ``q`` (a function of ``b``, ``k``): a key mask, materialized as a ``[B, S]`` tensor;
 * ``f(b, q) == f(b, k)``: segment ids ``f`` (packed documents), materialized as ``[B, S]``;
 * ``P(b, k) <= P(b, q)`` for a position tensor ``P`` next to segment ids that are the runs of ``P``
@@ -186,8 +187,9 @@ class _Evaluator:
             return _Abs(binary[fn](a.expr, b.expr), shape)
         if fn in ("bitwise_not", "logical_not") and len(tensor_args) == 1:
             return _Abs(sympy.Not(vals[0].expr), shape)
-        if fn in ("neg",):
-            return _Abs(-vals[0].expr, shape)
+        unary = {"neg": operator.neg, "abs": sympy.Abs}
+        if fn in unary and len(vals) == 1:
+            return _Abs(unary[fn](vals[0].expr), shape)
         return self.leaf(node)
 
     def _triangle(self, node, which: str, shape) -> _Abs:
@@ -261,11 +263,43 @@ def _leaf_calls(expr) -> set:
     return set(sympy.sympify(expr).atoms(AppliedUndef))
 
 
+_FLIPPED = {sympy.Le: sympy.Ge, sympy.Lt: sympy.Gt, sympy.Ge: sympy.Le, sympy.Gt: sympy.Lt}
+
+
 def _k_minus_q_bounds(atom):
-    """(lo, hi) that a linear q/k atom puts on k - q, or None."""
+    """(lo, hi) that a q/k atom puts on k - q, or None: a linear comparison, or a bound on a distance
+    ``|k - q|`` (a bidirectional sliding window)."""
     if not isinstance(atom, sympy.core.relational.Relational) or isinstance(atom, (sympy.Eq, sympy.Ne)):
         return None
     diff = sympy.expand(atom.lhs - atom.rhs)
+    if diff.has(sympy.Abs):
+        return _distance_bounds(diff, type(atom))
+    return _linear_bounds(diff, type(atom))
+
+
+def _distance_bounds(diff, op):
+    """``a * |x| + c OP 0``: an upper bound ``|x| <= m`` is ``x <= m`` and ``-x <= m``, bounds on both sides;
+    a lower bound on a distance is two intervals, not a band (None)."""
+    distances = diff.atoms(sympy.Abs)
+    if len(distances) != 1:
+        return None
+    (distance,) = distances
+    a = diff.coeff(distance)
+    const = sympy.expand(diff - a * distance)
+    if not (a.is_number and const.is_number) or a == 0:
+        return None
+    op = _FLIPPED[op] if a < 0 else op
+    if op not in (sympy.Le, sympy.Lt):
+        return None
+    x, m = distance.args[0], -const / a
+    sides = [_linear_bounds(sympy.expand(sign * x - m), op) for sign in (1, -1)]
+    if None in sides:
+        return None
+    return max(sides[0][0], sides[1][0]), min(sides[0][1], sides[1][1])
+
+
+def _linear_bounds(diff, op):
+    """(lo, hi) that ``diff OP 0`` puts on k - q when ``diff`` is linear in k - q, or None."""
     poly = sympy.Poly(diff, K, Q)
     if poly.total_degree() != 1:
         return None
@@ -275,9 +309,8 @@ def _k_minus_q_bounds(atom):
         return None
     # a*(k - q) + const  OP  0
     bound = -const / a
-    op = type(atom)
     if a < 0:
-        op = {sympy.Le: sympy.Ge, sympy.Lt: sympy.Gt, sympy.Ge: sympy.Le, sympy.Gt: sympy.Lt}[op]
+        op = _FLIPPED[op]
     if op is sympy.Le:
         return (-sympy.oo, sympy.floor(bound))
     if op is sympy.Lt:
