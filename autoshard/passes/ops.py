@@ -153,6 +153,11 @@ def _bind_split(input, *args, dim=None, **kwargs):
     return {"input": input, "dim": dim, "args": args}
 
 
+@register_canonical("repeat_interleave", functions=[torch.repeat_interleave], methods=["repeat_interleave"])
+def _bind_repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
+    return {"input": input, "repeats": repeats, "dim": dim}
+
+
 @register_canonical("cat", functions=[torch.cat, torch.concat, torch.concatenate])
 def _bind_cat(tensors, dim=0, axis=None, out=None):
     return {"tensors": list(tensors), "dim": dim if axis is None else axis}

@@ -1,16 +1,19 @@
-"""Shape and layout ops: views, permutes, expands, indexing, splits, concatenation, padding.
+"""Shape and layout ops: views, permutes, expands, repeat_interleave, indexing, splits, concatenation,
+padding.
 
 Views follow *factors*: the input's dims are cut into factors, the output's dims are matched against
 consecutive factors (merging or splitting them), and matched factors are the same positions. A
 factor cut in two by a view starts new, unlinked factors: the sequence cannot be followed through
-it, and a split value there is gathered.
+it, and a split value there is gathered. ``repeat_interleave`` by an int appends an inner factor to
+the repeated dim, so a merged ``[B*S]`` repeated per token (MoE routing) stays split.
 
 Indexing along the sequence is exact on shards: a step-1 slice keeps each rank's positions inside the
 range (a derived layout: the shifted labels of a causal LM), selecting one position gives a partial
 value held by its owner (``hidden[:, 0]``: the CLS token), indexing with a tensor of positions gathers
-from the owners (``hidden[batch, last_index]``). Concatenation and padding along the sequence place
-the new positions on the ranks that hold their neighbours (the CLS token goes to the rank holding
-position 0), so no data moves.
+from the owners (``hidden[batch, last_index]``). Constant int lists are advanced indices too: on
+another dim they keep the split (Falcon's ``fused_qkv[..., [-2], :]``), on the split dim they gather.
+Concatenation and padding along the sequence place the new positions on the ranks that hold their
+neighbours (the CLS token goes to the rank holding position 0), so no data moves.
 """
 
 from __future__ import annotations
@@ -176,6 +179,69 @@ def rewrite_expand(rw, node, op):
 
 
 register("expand", link=link_expand, rewrite=rewrite_expand)
+
+
+# ============================================================================= repeat_interleave
+
+
+def _repeated_dim(op: Op) -> int | None:
+    """The dim whose elements ``repeat_interleave`` repeats an int number of times; None for counts per
+    element (a tensor) or no dim (the input flattened first)."""
+    repeats, dim = op["repeats"], op["dim"]
+    if isinstance(repeats, int) and not isinstance(repeats, bool) and dim is not None:
+        return dim % len(shape_of(op["input"]))
+    return None
+
+
+def link_repeat_interleave(ctx, node, op):
+    """Repeating each element ``k`` times appends an inner factor ``k`` to the dim: its own factors (the
+    sequence among them: MoE's ``hidden[B*S, D].repeat_interleave(top_k, 0)``) are followed through."""
+    d = _repeated_dim(op)
+    if d is None:
+        return
+    src = op["input"]
+    factors = [list(f) for f in ctx.factorization(src)]
+    repeated = factors[d] if shape_of(src)[d] != 1 else []  # a size-1 dim: the repeats are all there is
+    factors[d] = repeated + [op["repeats"]] if op["repeats"] != 1 else factors[d]
+    ctx.set_factorization(node, factors)
+    for dim in range(len(factors)):
+        if dim != d:
+            ctx.link_dims(node, dim, src, dim)
+    for f, size in enumerate(repeated):
+        if size != 1:
+            ctx.link((src, d, f), (node, d, f))
+
+
+def rewrite_repeat_interleave(rw, node, op):
+    src = op["input"]
+    out = rw.out_shard(node)
+    d = _repeated_dim(op)
+    if (out is None or d is None) and isinstance(rw.placement(src), Shard):
+        rw.fallback(node, "repeating a split value by per-element counts or flattened")
+        return
+    if out is None or d is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    want = _repeat_source_shard(rw, src, out, d)
+    if want is None:  # the repeat itself is the sequence: repeat the whole value, then keep this rank's part
+        whole = rw.reemit(node, *whole_args(rw, node))
+        rw.done(node, rw.shard_value(node, whole, out), out)
+        return
+    rw.done(node, rw.call(torch.repeat_interleave, rw.input(src, want), op["repeats"], d), out)
+
+
+def _repeat_source_shard(rw, src, out: Shard, d: int) -> Shard | None:
+    """The placement ``src`` must have for the repeat to produce ``out``: the same split, less the repeat
+    factor when the repeated dim holds the sequence; None when the sequence is the repeat factor."""
+    if out.dim != d:
+        return out
+    factors = (rw.families.factors.get(src) or [[s] for s in shape_of(src)])[d]
+    if out.factor >= len(factors) or shape_of(src)[d] == 1:
+        return None
+    return Shard(d, out.layout, tuple(factors) if len(factors) > 1 else (), out.factor if len(factors) > 1 else 0)
+
+
+register("repeat_interleave", link=link_repeat_interleave, rewrite=rewrite_repeat_interleave)
 
 
 # ============================================================================= indexing
