@@ -315,11 +315,11 @@ def _index_items(node: fx.Node, op: Op) -> list[tuple]:
 
 def _output_dims(items: list[tuple], out_ndim: int) -> tuple[dict[int, int], list[int]]:
     """Output dim of each basic item (by item position) and the output dims of the advanced block."""
-    tensors = [k for k, it in enumerate(items) if it[0] in _ADVANCED]
-    adv_ndim = max((len(_advanced_shape(items[k])) for k in tensors), default=0)
-    adjacent = not tensors or tensors == list(range(tensors[0], tensors[-1] + 1))
+    advanced = [k for k, it in enumerate(items) if it[0] in _ADVANCED]
+    adv_ndim = max((len(_advanced_shape(items[k])) for k in advanced), default=0)
+    adjacent = not advanced or advanced == list(range(advanced[0], advanced[-1] + 1))
     out_of, od = {}, 0
-    adv_start = 0 if (tensors and not adjacent) else None
+    adv_start = 0 if (advanced and not adjacent) else None
     if adv_start == 0:
         od = adv_ndim
     for k, it in enumerate(items):
@@ -332,7 +332,7 @@ def _output_dims(items: list[tuple], out_ndim: int) -> tuple[dict[int, int], lis
             continue
         out_of[k] = od
         od += 1
-    adv_dims = list(range(adv_start, adv_start + adv_ndim)) if tensors else []
+    adv_dims = list(range(adv_start, adv_start + adv_ndim)) if advanced else []
     return out_of, adv_dims
 
 
