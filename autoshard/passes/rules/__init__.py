@@ -7,7 +7,7 @@ file               ops
 =================  ============================================================================
 ``pointwise``      elementwise ops (ATen ``pointwise`` tag), casts, identity, dropout
 ``views``          view/reshape/flatten/squeeze/unsqueeze, permute/transpose, expand,
-                   getitem / narrow / select, split, cat, stack, pad
+                   getitem / narrow / select, split, unbind, cat, stack, pad, repeat_interleave
 ``matmul``         linear, matmul/bmm/mm, addmm
 ``norms``          layer_norm, rms_norm, softmax/log_softmax (and over the sequence)
 ``reductions``     sum/mean/amax/... over any dims, cumsum
