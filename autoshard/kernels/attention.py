@@ -10,6 +10,13 @@ inside the kernel, never materialized (the contract of :func:`autoshard.runtime.
   hides entirely, so a ring step whose keys all lie in the past runs the unmasked specialization.
 - ``key_mask`` ``[B, Sk]`` (True = may be attended) and ``segment_ids`` ``(seg_q [B, Sq], seg_k [B, Sk])``.
 
+Soft-capping (``softcap > 0``, Gemma2): the scaled scores ``s`` become ``softcap * tanh(s / softcap)``
+before the mask. The kernels cap the raw ``q.k`` tile with ``qk_cap = softcap / scale`` (``_soft_cap``), so
+the scale and the base-2 softmax that follow are unchanged; the backward recomputes the tanh and
+multiplies ``dS`` by ``1 - tanh^2``. ``SOFTCAP`` is a compile-time flag: kernels without a cap are the
+same code as before. (The autotuner's register estimates were calibrated without the cap; the
+backward's extra tanh tile is not in them.)
+
 Kernels (``@triton.jit`` functions below; ``_forward`` / ``_backward`` / ``triton_merge`` launch them
 on a grid of (tile, head, batch) programs):
 
@@ -33,7 +40,7 @@ Shared ``@triton.jit`` helpers keep the forward and the two backward kernels fro
 from positions, key_mask and segment ids, for either orientation) and ``_load_tile``.
 
 Specialization: head dim (padded to a power of two >= 16; any head dim up to 256 works, columns past
-it are masked), the band flags, key_mask / segment presence and the input dtype are compile-time
+it are masked), the band flags, key_mask / segment presence, soft-capping and the input dtype are compile-time
 constants. Offsets, band widths and sequence lengths are runtime values excluded from Triton's
 integer specialization, so ring steps reuse one compiled kernel. Block sizes / warps / stages are
 autotuned per (head dim, bucketed sequence lengths, mask kind, dtype), pruned to configurations whose
@@ -183,7 +190,7 @@ def _seq_bucket(n: int) -> int:
     return min(max(triton.next_power_of_2(max(n, 1)), 16), 1 << 17)
 
 
-_TUNING_KEY = ["BLOCK_D", "SQ_BUCKET", "SK_BUCKET", "HAS_LEFT", "HAS_RIGHT", "HAS_KEY_MASK", "HAS_SEG"]
+_TUNING_KEY = ["BLOCK_D", "SQ_BUCKET", "SK_BUCKET", "HAS_LEFT", "HAS_RIGHT", "HAS_KEY_MASK", "HAS_SEG", "SOFTCAP"]
 # Runtime integers that change between calls (ring steps, uneven shards): never specialize on them.
 _RUNTIME_INTS = ["Sq", "Sk", "q_offset", "k_offset", "left", "right", "SQ_BUCKET", "SK_BUCKET"]
 
@@ -249,6 +256,16 @@ def _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, K
 
 
 @triton.jit
+def _soft_cap(qk, qk_cap):
+    """``(qk_cap * tanh(qk / qk_cap), tanh(qk / qk_cap))`` of raw ``q.k`` scores. ``qk_cap`` is the cap divided
+    by the scale, so the capped raw scores times the scale are the capped scaled scores. tanh is written
+    with exp2 (libdevice's tanh does not run under TRITON_INTERPRET): ``1 - 2 / (exp(2x) + 1)`` goes to +-1
+    for large ``|x|`` without overflowing into NaN."""
+    tanh = 1.0 - 2.0 / (tl.exp2(qk * (2.0 * _LOG2E / qk_cap)) + 1.0)
+    return qk_cap * tanh, tanh
+
+
+@triton.jit
 def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
     """tl.dot with fp32 accumulation. DOT_PRECISION "ieee" (fp32 inputs), "tf32" (ignored for 16-bit
     inputs), or "upcast": bf16 under TRITON_INTERPRET, whose dot multiplies bf16 bit patterns as
@@ -304,10 +321,11 @@ def _load_row_stats(Lse, Delta, rows, n_rows, CHECK_ROWS: tl.constexpr):
 
 @triton.jit
 def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK, k_offsets, v_offsets,
-                   start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale,
+                   start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) over the key tiles starting in [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -316,6 +334,8 @@ def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK
         k = _load_tile(K_head + tl.cast(start_n, tl.int64) * stride_ks + k_offsets, k_idx, Sk, offs_d,
                        HEAD_DIM, BLOCK_D, PARTIAL)
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
+        if SOFTCAP:
+            qk, _ = _soft_cap(qk, qk_cap)
         if PARTIAL or HAS_KEY_MASK or HAS_SEG:
             visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, KeyMask, SegK,
                                        0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG)
@@ -343,9 +363,9 @@ def _attn_fwd_kernel(
     Q, K, V, Out, Lse, KeyMask, SegQ, SegK,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
-    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, scale, SQ_BUCKET, SK_BUCKET,
+    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Last query tiles first: under causal masks they see the most keys, so the long programs start early.
@@ -380,16 +400,16 @@ def _attn_fwd_kernel(
                                            k_offset, Sk, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, lo, full_lo, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-                                   HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, DOT_PRECISION)
+                                   k_offset, left, right, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+                                   HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False,
-                                   HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, DOT_PRECISION)
+                                   k_offset, left, right, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, False,
+                                   HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, full_hi, hi, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-                                   HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, DOT_PRECISION)
+                                   k_offset, left, right, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+                                   HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
 
     has_keys = l_i > 0.0
     l_ref = tl.where(has_keys, l_i, 1.0)
@@ -424,10 +444,10 @@ def _attn_bwd_delta_kernel(Out, DO, Delta, stride_ob, stride_oh, stride_os, stri
 @triton.jit
 def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask, SegK,
                       q_offsets, do_offsets, start, end, first_head, kv_group, stride_qh, stride_qs, stride_doh,
-                      stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale, HEAD_DIM: tl.constexpr,
+                      stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap, HEAD_DIM: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
                       HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Accumulate dk (unscaled) and dv of one key tile over the query tiles starting in [start, end) of
     every query head of the kv head's group. Heads and tiles form one flat loop (not two nested ones),
     which keeps the loop-carried state, and so the register pressure, that of a single loop."""
@@ -445,6 +465,8 @@ def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, Ke
                         offs_d, HEAD_DIM, BLOCK_D, PARTIAL).to(v.dtype)
         lse2, delta = _load_row_stats(Lse_b + h * Sq, Delta_b + h * Sq, q_idx, Sq, PARTIAL)
         qk_t = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [keys, queries]
+        if SOFTCAP:
+            qk_t, tanh_t = _soft_cap(qk_t, qk_cap)
         if PARTIAL or HAS_KEY_MASK or HAS_SEG:
             seg_q = q_idx
             if HAS_SEG:
@@ -457,6 +479,8 @@ def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, Ke
         dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION)
         dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:  # through the cap: d(c * tanh(x / c)) / dx = 1 - tanh^2
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
         dk = _dot(ds_t.to(q.dtype), q, dk, DOT_PRECISION)
     return dk, dv
 
@@ -468,9 +492,9 @@ def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, KeyMask, SegQ, SegK,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, scale, SQ_BUCKET, SK_BUCKET,
+    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -505,19 +529,19 @@ def _attn_bwd_dkdv_kernel(
     first_head = hk * kv_group
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, lo, full_lo, first_head, kv_group, stride_qh, stride_qs,
-                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale,
+                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
                                HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG,
-                               DOT_PRECISION)
+                               SOFTCAP, DOT_PRECISION)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, full_lo, full_hi, first_head, kv_group, stride_qh, stride_qs,
-                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale,
+                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
                                HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG,
-                               DOT_PRECISION)
+                               SOFTCAP, DOT_PRECISION)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, full_hi, hi, first_head, kv_group, stride_qh, stride_qs,
-                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale,
+                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
                                HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG,
-                               DOT_PRECISION)
+                               SOFTCAP, DOT_PRECISION)
 
     _store_tile(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
                 + k_idx[:, None].to(tl.int64) * stride_dks + offs_d[None, :], dk * scale, k_idx, Sk, offs_d, HEAD_DIM)
@@ -527,10 +551,11 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask, SegK, k_offsets, v_offsets,
-                  start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale,
+                  start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                  HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
     """Accumulate dq (unscaled) of one query tile over the key tiles starting in [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -541,6 +566,8 @@ def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask,
         v = _load_tile(V_head + tl.cast(start_n, tl.int64) * stride_vs + v_offsets, k_idx, Sk, offs_d,
                        HEAD_DIM, BLOCK_D, PARTIAL)
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
+        if SOFTCAP:
+            qk, tanh = _soft_cap(qk, qk_cap)
         if PARTIAL or HAS_KEY_MASK or HAS_SEG:
             visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, KeyMask, SegK,
                                        0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG)
@@ -549,6 +576,8 @@ def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask,
             p = tl.exp2(qk * qk_scale - lse2[:, None])
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - tanh * tanh)
         dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
     return dq
 
@@ -560,9 +589,9 @@ def _attn_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, KeyMask, SegQ, SegK,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, scale, SQ_BUCKET, SK_BUCKET,
+    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (causal) query tiles first
@@ -596,14 +625,17 @@ def _attn_bwd_dq_kernel(
     lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
                                            k_offset, Sk, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
-                       lo, full_lo, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, DOT_PRECISION)
+                       lo, full_lo, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
+                       DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
-                       full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, DOT_PRECISION)
+                       full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
+                       DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
-                       full_hi, hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, DOT_PRECISION)
+                       full_hi, hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
+                       DOT_PRECISION)
     _store_tile(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
                 + q_idx[:, None].to(tl.int64) * stride_dqs + offs_d[None, :], dq * scale, q_idx, Sq, offs_d, HEAD_DIM)
 
@@ -677,6 +709,7 @@ class _Problem:
     has_right: bool
     hidden: bool  # the band hides every pair of the block: nothing to compute
     scale: float
+    softcap: float  # scaled scores s become softcap * tanh(s / softcap); 0: no capping
 
     @property
     def shape(self):
@@ -742,7 +775,7 @@ def _segments(segment_ids, batch: int, sq: int, sk: int, device):
     return seg_q.to(device).contiguous(), seg_k.to(device).contiguous()
 
 
-def _prepare(q, k, v, *, q_offset, k_offset, causal, window, key_mask, segment_ids, scale) -> _Problem:
+def _prepare(q, k, v, *, q_offset, k_offset, causal, window, key_mask, segment_ids, scale, softcap) -> _Problem:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, heads, S, D], got "
@@ -774,11 +807,14 @@ def _prepare(q, k, v, *, q_offset, k_offset, causal, window, key_mask, segment_i
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if not scale > 0.0 or not math.isfinite(scale):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
+    softcap = float(softcap)
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no capping), got {softcap}")
     seg_q, seg_k = _segments(segment_ids, batch, sq, sk, q.device)
     return _Problem(q=_last_dim_contiguous(q), k=_last_dim_contiguous(k), v=_last_dim_contiguous(v),
                     key_mask=_key_mask(key_mask, batch, sk, q.device), seg_q=seg_q, seg_k=seg_k,
                     q_offset=q_offset, k_offset=k_offset, left=left, right=right, has_left=has_left,
-                    has_right=has_right, hidden=hidden, scale=scale)
+                    has_right=has_right, hidden=hidden, scale=scale, softcap=softcap)
 
 
 def _kernel_args(p: _Problem):
@@ -790,10 +826,10 @@ def _kernel_args(p: _Problem):
         SegQ=p.seg_q if p.seg_q is not None else placeholder,
         SegK=p.seg_k if p.seg_k is not None else placeholder,
         num_heads=heads, kv_group=heads // kv_heads, Sq=sq, Sk=sk, q_offset=p.q_offset, k_offset=p.k_offset,
-        left=p.left, right=p.right, scale=p.scale, SQ_BUCKET=_seq_bucket(sq), SK_BUCKET=_seq_bucket(sk),
-        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        left=p.left, right=p.right, scale=p.scale, qk_cap=p.softcap / p.scale if p.softcap else 1.0,
+        SQ_BUCKET=_seq_bucket(sq), SK_BUCKET=_seq_bucket(sk), HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         HAS_LEFT=p.has_left, HAS_RIGHT=p.has_right, HAS_KEY_MASK=p.key_mask is not None,
-        HAS_SEG=p.seg_q is not None, DOT_PRECISION=_dot_precision(p.q.dtype),
+        HAS_SEG=p.seg_q is not None, SOFTCAP=p.softcap > 0.0, DOT_PRECISION=_dot_precision(p.q.dtype),
     )
 
 
@@ -882,19 +918,20 @@ def _backward(p: _Problem, dout, out, lse, delta, grad_dtype: torch.dtype):
 
 
 def triton_attention_forward(q, k, v, *, q_offset=0, k_offset=0, causal=False, window=None, key_mask=None,
-                             segment_ids=None, scale=None):
+                             segment_ids=None, scale=None, softcap=0.0):
     """Attention of one query block over one key block at global offsets.
 
     q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (fp16 / bf16 / fp32, H % Hkv == 0). Returns (out float32
     [B, H, Sq, D], lse float32 [B, H, Sq], natural log); rows with no visible key get out 0, lse -inf.
+    softcap > 0 caps the scaled scores s to softcap * tanh(s / softcap) before the mask.
     """
     p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window,
-                 key_mask=key_mask, segment_ids=segment_ids, scale=scale)
+                 key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap)
     return _forward(p, torch.float32)
 
 
 def triton_attention_backward(dout, q, k, v, out, lse, *, delta=None, q_offset=0, k_offset=0, causal=False,
-                              window=None, key_mask=None, segment_ids=None, scale=None):
+                              window=None, key_mask=None, segment_ids=None, scale=None, softcap=0.0):
     """Gradients (dq, dk, dv), float32, dk/dv with Hkv heads, of one key block's share of attention.
 
     out / lse are the FINAL values over all key blocks (so ring steps can sum the results); delta =
@@ -902,7 +939,7 @@ def triton_attention_backward(dout, q, k, v, out, lse, *, delta=None, q_offset=0
     nothing.
     """
     p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window,
-                 key_mask=key_mask, segment_ids=segment_ids, scale=scale)
+                 key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap)
     return _backward(p, dout, out, lse, delta, torch.float32)
 
 
@@ -935,16 +972,17 @@ def triton_merge(out_a, lse_a, out_b, lse_b):
 
 class TritonAttentionFunction(torch.autograd.Function):
     """Differentiable single-block attention: ``apply(q, k, v, q_offset, k_offset, causal, window, key_mask,
-    segment_ids, scale)`` returns out in q's dtype; gradients are written in the input dtypes."""
+    segment_ids, scale, softcap)`` returns out in q's dtype; gradients are written in the input dtypes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale):
+    def forward(ctx, q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale, softcap):
         p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window,
-                     key_mask=key_mask, segment_ids=segment_ids, scale=scale)
+                     key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap)
         out, lse = _forward(p, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, key_mask,
                               *(segment_ids if segment_ids is not None else (None, None)))
-        ctx.mask_args = dict(q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, scale=scale)
+        ctx.mask_args = dict(q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, scale=scale,
+                             softcap=softcap)
         return out
 
     @staticmethod
@@ -953,10 +991,11 @@ class TritonAttentionFunction(torch.autograd.Function):
         p = _prepare(q, k, v, key_mask=key_mask, segment_ids=None if seg_q is None else (seg_q, seg_k),
                      **ctx.mask_args)
         dq, dk, dv = _backward(p, dout, out, lse, None, q.dtype)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def triton_attention(q, k, v, *, q_offset=0, k_offset=0, causal=False, window=None, key_mask=None,
-                     segment_ids=None, scale=None):
+                     segment_ids=None, scale=None, softcap=0.0):
     """Differentiable attention through the Triton kernels; out in q's dtype (see TritonAttentionFunction)."""
-    return TritonAttentionFunction.apply(q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale)
+    return TritonAttentionFunction.apply(q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale,
+                                         softcap)

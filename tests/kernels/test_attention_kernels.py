@@ -64,13 +64,17 @@ def visible_mask(batch, sq, sk, *, q_offset=0, k_offset=0, causal=False, window=
     return mask
 
 
-def reference(q, k, v, dout, *, scale=None, **mask_args):
-    """Dense float64 attention: (out, lse, dq, dk, dv); rows with no visible key give out 0, lse -inf."""
+def reference(q, k, v, dout, *, scale=None, softcap=0.0, **mask_args):
+    """Dense float64 attention: (out, lse, dq, dk, dv); rows with no visible key give out 0, lse -inf.
+    ``softcap``: the scaled scores become ``softcap * tanh(s / softcap)`` before the mask."""
     q, k, v = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     mask = visible_mask(q.shape[0], q.shape[2], k.shape[2], **mask_args)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = (q @ k.repeat_interleave(group, 1).transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    s = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask, float("-inf"))
     any_visible = mask.any(-1, keepdim=True)
     p = torch.softmax(torch.where(any_visible, s, 0.0), dim=-1) * mask
     out = p @ v.repeat_interleave(group, 1)
@@ -164,13 +168,13 @@ MASK_CASES = [
 ]
 
 
-def run_and_check(case: Case, dtype, device=DEVICE, scale=None):
+def run_and_check(case: Case, dtype, device=DEVICE, scale=None, softcap=0.0):
     q, k, v, dout, mask_args = make_inputs(case, dtype, device)
-    out, lse = triton_attention_forward(q, k, v, scale=scale, **mask_args)
-    dq, dk, dv = triton_attention_backward(dout, q, k, v, out, lse, scale=scale, **mask_args)
+    out, lse = triton_attention_forward(q, k, v, scale=scale, softcap=softcap, **mask_args)
+    dq, dk, dv = triton_attention_backward(dout, q, k, v, out, lse, scale=scale, softcap=softcap, **mask_args)
     for name, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert x.dtype == torch.float32 and x.device == q.device, f"{name}: {x.dtype} on {x.device}"
-    expected = reference(q, k, v, dout, scale=scale, **mask_args)
+    expected = reference(q, k, v, dout, scale=scale, softcap=softcap, **mask_args)
     for name, actual, exp in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), expected):
         assert_close(f"{case.name} {dtype} {name}", actual, exp, dtype)
     return out, lse, (dq, dk, dv), expected
@@ -204,6 +208,14 @@ def test_dtypes_and_head_dims(dtype, head_dim):
     case = Case(f"d{head_dim}", sq=37, sk=41, q_offset=11, k_offset=4, causal=True, window=(25, -1),
                 batch=1, heads=2, kv_heads=1, head_dim=head_dim)
     run_and_check(case, dtype)
+
+
+@pytest.mark.parametrize("case", [c for c in MASK_CASES if c.name in ("dense_ragged", "causal_unaligned", "everything")],
+                         ids=str)
+def test_softcap_forward_backward_fp32(case):
+    """Soft-capped scores (Gemma2): a scale of 1 makes the scores large enough that the cap of 2 bends
+    most of them, through full, band-edge and ragged tiles and every mask kind."""
+    run_and_check(case, torch.float32, scale=1.0, softcap=2.0)
 
 
 def test_fp32_head_dim_not_power_of_two_with_scale():
@@ -333,6 +345,7 @@ def test_non_contiguous_inputs():
     (dict(key_mask=torch.ones(1, 7, dtype=torch.bool)), ValueError, "key_mask"),
     (dict(segment_ids=(torch.zeros(1, 8), torch.zeros(1, 8))), TypeError, "integer"),
     (dict(scale=0.0), ValueError, "scale"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(q_offset=2 ** 31), ValueError, "q_offset"),
     (dict(q=torch.zeros(1, 2, 8, 16, dtype=torch.float64)), TypeError, "float64"),
 ])
@@ -453,6 +466,13 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_gpu_large_shapes(case, dtype):
     run_and_check(case, dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_softcap(dtype):
+    """The soft-capped kernels compiled, at the real block sizes (Gemma2's cap of 50 on unit-scale scores)."""
+    run_and_check(GPU_CASES[1], dtype, scale=1.0, softcap=50.0)
 
 
 @needs_gpu
