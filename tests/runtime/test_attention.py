@@ -3,7 +3,8 @@
 Every strategy x mask x head layout x dtype runs on 2, 3 and 4 ranks (hybrid on the meshes the world
 size allows); each rank returns its output shard and the gradients of its q, k, v shards, and the
 parent compares them with SDPA over the whole sequence (float64, with the equivalent dense mask)
-restricted to the rank's positions. Cases are batched: one ``run_on_ranks`` call per world size.
+restricted to the rank's positions; every fifth case caps its scores (``softcap``, Gemma2) and is compared
+with the explicitly capped attention instead. Cases are batched: one ``run_on_ranks`` call per world size.
 The same runs measure bytes sent per call (forward and backward separately) on every rank against
 :func:`~autoshard.runtime.attention.formulas.bytes_sent_by_rank`, exactly (uneven shards and head splits
 included), and that against the sympy formulas of :mod:`autoshard.runtime.attention.formulas`.
@@ -54,6 +55,7 @@ def _cases(world: int) -> list[dict]:
             batch=2, head_dim=24 if n % 2 else 8,          # 24: not a power of two
             length=(8 * world if n % 3 else 8 * world + 1),  # every third length uneven (at every world size)
             tiled=n % 4 == 1,                              # force the tiled path with small tiles
+            softcap=2.0 if n % 5 == 2 else 0.0,            # Gemma2's soft-capped scores, every dtype and mask
             seed=n))
     return cases
 
@@ -77,6 +79,14 @@ def _inputs(case: dict):
 
 def _mask_args(case: dict) -> dict:
     return {"causal": "causal" in case["mask"], "window": (5, 0) if "window" in case["mask"] else None}
+
+
+def _capped_attention(q, k, v, mask, softcap):
+    """Attention with its scores capped to ``softcap * tanh(s / softcap)`` before the mask (what SDPA lacks)."""
+    group = q.size(1) // k.size(1)
+    s = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / q.size(-1) ** 0.5
+    s = (softcap * torch.tanh(s / softcap)).masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, -1) @ v.repeat_interleave(group, 1)
 
 
 def _dense_mask(S: int, causal: bool, window, key_mask, segments) -> torch.Tensor:
@@ -103,7 +113,10 @@ def _reference(case: dict):
     leaves = [t.to(torch.float64).requires_grad_() for t in (q, k, v)]
     args = _mask_args(case)
     mask = _dense_mask(case["length"], args["causal"], args["window"], key_mask, segments)
-    out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=True)
+    if case.get("softcap"):
+        out = _capped_attention(*leaves, mask, case["softcap"])
+    else:
+        out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=True)
     out.backward(dout.to(torch.float64))
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -134,7 +147,7 @@ def _run_case(case: dict, mesh) -> dict:
     with comm_counter() as fwd:
         out = attention(ql, kl, vl, group=group, strategy=case["strategy"], layout=given_layout,
                         key_mask=shard(key_mask), segment_ids=shard(segments), seq_len=case["length"],
-                        kernels=case.get("kernels", "auto"), **_mask_args(case))
+                        softcap=case.get("softcap", 0.0), kernels=case.get("kernels", "auto"), **_mask_args(case))
     with comm_counter() as bwd:
         out.backward(dout[:, :, pos])
     payload = lambda cc: sum(s.bytes_sent for kind, s in cc.calls.items() if kind != "metadata")  # noqa: E731
@@ -197,13 +210,15 @@ def test_matches_one_process_sdpa(runs):
 
 
 def test_triton_kernels_plug_into_the_strategies():
-    """Every strategy with ``kernels="triton"`` (the Triton interpreter on CPU), at least once each."""
+    """Every strategy with ``kernels="triton"`` (the Triton interpreter on CPU), at least once each; the
+    causal cases with soft-capped scores."""
     pytest.importorskip("triton")
     pytest.importorskip("autoshard.kernels.attention")
     wanted = {("ring", "contiguous", "causal+window"), ("zigzag", "zigzag", "causal"),
               ("zigzag", "zigzag", "key_mask"), ("allgather", "contiguous", "key_mask"),
               ("ulysses", "contiguous", "segments+causal"), ("hybrid", "zigzag", "causal")}
-    cases = [dict(case, kernels="triton", dtype=torch.float32, tiled=False, length=20, head_dim=16)
+    cases = [dict(case, kernels="triton", dtype=torch.float32, tiled=False, length=20, head_dim=16,
+                  softcap=2.0 if case["mask"] == "causal" else 0.0)
              for case in _cases(2) if case["dtype"] == torch.float64 and (case["heads"], case["kv_heads"]) == (8, 2)
              and (case["strategy"], case["layout"], case["mask"]) in wanted]
     assert len(cases) == len(wanted)
@@ -365,6 +380,8 @@ def _bad_inputs() -> dict[str, str]:
         "segment dtype": lambda: attention(q, kv, kv, segment_ids=torch.ones(1, 8), **ok),
         "window": lambda: attention(q, kv, kv, window=(-2, 0), **ok),
         "dropout": lambda: attention(q, kv, kv, dropout_p=0.1, **ok),
+        "softcap": lambda: attention(q, kv, kv, softcap=-1.0, **ok),
+        "ranks disagree on softcap": lambda: attention(q, kv, kv, softcap=float(rank), **ok),
         "strategy": lambda: attention(q, kv, kv, strategy="striped", **ok),
         "ranks disagree": lambda: attention(q[:, : 4 - 2 * rank], kv, kv, **ok),
         "one rank wrong": lambda: attention(q, kv if rank == 0 else kv[:, :, :7], kv, **ok),
@@ -401,6 +418,8 @@ EXPECTED_ERRORS = {
     "segment dtype": ["segment_ids must be this rank's shard, a [B, S_local] = [1, 8] integer tensor"],
     "window": ["window sides must be >= 0, or -1 for unbounded"],
     "dropout": ["dropout is not part of distributed attention"],
+    "softcap": ["softcap must be a finite number >= 0 (0: no capping), got -1.0"],
+    "ranks disagree on softcap": ["the ranks disagree on softcap"],
     "strategy": ["unknown strategy 'striped'"],
     "ranks disagree": ["the ranks disagree on H (per sequence rank: [4, 2])"],
     "length from shards": ["the shards hold [8, 5] positions per sequence rank, but the contiguous layout of their "
@@ -433,11 +452,12 @@ def _compiled_attention():
 
     def fn(q, k, v):
         out, lse = torch.ops.autoshard.attention(q, k, v, None, None, "zigzag", layout.encode(), group, "", True,
-                                                 -1, -1, 8 ** -0.5, "torch")
+                                                 -1, -1, 8 ** -0.5, 0.0, "torch")
         return out.sum() + lse.sum().detach()
 
     torch.library.opcheck(torch.ops.autoshard.attention.default,
-                          (q, k, v, None, None, "zigzag", layout.encode(), group, "", True, -1, -1, 8 ** -0.5, "torch"))
+                          (q, k, v, None, None, "zigzag", layout.encode(), group, "", True, -1, -1, 8 ** -0.5, 2.0,
+                           "torch"))
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     compiled(q, k, v).backward()
     grads = [t.grad.clone() for t in (q, k, v)]

@@ -6,7 +6,9 @@ Both dispatch by ``strategy`` name to the algorithms registered in :mod:`.base`,
 shares the wiring and the checks::
 
     torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, strategy, layout, group, ring_group,
-                                  causal, window_left, window_right, scale, kernels) -> (out, lse)
+                                  causal, window_left, window_right, scale, softcap, kernels) -> (out, lse)
+
+``softcap`` (0: none) caps the scaled scores, ``softcap * tanh(s / softcap)``, before the mask (Gemma2).
 
 ``out`` has ``q``'s dtype; ``lse`` is float32 (float64 for float64 inputs), natural log, and not
 differentiable. The op checks its inputs with local information only (shapes the layout implies,
@@ -90,6 +92,9 @@ def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
         raise AttentionInputError(f"autoshard.attention: unknown strategy {call.strategy!r}; expected one of "
                                   f"{tuple(STRATEGIES)}")
     _check_tensors(q, k, v, key_mask, segment_ids)
+    if not (call.softcap >= 0.0 and math.isfinite(call.softcap)):
+        raise AttentionInputError(f"autoshard.attention: softcap must be a finite number >= 0 (0: no capping), got "
+                                  f"{call.softcap}")
     strategy = STRATEGIES[call.strategy]
     seq_rank = strategy.check(q, k, v, call)
     expected = call.layout.local_length(seq_rank)
@@ -117,24 +122,24 @@ def _separate(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
-def _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, kernels) -> Call:
+def _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, softcap, kernels) -> Call:
     return Call(strategy=strategy, layout=SequenceLayout.decode(layout), group=group, ring_group=ring_group,
-                spec=MaskSpec(causal, (window_left, window_right)), scale=scale, kernels=kernels)
+                spec=MaskSpec(causal, (window_left, window_right)), scale=scale, softcap=softcap, kernels=kernels)
 
 
 @torch.library.custom_op("autoshard::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
                   segment_ids: Optional[torch.Tensor], strategy: str, layout: list[int], group: str, ring_group: str,
-                  causal: bool, window_left: int, window_right: int, scale: float,
+                  causal: bool, window_left: int, window_right: int, scale: float, softcap: float,
                   kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
-    call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, kernels)
+    call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, softcap, kernels)
     out, lse = _validate(q, k, v, key_mask, segment_ids, call).forward(q, k, v, key_mask, segment_ids, call)
     return _separate(out.to(q.dtype), lse.to(compute_dtype(q.dtype)))
 
 
 @_attention_op.register_fake
 def _(q, k, v, key_mask, segment_ids, strategy, layout, group, ring_group, causal, window_left, window_right, scale,
-      kernels):
+      softcap, kernels):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype))
 
 
@@ -142,16 +147,16 @@ def _(q, k, v, key_mask, segment_ids, strategy, layout, group, ring_group, causa
 def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, key_mask: Optional[torch.Tensor], segment_ids: Optional[torch.Tensor],
                            strategy: str, layout: list[int], group: str, ring_group: str, causal: bool,
-                           window_left: int, window_right: int, scale: float,
+                           window_left: int, window_right: int, scale: float, softcap: float,
                            kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, kernels)
+    call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, softcap, kernels)
     dq, dk, dv = STRATEGIES[strategy].backward(dout, q, k, v, out, lse, key_mask, segment_ids, call)
     return _separate(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
 
 
 @_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, key_mask, segment_ids, strategy, layout, group, ring_group, causal, window_left,
-      window_right, scale, kernels):
+      window_right, scale, softcap, kernels):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -175,7 +180,7 @@ _attention_op.register_autograd(_backward, setup_context=_setup)
 # ---------------------------------------------------------------------------- cross-rank agreement
 
 _SIGNATURE = ("B", "H", "Hkv", "D", "dtype", "device", "strategy", "layout", "seq_len", "causal", "window_left",
-              "window_right", "key_mask", "segment_ids", "scale", "kernels")
+              "window_right", "key_mask", "segment_ids", "scale", "softcap", "kernels")
 _agreed: set = set()
 
 
@@ -190,13 +195,15 @@ def _code(x) -> int:
     return hash(tuple(str(x).encode()))
 
 
-def _signature(q, k, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, kernels) -> tuple[int, ...]:
+def _signature(q, k, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, softcap,
+               kernels) -> tuple[int, ...]:
     shapes = (q.size(0), q.size(1), k.size(1), q.size(3)) if _is4d(q) and _is4d(k) else (0, 0, 0, 0)
     return tuple(_code(x) for x in (
         *shapes, q.dtype if isinstance(q, torch.Tensor) else None,
         q.device.type if isinstance(q, torch.Tensor) else "", strategy, layout,
         -1 if seq_len is None else seq_len, spec.causal, *spec.window, key_mask is not None,
-        segment_ids.dtype if isinstance(segment_ids, torch.Tensor) else None, float(scale or 0.0), kernels))
+        segment_ids.dtype if isinstance(segment_ids, torch.Tensor) else None, float(scale or 0.0),
+        float(softcap), kernels))
 
 
 def _is4d(t) -> bool:
@@ -261,6 +268,7 @@ def attention(
     key_mask: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
     scale: float | None = None,
+    softcap: float = 0.0,
     kernels: str = "auto",
     seq_len: int | None = None,
     dropout_p: float = 0.0,
@@ -277,7 +285,9 @@ def attention(
     ``"allgather"``, ``"ulysses"`` or ``"hybrid"``. ``layout``: ``"contiguous"``, ``"zigzag"`` or a
     :class:`SequenceLayout`. ``causal`` / ``window=(left, right)`` (-1 unbounded) / ``key_mask`` (``[B, S_local]``
     bool shard, True = attend) / ``segment_ids`` (``[B, S_local]`` int shard; attend within a segment):
-    structured masks, never an S x S tensor. ``scale``: default ``1/sqrt(D)``. ``kernels``: ``"auto"``,
+    structured masks, never an S x S tensor. ``scale``: default ``1/sqrt(D)``. ``softcap``: when positive, the
+    scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask (Gemma2's attention logit
+    soft-capping; 0, the default, leaves them). ``kernels``: ``"auto"``,
     ``"torch"`` or ``"triton"``. ``seq_len``: the global length (default: the sum of the shards, found by
     a small exchange on every call). ``dropout_p`` must be 0.
     """
@@ -306,7 +316,7 @@ def attention(
     def make_call(length: int) -> Call:
         lay = layout if isinstance(layout, SequenceLayout) else SequenceLayout.of(layout, length, world)
         return Call(strategy=strategy, layout=lay, group=names[0], ring_group=names[1], spec=spec,
-                    scale=float(scale), kernels=kernels)
+                    scale=float(scale), softcap=float(softcap), kernels=kernels)
 
     error, call = None, None
     try:
@@ -317,7 +327,7 @@ def attention(
             _validate(q, k, v, key_mask, segment_ids, call)
     except ValueError as e:  # AttentionInputError, or a layout the world size cannot serve
         error = e
-    signature = _signature(q, k, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, kernels)
+    signature = _signature(q, k, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, softcap, kernels)
     key = (tuple(names), signature, q.size(2) if _is4d(q) else -1)
     if error is None and call is not None and key in _agreed:
         return _run(q, k, v, key_mask, segment_ids, call)
@@ -342,5 +352,5 @@ def attention(
 def _run(q, k, v, key_mask, segment_ids, call: Call) -> torch.Tensor:
     out, _ = torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, call.strategy, call.layout.encode(),
                                            call.group, call.ring_group, call.spec.causal, *call.spec.window,
-                                           call.scale, call.kernels)
+                                           call.scale, call.softcap, call.kernels)
     return out

@@ -40,6 +40,8 @@ class Call:
     """Causal / window mask."""
     scale: float
     """Softmax scale."""
+    softcap: float = 0.0
+    """Scores soft-cap: ``softcap * tanh(s / softcap)`` on the scaled scores before the mask (0: none)."""
     kernels: str = "auto"
     """``"auto"``, ``"torch"`` or ``"triton"`` (see :mod:`.backend`)."""
 

@@ -126,18 +126,21 @@ def attend(
     seg_q: torch.Tensor | None,
     seg_k: torch.Tensor | None,
     scale: float,
+    softcap: float,
     kernels: str,
 ) -> None:
     """Merge the attention of ``q`` (``q_pieces``) to ``k``/``v`` (``k_pieces``) into ``out``/``lse`` in place.
 
-    ``key_mask``/``seg_k`` are per key of ``k``; ``seg_q`` per query of ``q``.
+    ``key_mask``/``seg_k`` are per key of ``k``; ``seg_q`` per query of ``q``. ``softcap`` (0: none) caps every
+    block's scores alike: it is elementwise, so the LSE merge of the blocks is unchanged.
     """
     for qp, kp in _visible_pairs(q_pieces, k_pieces, spec):
         masks = _mask_args(qp, kp, key_mask, seg_q, seg_k)
         for hs in heads:
             block_out, block_lse = local_attention(
                 q[:, hs.q, qp.rows], k[:, hs.kv, kp.rows], v[:, hs.kv, kp.rows], q_offset=qp.start,
-                k_offset=kp.start, causal=spec.causal, window=spec.window_arg, scale=scale, kernels=kernels, **masks)
+                k_offset=kp.start, causal=spec.causal, window=spec.window_arg, scale=scale, softcap=softcap,
+                kernels=kernels, **masks)
             merge_attention_(out[:, hs.q, qp.rows], lse[:, hs.q, qp.rows], block_out, block_lse, kernels=kernels)
 
 
@@ -161,6 +164,7 @@ def attend_backward(
     seg_q: torch.Tensor | None,
     seg_k: torch.Tensor | None,
     scale: float,
+    softcap: float,
     kernels: str,
 ) -> None:
     """Add the gradients of :func:`attend`'s blocks into ``dq`` (per query) and ``dk``/``dv`` (per key).
@@ -174,7 +178,7 @@ def attend_backward(
             gq, gk, gv = local_attention_backward(
                 dout[rows], q[rows], k[keys], v[keys], out[rows], lse[rows], delta=delta[rows],
                 q_offset=qp.start, k_offset=kp.start, causal=spec.causal, window=spec.window_arg,
-                scale=scale, kernels=kernels, **masks)
+                scale=scale, softcap=softcap, kernels=kernels, **masks)
             dq[rows] += gq
             dk[keys] += gk
             dv[keys] += gv

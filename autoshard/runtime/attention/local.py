@@ -11,8 +11,12 @@ visible one needs no mask tensor, a diagonal one is masked tile by tile. Shapes 
 by ``Hkv``; query head ``h`` reads kv head ``h // (H // Hkv)``. GQA groups the query heads of a kv head
 into one matrix (``[B, Hkv, G * rows, D]``); K and V are never repeated.
 
+Soft-capping (``softcap > 0``, Gemma2's attention logit cap): the scaled scores ``s = scale * q.k`` become
+``softcap * tanh(s / softcap)`` before the mask and the softmax. It is elementwise on the scores, so a
+block's ``lse`` and the merge of blocks stay what they are for any other scores.
+
 Outputs: ``out`` (float32, or float64 for float64 inputs) and ``lse``, the **natural** log (base e) of
-each row's sum of ``exp(scale * q.k)`` over its visible keys. A row with no visible key has ``out = 0``
+each row's sum of ``exp(s)`` (the capped scores when capping) over its visible keys. A row with no visible key has ``out = 0``
 and ``lse = -inf``, and its gradients are 0 (``F.scaled_dot_product_attention`` in current torch also gives
 0 there; older versions and some kernels give NaN).
 
@@ -24,8 +28,8 @@ Implementations (``kernels``, see :mod:`.backend`): the Triton kernels of
 :mod:`autoshard.kernels.attention`, or the torch path here, which never materializes the
 ``[Sq x Sk]`` scores of a long block:
 
-* blocks without data masks (``key_mask``, ``segment_ids``) whose keys split into a fully visible range
-  and an aligned causal diagonal go to torch's fused CPU flash-attention kernel
+* blocks without data masks (``key_mask``, ``segment_ids``) or soft-capping whose keys split into a fully
+  visible range and an aligned causal diagonal go to torch's fused CPU flash-attention kernel
   (``aten._scaled_dot_product_flash_attention_for_cpu``: tiled, returns the LSE, takes GQA as is),
   one call per range, merged through the LSE;
 * everything else runs the tiled online softmax below: ``TILE_Q x TILE_K`` tiles, tiles the mask hides
@@ -83,16 +87,19 @@ def local_attention(
     key_mask: torch.Tensor | None = None,
     segment_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
     scale: float | None = None,
+    softcap: float = 0.0,
     kernels: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query block against one key block at global offsets; returns ``(out, lse)``.
 
     ``key_mask``: ``[B, Sk]`` bool, True where the key may be attended. ``segment_ids``: the pair
     ``(seg_q [B, Sq], seg_k [B, Sk])``; a key is visible only within the query's segment. ``scale``
-    defaults to ``1 / sqrt(D)``. See the module docstring for the outputs.
+    defaults to ``1 / sqrt(D)``. ``softcap``: when positive, the scaled scores ``s`` become
+    ``softcap * tanh(s / softcap)`` before the mask and the softmax (0: no capping). See the module
+    docstring for the outputs.
     """
     spec = MaskSpec.of(causal, window)
-    _check(q, k, v, key_mask, segment_ids)
+    _check(q, k, v, key_mask, segment_ids, softcap)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     (B, H, Sq, D), Sk = q.shape, k.size(2)
     visibility = spec.classify(q_offset, Sq, k_offset, Sk)
@@ -105,11 +112,11 @@ def local_attention(
 
         return triton_attention_forward(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=spec.causal,
                                         window=spec.window_arg, key_mask=key_mask, segment_ids=segment_ids,
-                                        scale=scale)
-    parts = _fused_parts(spec, visibility, q, q_offset, k_offset, Sk, key_mask, segment_ids)
+                                        scale=scale, softcap=softcap)
+    parts = _fused_parts(spec, visibility, q, q_offset, k_offset, Sk, key_mask, segment_ids, softcap)
     if parts is not None:
         return _fused_forward(q, k, v, parts, scale)
-    return _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale)
+    return _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap)
 
 
 def local_attention_backward(
@@ -128,15 +135,16 @@ def local_attention_backward(
     key_mask: torch.Tensor | None = None,
     segment_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
     scale: float | None = None,
+    softcap: float = 0.0,
     kernels: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of one block (float32, or float64 for float64 inputs).
 
     ``out``/``lse``: the rows' final values over all key blocks; ``delta``: ``rowsum(dout * out)``
-    (``[B, H, Sq]``), computed when ``None``. Mask arguments as in :func:`local_attention`.
+    (``[B, H, Sq]``), computed when ``None``. Mask arguments and ``softcap`` as in :func:`local_attention`.
     """
     spec = MaskSpec.of(causal, window)
-    _check(q, k, v, key_mask, segment_ids)
+    _check(q, k, v, key_mask, segment_ids, softcap)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     (B, H, Sq, D), Sk = q.shape, k.size(2)
     visibility = spec.classify(q_offset, Sq, k_offset, Sk)
@@ -149,17 +157,18 @@ def local_attention_backward(
 
         return triton_attention_backward(dout, q, k, v, out, lse, delta=delta, q_offset=q_offset,
                                          k_offset=k_offset, causal=spec.causal, window=spec.window_arg,
-                                         key_mask=key_mask, segment_ids=segment_ids, scale=scale)
-    parts = _fused_parts(spec, visibility, q, q_offset, k_offset, Sk, key_mask, segment_ids)
+                                         key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap)
+    parts = _fused_parts(spec, visibility, q, q_offset, k_offset, Sk, key_mask, segment_ids, softcap)
     if parts is not None:
         return _fused_backward(dout, q, k, v, out, lse, parts, scale)
-    return _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale)
+    return _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale,
+                           softcap)
 
 
 # ---------------------------------------------------------------------------- checks
 
 
-def _check(q, k, v, key_mask, segment_ids) -> None:
+def _check(q, k, v, key_mask, segment_ids, softcap) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"local_attention: q, k, v must be [B, H, S, D], got shapes {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -173,21 +182,24 @@ def _check(q, k, v, key_mask, segment_ids) -> None:
     if segment_ids is not None and (segment_ids[0].shape != (B, Sq) or segment_ids[1].shape != (B, Sk)):
         raise ValueError(f"local_attention: segment_ids must be the pair ([B, Sq], [B, Sk]) = ([{B}, {Sq}], "
                          f"[{B}, {Sk}]), got {tuple(segment_ids[0].shape)}, {tuple(segment_ids[1].shape)}")
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"local_attention: softcap must be a finite number >= 0 (0: no capping), got {softcap}")
 
 
 # ---------------------------------------------------------------------------- fused CPU kernel
 
 
 def _fused_parts(spec: MaskSpec, visibility: Visibility, q: torch.Tensor, q_offset: int, k_offset: int, k_len: int,
-                 key_mask, segment_ids) -> list[tuple[int, int, bool]] | None:
+                 key_mask, segment_ids, softcap: float) -> list[tuple[int, int, bool]] | None:
     """Key ranges ``(lo, hi, causal)`` (local indices) that torch's fused kernel computes exactly, or None.
 
     A fully visible block is one range; under a plain causal mask the keys before the queries are one
     fully visible range and the keys at the queries' own positions one aligned causal diagonal (keys
-    after them are hidden). Other blocks (windows, data masks, a diagonal cut by the block's edge) are
-    left to the tiled path.
+    after them are hidden). Other blocks (windows, data masks, a diagonal cut by the block's edge) and
+    soft-capped scores (the kernel has no soft-cap) are left to the tiled path.
     """
-    if not FUSED_BLOCKS or q.device.type != "cpu" or key_mask is not None or segment_ids is not None:
+    if (not FUSED_BLOCKS or q.device.type != "cpu" or key_mask is not None or segment_ids is not None
+            or softcap):
         return None
     if visibility is Visibility.FULL:
         return [(0, k_len, False)]
@@ -258,7 +270,16 @@ def _tile_mask(spec, visibility, q_start, i, tq, k_start, j, tk, key_mask, segme
     return mask
 
 
-def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale):
+def _soft_cap(s: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(softcap * tanh(s / softcap), tanh(s / softcap))`` for scaled scores ``s`` (overwritten), or ``(s, None)``
+    when ``softcap`` is 0. The backward takes the tanh for the cap's derivative, ``1 - tanh^2``."""
+    if not softcap:
+        return s, None
+    t = s.div_(softcap).tanh_()
+    return t * softcap, t
+
+
+def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap):
     (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
     G, ct = H // Hkv, compute_dtype(q.dtype)
     out = q.new_zeros((B, Hkv, G, Sq, D), dtype=ct)
@@ -269,7 +290,7 @@ def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, sca
         rows = (grouped[:, :, :, i:i + tq].to(ct) * scale).reshape(B, Hkv, G * tq, D)
         row_max = row_sum = acc = None
         for _, _, j, tk, visibility in tiles:
-            s = rows @ k[:, :, j:j + tk].to(ct).transpose(-1, -2)
+            s, _ = _soft_cap(rows @ k[:, :, j:j + tk].to(ct).transpose(-1, -2), softcap)
             mask = _tile_mask(spec, visibility, q_offset, i, tq, k_offset, j, tk, key_mask, segment_ids, q.device)
             if mask is not None:
                 s.view(B, Hkv, G, tq, tk).masked_fill_(~mask, _NEG_INF)
@@ -291,7 +312,7 @@ def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, sca
     return out.view(B, H, Sq, D), lse.view(B, H, Sq)
 
 
-def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale):
+def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap):
     (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
     G, ct = H // Hkv, compute_dtype(q.dtype)
     if delta is None:
@@ -308,7 +329,7 @@ def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, ke
         for i, tq, _, _, visibility in tiles:
             rows = (q_grouped[:, :, :, i:i + tq].to(ct) * scale).reshape(B, Hkv, G * tq, D)
             grad_rows = dout_grouped[:, :, :, i:i + tq].to(ct).reshape(B, Hkv, G * tq, D)
-            s = rows @ keys.transpose(-1, -2)
+            s, tanh = _soft_cap(rows @ keys.transpose(-1, -2), softcap)
             mask = _tile_mask(spec, visibility, q_offset, i, tq, k_offset, j, tk, key_mask, segment_ids, q.device)
             if mask is not None:
                 s.view(B, Hkv, G, tq, tk).masked_fill_(~mask, _NEG_INF)
@@ -316,6 +337,8 @@ def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, ke
             dv[:, :, j:j + tk] += p.transpose(-1, -2) @ grad_rows
             dp = grad_rows @ values.transpose(-1, -2)
             ds = p.mul_(dp.sub_(delta[:, :, :, i:i + tq].reshape(B, Hkv, G * tq, 1)))
+            if tanh is not None:  # through the cap: d(c * tanh(s / c)) / ds = 1 - tanh^2
+                ds.mul_(1.0 - tanh.square_())
             dq[:, :, :, i:i + tq] += (ds @ keys).mul_(scale).view(B, Hkv, G, tq, D)
             dk[:, :, j:j + tk] += ds.transpose(-1, -2) @ rows
     return dq.view(B, H, Sq, D), dk, dv

@@ -81,6 +81,7 @@ def ring_forward(
     heads: Sequence[HeadSegment],
     spec: MaskSpec,
     scale: float,
+    softcap: float,
     kernels: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of this rank's queries over every ring rank's K/V (compute dtype).
@@ -98,7 +99,7 @@ def ring_forward(
             comm.start(block, _like(block, _length(block_pieces[block_source(rank, step + 1, world)])))
         kb, vb, kmb, segb = _unpack(block, key_mask, segment_ids)
         attend(out, lse, q, kb, vb, block_pieces[rank], block_pieces[source], heads=heads, spec=spec,
-               key_mask=kmb, seg_q=segment_ids, seg_k=segb, scale=scale, kernels=kernels)
+               key_mask=kmb, seg_q=segment_ids, seg_k=segb, scale=scale, softcap=softcap, kernels=kernels)
         if step < world - 1:
             block = comm.wait()
     return out, lse
@@ -119,6 +120,7 @@ def ring_backward(
     heads: Sequence[HeadSegment],
     spec: MaskSpec,
     scale: float,
+    softcap: float,
     kernels: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` (compute dtype) of :func:`ring_forward`, given its final ``out`` and ``lse``."""
@@ -139,7 +141,7 @@ def ring_backward(
         dk, dv = kb.new_zeros(kb.shape, dtype=ct), vb.new_zeros(vb.shape, dtype=ct)
         attend_backward(dq, dk, dv, dout, q, kb, vb, out, lse, delta, block_pieces[rank], block_pieces[source],
                         heads=heads, spec=spec, key_mask=kmb, seg_q=segment_ids, seg_k=segb, scale=scale,
-                        kernels=kernels)
+                        softcap=softcap, kernels=kernels)
         if step == 0:
             own = dk, dv
         else:
@@ -177,13 +179,13 @@ def _shards(call: Call) -> list[tuple[Piece, ...]]:
 def _forward(q, k, v, key_mask, segment_ids, call: Call):
     return ring_forward(q, k, v, key_mask, segment_ids, pg=call.pg, block_pieces=_shards(call),
                         heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, scale=call.scale,
-                        kernels=call.kernels)
+                        softcap=call.softcap, kernels=call.kernels)
 
 
 def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
     return ring_backward(dout, q, k, v, out, lse, key_mask, segment_ids, pg=call.pg, block_pieces=_shards(call),
                          heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, scale=call.scale,
-                         kernels=call.kernels)
+                         softcap=call.softcap, kernels=call.kernels)
 
 
 register(Strategy("ring", _check, _forward, _backward))
