@@ -3,9 +3,10 @@
 Three spellings are recognized:
 
 * ``F.scaled_dot_product_attention`` (any ``attn_mask`` / ``is_causal`` / ``enable_gqa``);
-* hand-written attention: ``matmul(q, k^T)``, an optional constant scale, an optional mask (added,
-  ``masked_fill(-inf)`` or ``where(keep, scores, -inf)``), ``softmax`` over the keys, optional casts and
-  dropout, ``matmul(probs, v)``;
+* hand-written attention: ``matmul(q, k^T)``, an optional constant scale, an optional soft-cap
+  (``tanh(s / c) * c``, Gemma2's attention logit cap; ``s * (1 / c)`` and either operand order too), an
+  optional mask (added, ``masked_fill(-inf)`` or ``where(keep, scores, -inf)``), ``softmax`` over the
+  keys, optional casts and dropout, ``matmul(probs, v)``;
 * user-marked attention functions (``autoshard.attention_function``), which reach the graph as the
   ``autoshard::marked_attention`` op.
 
@@ -15,7 +16,8 @@ K/V repeated for grouped-query attention (``k[:, :, None].expand(...).reshape(..
 keeps it dense (``dense_mask``) and the rewrite computes it on gathered keys.
 
 ``captured_attention`` itself is the one-device meaning of the captured call, used when the attention
-is not distributed.
+is not distributed. Its ``softcap`` (0: none) caps the scaled scores, ``softcap * tanh(s / softcap)``,
+before the mask; the distributed op applies it block by block.
 """
 
 from __future__ import annotations
@@ -56,14 +58,20 @@ def dense_mask_of(q_len: int, k_len: int, causal: bool, window, key_mask, segmen
 
 
 def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None,
-                       scale=None, dropout_p=0.0, empty_rows="zero"):
+                       scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero"):
     """Attention with a structured mask, on whole tensors (what one device computes). ``empty_rows``: what
-    a row with no visible key gets (see :class:`~autoshard.passes.masks.StructuredMask`)."""
+    a row with no visible key gets (see :class:`~autoshard.passes.masks.StructuredMask`). ``softcap``: see
+    the module docstring."""
     structured = causal or window is not None or key_mask is not None or segment_ids is not None
     mask = dense_mask_of(q.size(-2), k.size(-2), causal, window, key_mask, segment_ids, q.device) if structured else None
     if dense_mask is not None:
         mask = dense_mask if mask is None else (mask & dense_mask if dense_mask.dtype == torch.bool
                                                 else dense_mask.masked_fill(~mask, float("-inf")))
+    if softcap:
+        from .rules.attention import soft_capped_attention
+
+        return soft_capped_attention(q, k, v, mask, scale=1.0 / math.sqrt(q.size(-1)) if scale is None else scale,
+                                     softcap=softcap, dropout_p=dropout_p, empty_rows=empty_rows)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                          enable_gqa=k.size(-3) != q.size(-3))
     if empty_rows == "uniform" and mask is not None and mask.dtype == torch.bool:
@@ -77,10 +85,10 @@ def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None
 
 @register_canonical("attention", functions=[captured_attention])
 def _bind_captured(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None, scale=None,
-                   dropout_p=0.0, empty_rows="zero"):
+                   softcap=0.0, dropout_p=0.0, empty_rows="zero"):
     return {"q": q, "k": k, "v": v, "key_mask": key_mask, "segment_ids": segment_ids, "dense_mask": dense_mask,
-            "causal": causal, "window": window, "scale": scale, "dropout_p": dropout_p, "empty_rows": empty_rows,
-            "captured": True}
+            "causal": causal, "window": window, "scale": scale, "softcap": softcap, "dropout_p": dropout_p,
+            "empty_rows": empty_rows, "captured": True}
 
 
 # ----------------------------------------------------------------------------- pattern helpers
@@ -146,6 +154,18 @@ def _constant_scale(node: fx.Node):
     return node, 1.0
 
 
+def _soft_capped(node: fx.Node):
+    """(scores before the cap, cap, factor) for ``tanh(x * a) * c`` with constants ``a`` and ``c > 0`` (any
+    form :func:`_constant_scale` reads, so Gemma2's ``tanh(x / c) * c`` too): that is ``c * tanh(s / c)`` of
+    ``s = x * (a * c)``, so ``a * c`` multiplies into the attention's scale. (node, 0.0, 1.0) otherwise."""
+    capped, cap = _constant_scale(node)
+    t_op = _op(_skip(capped))
+    if cap <= 0.0 or t_op is None or t_op.name != "pointwise" or t_op["fn"] != "tanh":
+        return node, 0.0, 1.0
+    scores, inner = _constant_scale(_skip(_skip(capped).args[0]))
+    return scores, cap, inner * cap
+
+
 def _masked(graph: fx.Graph, node: fx.Node, before: fx.Node):
     """(scores, mask node or None, fill or None): the mask an attention applies to its scores, as SDPA
     takes it (bool = attend, or an additive float mask), and the value masked scores are set to."""
@@ -170,9 +190,9 @@ def _is_neg_inf(value) -> bool:
 
 
 def _handwritten(graph: fx.Graph, node: fx.Node):
-    """(q, k, v, mask, scale, dropout_p, fill) when ``node`` is ``matmul(softmax(scores), v)``; a string saying
-    what did not match when ``node`` is ``matmul(softmax(x), v)`` but ``x`` is not scaled ``q @ k^T`` plus a
-    mask (an attention that cannot be captured, e.g. with soft-capping); None otherwise."""
+    """(q, k, v, mask, scale, softcap, dropout_p, fill) when ``node`` is ``matmul(softmax(scores), v)``; a string
+    saying what did not match when ``node`` is ``matmul(softmax(x), v)`` but ``x`` is not scaled (and maybe
+    soft-capped) ``q @ k^T`` plus a mask (an attention that cannot be captured); None otherwise."""
     op = _op(node)
     if op is None or op.name != "matmul":
         return None
@@ -189,7 +209,9 @@ def _handwritten(graph: fx.Graph, node: fx.Node):
     if s_op["dim"] % len(shape_of(probs)) != len(shape_of(probs)) - 1:
         return None
     scores, mask, fill = _masked(graph, _skip(s_op["input"]), node)
+    scores, softcap, cap_factor = _soft_capped(_skip(scores))
     scores, scale = _constant_scale(_skip(scores))
+    scale *= cap_factor
     m_op = _op(scores)
     if m_op is None or m_op.name != "matmul":
         what = m_op.get("fn", m_op.name) if m_op is not None else str(scores.target)
@@ -199,7 +221,7 @@ def _handwritten(graph: fx.Graph, node: fx.Node):
     k = _transposed_last(kt)
     if k is None or not all(is_tensor_node(t) and len(shape_of(t)) == 4 for t in (q, k, v)):
         return None
-    return q, k, v, mask, scale, dropout_p, fill
+    return q, k, v, mask, scale, softcap, dropout_p, fill
 
 
 def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> list[tuple[fx.Node, str | None]]:
@@ -213,14 +235,14 @@ def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> li
         if op is not None and op.name == "attention" and node.target is not captured_attention:
             q, k, v = op["q"], op["k"], op["v"]
             mask, causal, scale, dropout_p = op["attn_mask"], bool(op["is_causal"]), op["scale"], float(op["dropout_p"])
-            fill = None
+            fill, softcap = None, 0.0
         elif op is not None and op.name == "matmul":
             found = _handwritten(graph, node)
             if isinstance(found, str) and missed is not None:
                 missed.append(found)
             if not isinstance(found, tuple):
                 continue
-            q, k, v, mask, scale, dropout_p, fill = found
+            q, k, v, mask, scale, softcap, dropout_p, fill = found
             causal = False
         else:
             continue
@@ -240,7 +262,8 @@ def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> li
             reason = None
         kwargs = {"causal": spec.causal, "window": spec.window,
                   "scale": float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1]),
-                  "dropout_p": dropout_p, "empty_rows": empty_rows_of(fill) if fill is not None else spec.empty_rows}
+                  "softcap": softcap, "dropout_p": dropout_p,
+                  "empty_rows": empty_rows_of(fill) if fill is not None else spec.empty_rows}
         with graph.inserting_before(node):
             new = new_node(graph, captured_attention, (q, k, v, spec.key_mask, spec.segment_ids, dense), kwargs)
         node.replace_all_uses_with(new)

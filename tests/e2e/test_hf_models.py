@@ -2,7 +2,9 @@
 uncompiled one-process run (float32, 1e-4 relative), 0 fallbacks, no S x S value on any rank.
 
 Small configs with random weights (hidden 64, 2 layers, S <= 64, nothing downloaded); sdpa and eager
-attention; lengths the world size does and does not divide; ring, zigzag and ulysses.
+attention; lengths the world size does and does not divide; ring, zigzag and ulysses. Gemma2 (eager)
+soft-caps its attention scores; its random weights are scaled up (initializer_range) and its cap set
+low so that the cap bends the scores.
 """
 
 import pytest
@@ -67,6 +69,15 @@ def build(name: str, seq: int, impl: str):
         mask[1, seq - 5:] = 0
         kwargs = {"input_ids": ids.clamp(min=2).masked_fill(mask == 0, 1), "attention_mask": mask,
                   "labels": torch.tensor([0, 1])}
+    elif name.startswith("gemma2"):  # soft-capped attention scores, sliding-window and global layers in turn
+        cfg = T.Gemma2Config(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=seq // 3,
+                             attn_logit_softcapping=1.0, final_logit_softcapping=30.0, initializer_range=0.2,
+                             **SMALL)
+        cls = T.Gemma2ForCausalLM
+        if "pad" in name:  # left padding: the first rows see no key, and get what softmax gives the fill
+            mask = torch.ones(2, seq, dtype=torch.long)
+            mask[0, :3] = 0
+            kwargs["attention_mask"] = mask
     elif name == "vit":  # 32x32 images, 8x8 patches: 16 patches + CLS = 17 tokens (odd)
         cfg = T.ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                           image_size=32, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -110,8 +121,9 @@ CASES_4 = [("llama_pad", 62, "sdpa", "zigzag"), ("mistral", 64, "eager", "ring")
            ("vit", 17, "eager", "ring"), ("gpt2", 61, "sdpa", "ring")]
 
 
-@pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)], ids=["P2", "P4"])
-def test_hf_models_match_one_process(world, cases):
+def _check(world, cases):
+    """Run ``cases`` on ``world`` ranks and check every rank; returns every case's attention records."""
+    records = []
     for rank, results in enumerate(run_on_ranks(_run, world, cases, timeout=900)):
         for name, seq, impl, strategy, err, summary, fallbacks, attention, squares in results:
             where = f"{name} {impl} S={seq} {strategy} P={world} rank {rank}"
@@ -119,3 +131,19 @@ def test_hf_models_match_one_process(world, cases):
             assert fallbacks == [], f"{where}: {fallbacks}"
             assert squares == [], f"{where}: S x S values {squares}"
             assert attention and all(a["strategy"] == strategy for a in attention), f"{where}: {attention}"
+            records.append((where, attention))
+    return records
+
+
+@pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)], ids=["P2", "P4"])
+def test_hf_models_match_one_process(world, cases):
+    _check(world, cases)
+
+
+def test_gemma2_soft_capped_attention_is_distributed():
+    """Gemma2's eager attention caps its scores (``softcap * tanh(s / softcap)`` before the mask): captured
+    with the cap and distributed, on its sliding-window and its global layers; with left padding the rows
+    that see no key get softmax's uniform attention, gradient through the cap included."""
+    for where, attention in _check(2, [("gemma2", 13, "eager", "ring"), ("gemma2_pad", 13, "eager", "zigzag")]):
+        assert all(a["softcap"] == 1.0 for a in attention), f"{where}: {attention}"
+        assert sorted(str(a["window"]) for a in attention) == ["(3, 0)", "None"], f"{where}: {attention}"

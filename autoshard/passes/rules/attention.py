@@ -5,10 +5,11 @@ too; self-attention (equal lengths) ties queries and keys together; key masks an
 per-key positions.
 
 Rewrite: with queries, keys and values split along one layout and a structured mask, the call becomes
-``torch.ops.autoshard.attention`` with the strategy chosen for it (``rw.strategies``). An attention
-that keeps a dense mask (one the mask pass could not structure) runs on gathered keys and values
-with this rank's rows of the mask; an attention with dropout, or one whose keys are another sequence,
-runs on whole tensors. Both are recorded in the plan.
+``torch.ops.autoshard.attention`` with the strategy chosen for it (``rw.strategies``); soft-capped
+scores (``softcap``, Gemma2) pass through to it. An attention that keeps a dense mask (one the mask
+pass could not structure) runs on gathered keys and values with this rank's rows of the mask, unless
+its scores are soft-capped; that one, an attention with dropout, and one whose keys are another
+sequence run on whole tensors. Both are recorded in the plan.
 
 Rows that see no key under an additive mask (:func:`fill_empty_rows`) get what one device gives them.
 Such rows can sit on some ranks only (left padding under a causal mask leaves the first rank's rows
@@ -31,7 +32,7 @@ from ..ops import shape_of, value_of
 from . import register
 from .pointwise import whole_args
 
-__all__ = ["uniform_attention", "attend_to_every_key", "fill_empty_rows"]
+__all__ = ["uniform_attention", "soft_capped_attention", "attend_to_every_key", "fill_empty_rows"]
 
 
 def uniform_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, length: int,
@@ -52,12 +53,46 @@ def uniform_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return v_mean + (first - first.detach()) - (centre - centre.detach()) * v_mean
 
 
-def attend_to_every_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sizes: list[int],
-                        group: str) -> torch.Tensor:
+def soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+                          scale: float, softcap: float, dropout_p: float = 0.0,
+                          empty_rows: str = "zero") -> torch.Tensor:
+    """Attention whose scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask (Gemma2), on
+    whole tensors with the scores materialized (SDPA has no soft-cap). ``mask``: bool (True = attend), an
+    additive float mask, or None. A row a bool mask hides entirely gets what ``empty_rows`` says (see
+    :class:`~autoshard.passes.masks.StructuredMask`): 0 (``"zero"``), uniform attention to every key with
+    the gradient softmax has at equal scores (``"uniform"``, a ~finfo.min fill), or attention with the
+    unmasked scores (``"scores"``, a milder fill)."""
+    group_size = q.size(-3) // k.size(-3)
+    k, v = (t.repeat_interleave(group_size, dim=-3) for t in (k, v))
+    s = q @ k.transpose(-1, -2) * scale
+    s = softcap * torch.tanh(s / softcap)
+    empty = None
+    if mask is not None and mask.dtype != torch.bool:
+        s = s + mask
+    elif mask is not None:
+        empty = ~mask.any(-1, keepdim=True)
+        on_empty_rows = s - s.detach() if empty_rows == "uniform" else s if empty_rows == "scores" else 0.0
+        s = torch.where(empty, on_empty_rows, s.masked_fill(~mask, float("-inf")))
+    p = torch.softmax(s, -1, dtype=torch.promote_types(s.dtype, torch.float32)).to(q.dtype)
+    if empty is not None and empty_rows == "zero":
+        p = p.masked_fill(empty, 0.0)
+    if dropout_p:
+        p = F.dropout(p, dropout_p)
+    return p @ v
+
+
+def attend_to_every_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float,
+                        sizes: list[int], group: str, uniform: bool) -> torch.Tensor:
     """Unmasked attention of this rank's queries to every key -- what softmax gives a row whose scores are all
-    shifted by the same mild fill. Keys and values are gathered in rank order (``sizes``: every rank's number
-    of keys), which softmax does not mind; all_gather's backward sums every rank's share of their gradient."""
+    shifted by the same mild fill -- or, when ``uniform``, the uniform attention of a ~finfo.min fill with
+    its gradient (for soft-capped scores, which :func:`uniform_attention` cannot serve). Keys and values
+    are gathered in rank order (``sizes``: every rank's number of keys), which softmax does not mind;
+    all_gather's backward sums every rank's share of their gradient."""
     keys, values = (all_gather(t, -2, group=group, sizes=sizes) for t in (k, v))
+    if softcap:  # rows that see no key, given what the fill gives them
+        no_key_visible = torch.zeros((), dtype=torch.bool, device=q.device).expand(*q.shape[:-1], keys.size(-2))
+        return soft_capped_attention(q, keys, values, no_key_visible, scale=scale, softcap=softcap,
+                                     empty_rows="uniform" if uniform else "scores")
     return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=k.size(-3) != q.size(-3))
 
 
@@ -66,17 +101,26 @@ def _anywhere(flags: torch.Tensor, group: str) -> bool:
     return bool(all_reduce(flags.any().to(torch.int32).reshape(1), "max", group=group))
 
 
+def _gathers_for_empty_rows(mode: str, softcap: float) -> bool:
+    """Whether :func:`fill_empty_rows` asks if any row is empty and gathers the keys only then (a mild fill, or
+    soft-capped scores), rather than always computing :func:`uniform_attention` from all-reduced sums."""
+    return mode == "scores" or bool(softcap)
+
+
 def fill_empty_rows(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    scale: float, sizes: list[int], mode: str, group: str) -> torch.Tensor:
+                    scale: float, softcap: float, sizes: list[int], mode: str, group: str) -> torch.Tensor:
     """Query rows that see no key, as an additive mask makes them (``sizes``: every rank's number of keys):
     ``"uniform"`` (a ~finfo.min fill) attends uniformly to all keys (:func:`uniform_attention`); ``"scores"``
     (a milder fill) attends to all keys with the unmasked scores (:func:`attend_to_every_key`), gathering
-    them only when some rank has such a row."""
+    them only when some rank has such a row. With soft-capped scores (``softcap``) the uniform rows'
+    gradient goes through each key's cap, so they too are computed on gathered keys, only when some rank
+    has such a row."""
     empty = torch.isneginf(lse).unsqueeze(-1)
-    if mode == "scores":
+    if _gathers_for_empty_rows(mode, softcap):
         if not _anywhere(empty, group):
             return out
-        return torch.where(empty, attend_to_every_key(q, k, v, scale, sizes, group).to(out.dtype), out)
+        every_key = attend_to_every_key(q, k, v, scale, softcap, sizes, group, uniform=mode == "uniform")
+        return torch.where(empty, every_key.to(out.dtype), out)
     # the sums feed this rank's rows: their gradients are per-rank shares, summed by all_reduce's backward
     uniform = uniform_attention(q, k, v, scale, sum(sizes), lambda t: all_reduce(t, "sum", group=group))
     return torch.where(empty, uniform.to(out.dtype), out)
@@ -98,12 +142,12 @@ def _record_attention_bytes(rw, node, op, strategy: str, sq: Shard) -> None:
                           formulas.bytes_sent(strategy, phase))
 
 
-def _record_empty_row_bytes(rw, node, op, mode: str) -> None:
+def _record_empty_row_bytes(rw, node, op, mode: str, softcap: float) -> None:
     """What :func:`fill_empty_rows` always sends: the three all-reduces of :func:`uniform_attention` (and their
     backward), or the one-integer all-reduce that asks whether any rank has an empty row (the gather that
     follows when one has is not planned for)."""
     q, k, v = (value_of(op[t]) for t in ("q", "k", "v"))
-    if mode == "scores":
+    if _gathers_for_empty_rows(mode, softcap):
         rw.book.all_reduce(node.name, 1, 4, "forward", reason="any row with no visible key")
         return
     b, hkv, d, dv = k.shape[0], k.shape[1], k.shape[3], v.shape[3]
@@ -136,6 +180,7 @@ def rewrite_attention(rw, node, op):
     q, k, v = op["q"], op["k"], op["v"]
     sq, sk, out = rw.out_shard(q), rw.out_shard(k), rw.out_shard(node)
     dense, dropout_p = op.get("dense_mask"), float(op.get("dropout_p") or 0.0)
+    softcap = float(op.get("softcap") or 0.0)
     distributable = (sq is not None and sk is not None and out is not None and sq == sk and out == sq
                      and sq.dim == 2 and not sq.factors and dense is None and dropout_p == 0.0)
     if distributable:
@@ -148,24 +193,25 @@ def rewrite_attention(rw, node, op):
         groups = (rw.heads_group, rw.ring_group) if strategy == "hybrid" else (rw.group, "")
         call = rw.call(torch.ops.autoshard.attention.default, *args, strategy, sq.layout.encode(), *groups,
                        bool(op.get("causal")),
-                       window[0] if window else -1, window[1] if window else -1, float(op["scale"]),
+                       window[0] if window else -1, window[1] if window else -1, float(op["scale"]), softcap,
                        rw.config.kernels)
         result = rw.call(operator.getitem, call, 0)
         _record_attention_bytes(rw, node, op, strategy, sq)
         empty_rows = op.get("empty_rows", "zero")
         if empty_rows != "zero":
             lse = rw.call(operator.getitem, call, 1)
-            result = rw.call(fill_empty_rows, result, lse, *args[:3], float(op["scale"]),
+            result = rw.call(fill_empty_rows, result, lse, *args[:3], float(op["scale"]), softcap,
                              list(sq.layout.local_lengths), empty_rows, rw.group)
-            _record_empty_row_bytes(rw, node, op, empty_rows)
+            _record_empty_row_bytes(rw, node, op, empty_rows, softcap)
         rw.done(node, result, out)
         rw.report.attention.append({"node": node.name, "strategy": strategy, "layout": sq.layout.kind,
                                     "length": sq.layout.length, "causal": bool(op.get("causal")),
                                     "window": window, "key_mask": op.get("key_mask") is not None,
-                                    "segment_ids": op.get("segment_ids") is not None})
+                                    "segment_ids": op.get("segment_ids") is not None, "softcap": softcap})
         return
-    if dense is not None and dropout_p == 0.0 and out is not None and out.dim == 2 and not out.factors \
-            and not (op.get("causal") or op.get("window") or op.get("key_mask") or op.get("segment_ids")):
+    structured = op.get("causal") or op.get("window") or op.get("key_mask") or op.get("segment_ids")
+    if (dense is not None and dropout_p == 0.0 and not softcap and out is not None and out.dim == 2
+            and not out.factors and not structured):
         reason = "attention with a mask that is not causal / window / padding / segments"
         nd = len(shape_of(dense))
         mask_rows = out.moved(nd - 2) if shape_of(dense)[nd - 2] == shape_of(q)[2] else REPLICATE
@@ -178,6 +224,8 @@ def rewrite_attention(rw, node, op):
         rw.report.attention.append({"node": node.name, "strategy": "gathered-kv", "reason": reason})
         return
     reason = ("attention with dropout" if dropout_p else
+              "attention with soft-capped scores and a mask that is not causal / window / padding / segments"
+              if dense is not None and softcap else
               "attention whose keys are not the queries' sequence" if sq is not None and sq != sk else
               "attention outside any sequence family")
     if out is not None or sq is not None or sk is not None:
