@@ -12,6 +12,8 @@ Structure (one file per concern; the strategies share everything below them):
   each with ``_check``, ``_forward``, ``_backward``, its registration and one public function;
 * :mod:`.blocks` -- attention between local tensors made of pieces of the global sequence;
 * :mod:`.local` -- the one local primitive (:func:`local_attention`), Triton or torch; LSE in base e;
+  it applies ``softcap`` (Gemma2's ``softcap * tanh(s / softcap)`` on the scaled scores, before the
+  mask), which every strategy passes through unchanged: elementwise on scores, it leaves the merge as is;
 * :mod:`.merge` -- the fp32 LSE merge; :mod:`.masks` -- structured masks and block classification;
 * :mod:`.formulas` -- bytes sent per rank as sympy expressions (for the planner);
 * :mod:`.flops` -- attention FLOPs per rank, counted.

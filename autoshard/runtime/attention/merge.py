@@ -2,7 +2,7 @@
 
 Two partial results over disjoint key sets of the same query rows, ``(out_a, lse_a)`` and
 ``(out_b, lse_b)`` (``out`` normalized over its own keys, ``lse`` the *natural* log of the row's sum of
-``exp(scale * q.k)``), combine exactly as::
+``exp(s)`` over its scores ``s = scale * q.k``, soft-capped or not), combine exactly as::
 
     lse = logaddexp(lse_a, lse_b)
     out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
