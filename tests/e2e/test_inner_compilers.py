@@ -154,24 +154,25 @@ class RandomFactories(nn.Module):
         return h * torch.rand(h.shape, dtype=h.dtype) + torch.randn_like(h) + torch.randint_like(h, 3)
 
 
-def _random_factories(inner):
+def _small_model(model_class, inner):
+    """Largest output/gradient error of ``model_class`` (a 6-wide float64 model over 11 positions) against one
+    process, whether the next draws agree, and the placements of the compiled graph."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = RandomFactories().double()
+    model = model_class().double()
     x = torch.randn(2, 11, 6, dtype=torch.float64)
     reference = copy.deepcopy(model)
     ref_out, ref_grads, ref_next = _run(reference, reference, x)
     backend = autoshard.backend(inner=inner)
     out, grads, next_draw = _run(torch.compile(model, backend=backend), model, x)
-    placements = backend.compiled[-1].report.placements
     error = max([(out - ref_out).abs().max().item()] + [(grads[n] - g).abs().max().item() for n, g in ref_grads.items()])
-    return error, torch.equal(next_draw, ref_next), {n: p for n, p in placements.items() if "rand" in n}
+    return error, torch.equal(next_draw, ref_next), backend.compiled[-1].report.placements
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_random_factories_draw_the_one_process_numbers(world):
     for inner in ("eager", "aot_eager"):
-        for error, same_next_draw, placements in run_on_ranks(_random_factories, world, inner):
+        for error, same_next_draw, placements in run_on_ranks(_small_model, world, RandomFactories, inner):
             assert error < 1e-12 and same_next_draw, (inner, error)
             assert placements["rand"].startswith("S(") and placements["randn_like"].startswith("S("), placements
 
@@ -189,18 +190,7 @@ class InplaceDropout(nn.Module):
         return h * 2 + y
 
 
-def _inplace_dropout(inner):
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = InplaceDropout().double()
-    x = torch.randn(2, 11, 6, dtype=torch.float64)
-    reference = copy.deepcopy(model)
-    ref_out, ref_grads, _ = _run(reference, reference, x)
-    out, grads, _ = _run(torch.compile(model, backend=autoshard.backend(inner=inner)), model, x)
-    return max([(out - ref_out).abs().max().item()] + [(grads[n] - g).abs().max().item() for n, g in ref_grads.items()])
-
-
 def test_inplace_dropout_changes_its_input_as_on_one_process():
     for inner in ("eager", "aot_eager"):
-        for error in run_on_ranks(_inplace_dropout, 2, inner):
-            assert error < 1e-12, (inner, error)
+        for error, same_next_draw, _ in run_on_ranks(_small_model, 2, InplaceDropout, inner):
+            assert error < 1e-12 and same_next_draw, (inner, error)
