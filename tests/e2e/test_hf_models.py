@@ -92,13 +92,13 @@ def build(name: str, seq: int, impl: str):
     return (lambda: cls(cfg)), kwargs
 
 
-def _run(cases):
+def _run(cases, inner):
     out = []
     for name, seq, impl, strategy in cases:
         torch._dynamo.reset()
         torch.manual_seed(0)  # every rank builds the same inputs
         make, kwargs = build(name, seq, impl)
-        r = compare_with_one_process(make, lambda: (), kwargs=kwargs, strategy=strategy)
+        r = compare_with_one_process(make, lambda: (), kwargs=kwargs, strategy=strategy, inner=inner)
         squares = [v for g in r.compiled_reports for v in g.square_values]
         out.append((name, seq, impl, strategy, r.max_error(), r.summary(), r.fallbacks, r.attention, squares))
     return out
@@ -121,10 +121,11 @@ CASES_4 = [("llama_pad", 62, "sdpa", "zigzag"), ("mistral", 64, "eager", "ring")
            ("vit", 17, "eager", "ring"), ("gpt2", 61, "sdpa", "ring")]
 
 
-def _check(world, cases):
-    """Run ``cases`` on ``world`` ranks and check every rank; returns every case's attention records."""
+def _check(world, cases, inner="eager"):
+    """Run ``cases`` on ``world`` ranks, the graphs lowered with ``inner``, and check every rank; returns every
+    case's attention records."""
     records = []
-    for rank, results in enumerate(run_on_ranks(_run, world, cases, timeout=900)):
+    for rank, results in enumerate(run_on_ranks(_run, world, cases, inner, timeout=900)):
         for name, seq, impl, strategy, err, summary, fallbacks, attention, squares in results:
             where = f"{name} {impl} S={seq} {strategy} P={world} rank {rank}"
             assert err <= 1e-4, f"{where}: {summary}"
@@ -143,7 +144,10 @@ def test_hf_models_match_one_process(world, cases):
 def test_gemma2_soft_capped_attention_is_distributed():
     """Gemma2's eager attention caps its scores (``softcap * tanh(s / softcap)`` before the mask): captured
     with the cap and distributed, on its sliding-window and its global layers; with left padding the rows
-    that see no key get softmax's uniform attention, gradient through the cap included."""
-    for where, attention in _check(2, [("gemma2", 13, "eager", "ring"), ("gemma2_pad", 13, "eager", "zigzag")]):
+    that see no key get softmax's uniform attention, gradient through the cap included. Under aot_eager too
+    (whether any rank has such a row is decided inside a custom op)."""
+    records = _check(2, [("gemma2", 13, "eager", "ring"), ("gemma2_pad", 13, "eager", "zigzag")])
+    records += _check(2, [("gemma2_pad", 13, "eager", "ring")], inner="aot_eager")
+    for where, attention in records:
         assert all(a["softcap"] == 1.0 for a in attention), f"{where}: {attention}"
         assert sorted(str(a["window"]) for a in attention) == ["(3, 0)", "None"], f"{where}: {attention}"

@@ -54,17 +54,18 @@ class UnevenEdges(nn.Module):
         return outs
 
 
-def _compare(seq: int):
+def _compare(seq: int, inner: str):
     keep = torch.ones(2, seq, dtype=torch.long)
     keep[0, 0] = 0  # batch 0's first key is padding: its first row sees no key, and only rank 0 holds it
     r = compare_with_one_process(UnevenEdges, lambda: (torch.randn(2, seq, DIM), keep), dtype=torch.float64,
-                                 layout="contiguous")
+                                 layout="contiguous", inner=inner)
     return r.max_error(), r.summary(), r.attention
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_empty_shards_and_rows_with_no_key_on_one_rank(world):
-    for rank, (err, summary, attention) in enumerate(run_on_ranks(_compare, world, 3 * world, timeout=120)):
+@pytest.mark.parametrize("world,inner", [(2, "eager"), (4, "eager"), (2, "aot_eager")])
+def test_empty_shards_and_rows_with_no_key_on_one_rank(world, inner):
+    """Under aot_eager too: whether any rank has an empty row is a branch on a value, inside a custom op."""
+    for rank, (err, summary, attention) in enumerate(run_on_ranks(_compare, world, 3 * world, inner, timeout=120)):
         assert err < 1e-9, f"rank {rank}: {summary}"
         assert len(attention) == 2 and all(a["strategy"] != "whole" for a in attention), attention
 

@@ -14,8 +14,11 @@ sequence run on whole tensors. Both are recorded in the plan.
 Rows that see no key under an additive mask (:func:`fill_empty_rows`) get what one device gives them.
 Such rows can sit on some ranks only (left padding under a causal mask leaves the first rank's rows
 empty), so every rank takes the same path whatever its own rows are: a ~finfo.min fill is always
-computed from all-reduced sums; for a milder fill the ranks first all-reduce whether any row anywhere
-is empty (one integer), and only then all gather the keys and values, together.
+computed from all-reduced sums; for a milder fill (or soft-capped scores) the ranks first all-reduce
+whether any row anywhere is empty (one integer), and only then all gather the keys and values,
+together. That decision is a branch on a value, so it runs inside the custom op
+``autoshard::fill_gathered_empty_rows``, opaque to AOTAutograd and Inductor; its backward recomputes the
+forward (the same collectives, in the same order on every rank) and differentiates it.
 """
 
 from __future__ import annotations
@@ -114,16 +117,82 @@ def fill_empty_rows(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: to
     (a milder fill) attends to all keys with the unmasked scores (:func:`attend_to_every_key`), gathering
     them only when some rank has such a row. With soft-capped scores (``softcap``) the uniform rows'
     gradient goes through each key's cap, so they too are computed on gathered keys, only when some rank
-    has such a row."""
-    empty = torch.isneginf(lse).unsqueeze(-1)
+    has such a row (through ``autoshard::fill_gathered_empty_rows``)."""
     if _gathers_for_empty_rows(mode, softcap):
-        if not _anywhere(empty, group):
-            return out
-        every_key = attend_to_every_key(q, k, v, scale, softcap, sizes, group, uniform=mode == "uniform")
-        return torch.where(empty, every_key.to(out.dtype), out)
+        return torch.ops.autoshard.fill_gathered_empty_rows(out, lse, q, k, v, scale, softcap, sizes, mode, group)
+    empty = torch.isneginf(lse).unsqueeze(-1)
     # the sums feed this rank's rows: their gradients are per-rank shares, summed by all_reduce's backward
     uniform = uniform_attention(q, k, v, scale, sum(sizes), lambda t: all_reduce(t, "sum", group=group))
     return torch.where(empty, uniform.to(out.dtype), out)
+
+
+def _fill_gathered(out, lse, q, k, v, scale, softcap, sizes, mode, group) -> torch.Tensor:
+    """The gathering branch of :func:`fill_empty_rows`, as plain autograd code."""
+    empty = torch.isneginf(lse).unsqueeze(-1)
+    if not _anywhere(empty, group):
+        return out
+    every_key = attend_to_every_key(q, k, v, scale, softcap, sizes, group, uniform=mode == "uniform")
+    return torch.where(empty, every_key.to(out.dtype), out)
+
+
+def _own_storage(result: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """``result``, copied when it shares storage with an input (a custom op's outputs may not alias)."""
+    ptr = result.untyped_storage().data_ptr()
+    return result.clone() if any(t.untyped_storage().data_ptr() == ptr for t in inputs) else result
+
+
+@torch.library.custom_op("autoshard::fill_gathered_empty_rows", mutates_args=())
+def _fill_gathered_op(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float, softcap: float, sizes: list[int], mode: str, group: str) -> torch.Tensor:
+    result = _fill_gathered(out, lse, q, k, v, scale, softcap, sizes, mode, group).contiguous()
+    return _own_storage(result, out, lse, q, k, v)
+
+
+@_fill_gathered_op.register_fake
+def _(out, lse, q, k, v, scale, softcap, sizes, mode, group):
+    return out.new_empty(out.shape)
+
+
+def _autograd_inside_op():
+    """Autograd on again inside a custom op's kernel, which the dispatcher runs below autograd (the autograd
+    keys excluded, grad mode off), so the recomputed forward records a graph to differentiate."""
+    keys = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (keys.AutogradOther, keys.AutogradNestedTensor, keys.AutogradFunctionality):
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+@torch.library.custom_op("autoshard::fill_gathered_empty_rows_backward", mutates_args=())
+def _fill_gathered_backward_op(grad: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor,
+                               k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float, sizes: list[int],
+                               mode: str, group: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients for ``out``, ``q``, ``k``, ``v``: the forward recomputed with autograd and differentiated
+    (every rank takes the same branch, so the collectives and their backwards match)."""
+    with torch.enable_grad(), _autograd_inside_op():
+        inputs = [t.detach().requires_grad_() for t in (out, q, k, v)]
+        result = _fill_gathered(inputs[0], lse, *inputs[1:], scale, softcap, sizes, mode, group)
+        grads = torch.autograd.grad(result, inputs, grad, allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else _own_storage(g.contiguous(), grad, out, lse, q, k, v)
+                 for g, t in zip(grads, inputs))
+
+
+@_fill_gathered_backward_op.register_fake
+def _(grad, out, lse, q, k, v, scale, softcap, sizes, mode, group):
+    return tuple(t.new_empty(t.shape) for t in (out, q, k, v))
+
+
+def _fill_gathered_setup(ctx, inputs, output):
+    out, lse, q, k, v, *ctx.options = inputs
+    ctx.save_for_backward(out, lse, q, k, v)
+
+
+def _fill_gathered_backward(ctx, grad):
+    d_out, dq, dk, dv = torch.ops.autoshard.fill_gathered_empty_rows_backward(grad, *ctx.saved_tensors, *ctx.options)
+    return (d_out, None, dq, dk, dv) + (None,) * len(ctx.options)
+
+
+_fill_gathered_op.register_autograd(_fill_gathered_backward, setup_context=_fill_gathered_setup)
 
 
 def _record_attention_bytes(rw, node, op, strategy: str, sq: Shard) -> None:
