@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .graph import new_node
+from .graph import eliminate_dead_code, new_node, unused_with_side_effects
 from .masks import StructuredMask, Unstructurable, empty_rows_of, structure_mask
 from .ops import canonical, is_tensor_node, register_canonical, shape_of
 
@@ -159,10 +159,14 @@ def _soft_capped(node: fx.Node):
     form :func:`_constant_scale` reads, so Gemma2's ``tanh(x / c) * c`` too): that is ``c * tanh(s / c)`` of
     ``s = x * (a * c)``, so ``a * c`` multiplies into the attention's scale. (node, 0.0, 1.0) otherwise."""
     capped, cap = _constant_scale(node)
-    t_op = _op(_skip(capped))
+    tanh = _skip(capped)
+    t_op = _op(tanh)
     if cap <= 0.0 or t_op is None or t_op.name != "pointwise" or t_op["fn"] != "tanh":
         return node, 0.0, 1.0
-    scores, inner = _constant_scale(_skip(_skip(capped).args[0]))
+    argument = tanh.args[0] if tanh.args else tanh.kwargs.get("input")  # torch.tanh(input=...) too
+    if not is_tensor_node(argument):
+        return node, 0.0, 1.0
+    scores, inner = _constant_scale(_skip(argument))
     return scores, cap, inner * cap
 
 
@@ -228,6 +232,7 @@ def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> li
     """Replace every attention of ``gm`` by ``captured_attention``; returns (node, reason the mask stayed dense).
     Attention-like patterns that could not be captured are appended to ``missed`` with the reason."""
     graph = gm.graph
+    keep = unused_with_side_effects(graph)
     captured = []
     mask_cache: dict[tuple, StructuredMask | str] = {}
     for node in list(graph.nodes):
@@ -269,6 +274,6 @@ def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> li
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         captured.append((new, reason))
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph, keep)
     return captured
 

@@ -35,6 +35,7 @@ from ..runtime.accounting import all_gather_bytes, all_reduce_bytes
 from ..runtime.layouts import SequenceLayout
 from ..runtime.redistribute import grad_scale, grad_sync, grad_sync_bucket, reduce_partial
 from .comms import CommBook
+from .graph import mutates
 from .infer import Families, Family
 from .ops import is_tensor_node, numel, op_of, shape_of, value_of
 from .rules import RULES
@@ -88,13 +89,6 @@ class CompileReport:
     computed whole along one of them."""
     passes: dict = field(default_factory=dict)
     """Pass name -> its :class:`~autoshard.passes.pipeline.PassStats` (seconds, counts), in pass order."""
-
-
-def _mutates(node: fx.Node) -> bool:
-    """True for ops that change their first argument in place (``x.add_(y)``, ``x[i] = y``, ``x /= y``)."""
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or name in ("setitem", "__setitem__") or (
-        node.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv))
 
 
 class Rewriter:
@@ -226,6 +220,12 @@ class Rewriter:
         self._cache[key] = out
         return out
 
+    def changed_in_place(self, node: fx.Node) -> None:
+        """``node``'s value was just changed in place: transitions of it made before (a gather, a slice) hold
+        the old value, so later uses make new ones."""
+        for key in [key for key in self._cache if key[0] is node]:
+            del self._cache[key]
+
     def _replicated_use(self, node: fx.Node, new: fx.Node, partial_grad: bool) -> fx.Node:
         """``new`` for a replicated use. Its gradient must come out whole on every rank wherever it flows on
         through replicated work: a share (``partial_grad``) of an intermediate value is summed there. A
@@ -350,7 +350,7 @@ class Rewriter:
             self._token_local(node)
             return
         target = node.args[0] if node.args else None
-        if _mutates(node) and is_tensor_node(target) and not isinstance(self.placement(target), Replicate):
+        if mutates(node) and is_tensor_node(target) and not isinstance(self.placement(target), Replicate):
             raise RuntimeError(
                 f"autoshard: {node.format_node()} changes {target.name} in place, and {target.name} is split along "
                 f"the sequence ({self.placement(target)}); {reason}. Write it out of place, or wrap the code in "

@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from .graph import eliminate_dead_code
 from .ops import value_of
 
 __all__ = ["is_dynamic", "specialize", "size_key", "symbolic_dims", "symbol_of"]
@@ -80,6 +81,6 @@ def specialize(gm: fx.GraphModule, args: list, shapes: dict[int, tuple] | None =
         val = node.meta.get("val")
         if isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool) and node.op != "output":
             node.replace_all_uses_with(int(val))  # noqa -- fx accepts constants as replacements
-    static.graph.eliminate_dead_code()
+    eliminate_dead_code(static.graph)
     static.recompile()
     return static

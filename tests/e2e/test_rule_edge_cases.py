@@ -161,3 +161,70 @@ def test_rule_edge_cases_match_one_process(world, seq):
         assert [a["strategy"] for a in unbind["attention"]] not in ([], ["whole"], ["gathered-kv"]), unbind["attention"]
         assert any("splitting along the split sequence dim" in f for f in rank_results["unbind_along_sequence"]["fallbacks"])
         assert any("not causal" in f for f in rank_results["aranges"]["fallbacks"])  # the stepped mask stays dense
+
+
+class InPlace(nn.Module):
+    """In-place ops on a split value whose result is unused (``x.mul_(3)``, ``F.relu(x, inplace=True)``,
+    ``F.dropout(x, inplace=True)``), a gather of a value made before it is dropped in place, and a whole
+    input dropped in place."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if self.kind == "whole_input":  # x arrives whole (seq_dims), is dropped in place, then used whole
+            d = F.dropout(x, 0.5, True, True)
+            return self.proj(x), x.flip(1) * 1, d * 1
+        h = torch.tanh(self.proj(autoshard.mark_sequence(x, 1)))
+        before = h.flip(1)  # gathered before the in-place dropout
+        h.mul_(3)
+        F.relu(h, inplace=True)
+        F.dropout(h, 0.5, True, True)
+        return before, h.flip(1), h * 1
+
+
+def _in_place(kinds):
+    out = {}
+    for kind in kinds:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = InPlace(kind).double()
+        x = torch.randn(2, 9, 4, dtype=torch.float64)
+        torch.manual_seed(1)
+        ref = model(x.clone())
+        options = {"seq_dims": {0: 1}} if kind == "whole_input" else {}
+        compiled = torch.compile(model, backend=autoshard.backend(**options))
+        torch.manual_seed(1)
+        got = compiled(x.clone())
+        out[kind] = max((a - b).abs().max().item() for a, b in zip(got, ref))
+    return out
+
+
+def test_in_place_ops_act_as_on_one_process():
+    """Forward values only: the in-place ops act on values autograd saved (tanh's output), as written."""
+    for errors in run_on_ranks(_in_place, 2, ["split", "whole_input"]):
+        assert max(errors.values()) < 1e-12, errors
+
+
+class KeywordTanhCap(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        scores = torch.tanh(input=(q @ k.transpose(-1, -2)) * 0.5 / 3.0) * 3.0
+        return torch.softmax(scores, -1) @ v
+
+
+def _keyword_tanh():
+    r = compare_with_one_process(KeywordTanhCap, lambda: (torch.randn(2, 9, 8),), dtype=torch.float64)
+    return r.max_error(), r.attention
+
+
+def test_soft_cap_written_with_keywords_is_captured():
+    for err, attention in run_on_ranks(_keyword_tanh, 2):
+        assert err < 1e-9 and attention and attention[0]["softcap"] == 3.0, (err, attention)

@@ -189,11 +189,34 @@ def rewrite_dropout(rw, node, op):
         whole = rw.reemit(node, *whole_args(rw, node, f"{node.target.__name__} is drawn on the whole value"))
         rw.done(node, rw.shard_value(node, whole, out), out)
         return
+    if op["inplace"]:
+        _rewrite_dropout_in_place(rw, node, op, kind, out)
+        return
+    rw.done(node, rw.call(operator.mul, rw.input(op["input"], out), _draw(rw, node, op, kind, out)), out)
+
+
+def _draw(rw, node, op, kind: str, out):
+    """This rank's part of the one-process dropout factor of ``node`` (split as ``out``)."""
     val = value_of(node)
-    factor = rw.call(torch.ops.autoshard.sequence_draw.default, kind, float(op["p"]), list(val.shape), out.dim,
-                     list(out.factors), out.factor, out.layout.encode(), rw.rank, node.name, val.dtype, val.device)
-    multiply = torch.Tensor.mul_ if op["inplace"] else operator.mul  # in place: later uses see the dropped value
-    rw.done(node, rw.call(multiply, rw.input(op["input"], out), factor), out)
+    return rw.call(torch.ops.autoshard.sequence_draw.default, kind, float(op["p"]), list(val.shape), out.dim,
+                   list(out.factors), out.factor, out.layout.encode(), rw.rank, node.name, val.dtype, val.device)
+
+
+def _rewrite_dropout_in_place(rw, node, op, kind: str, out):
+    """``dropout(x, inplace=True)``: later uses of ``x`` see the dropped value, as on one process. A split ``x``
+    is multiplied in place by its part of the factor; a whole ``x`` (an input passed whole) is dropped whole,
+    in place (every rank draws the one-process mask), and this rank keeps its part of the result."""
+    source = op["input"]
+    have = rw.placement(source)
+    if have == out:
+        result = rw.call(torch.Tensor.mul_, rw.input(source, out), _draw(rw, node, op, kind, out))
+    elif isinstance(have, Replicate):
+        result = rw.shard_value(node, rw.reemit(node, *whole_args(rw, node)), out)
+    else:
+        raise RuntimeError(f"autoshard: {node.format_node()} drops {source.name} in place, but {source.name} is split "
+                           f"as {have}, not as its result ({out}); write it out of place (inplace=False)")
+    rw.changed_in_place(source)
+    rw.done(node, result, out)
 
 
 register("dropout", link=link_same, rewrite=rewrite_dropout)
