@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .accounting import all_gather_bytes, all_reduce_bytes, record, reduce_scatter_bytes
-from .groups import GroupLike, global_rank, group_name, resolve_group
+from .groups import GroupLike, global_rank, group_name, metadata_device, resolve_group
 from .layouts import split_sizes as balanced_split
 
 __all__ = [
@@ -172,7 +172,7 @@ def _p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, 
 
 def gather_facts(facts: Sequence[int], pg: dist.ProcessGroup) -> list[list[int]]:
     """Every rank's ``facts`` (as many integers on every rank), in rank order, on every rank."""
-    mine = torch.tensor(list(facts), dtype=torch.long)
+    mine = torch.tensor(list(facts), dtype=torch.long, device=metadata_device(pg))
     out = mine.new_empty(pg.size() * mine.numel())
     _all_gather_single(out, mine, group=pg)
     nbytes = all_gather_bytes(mine.numel() * mine.element_size(), pg.size())

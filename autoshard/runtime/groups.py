@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Union
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["GroupLike", "resolve_group", "group_name", "global_rank", "PlanGroup",
+__all__ = ["GroupLike", "resolve_group", "group_name", "global_rank", "metadata_device", "PlanGroup",
            "plan_group_name"]
 
 _PLAN_PREFIX = "autoshard-plan/"
@@ -76,3 +77,15 @@ def group_name(group: GroupLike) -> str:
 def global_rank(group: GroupLike, rank: int) -> int:
     """The default-group rank of the group's ``rank`` (what point-to-point calls take)."""
     return dist.get_global_rank(resolve_group(group), rank)
+
+
+def metadata_device(group: GroupLike) -> torch.device:
+    """Where the small integer tensors the ranks exchange over ``group`` (lengths, flags) live: the CPU when
+    the group's backend takes CPU tensors (gloo, or a ``cpu:gloo,cuda:nccl`` group), else the current device
+    of the backend's accelerator (NCCL takes CUDA tensors only)."""
+    backend = str(dist.get_backend(resolve_group(group))).lower()
+    devices = dist.Backend.backend_capability.get(backend, ["cpu"])
+    if "cpu" in devices:
+        return torch.device("cpu")
+    kind = devices[0]
+    return torch.device(kind, torch.get_device_module(kind).current_device())

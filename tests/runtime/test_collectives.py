@@ -185,3 +185,20 @@ def test_halo_exchange_rejects_bad_shards_on_every_rank(world):
     assert "rank(s) [1] hold [0] positions" in too_short
     assert "the ranks differ in (left, right" in differ
     assert fine == "no error"
+
+
+def test_metadata_lives_where_the_backend_takes_it():
+    """Small exchanges (lengths, flags) use CPU tensors under gloo and the current CUDA device under NCCL, which
+    takes no CPU tensors."""
+    from unittest import mock
+
+    from autoshard.runtime.groups import metadata_device
+
+    group = object()
+    with mock.patch("autoshard.runtime.groups.resolve_group", return_value=group):
+        for backend, device in (("gloo", "cpu"), ("cpu:gloo,cuda:nccl", "cpu")):
+            with mock.patch.object(dist, "get_backend", return_value=backend):
+                assert metadata_device(None) == torch.device(device)
+        with mock.patch.object(dist, "get_backend", return_value="nccl"), \
+                mock.patch.object(torch, "get_device_module", return_value=mock.Mock(current_device=lambda: 3)):
+            assert metadata_device(None) == torch.device("cuda", 3)

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..accounting import record
 from ..collectives import _all_gather_single
-from ..groups import GroupLike, resolve_group
+from ..groups import GroupLike, metadata_device, resolve_group
 from ..layouts import LAYOUTS, SequenceLayout
 from .backend import KERNELS
 from .base import STRATEGIES, AttentionInputError, Call, Strategy
@@ -212,7 +212,7 @@ def _is4d(t) -> bool:
 
 def _exchange(pgs: list[dist.ProcessGroup], row: list[int]) -> torch.Tensor:
     """Every rank's ``row`` as a [sequence ranks, len(row)] table (hybrid: gathered along both mesh axes)."""
-    table = torch.tensor(row, dtype=torch.int64).unsqueeze(0)
+    table = torch.tensor(row, dtype=torch.int64, device=metadata_device(pgs[0])).unsqueeze(0)
     for pg in pgs:  # the Ulysses / sequence axis first, then the ring axis
         gathered = table.new_empty((pg.size() * table.size(0), table.size(1)))
         _all_gather_single(gathered, table, group=pg)
