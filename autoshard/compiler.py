@@ -41,7 +41,7 @@ from .passes.pipeline import PipelineState, run_pipeline
 from .passes.rewrite import CompileReport
 from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
-from .runtime.accounting import record
+from .runtime.collectives import gather_facts
 from .runtime.layouts import SequenceLayout
 from .runtime.groups import GroupLike, resolve_group
 
@@ -156,6 +156,11 @@ class AutoshardBackend:
         self.compiled: deque[GraphRecord] = deque(maxlen=RECORDS_KEPT)
         """What reports need of the graphs compiled on this rank, newest last (the last ``RECORDS_KEPT``)."""
 
+    @property
+    def sharded_layout(self) -> str:
+        """The layout inputs split by ``autoshard.shard_inputs`` arrive in."""
+        return "contiguous" if self.config.layout == "auto" else self.config.layout
+
     def _groups(self):
         """(sequence group, ring-axis group name, ulysses-axis group name, ulysses axis size) for this
         backend's group."""
@@ -177,12 +182,9 @@ class AutoshardBackend:
         if world == 1:
             return gm.forward
         if is_dynamic(gm):
-            return _PerSizes(self, gm)
+            return _PerSizes(self, gm, example_inputs)
         if self.config.inputs == "sharded":
-            raise ValueError(
-                "autoshard: inputs='sharded' expects the inputs that carry the sequence to come from "
-                "autoshard.shard_inputs(...), which marks their sequence dim dynamic; this graph has no such "
-                "input. Pass whole inputs with inputs='replicated' (the default).")
+            raise ValueError(_NO_SHARDED_INPUT)
         return self.compile(gm, example_inputs)
 
     def compile(self, gm: fx.GraphModule, example_inputs: list, sharded_inputs: dict[str, Any] | None = None,
@@ -213,25 +215,24 @@ class AutoshardBackend:
                 "the break to keep it split (for transformers models, set config.loss_type, e.g. "
                 "'ForCausalLM').", stacklevel=2)
 
-    def compile_for_sizes(self, gm: fx.GraphModule, args: list, lengths: tuple | None = None) -> Callable:
-        """Compile a dynamic graph for the sizes of ``args``. With ``inputs="sharded"`` the symbolic dims of
-        tensor inputs are the split sequence, ``lengths[r][k]`` rank ``r``'s local length of the ``k``-th
-        (see :func:`_split_lengths`): their global lengths are the sums over ranks, and the global graph is
-        compiled with those inputs arriving split."""
+    def compile_for_sizes(self, gm: fx.GraphModule, args: list, dims: list | None = None,
+                          lengths: tuple | None = None) -> Callable:
+        """Compile a dynamic graph for the sizes of ``args``. With ``inputs="sharded"``, ``dims`` are the
+        (input, dim, symbol) of the split sequence dims and ``lengths[r][k]`` rank ``r``'s local length of
+        the ``k``-th (see :func:`_split_lengths`): their global lengths are the sums over ranks, and the
+        global graph is compiled with those inputs arriving split."""
         if lengths is None:
             return self.compile(specialize(gm, args), args)
         pg = self._groups()[0]
-        dims = symbolic_dims(gm)
         totals = [sum(column) for column in zip(*lengths)]
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         global_of = {sym: n for (_, _, sym), n in zip(dims, totals)}
         shapes: dict[int, list] = {}
         sharded: dict[str, Any] = {}
-        layout_kind = "contiguous" if self.config.layout == "auto" else self.config.layout
         for (i, d, sym), n in zip(dims, totals):
             shape = shapes.setdefault(i, list(args[i].shape))
             shape[d] = n
-            sharded[placeholders[i].name] = Shard(d, SequenceLayout.of(layout_kind, n, pg.size()))
+            sharded[placeholders[i].name] = Shard(d, SequenceLayout.of(self.sharded_layout, n, pg.size()))
         global_args = [global_of.get(symbol_of(p), a) if not isinstance(a, torch.Tensor) else a
                        for p, a in zip(placeholders, args)]
         static = specialize(gm, global_args, {i: tuple(s) for i, s in shapes.items()})
@@ -243,17 +244,19 @@ class _PerSizes:
     """A dynamic-shape graph, compiled once per distinct set of sizes it is called with; the
     ``SIZES_CACHED`` sets used most recently keep their compiled graph (see the module docstring)."""
 
-    def __init__(self, backend: AutoshardBackend, gm: fx.GraphModule):
+    def __init__(self, backend: AutoshardBackend, gm: fx.GraphModule, example_inputs: list):
         self.backend, self.gm = backend, gm
         self.cache: OrderedDict[tuple, Callable] = OrderedDict()
-        self.sharded = backend.config.inputs == "sharded"
+        self.split_dims = _split_dims(gm, example_inputs) if backend.config.inputs == "sharded" else []
+        if backend.config.inputs == "sharded" and not self.split_dims:
+            raise ValueError(_NO_SHARDED_INPUT)
 
     def __call__(self, *args):
-        lengths = _split_lengths(self.backend, self.gm, args) if self.sharded else None
+        lengths = _split_lengths(self.backend, self.gm, self.split_dims, args) if self.split_dims else None
         key = (size_key(args), lengths)
         fn = self.cache.get(key)
         if fn is None:
-            fn = self.cache[key] = self.backend.compile_for_sizes(self.gm, list(args), lengths)
+            fn = self.cache[key] = self.backend.compile_for_sizes(self.gm, list(args), self.split_dims, lengths)
             if len(self.cache) > SIZES_CACHED:
                 self.cache.popitem(last=False)
         else:
@@ -261,13 +264,25 @@ class _PerSizes:
         return fn(*args)
 
 
-def _split_lengths(backend: AutoshardBackend, gm: fx.GraphModule, args) -> tuple[tuple[int, ...], ...]:
-    """Every rank's local lengths of the split inputs' symbolic dims (``[rank][dim]``), all-gathered with
-    a digest of each rank's other sizes; raises on every rank alike when the ranks' other sizes differ or
-    a rank's shard is not the part the layout gives it."""
+_NO_SHARDED_INPUT = (
+    "autoshard: inputs='sharded' expects the inputs that carry the sequence to come from autoshard.shard_inputs(...), "
+    "which marks their sequence dim dynamic; this graph has no such input. Pass whole inputs with "
+    "inputs='replicated' (the default).")
+
+
+def _split_dims(gm: fx.GraphModule, example_inputs: list) -> list[tuple[int, int, Any]]:
+    """(input, dim, symbol) of the symbolic dims ``autoshard.shard_inputs`` marked: the split sequence. Other
+    symbolic dims (a batch size dynamo made dynamic after a change) are sizes like any other."""
+    return [(i, d, sym) for i, d, sym in symbolic_dims(gm)
+            if d in getattr(example_inputs[i], "_dynamo_dynamic_indices", ())]
+
+
+def _split_lengths(backend: AutoshardBackend, gm: fx.GraphModule, dims: list, args) -> tuple[tuple[int, ...], ...]:
+    """Every rank's local lengths of the split dims ``dims`` (``[rank][dim]``), all-gathered with a digest of
+    each rank's other sizes; raises on every rank alike when the ranks' other sizes differ or a rank's shard
+    is not the part the layout gives it."""
     pg = backend._groups()[0]
     world = pg.size()
-    dims = symbolic_dims(gm)
     local = [args[i].size(d) for i, d, _ in dims]
     symbols = {sym for _, _, sym in dims}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -276,16 +291,12 @@ def _split_lengths(backend: AutoshardBackend, gm: fx.GraphModule, args) -> tuple
     for i, d, _ in dims:
         others[i][0][d] = None
     digest = int.from_bytes(hashlib.sha256(repr(others).encode()).digest()[:7], "big")
-    mine = torch.tensor(local + [digest], dtype=torch.long)
-    gathered = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=pg)
-    record("metadata", 8 * len(mine) * (world - 1), 8 * len(mine) * (world - 1))
-    rows = [tuple(g.tolist()) for g in gathered]
+    rows = [tuple(row) for row in gather_facts(local + [digest], pg)]
     if len({row[-1] for row in rows}) > 1:
         raise RuntimeError("autoshard: with inputs='sharded' every rank must pass inputs of the same shapes apart "
                            "from the split sequence dim; the ranks' other sizes differ")
     lengths = tuple(row[:-1] for row in rows)
-    kind = "contiguous" if backend.config.layout == "auto" else backend.config.layout
+    kind = backend.sharded_layout
     for k, (i, d, _) in enumerate(dims):
         column = tuple(row[k] for row in lengths)
         expected = SequenceLayout.of(kind, sum(column), world).local_lengths

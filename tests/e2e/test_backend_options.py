@@ -85,12 +85,13 @@ def test_sharded_inputs_and_outputs(layout):
 
 def _sharded_lengths_and_cache():
     """Global lengths whose local shard repeats on rank 0 but not on rank 1 (13 -> 7+6, 14 -> 7+7): each
-    call must run the graph of its global length on both ranks; the store keeps no key of old checks."""
+    call must run the graph of its global length on both ranks; then new batch sizes (dynamo makes the batch
+    dim symbolic too, which is not the split one). The store keeps no key of old checks."""
     model, ref, _, _ = _llama_and_batch(13)
     compiled = torch.compile(model, backend=autoshard.backend(inputs="sharded"))
     errors = []
-    for seq in (13, 14, 12, 13, 14):
-        ids = torch.randint(0, 256, (2, seq))
+    for batch, seq in ((2, 13), (2, 14), (2, 12), (2, 13), (2, 14), (3, 13), (4, 14), (3, 12)):
+        ids = torch.randint(0, 256, (batch, seq))
         loss = compiled(**autoshard.shard_inputs({"input_ids": ids, "labels": ids}))[0]
         errors.append((loss - ref(ids, ids)[0]).abs().item())
     store = dist.distributed_c10d._get_default_store()
