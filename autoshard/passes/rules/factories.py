@@ -24,7 +24,7 @@ from .pointwise import link_identity, whole_args
 __all__ = ["local_arange"]
 
 _FILLS = {"zeros": 0, "ones": 1, "new_zeros": 0, "new_ones": 1, "zeros_like": 0, "ones_like": 1}
-_DRAWS = {"rand": "rand", "randn": "randn", "rand_like": "rand", "randn_like": "randn"}
+_RANDOM_KINDS = {"rand": "rand", "randn": "randn", "rand_like": "rand", "randn_like": "randn"}
 """Random factories -> the ``sequence_draw`` kind that gives this rank its part of their one-process draw."""
 
 
@@ -56,8 +56,8 @@ def rewrite_factory(rw, node, op):
         new = rw.call(torch.arange, start, start + step * local[0], step, dtype=val.dtype, device=val.device)
     elif name == "arange" and not out.factors:
         new = rw.call(local_arange, start, step, out.layout.encode(), rw.rank, val.dtype, val.device)
-    elif name in _DRAWS:
-        new = rw.call(torch.ops.autoshard.sequence_draw.default, _DRAWS[name], 0.0, list(val.shape), out.dim,
+    elif name in _RANDOM_KINDS:
+        new = rw.call(torch.ops.autoshard.sequence_draw.default, _RANDOM_KINDS[name], 0.0, list(val.shape), out.dim,
                       list(out.factors), out.factor, out.layout.encode(), rw.rank, node.name, val.dtype, val.device)
     elif name.endswith("_like") and name != "randint_like":  # randint_like is drawn whole, below
         template = rw.input(node.args[0], out)
