@@ -109,16 +109,20 @@ def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
 # ---------------------------------------------------------------------------- the custom ops
 
 
-def _separate(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors, contiguous, each with its own storage (a custom op's outputs may not alias, and strategies
-    may return the halves of one stacked buffer; the fake implementations promise contiguous strides, which
-    AOTAutograd and Inductor plan the following views with)."""
+def _laid_out(*pairs: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+    """Each ``(tensor, like)``: the tensor with the strides of ``torch.empty_like(like)`` (contiguous for
+    ``like=None``) and its own storage. The fake implementations promise exactly these strides, which
+    AOTAutograd and Inductor plan the following views with; laid out like ``q`` (heads a strided view of the
+    projection, as in most models), the output's ``transpose(1, 2).reshape`` back to the hidden size is a view,
+    not a copy. Own storage: a custom op's outputs may not alias, and strategies may return the halves of
+    one stacked buffer."""
     seen, out = set(), []
-    for t in tensors:
-        t = t.contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        out.append(t.clone() if ptr in seen else t)
-        seen.add(ptr)
+    for t, like in pairs:
+        target = torch.empty_like(like, dtype=t.dtype) if like is not None else t.new_empty(t.shape)
+        if t.stride() != target.stride() or t.untyped_storage().data_ptr() in seen:
+            t = target.copy_(t)
+        seen.add(t.untyped_storage().data_ptr())
+        out.append(t)
     return tuple(out)
 
 
@@ -134,13 +138,13 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: O
                   kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
     call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, softcap, kernels)
     out, lse = _validate(q, k, v, key_mask, segment_ids, call).forward(q, k, v, key_mask, segment_ids, call)
-    return _separate(out.to(q.dtype), lse.to(compute_dtype(q.dtype)))
+    return _laid_out((out.to(q.dtype), q), (lse.to(compute_dtype(q.dtype)), None))
 
 
 @_attention_op.register_fake
 def _(q, k, v, key_mask, segment_ids, strategy, layout, group, ring_group, causal, window_left, window_right, scale,
       softcap, kernels):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype))
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype))
 
 
 @torch.library.custom_op("autoshard::attention_backward", mutates_args=())
@@ -151,13 +155,13 @@ def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, softcap, kernels)
     dq, dk, dv = STRATEGIES[strategy].backward(dout, q, k, v, out, lse, key_mask, segment_ids, call)
-    return _separate(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+    return _laid_out((dq.to(q.dtype), q), (dk.to(k.dtype), k), (dv.to(v.dtype), v))
 
 
 @_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, key_mask, segment_ids, strategy, layout, group, ring_group, causal, window_left,
       window_right, scale, softcap, kernels):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
