@@ -74,12 +74,14 @@ def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None
                                      softcap=softcap, dropout_p=dropout_p, empty_rows=empty_rows)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                          enable_gqa=k.size(-3) != q.size(-3))
-    if empty_rows == "uniform" and mask is not None and mask.dtype == torch.bool:
+    if empty_rows != "zero" and mask is not None and mask.dtype == torch.bool:  # what the additive fill gives
         from .rules.attention import uniform_attention
 
         empty = ~mask.any(-1, keepdim=True)
         scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
-        out = torch.where(empty, uniform_attention(q, k, v, scale, k.size(-2)).to(out.dtype), out)
+        every_key = (uniform_attention(q, k, v, scale, k.size(-2)) if empty_rows == "uniform" else
+                     F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=k.size(-3) != q.size(-3)))
+        out = torch.where(empty, every_key.to(out.dtype), out)
     return out
 
 

@@ -228,3 +228,32 @@ def _keyword_tanh():
 def test_soft_cap_written_with_keywords_is_captured():
     for err, attention in run_on_ranks(_keyword_tanh, 2):
         assert err < 1e-9 and attention and attention[0]["softcap"] == 3.0, (err, attention)
+
+
+class CrossAttentionMildFill(nn.Module):
+    """Cross-attention to a memory that is not split (it runs on whole tensors), under a -1e4 key-padding fill
+    that hides every key of batch 1: those rows get softmax over the unmasked scores, as on one device."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = nn.Linear(8, 8), nn.Linear(8, 16)
+
+    def forward(self, x, memory, keep):
+        b, s, _ = x.shape
+        q = self.q(autoshard.mark_sequence(x, 1)).view(b, s, 2, 4).transpose(1, 2)
+        k, v = self.kv(memory).view(b, memory.size(1), 2, 2, 4).permute(2, 0, 3, 1, 4)
+        fill = torch.zeros(b, 1, 1, memory.size(1), dtype=x.dtype).masked_fill(~keep[:, None, None, :], -1e4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=fill).transpose(1, 2).reshape(b, s, 8)
+
+
+def _cross_attention_mild_fill():
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    keep[1] = False
+    r = compare_with_one_process(CrossAttentionMildFill, lambda: (torch.randn(2, 9, 8), torch.randn(2, 5, 8), keep),
+                                 dtype=torch.float64)
+    return r.max_error(), r.summary()
+
+
+def test_rows_with_no_key_on_whole_tensors_get_the_unmasked_scores():
+    for err, summary in run_on_ranks(_cross_attention_mild_fill, 2):
+        assert err < 1e-9, summary
