@@ -208,21 +208,17 @@ def token_local_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     def marked(name):
         return [n for n in gm.graph.nodes if (op_of(n) is not None and op_of(n).name == name)]
 
-    after, stack = set(), marked("token_local_enter")
-    while stack:
-        n = stack.pop()
-        for user in n.users:
-            if user not in after:
-                after.add(user)
-                stack.append(user)
-    before, stack = set(), marked("token_local_exit")
-    while stack:
-        n = stack.pop()
-        for inp in n.all_input_nodes:
-            if inp not in before:
-                before.add(inp)
-                stack.append(inp)
-    region = after & before
+    def reachable(starts, step):
+        seen, stack = set(), list(starts)
+        while stack:
+            for nxt in step(stack.pop()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return seen
+
+    after = reachable(marked("token_local_enter"), lambda n: n.users)
+    region = after & reachable(marked("token_local_exit"), lambda n: n.all_input_nodes)
     made_here = lambda n: n.op == "call_function" and not n.all_input_nodes  # noqa: E731  (factories)
     # mutations (x[i] = y) have no users, so they reach no exit marker: they belong to the region they write
     region |= {n for n in after if not n.users and all(i in region or made_here(i) for i in n.all_input_nodes)}
