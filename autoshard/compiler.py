@@ -250,18 +250,52 @@ class _PerSizes:
         self.split_dims = _split_dims(gm, example_inputs) if backend.config.inputs == "sharded" else []
         if backend.config.inputs == "sharded" and not self.split_dims:
             raise ValueError(_NO_SHARDED_INPUT)
+        self.pg = backend._groups()[0]
+        symbols = {sym for _, _, sym in self.split_dims}
+        self.length_args = {i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+                            if symbol_of(p) in symbols}
+        """Inputs that are a split length themselves (dynamo passes symbolic sizes as ints)."""
 
     def __call__(self, *args):
-        lengths = _split_lengths(self.backend, self.gm, self.split_dims, args) if self.split_dims else None
+        lengths = self._split_lengths(args) if self.split_dims else None
         key = (size_key(args), lengths)
         fn = self.cache.get(key)
         if fn is None:
+            if lengths is not None:
+                self._check_layout(lengths)
             fn = self.cache[key] = self.backend.compile_for_sizes(self.gm, list(args), self.split_dims, lengths)
             if len(self.cache) > SIZES_CACHED:
                 self.cache.popitem(last=False)
         else:
             self.cache.move_to_end(key)
         return fn(*args)
+
+    def _split_lengths(self, args) -> tuple[tuple[int, ...], ...]:
+        """Every rank's local lengths of the split dims (``[rank][dim]``), all-gathered with a digest of each
+        rank's other sizes; raises on every rank alike when the ranks' other sizes differ."""
+        others = [[list(a.shape), a.dtype] if isinstance(a, torch.Tensor) else None if i in self.length_args else a
+                  for i, a in enumerate(args)]
+        for i, d, _ in self.split_dims:
+            others[i][0][d] = None
+        digest = int.from_bytes(hashlib.sha256(repr(others).encode()).digest()[:7], "big")
+        rows = gather_facts([args[i].size(d) for i, d, _ in self.split_dims] + [digest], self.pg)
+        if len({row[-1] for row in rows}) > 1:
+            raise RuntimeError("autoshard: with inputs='sharded' every rank must pass inputs of the same shapes apart "
+                               "from the split sequence dim; the ranks' other sizes differ")
+        return tuple(tuple(row[:-1]) for row in rows)
+
+    def _check_layout(self, lengths: tuple[tuple[int, ...], ...]) -> None:
+        """Raise (on every rank alike: ``lengths`` is all-gathered) unless every split input arrives as the
+        layout splits it. Checked once per set of lengths, when it is compiled."""
+        kind = self.backend.sharded_layout
+        for k, (i, d, _) in enumerate(self.split_dims):
+            column = tuple(row[k] for row in lengths)
+            expected = SequenceLayout.of(kind, sum(column), self.pg.size()).local_lengths
+            if column != expected:
+                raise RuntimeError(
+                    f"autoshard: input {i} arrives split along dim {d} into local lengths {list(column)} over the "
+                    f"ranks, but the {kind} layout of {sum(column)} positions gives {list(expected)}; split inputs "
+                    f"with autoshard.shard_inputs(..., layout={kind!r})")
 
 
 _NO_SHARDED_INPUT = (
@@ -275,37 +309,6 @@ def _split_dims(gm: fx.GraphModule, example_inputs: list) -> list[tuple[int, int
     symbolic dims (a batch size dynamo made dynamic after a change) are sizes like any other."""
     return [(i, d, sym) for i, d, sym in symbolic_dims(gm)
             if d in getattr(example_inputs[i], "_dynamo_dynamic_indices", ())]
-
-
-def _split_lengths(backend: AutoshardBackend, gm: fx.GraphModule, dims: list, args) -> tuple[tuple[int, ...], ...]:
-    """Every rank's local lengths of the split dims ``dims`` (``[rank][dim]``), all-gathered with a digest of
-    each rank's other sizes; raises on every rank alike when the ranks' other sizes differ or a rank's shard
-    is not the part the layout gives it."""
-    pg = backend._groups()[0]
-    world = pg.size()
-    local = [args[i].size(d) for i, d, _ in dims]
-    symbols = {sym for _, _, sym in dims}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    others = [[list(a.shape), a.dtype] if isinstance(a, torch.Tensor) else None if symbol_of(p) in symbols else a
-              for p, a in zip(placeholders, args)]
-    for i, d, _ in dims:
-        others[i][0][d] = None
-    digest = int.from_bytes(hashlib.sha256(repr(others).encode()).digest()[:7], "big")
-    rows = [tuple(row) for row in gather_facts(local + [digest], pg)]
-    if len({row[-1] for row in rows}) > 1:
-        raise RuntimeError("autoshard: with inputs='sharded' every rank must pass inputs of the same shapes apart "
-                           "from the split sequence dim; the ranks' other sizes differ")
-    lengths = tuple(row[:-1] for row in rows)
-    kind = backend.sharded_layout
-    for k, (i, d, _) in enumerate(dims):
-        column = tuple(row[k] for row in lengths)
-        expected = SequenceLayout.of(kind, sum(column), world).local_lengths
-        if column != expected:
-            raise RuntimeError(
-                f"autoshard: input {i} arrives split along dim {d} into local lengths {list(column)} over the "
-                f"ranks, but the {kind} layout of {sum(column)} positions gives {list(expected)}; split inputs "
-                f"with autoshard.shard_inputs(..., layout={kind!r})")
-    return lengths
 
 
 def _lower(gm: fx.GraphModule, example_inputs: list, inner) -> Callable:
