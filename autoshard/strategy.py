@@ -47,6 +47,7 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
     which mesh to build)."""
     topology = topology or config.topology or Topology()
     layouts, strategies, reasons = {}, {}, {}
+    decided = {}  # (shape, hybrid possible) -> (best, why): the layers of a model share a few shapes
     for fam in families.families:
         chosen, wanted_layouts = {}, set()
         for node in fam.attention_nodes:
@@ -59,10 +60,11 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
                     heads_axis_size = _planned_mesh(shape, world, topology)[1]
                     reasons[node] += f"; planned on a 2-D mesh (ring {world // heads_axis_size}, ulysses {heads_axis_size})"
                 continue
-            costs = attention_costs(shape, world, topology,
-                                    hybrid_possible=heads_axis_size is not None or planning,
-                                    memory_budget=config.memory_budget)
-            best, why = choose_strategy(costs)
+            key = (shape, heads_axis_size is not None or planning)
+            if key not in decided:
+                decided[key] = choose_strategy(attention_costs(shape, world, topology, hybrid_possible=key[1],
+                                                               memory_budget=config.memory_budget))
+            best, why = decided[key]
             chosen[node], reasons[node] = best.strategy, why
             wanted_layouts.add(best.layout)
             if best.strategy == "hybrid" and heads_axis_size is None:

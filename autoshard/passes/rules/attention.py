@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ...placements import REPLICATE, Shard
 from ...runtime.collectives import all_gather, all_reduce
 from ...runtime.attention import formulas
+from ...strategy import attention_shape
 from ..ops import shape_of, value_of
 from . import register
 from .pointwise import whole_args
@@ -198,12 +199,9 @@ _fill_gathered_op.register_autograd(_fill_gathered_backward, setup_context=_fill
 def _record_attention_bytes(rw, node, op, strategy: str, sq: Shard) -> None:
     """The attention's own traffic, forward and (when its inputs need gradients) backward: the exact bytes of
     every rank (uneven shards and head splits included) and the strategy's formula."""
-    q, k = value_of(op["q"]), value_of(op["k"])
-    seg = op.get("segment_ids")
-    sizes = dict(B=q.shape[0], H=q.shape[1], Hkv=k.shape[1], D=q.shape[3], dtype=q.dtype,
-                 key_mask=op.get("key_mask") is not None,
-                 segment_ids_dtype=value_of(seg).dtype if seg is not None else None,
-                 P_u=rw.heads_axis_size if strategy == "hybrid" else None)
+    s = attention_shape(node, sq.layout.length)
+    sizes = dict(B=s.batch, H=s.heads, Hkv=s.kv_heads, D=s.head_dim, dtype=s.dtype, key_mask=s.key_mask,
+                 segment_ids_dtype=s.segment_ids_dtype, P_u=rw.heads_axis_size if strategy == "hybrid" else None)
     needs_grad = any(rw.requires_grad(op[t]) for t in ("q", "k", "v"))
     for phase in ("forward", "backward") if needs_grad else ("forward",):
         rw.book.attention(node.name, strategy, phase,
