@@ -11,7 +11,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from .config import STRATEGIES
+from .config import LAYOUT_CHOICES, STRATEGIES
 from .cost import Topology
 
 __all__ = ["main"]
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--strategy", choices=STRATEGIES, default="auto")
-    p.add_argument("--layout", choices=("auto", "contiguous", "zigzag"), default="auto")
+    p.add_argument("--layout", choices=LAYOUT_CHOICES, default="auto")
     p.add_argument("--outputs", choices=("gathered", "sharded"), default="gathered")
     p.add_argument("--ranks-per-node", type=int, default=Topology().ranks_per_node)
     p.add_argument("--rank", type=int, default=0, help="the rank whose view the plan shows")

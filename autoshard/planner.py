@@ -291,7 +291,7 @@ def plan_graphs(graphs: list[tuple[fx.GraphModule, list]], *, world_size: int, c
         result.edges += [[prefix + i.name, prefix + n.name] for n in gm.graph.nodes for i in n.all_input_nodes
                          if n.name in report.placements and i.name in report.placements]
         for c in report.comms:
-            result.collectives.append(Collective(c.kind, c.group, prefix + c.node, c.phase, c.bytes_by_rank[rank],
+            result.collectives.append(Collective(c.kind, "sequence", prefix + c.node, c.phase, c.bytes_by_rank[rank],
                                                  list(c.bytes_by_rank), c.formula, c.reason))
         result.fallbacks += [PlanFallback(prefix + f.node, f.op, f.reason) for f in report.fallbacks]
         decisions = _decisions(compiled, index, world_size, config, topology)

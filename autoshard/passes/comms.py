@@ -11,6 +11,7 @@ byte counts and the formula of the aligned value.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import sympy
@@ -39,8 +40,6 @@ class Comm:
     """Bytes each rank sends."""
     formula: sympy.Expr | None = None
     """Bytes a rank sends, in the planner's symbols."""
-    group: str = "sequence"
-    """The group it runs on: the sequence group, or a hybrid attention's ``ring`` / ``ulysses`` axis."""
     reason: str = ""
 
 
@@ -69,14 +68,8 @@ class CommBook:
 
     def _shard_bytes(self, shard: Shard, shape, itemsize: int, root_length: int):
         """(largest local shard in bytes, formula of it) of a value of global ``shape`` split as ``shard``."""
-        rest = 1
-        for d, s in enumerate(shape):
-            if d != shard.dim:
-                rest *= int(s)
-        other = 1
-        for i, f in enumerate(shard.factors):
-            if i != shard.factor:
-                other *= f
+        rest = math.prod(int(s) for d, s in enumerate(shape) if d != shard.dim)
+        other = math.prod(f for i, f in enumerate(shard.factors) if i != shard.factor)
         largest = shard.layout.max_local_length * other * rest * itemsize
         formula = max_local_formula(shard.layout, self.length_formula(shard, root_length)) * other * rest * itemsize
         return largest, formula

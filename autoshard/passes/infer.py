@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from .ops import is_tensor_node, shape_of
+from .ops import is_tensor_node, shape_of, value_of
 
 __all__ = ["Elem", "Family", "Families", "LinkContext", "find_families", "link_graph"]
 
@@ -129,7 +129,7 @@ class LinkContext:
 
 
 def _numel(node: fx.Node) -> int:
-    v = node.meta.get("example_value", node.meta.get("val"))
+    v = value_of(node)
     return int(v.numel()) if hasattr(v, "numel") else 0
 
 

@@ -264,7 +264,7 @@ class Rewriter:
         index = len(bucket_node.args) - 1
         bucket_node.args = bucket_node.args + (new,)
         bucket[1] += nbytes
-        self.report.grad_buckets[bucket_node.name] = self.report.grad_buckets.get(bucket_node.name, []) + [node.name]
+        self.report.grad_buckets.setdefault(bucket_node.name, []).append(node.name)
         return self.call(operator.getitem, bucket_node, index)
 
     def _split_factors(self, node: fx.Node, new: fx.Node, shard: Shard, local: bool) -> tuple[fx.Node, int]:
