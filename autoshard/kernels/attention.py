@@ -950,8 +950,9 @@ def triton_merge(out_a, lse_a, out_b, lse_b):
         raise ValueError(f"out_a and out_b must be [B, H, S, D] of one shape, got {tuple(out_a.shape)}, "
                          f"{tuple(out_b.shape)}")
     batch, heads, seq, head_dim = out_a.shape
-    for name, x in (("out_b", out_b), ("lse_a", lse_a), ("lse_b", lse_b)):
-        _check_like(name, x, out_b.shape if name == "out_b" else (batch, heads, seq), out_a.device)
+    _check_like("out_b", out_b, out_a.shape, out_a.device)
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        _check_like(name, x, (batch, heads, seq), out_a.device)
     if not triton_available(out_a.device):
         raise RuntimeError(f"Triton merge cannot run on {out_a.device}: it needs a CUDA device, or "
                            "TRITON_INTERPRET=1 set before autoshard.kernels.attention is imported (CPU)")

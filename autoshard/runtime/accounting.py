@@ -61,6 +61,11 @@ class CommCounter:
         stats.bytes_sent += sent
         stats.bytes_received += received
 
+    @property
+    def payload_bytes_sent(self) -> int:
+        """Bytes sent, less the ``"metadata"`` the ranks exchange to check each other (lengths, flags)."""
+        return sum(s.bytes_sent for kind, s in self.calls.items() if kind != "metadata")
+
     def summary(self) -> str:
         """One line per collective kind."""
         rows = [f"{k:>16}: {v.count:5d} calls, sent {v.bytes_sent:,} B, received {v.bytes_received:,} B"

@@ -56,6 +56,7 @@ __all__ = [
     "all_reduce_impl",
     "all_to_all_impl",
     "gather_facts",
+    "gather_table",
 ]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -170,14 +171,20 @@ def _p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, 
     return dist.batch_isend_irecv(ops) if ops else []
 
 
+def gather_table(table: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's rows of the small integer ``table`` (as many on every rank), stacked in rank order, on every
+    rank; counted as ``"metadata"``."""
+    out = table.new_empty((pg.size() * table.size(0),) + tuple(table.shape[1:]))
+    _all_gather_single(out, table.contiguous(), group=pg)
+    nbytes = all_gather_bytes(table.numel() * table.element_size(), pg.size())
+    record("metadata", nbytes, nbytes)
+    return out
+
+
 def gather_facts(facts: Sequence[int], pg: dist.ProcessGroup) -> list[list[int]]:
     """Every rank's ``facts`` (as many integers on every rank), in rank order, on every rank."""
-    mine = torch.tensor(list(facts), dtype=torch.long, device=metadata_device(pg))
-    out = mine.new_empty(pg.size() * mine.numel())
-    _all_gather_single(out, mine, group=pg)
-    nbytes = all_gather_bytes(mine.numel() * mine.element_size(), pg.size())
-    record("metadata", nbytes, nbytes)
-    return out.view(pg.size(), -1).tolist()
+    mine = torch.tensor([list(facts)], dtype=torch.long, device=metadata_device(pg))
+    return gather_table(mine, pg).tolist()
 
 
 def _per_position(x: torch.Tensor, dim: int) -> int:

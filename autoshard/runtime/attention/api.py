@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..accounting import record
-from ..collectives import _all_gather_single
+from ..collectives import gather_table
 from ..groups import GroupLike, metadata_device, resolve_group
 from ..layouts import LAYOUTS, SequenceLayout
 from .backend import KERNELS
@@ -109,18 +108,19 @@ def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
 # ---------------------------------------------------------------------------- the custom ops
 
 
-def _laid_out(*pairs: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
-    """Each ``(tensor, like)``: the tensor with the strides of ``torch.empty_like(like)`` (contiguous for
-    ``like=None``) and its own storage. The fake implementations promise exactly these strides, which
+def _laid_out(*items: tuple[torch.Tensor, torch.Tensor | None, torch.dtype]) -> tuple[torch.Tensor, ...]:
+    """Each ``(tensor, like, dtype)``: the tensor in ``dtype``, with the strides of ``torch.empty_like(like)``
+    (contiguous for ``like=None``) and its own storage, cast and laid out by at most one copy. The fake implementations promise exactly these strides, which
     AOTAutograd and Inductor plan the following views with; laid out like ``q`` (heads a strided view of the
     projection, as in most models), the output's ``transpose(1, 2).reshape`` back to the hidden size is a view,
     not a copy. Own storage: a custom op's outputs may not alias, and strategies may return the halves of
     one stacked buffer."""
     seen, out = set(), []
-    for t, like in pairs:
-        target = torch.empty_like(like, dtype=t.dtype) if like is not None else t.new_empty(t.shape)
-        if t.stride() != target.stride() or t.untyped_storage().data_ptr() in seen:
-            t = target.copy_(t)
+    for t, like, dtype in items:
+        ref = torch.empty_like(like, device="meta") if like is not None else t.new_empty(t.shape, device="meta")
+        strides = ref.stride()  # what empty_like gives, without allocating it
+        if t.dtype != dtype or t.stride() != strides or t.untyped_storage().data_ptr() in seen:
+            t = (torch.empty_like(like, dtype=dtype) if like is not None else t.new_empty(t.shape, dtype=dtype)).copy_(t)
         seen.add(t.untyped_storage().data_ptr())
         out.append(t)
     return tuple(out)
@@ -138,7 +138,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: O
                   kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
     call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, softcap, kernels)
     out, lse = _validate(q, k, v, key_mask, segment_ids, call).forward(q, k, v, key_mask, segment_ids, call)
-    return _laid_out((out.to(q.dtype), q), (lse.to(compute_dtype(q.dtype)), None))
+    return _laid_out((out, q, q.dtype), (lse, None, compute_dtype(q.dtype)))
 
 
 @_attention_op.register_fake
@@ -155,7 +155,7 @@ def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, softcap, kernels)
     dq, dk, dv = STRATEGIES[strategy].backward(dout, q, k, v, out, lse, key_mask, segment_ids, call)
-    return _laid_out((dq.to(q.dtype), q), (dk.to(k.dtype), k), (dv.to(v.dtype), v))
+    return _laid_out((dq, q, q.dtype), (dk, k, k.dtype), (dv, v, v.dtype))
 
 
 @_attention_backward_op.register_fake
@@ -218,11 +218,7 @@ def _exchange(pgs: list[dist.ProcessGroup], row: list[int]) -> torch.Tensor:
     """Every rank's ``row`` as a [sequence ranks, len(row)] table (hybrid: gathered along both mesh axes)."""
     table = torch.tensor(row, dtype=torch.int64, device=metadata_device(pgs[0])).unsqueeze(0)
     for pg in pgs:  # the Ulysses / sequence axis first, then the ring axis
-        gathered = table.new_empty((pg.size() * table.size(0), table.size(1)))
-        _all_gather_single(gathered, table, group=pg)
-        nbytes = table.numel() * table.element_size()
-        record("metadata", (pg.size() - 1) * nbytes, (pg.size() - 1) * nbytes)
-        table = gathered
+        table = gather_table(table, pg)
     return table
 
 

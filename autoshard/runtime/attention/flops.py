@@ -17,10 +17,9 @@ Counters nest; the stack is process-wide (autograd may run backward on another t
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass
 
-from ..accounting import counting
+from ..accounting import _lock, counting
 
 __all__ = ["AttentionFlops", "attention_flops", "record_flops"]
 
@@ -48,7 +47,6 @@ class AttentionFlops:
 
 
 _active: list[AttentionFlops] = []
-_lock = threading.Lock()
 
 
 def attention_flops() -> contextlib.AbstractContextManager[AttentionFlops]:
@@ -62,7 +60,7 @@ def record_flops(direction: str, pairs: int, heads: int, head_dim: int) -> None:
         return
     per_pair = FORWARD_FLOPS_PER_PAIR if direction == "forward" else BACKWARD_FLOPS_PER_PAIR
     flops = per_pair * pairs * heads * head_dim
-    with _lock:
-        for counter in tuple(_active):
+    with _lock:  # the lock counting() adds and removes counters under
+        for counter in _active:
             setattr(counter, direction, getattr(counter, direction) + flops)
             counter.calls += 1
