@@ -70,7 +70,7 @@ def distributed(strategy: str, layout: str, length: int, causal: bool, peer=None
     dist.barrier()
     with comm_counter() as cc:
         seconds, peak = _timed(step)
-    sent = sum(s.bytes_sent for kind, s in cc.calls.items() if kind != "metadata")
+    sent = cc.payload_bytes_sent
     return seconds, sent, peak
 
 

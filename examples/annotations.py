@@ -59,7 +59,7 @@ def my_attention(q, k, v, *, causal=False, scale=None):
     scores = q @ k.transpose(-1, -2) * (scale or 1 / math.sqrt(q.size(-1)))
     if causal:
         n = q.size(-2)
-        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return scores.softmax(-1) @ v
 
 

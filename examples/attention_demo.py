@@ -41,7 +41,7 @@ def main():
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
         subs = values(B=batch, S=seq, H=heads, Hkv=kv_heads, D=dim, P=world, dtype=q.dtype)
         # (the first call also exchanges a few bytes of "metadata": the ranks confirm they agree on the call)
-        sent = [sum(s.bytes_sent for kind, s in c.calls.items() if kind != "metadata") for c in (fwd, bwd)]
+        sent = [c.payload_bytes_sent for c in (fwd, bwd)]
         expected = [int(bytes_sent(strategy, d).subs(subs)) for d in ("forward", "backward")]
         if rank == 0:
             print(f"{strategy:>6} ({layout} shards, causal, {world} ranks): max |diff| vs one process: "

@@ -36,7 +36,7 @@ def main():
     ok_out = torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
     ok_grad = torch.allclose(x_sp.grad, ref_x.grad, rtol=1e-12, atol=1e-12)
     expected_bytes = 2 * (world - 1) * batch * layout.max_local_length * hidden * 8
-    data_bytes = cc.bytes_sent - cc.calls["metadata"].bytes_sent  # unshard checks the shards' lengths first
+    data_bytes = cc.payload_bytes_sent  # less the lengths unshard exchanges to check the shards
     for r in range(world):
         if r == rank:
             print(f"rank {rank}: holds positions {layout.local_intervals(rank)} ({layout.local_length(rank)} of {seq}); "

@@ -1,6 +1,8 @@
-"""Annotations on real ranks: each changes what the compiler does, and results stay exact."""
+"""Annotations on real ranks: each changes what the compiler does, and results stay exact. The models are
+the README example's (``examples/annotations.py``), plus a mixture of experts."""
 
-import math
+import importlib.util
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -9,46 +11,10 @@ import autoshard
 from autoshard.testing import run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process
 
-
-class NoAttention(nn.Module):
-    """A token MLP and a mean over the sequence: no attention tells the compiler where the sequence is."""
-
-    def __init__(self):
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
-
-    def forward(self, x):
-        x = autoshard.mark_sequence(x, 1)
-        h = self.mlp(x)
-        return h.mean(1), h
-
-
-class WholeBeforeFlip(nn.Module):
-    """``flip`` over the sequence needs it whole; ``whole`` says so explicitly."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = self.proj(autoshard.mark_sequence(x, 1))
-        return self.proj(autoshard.whole(h).flip(1))
-
-
-class TopTwo(nn.Module):
-    """Keeps each token's two largest features: ``topk`` / ``scatter`` have no rules, but are per token."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-
-    @autoshard.token_local
-    def sparsify(self, h):
-        values, index = torch.topk(h, 2, dim=-1)
-        return torch.zeros_like(h).scatter(-1, index, values)
-
-    def forward(self, x):
-        return self.proj(self.sparsify(self.proj(autoshard.mark_sequence(x, 1))))
+_spec = importlib.util.spec_from_file_location(
+    "examples_annotations", Path(__file__).resolve().parents[2] / "examples" / "annotations.py")
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
 
 
 class Experts(nn.Module):
@@ -77,33 +43,12 @@ class Experts(nn.Module):
         return self.dispatch(autoshard.mark_sequence(x, 1))
 
 
-@autoshard.attention_function
-def my_attention(q, k, v, *, causal=False, scale=None):
-    """A hand-rolled kernel (here: plain math) with scaled_dot_product_attention's meaning."""
-    scores = q @ k.transpose(-1, -2) * (scale or 1 / math.sqrt(q.size(-1)))
-    if causal:
-        n = q.size(-2)
-        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return scores.softmax(-1) @ v
-
-
-class CustomAttention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
-        return self.out(my_attention(q, k, v, causal=True).transpose(1, 2).reshape(b, s, 16))
-
-
 def _check_all():
     cases = {
-        "mark_sequence": (NoAttention, lambda: (torch.randn(2, 7, 8),)),
-        "whole": (WholeBeforeFlip, lambda: (torch.randn(2, 7, 8),)),
-        "token_local": (TopTwo, lambda: (torch.randn(2, 7, 8),)),
-        "attention_function": (CustomAttention, lambda: (torch.randn(2, 9, 16),)),
+        "mark_sequence": (example.TokenMLP, lambda: (torch.randn(2, 7, 8),)),
+        "whole": (example.Reverse, lambda: (torch.randn(2, 7, 8),)),
+        "token_local": (example.Sparse, lambda: (torch.randn(2, 7, 8),)),
+        "attention_function": (example.WithMyAttention, lambda: (torch.randn(2, 9, 16),)),
         "token_local_moe": (Experts, lambda: (torch.randn(2, 9, 8),)),
     }
     out = {}

@@ -93,7 +93,7 @@ def _run_hybrid_cases(cases):
         with comm_counter() as sent:
             r = compare_with_one_process(_model(model, seq), _inputs(model, seq), dtype=torch.float64, group=mesh,
                                          strategy="hybrid")
-        measured = sent.bytes_sent - (sent.calls["metadata"].bytes_sent if "metadata" in sent.calls else 0)
+        measured = sent.payload_bytes_sent
         predicted = plan.bytes_sent("forward") + plan.bytes_sent("backward")
         out.append((model, seq, r.max_error(), r.summary(), r.attention, r.fallbacks, predicted, measured))
     return out

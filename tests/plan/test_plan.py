@@ -49,7 +49,7 @@ def _predicted_vs_measured(cases):
         loss = sum(o.sum() for o in outputs if isinstance(o, torch.Tensor) and o.is_floating_point())
         with comm_counter() as backward:
             loss.backward()
-        measured_forward = forward.bytes_sent - (forward.calls["metadata"].bytes_sent if "metadata" in forward.calls else 0)
+        measured_forward = forward.payload_bytes_sent
         out.append((name, seq, strategy, plan.bytes_sent("forward"), measured_forward, plan.bytes_sent("backward"),
                     backward.bytes_sent))
     return out

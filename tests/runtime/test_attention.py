@@ -17,8 +17,8 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from autoshard.passes.capture import captured_attention
 from autoshard.runtime.attention import local as local_impl
 from autoshard.runtime import SequenceLayout, attention, comm_counter
 from autoshard.runtime.attention import attention_flops, hybrid_layout, hybrid_sequence_rank
@@ -81,42 +81,11 @@ def _mask_args(case: dict) -> dict:
     return {"causal": "causal" in case["mask"], "window": (5, 0) if "window" in case["mask"] else None}
 
 
-def _capped_attention(q, k, v, mask, softcap):
-    """Attention with its scores capped to ``softcap * tanh(s / softcap)`` before the mask (what SDPA lacks)."""
-    group = q.size(1) // k.size(1)
-    s = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / q.size(-1) ** 0.5
-    s = (softcap * torch.tanh(s / softcap)).masked_fill(~mask, float("-inf"))
-    return torch.softmax(s, -1) @ v.repeat_interleave(group, 1)
-
-
-def _dense_mask(S: int, causal: bool, window, key_mask, segments) -> torch.Tensor:
-    i, j = torch.arange(S).unsqueeze(1), torch.arange(S).unsqueeze(0)
-    mask = torch.ones(S, S, dtype=torch.bool)
-    if causal:
-        mask &= j <= i
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            mask &= j >= i - left
-        if right >= 0:
-            mask &= j <= i + right
-    mask = mask[None, None]
-    if key_mask is not None:
-        mask = mask & key_mask[:, None, None, :]
-    if segments is not None:
-        mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
-    return mask
-
-
 def _reference(case: dict):
     q, k, v, dout, key_mask, segments = _inputs(case)
     leaves = [t.to(torch.float64).requires_grad_() for t in (q, k, v)]
-    args = _mask_args(case)
-    mask = _dense_mask(case["length"], args["causal"], args["window"], key_mask, segments)
-    if case.get("softcap"):
-        out = _capped_attention(*leaves, mask, case["softcap"])
-    else:
-        out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=True)
+    # the one-device meaning of a captured attention (dense mask, SDPA or the soft-capped scores)
+    out = captured_attention(*leaves, key_mask, segments, **_mask_args(case), softcap=case.get("softcap", 0.0))
     out.backward(dout.to(torch.float64))
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -150,9 +119,8 @@ def _run_case(case: dict, mesh) -> dict:
                         softcap=case.get("softcap", 0.0), kernels=case.get("kernels", "auto"), **_mask_args(case))
     with comm_counter() as bwd:
         out.backward(dout[:, :, pos])
-    payload = lambda cc: sum(s.bytes_sent for kind, s in cc.calls.items() if kind != "metadata")  # noqa: E731
-    return dict(out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad, fwd_bytes=payload(fwd),
-                bwd_bytes=payload(bwd), seq_rank=seq_rank)
+    return dict(out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad, fwd_bytes=fwd.payload_bytes_sent,
+                bwd_bytes=bwd.payload_bytes_sent, seq_rank=seq_rank)
 
 
 def _run_cases(cases: list[dict]) -> list[dict]:
