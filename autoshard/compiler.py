@@ -45,7 +45,8 @@ from .runtime.collectives import gather_facts
 from .runtime.layouts import SequenceLayout
 from .runtime.groups import GroupLike, resolve_group
 
-__all__ = ["backend", "AutoshardBackend", "autoshard_backend", "CompiledGraph", "GraphRecord", "compile_graph"]
+__all__ = ["backend", "AutoshardBackend", "autoshard_backend", "CompiledGraph", "GraphRecord", "compile_graph",
+           "check_mesh_axes", "HYBRID_AXES"]
 
 FINGERPRINT_TIMEOUT = datetime.timedelta(seconds=120)
 _COMPILES = itertools.count()
@@ -385,10 +386,12 @@ def _check_same_graph(pg: dist.ProcessGroup, index: int, gm: fx.GraphModule, exa
 def backend(group: GroupLike = None, **options) -> AutoshardBackend:
     """The backend for ``torch.compile``: ``group`` is a ProcessGroup, a DeviceMesh (2-D for the hybrid
     strategy) or None for the default group; ``options`` are :class:`~autoshard.config.BackendConfig` fields."""
-    config = BackendConfig(**options)
-    if config.strategy == "hybrid":
-        from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh
 
+    config = BackendConfig(**options)
+    if isinstance(group, DeviceMesh):
+        check_mesh_axes(group)
+    if config.strategy == "hybrid":
         if not (isinstance(group, DeviceMesh) and group.ndim == 2):
             raise ValueError("autoshard.backend: strategy='hybrid' needs a 2-D DeviceMesh (ring axis, ulysses axis)")
     return AutoshardBackend(group, config)
@@ -405,15 +408,37 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
     return _default_backend(gm, example_inputs)
 
 
+HYBRID_AXES = ("ring", "ulysses")
+"""Mesh dim names of the hybrid strategy's 2-D mesh, in order."""
+
+
+def check_mesh_axes(mesh) -> None:
+    """Raise unless ``mesh`` is a sequence mesh: 1-D (its one axis is the sequence group), or 2-D with axes
+    named :data:`HYBRID_AXES`. A (dp, sp) mesh handed over whole would otherwise be flattened into one
+    sequence group, and the data-parallel ranks would split one sequence among them."""
+    if mesh.ndim == 1:
+        return
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim == 2 and names == HYBRID_AXES:
+        return
+    if mesh.ndim == 2 and set(names) == set(HYBRID_AXES):
+        raise ValueError("autoshard: order the hybrid mesh as (ring, ulysses): "
+                         "init_device_mesh(device, (P_ring, P_ulysses), mesh_dim_names=('ring', 'ulysses'))")
+    shown = names or f"{mesh.ndim} unnamed axes"
+    sequence = next((n for n in names if n in ("sp", "cp", "seq", "context", "sequence")), None)
+    pick = f"mesh[{sequence!r}]" if sequence else "mesh['<sequence axis>']"
+    raise ValueError(
+        f"autoshard: a {mesh.ndim}-D mesh with axes {shown} is not a sequence mesh; pass the 1-D sub-mesh of the "
+        f"sequence axis, autoshard.backend({pick}) (the other axes belong to DDP/FSDP), or, for the hybrid "
+        f"strategy, a 2-D mesh named ('ring', 'ulysses')")
+
+
 def hybrid_groups(mesh) -> tuple[dist.ProcessGroup, str, str, int]:
     """(whole sequence group, ring-axis group name, ulysses-axis group name, ulysses axis size) of a 2-D
     (ring, ulysses) mesh.
 
     The sequence is laid out over the flattened mesh: mesh coordinate (ring i, ulysses j) holds shard
     ``i * P_ulysses + j``, so the flattened group's rank order is the sequence order."""
-    names = mesh.mesh_dim_names or ("ring", "ulysses")
-    if tuple(names) != ("ring", "ulysses") and set(names) == {"ring", "ulysses"}:
-        raise ValueError("autoshard: order the hybrid mesh as (ring, ulysses): "
-                         "init_device_mesh(device, (P_ring, P_ulysses), mesh_dim_names=('ring', 'ulysses'))")
+    check_mesh_axes(mesh)
     flat = mesh._flatten().get_group()
     return flat, mesh.get_group(0).group_name, mesh.get_group(1).group_name, mesh.size(1)

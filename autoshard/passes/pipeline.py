@@ -1,6 +1,7 @@
 """The compile pipeline: the passes one graph goes through, in one ordered list, each with a name.
 
 =============  ==================================================================================
+``inline``     checkpointed and wrapped subgraphs are copied into the graph (:mod:`.regions`)
 ``canonical``  record every node's canonical op (:mod:`.normalize`, :mod:`.ops`)
 ``capture``    attention calls become ``captured_attention`` with a structured mask (:mod:`.capture`)
 ``decompose``  composites (``diff``) become ops that have rules (:mod:`.normalize`)
@@ -8,6 +9,7 @@
 ``families``   linked dims joined into sequence families (:mod:`.infer`)
 ``strategy``   an attention algorithm per attention, a layout per family (:mod:`autoshard.strategy`)
 ``rewrite``    the local graph of this rank (:mod:`.rewrite`)
+``outline``    checkpointed regions are cut out of the local graph again, still checkpointed (:mod:`.regions`)
 =============  ==================================================================================
 
 Each pass reads and writes one :class:`PipelineState` and returns what it counted (attentions captured,
@@ -35,6 +37,7 @@ from .capture import capture_attention
 from .infer import Families, LinkContext, find_families, link_graph
 from .normalize import annotate, decompose
 from .ops import op_of
+from .regions import Region, fill_regions, inline_regions, outline_regions
 from .rewrite import Rewriter
 
 __all__ = ["PipelineState", "PassStats", "PASSES", "run_pipeline"]
@@ -81,6 +84,8 @@ class PipelineState:
     dump_dir: str | None = None
     """Where every pass writes what it produced, or None."""
 
+    regions: list[Region] = field(default_factory=list)
+    """inline: the checkpointed regions of the original graph."""
     missed: list[str] = field(default_factory=list)
     """capture: attention-like patterns that were not captured, with the reason."""
     links: LinkContext | None = None
@@ -97,6 +102,12 @@ class PipelineState:
     """rewrite: the rewriter (its report, its gathered outputs)."""
     stats: dict[str, PassStats] = field(default_factory=dict)
     """Pass name -> what it took and counted, in pass order."""
+
+
+def _inline(state: PipelineState) -> dict[str, int]:
+    before = len(state.gm.graph.nodes)
+    state.regions = inline_regions(state.gm)
+    return {"checkpointed": len(state.regions), "nodes_added": len(state.gm.graph.nodes) - before}
 
 
 def _canonical(state: PipelineState) -> dict[str, int]:
@@ -141,6 +152,7 @@ def _strategy(state: PipelineState) -> dict[str, int]:
 
 
 def _rewrite(state: PipelineState) -> dict[str, int]:
+    fill_regions(state.gm)
     state.rewriter = Rewriter(state.gm, state.families, state.layouts, rank=state.rank, world=state.world,
                               group=state.group, config=state.config, strategies=state.strategies,
                               ring_group=state.ring_group, heads_group=state.heads_group,
@@ -149,6 +161,10 @@ def _rewrite(state: PipelineState) -> dict[str, int]:
     report = state.rewriter.report
     return {"transitions": len(report.transitions), "fallbacks": len(report.fallbacks),
             "collectives": len(report.comms)}
+
+
+def _outline(state: PipelineState) -> dict[str, int]:
+    return {"outlined": outline_regions(state.gm, state.regions)}
 
 
 def _graph_code(state: PipelineState) -> str:
@@ -170,6 +186,7 @@ def _decisions_text(state: PipelineState) -> str:
 
 
 PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[PipelineState], str]], ...] = (
+    ("inline", _inline, _graph_code),
     ("canonical", _canonical, _graph_code),
     ("capture", _capture, _graph_code),
     ("decompose", _decompose, _graph_code),
@@ -177,6 +194,7 @@ PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[Pi
     ("families", _families, _families_text),
     ("strategy", _strategy, _decisions_text),
     ("rewrite", _rewrite, _graph_code),
+    ("outline", _outline, _graph_code),
 )
 """(name, pass, what the pass produced as text for a dump), in the order they run."""
 

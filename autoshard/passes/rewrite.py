@@ -21,6 +21,7 @@ with the node it serves and the bytes this rank sends.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from .comms import CommBook
 from .graph import mutates
 from .infer import Families, Family
 from .ops import is_tensor_node, numel, op_of, shape_of, value_of
+from .regions import REGION
 from .rules import RULES
 
 __all__ = ["Rewriter", "CompileReport", "Transition", "Fallback", "GRAD_BUCKET_BYTES"]
@@ -87,6 +89,9 @@ class CompileReport:
     square_values: list[str] = field(default_factory=list)
     """Values that carry the sequence on two dims (an S x S mask or score matrix would be one): they are
     computed whole along one of them."""
+    recomputed: dict[int, int] = field(default_factory=dict)
+    """Checkpointed region (:mod:`.regions`) -> bytes this rank sends again when backward recomputes it: the
+    whole region reruns, its forward collectives too."""
     passes: dict = field(default_factory=dict)
     """Pass name -> its :class:`~autoshard.passes.pipeline.PassStats` (seconds, counts), in pass order."""
 
@@ -399,12 +404,15 @@ class Rewriter:
             elif node.op == "output":
                 self._outputs(node)
             else:
+                tail, booked = next(iter(reversed(self.graph.nodes)), None), len(self.book.comms)
                 op = op_of(node)
                 rule = RULES.get(op.name) if op is not None else None
                 if rule is not None:
                     rule.rewrite(self, node, op)
                 else:
                     self.fallback(node, f"no rule for {node.target if node.op == 'call_function' else '.' + str(node.target)}")
+                if REGION in node.meta:
+                    self._in_region(node.meta[REGION], tail, booked)
         for bucket, names in self.report.grad_buckets.items():
             nodes = [n for n in self.placements if n.name in names]
             total = sum(numel(self.shape(n)) for n in nodes)
@@ -413,6 +421,22 @@ class Rewriter:
         self.report.square_values = sorted({why.split(" of ")[1] for _, _, _, why in self.families.refused
                                             if why.startswith("second dim") and why.split(" of ")[1] in live})
         return fx.GraphModule(self.gm, self.graph)
+
+    def _in_region(self, region: int, tail: fx.Node | None, booked: int) -> None:
+        """Tag the nodes emitted after ``tail`` with the checkpointed ``region`` they serve (:mod:`.regions`
+        cuts it out again) and book the forward collectives booked since ``booked`` a second time: backward
+        recomputes the region."""
+        new = tail.next if tail is not None else next(iter(self.graph.nodes), None)
+        while new is not None and new.op != "root":
+            new.meta[REGION] = region
+            new = new.next
+        again = self.report.recomputed.setdefault(region, 0)
+        for comm in self.book.comms[booked:]:
+            if comm.phase == "forward":
+                self.book.comms.append(dataclasses.replace(comm, phase="backward",
+                                                           reason="recomputed (activation checkpointing)"))
+                again += comm.bytes_by_rank[self.rank]
+        self.report.recomputed[region] = again
 
     def _outputs(self, node: fx.Node) -> None:
         def out(n):
