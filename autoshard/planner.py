@@ -110,6 +110,9 @@ class Plan:
     graphs: int = 0
     edges: list[list[str]] = field(default_factory=list)
     """Data flow between the values of ``placements`` (for :meth:`to_dot`)."""
+    recomputed: dict[str, int] = field(default_factory=dict)
+    """Checkpointed region (``g<i>.region<j>``) -> bytes the plan's rank sends again when backward recomputes
+    it (the whole region reruns, its collectives too; they are among ``collectives``, phase backward)."""
 
     # ------------------------------------------------------------------ reading
     def bytes_sent(self, phase: str | None = None, rank: int | None = None) -> int:
@@ -136,6 +139,9 @@ class Plan:
             if mem.outputs > mem.saved_activations:
                 lines.append("  note: most of it is outputs gathered whole on every rank (the logits?); "
                              "outputs='sharded' keeps them split")
+        if self.recomputed:
+            lines.append(f"  activation checkpointing: {len(self.recomputed)} region(s) recomputed whole in backward, "
+                         f"their collectives included ({_size(sum(self.recomputed.values()))} sent again per rank)")
         if self.attention:
             lines.append(f"  why: {self.attention[0].reason}")
         for f in self.fallbacks:
@@ -294,6 +300,7 @@ def plan_graphs(graphs: list[tuple[fx.GraphModule, list]], *, world_size: int, c
             result.collectives.append(Collective(c.kind, "sequence", prefix + c.node, c.phase, c.bytes_by_rank[rank],
                                                  list(c.bytes_by_rank), c.formula, c.reason))
         result.fallbacks += [PlanFallback(prefix + f.node, f.op, f.reason) for f in report.fallbacks]
+        result.recomputed.update({f"{prefix}region{i}": sent for i, sent in report.recomputed.items()})
         decisions = _decisions(compiled, index, world_size, config, topology)
         result.attention += decisions
         if decisions and "S" not in symbols:

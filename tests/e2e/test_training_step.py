@@ -122,3 +122,18 @@ def test_ddp_over_dp_of_a_dp_sp_mesh_matches_the_full_batch():
         assert r["grad_error"] <= TOLERANCE, f"rank {rank}: gradient error {r['grad_error']:.2e}"
         assert "mesh['sp']" in r["refused"]["dp_sp"], r["refused"]
         assert "unnamed" in r["refused"]["unnamed"], r["refused"]
+
+
+def test_plan_states_the_recomputation_policy():
+    """The dry run of a checkpointed model says which regions backward recomputes and what they send again;
+    the recomputed collectives are among the plan's backward collectives."""
+    torch._dynamo.reset()
+    ids = torch.randint(0, 256, (1, 130))
+    plan = autoshard.plan(_llama(True), kwargs=dict(input_ids=ids, labels=ids, use_cache=False), world_size=4,
+                          strategy="ring")
+    assert sorted(plan.recomputed) == ["g0.region0", "g0.region1"] and all(plan.recomputed.values()), plan.recomputed
+    again = [c for c in plan.collectives if c.reason == "recomputed (activation checkpointing)"]
+    assert again and all(c.phase == "backward" for c in again)
+    assert sum(c.bytes_per_rank for c in again) == sum(plan.recomputed.values())
+    assert "2 region(s) recomputed whole in backward" in str(plan)
+    assert autoshard.Plan.from_json(plan.to_json()).recomputed == plan.recomputed

@@ -1,0 +1,107 @@
+"""A training step's memory with activation checkpointing: P=2 vs one process (tables, no assertions).
+
+    python benchmarks/training.py                  # S = 8192 and 16384
+    python benchmarks/training.py --lengths 2048   # quicker
+
+Model: transformers ``LlamaForCausalLM`` from a config (vocab 32000, 4 layers, hidden 256, 8 heads / 2 kv
+heads, SwiGLU 688, float32, random weights), ``gradient_checkpointing_enable()``, one sequence of S tokens
+with labels: forward + backward of the loss. Figures per S:
+
+* ``one process``: the model uncompiled on one process, checkpointed;
+* ``P=2 <outputs>``: compiled with ``autoshard.backend(outputs=...)`` on 2 gloo ranks, checkpointed layers
+  rewritten and still checkpointed (the report's recomputed regions are counted); ``gathered`` is the
+  default, which all-gathers the ``[1, S, 32000]`` logits onto every rank, ``sharded`` keeps them split;
+* ``peak/rank``: peak extra resident memory of the step (the larger of the two ranks), and its ratio to one
+  process; ``sent/rank``: bytes each rank sends in the step (recomputation included), ``recomputed``: of
+  those, what backward's recomputation of the checkpointed layers sends again.
+
+Every run happens in the rank workers, one after the other (the one-process run on rank 0 while rank 1
+waits), each after a warm-up step at a short length, with ``MALLOC_MMAP_THRESHOLD_=65536`` so resident
+memory follows live tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard.runtime import comm_counter
+from autoshard.testing import run_on_ranks
+from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
+
+try:
+    from _common import print_table
+except ImportError:  # run as a module
+    from benchmarks._common import print_table
+
+OUTPUTS = ("gathered", "sharded")
+
+
+def _model():
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32768)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def _step(model, length: int) -> None:
+    ids = torch.randint(0, 32000, (1, length), generator=torch.Generator().manual_seed(length))
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _measure(lengths: list[int]) -> dict:
+    rank = dist.get_rank()
+    out = {}
+    model = _model()
+    for length in lengths:
+        if rank == 0:
+            _step(model, 256)
+            with peak_memory() as mem:
+                _step(model, length)
+            out[(length, "one process")] = (mem.peak_bytes, 0, 0)
+        dist.barrier()
+    for outputs in OUTPUTS:
+        torch._dynamo.reset()
+        backend = autoshard.backend(outputs=outputs)
+        compiled = torch.compile(_model(), backend=backend)
+        for length in lengths:
+            _step(compiled, 256)
+            dist.barrier()
+            with comm_counter() as sent, peak_memory() as mem:
+                _step(compiled, length)
+            report = backend.compiled[-1].report
+            out[(length, f"P=2 {outputs}")] = (mem.peak_bytes, sent.payload_bytes_sent,
+                                               sum(report.recomputed.values()))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
+    args = parser.parse_args()
+    ranks = run_on_ranks(_measure, 2, args.lengths, timeout=3600, env=LOW_MMAP_THRESHOLD_ENV)
+    rows = []
+    for length in args.lengths:
+        base = ranks[0][(length, "one process")][0]
+        for name in ("one process", *(f"P=2 {o}" for o in OUTPUTS)):
+            peak = max(r[(length, name)][0] for r in ranks if (length, name) in r)
+            sent = max(r[(length, name)][1] for r in ranks if (length, name) in r)
+            again = max(r[(length, name)][2] for r in ranks if (length, name) in r)
+            rows.append([length, name, f"{peak / 2**20:,.0f} MiB", f"{peak / base:.2f}",
+                         f"{sent / 2**20:,.1f} MiB", f"{again / 2**20:,.1f} MiB"])
+    print_table("transformers Llama (vocab 32000, 4 layers, hidden 256, 8/2 heads, fp32), activation checkpointing, "
+                "forward + backward",
+                ["S", "run", "peak/rank", "vs one process", "sent/rank", "recomputed"], rows)
+
+
+if __name__ == "__main__":
+    main()
