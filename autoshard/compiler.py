@@ -38,7 +38,7 @@ import torch.fx as fx
 from .config import BackendConfig
 from .passes.ops import value_of
 from .passes.pipeline import PipelineState, run_pipeline
-from .passes.rewrite import CompileReport
+from .passes.rewrite import CompileReport, is_parameter
 from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
 from .runtime.collectives import gather_facts
@@ -131,7 +131,7 @@ def _annotated_inputs(gm: fx.GraphModule, config: BackendConfig) -> list[tuple[f
     if not config.seq_dims:
         return []
     user = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
-            and not isinstance(getattr(n.meta.get("grapharg"), "example", None), torch.nn.Parameter)]
+            and not is_parameter(n)]
     out = []
     names = [input_name(n) for n in user]
     for key, dim in config.seq_dims.items():
@@ -336,7 +336,9 @@ def _values_digest(example_inputs: list) -> str:
     for x in example_inputs:
         if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor) and x.device.type != "meta":
             data = x.detach().reshape(-1)[:256] if isinstance(x, torch.nn.Parameter) else x.detach().reshape(-1)
-            h.update(data.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            # a copy: numpy() would mark the input's own storage unresizable, and FSDP2 frees its unsharded
+            # parameters by resizing their storage to 0
+            h.update(data.cpu().clone().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 

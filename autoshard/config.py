@@ -42,8 +42,10 @@ class BackendConfig:
 
     grad_sync: bool = True
     """Sum parameter gradients over the group, so every rank holds the one-process gradients. With
-    False, each rank keeps its share (the shares sum to the one-process gradient), for DDP/FSDP that
-    sum over the group."""
+    False, nothing is summed: each rank holds P times its share, so the ranks' gradients *average* to the
+    one-process gradient -- what DDP and FSDP2 (both average) make of them when they reduce over the
+    sequence group, or over the flattened (dp, sp) ranks. (With True, DDP/FSDP on top is still correct,
+    only one all-reduce more.)"""
 
     inner: Union[str, Callable] = "eager"
     """The compiler the rewritten graph is handed to: ``"eager"``, ``"aot_eager"``, ``"inductor"`` or

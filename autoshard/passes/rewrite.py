@@ -42,7 +42,7 @@ from .ops import is_tensor_node, numel, op_of, shape_of, value_of
 from .regions import REGION
 from .rules import RULES
 
-__all__ = ["Rewriter", "CompileReport", "Transition", "Fallback", "GRAD_BUCKET_BYTES"]
+__all__ = ["Rewriter", "CompileReport", "Transition", "Fallback", "GRAD_BUCKET_BYTES", "is_parameter"]
 
 GRAD_BUCKET_BYTES = 25 * 2**20
 """Largest gradient bucket (as DDP's default)."""
@@ -172,6 +172,14 @@ class Rewriter:
     def method(self, name: str, *args, **kwargs) -> fx.Node:
         return self.graph.call_method(name, tuple(args), dict(kwargs))
 
+    def in_dtype_of(self, node: fx.Node, x: fx.Node, new: Any) -> Any:
+        """``new`` (the new-graph value of ``node``'s input ``x``) cast to the dtype ``node`` computed in, its
+        output's, where ``x``'s differs. Under ``torch.autocast`` an op of the lower-precision list (SDPA,
+        linear, addmm) casts its inputs; when a rule emits it as other ops (a custom op, a partial product
+        plus a bias) they get their inputs as autocast gave them. Gradients flow back through the cast."""
+        dtype = value_of(node).dtype
+        return new if value_of(x).dtype == dtype else self.method("to", new, dtype)
+
     def value(self, arg: Any) -> Any:
         """The new-graph counterpart of ``arg`` (nodes mapped, containers mapped element-wise), no transition."""
         return fx.node.map_arg(arg, lambda n: self.env[n])
@@ -233,27 +241,24 @@ class Rewriter:
 
     def _replicated_use(self, node: fx.Node, new: fx.Node, partial_grad: bool) -> fx.Node:
         """``new`` for a replicated use. Its gradient must come out whole on every rank wherever it flows on
-        through replicated work: a share (``partial_grad``) of an intermediate value is summed there. A
-        parameter's share is summed only with ``grad_sync``; without it the parameter keeps its share, and
-        its whole gradients from replicated uses are scaled by 1/P, so the shares still sum to the gradient."""
-        if not self.requires_grad(node) or self.world == 1:
+        through replicated work: a share (``partial_grad``) is summed there -- a parameter's in its gradient
+        bucket, anything else (an activation, also one an earlier graph passed in) alone. Without
+        ``grad_sync`` a parameter's share is not summed but multiplied by P: the ranks' gradients then
+        *average* to the one-process gradient, which is what DDP and FSDP (both average) make of them."""
+        if not (partial_grad and self.requires_grad(node)) or self.world == 1:
             return new
-        if partial_grad and (self.config.grad_sync or node.op != "placeholder"):
-            key = (node, "grad_sync")
-            if key not in self._cache:
-                if node.op == "placeholder":
-                    self._cache[key] = self._bucketed(node, new)
-                else:
-                    self._cache[key] = self.call(grad_sync, new, self.group)
-                    self.book.all_reduce(node.name, numel(self.shape(node)), _itemsize(node), "backward",
-                                         reason="gradient shares")
-            return self._cache[key]
-        if not partial_grad and not self.config.grad_sync and node.op == "placeholder":
-            key = (node, "grad_scale")
-            if key not in self._cache:
-                self._cache[key] = self.call(grad_scale, new, 1.0 / self.world)
-            return self._cache[key]
-        return new
+        parameter = is_parameter(node)
+        key = (node, "grad_sync" if self.config.grad_sync or not parameter else "grad_scale")
+        if key not in self._cache:
+            if not parameter:
+                self._cache[key] = self.call(grad_sync, new, self.group)
+                self.book.all_reduce(node.name, numel(self.shape(node)), _itemsize(node), "backward",
+                                     reason="gradient shares")
+            elif self.config.grad_sync:
+                self._cache[key] = self._bucketed(node, new)
+            else:
+                self._cache[key] = self.call(grad_scale, new, float(self.world))
+        return self._cache[key]
 
     def _bucketed(self, node: fx.Node, new: fx.Node) -> fx.Node:
         """``new`` (a parameter) through the open gradient bucket; a bucket holds parameters in order of
@@ -418,8 +423,7 @@ class Rewriter:
             total = sum(numel(self.shape(n)) for n in nodes)
             self.book.all_reduce(bucket, total, _itemsize(nodes[0]), "backward", reason="parameter gradients")
         live = {n.name for n in self.placements}
-        self.report.square_values = sorted({why.split(" of ")[1] for _, _, _, why in self.families.refused
-                                            if why.startswith("second dim") and why.split(" of ")[1] in live})
+        self.report.square_values = sorted(self.families.square_values() & live)
         return fx.GraphModule(self.gm, self.graph)
 
     def _in_region(self, region: int, tail: fx.Node | None, booked: int) -> None:
@@ -447,6 +451,12 @@ class Rewriter:
                 self.gathered_outputs.append(n)
             return self.input(n, REPLICATE, reason="output")
         self.graph.output(fx.node.map_arg(node.args[0], out))
+
+
+def is_parameter(node: fx.Node) -> bool:
+    """Whether ``node`` is a graph input that holds a module parameter (dynamo's example is a Parameter)."""
+    return node.op == "placeholder" and isinstance(getattr(node.meta.get("grapharg"), "example", None),
+                                                   torch.nn.Parameter)
 
 
 def _itemsize(node: fx.Node) -> int:
