@@ -1,5 +1,7 @@
 """Every runnable example completes with the one command its docstring gives (``python examples/X.py``,
-which spawns its own ranks); each checks its results against one process and fails when they differ."""
+which spawns its own ranks); each checks its results against one process and fails when they differ.
+``train.py`` runs two steps of its training loop on 4 ranks, (dp=2, sp=2), with ``--check``: its losses
+must equal one-process training's."""
 
 import subprocess
 import sys
@@ -8,12 +10,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ["llama.py", "annotations.py", "layouts.py", "reference_models.py", "attention_demo.py", "hf_llama.py"]
+EXAMPLES = ["llama.py", "annotations.py", "layouts.py", "reference_models.py", "attention_demo.py", "hf_llama.py",
+            "train.py --steps 2 --check"]
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
-def test_example_runs(name):
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / name)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, f"examples/{name} exited {result.returncode}:\n{result.stdout[-4000:]}\n" \
+@pytest.mark.parametrize("command", EXAMPLES)
+def test_example_runs(command):
+    name, *args = command.split()
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, f"examples/{command} exited {result.returncode}:\n{result.stdout[-4000:]}\n" \
                                    f"{result.stderr[-4000:]}"
