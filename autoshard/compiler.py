@@ -43,6 +43,7 @@ from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symb
 from .placements import Shard
 from .runtime.collectives import gather_facts
 from .runtime.layouts import SequenceLayout
+from .runtime.split_tensor import SplitTensor, local_of, wrap
 from .runtime.groups import GroupLike, resolve_group
 
 __all__ = ["backend", "AutoshardBackend", "autoshard_backend", "CompiledGraph", "GraphRecord", "compile_graph",
@@ -76,6 +77,8 @@ class CompiledGraph:
     """Global shapes of the outputs this graph gathers whole."""
     reasons: dict = None
     """Attention node -> why its strategy was chosen."""
+    carried_outputs: dict = None
+    """Position in the output tuple -> Shard placement of the outputs handed back as SplitTensor."""
 
 
 @dataclass
@@ -92,13 +95,20 @@ class GraphRecord:
 
 def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world: int, group: str,
                   ring_group: str = "", heads_group: str = "", heads_axis_size: int | None = None,
-                  sharded_inputs: dict[str, Any] | None = None, topology=None, planning: bool = False) -> CompiledGraph:
+                  sharded_inputs: dict[str, Any] | None = None, carried_inputs: set[str] | None = None, topology=None,
+                  planning: bool = False) -> CompiledGraph:
     """Run the passes (:data:`~autoshard.passes.pipeline.PASSES`) on ``gm`` (modified in place up to the
-    rewrite) for ``rank`` of ``world``; ``AUTOSHARD_DUMP=<dir>`` writes every pass's output under ``dir``."""
+    rewrite) for ``rank`` of ``world``; ``AUTOSHARD_DUMP=<dir>`` writes every pass's output under ``dir``.
+    ``sharded_inputs``: placeholder name -> the Shard its local input arrives in; ``carried_inputs``: those of
+    them that arrive as SplitTensor from another graph (they seed their sequence, and their family keeps
+    their layout)."""
     dump = os.environ.get("AUTOSHARD_DUMP")
+    seeds = _annotated_inputs(gm, config) + [(n, sharded_inputs[n.name].dim) for n in gm.graph.nodes
+                                             if n.op == "placeholder" and n.name in (carried_inputs or {})]
     state = run_pipeline(PipelineState(
         gm=gm, config=config, rank=rank, world=world, group=group, ring_group=ring_group, heads_group=heads_group,
-        heads_axis_size=heads_axis_size, sharded_inputs=sharded_inputs, seeds=_annotated_inputs(gm, config),
+        heads_axis_size=heads_axis_size, sharded_inputs=sharded_inputs, seeds=seeds,
+        carried_layouts={name: sharded_inputs[name].layout.kind for name in carried_inputs or {}},
         topology=topology, planning=planning,
         dump_dir=os.path.join(dump, f"graph{next(_DUMPS)}-rank{rank}") if dump else None))
     families, rewriter = state.families, state.rewriter
@@ -110,7 +120,8 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world
                       f"rank: {detail}", stacklevel=3)
     rewriter.report.passes = state.stats
     gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
-    return CompiledGraph(state.gm, rewriter.report, families, state.strategies, gathered, state.reasons)
+    return CompiledGraph(state.gm, rewriter.report, families, state.strategies, gathered, state.reasons,
+                         rewriter.carried_outputs)
 
 
 def input_name(node: fx.Node) -> str | None:
@@ -194,15 +205,27 @@ class AutoshardBackend:
         Shard placement its (local) input arrives in; ``global_inputs``: the inputs' global shapes, when
         they differ from ``example_inputs``'."""
         pg, ring_group, heads_group, heads_axis = self._groups()
+        carried = {i: x for i, x in enumerate(example_inputs) if isinstance(x, SplitTensor) and x.group_name == pg.group_name}
+        if carried:  # values an earlier graph returned split: they arrive split, the graph gets their shards
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            sharded_inputs = {**(sharded_inputs or {}),
+                              **{placeholders[i].name: Shard(x.seq_dim, x.seq_layout) for i, x in carried.items()}}
+            global_inputs = global_inputs or example_inputs
+            example_inputs = [x.local.detach().requires_grad_(x.requires_grad) if i in carried else x
+                              for i, x in enumerate(example_inputs)]  # the inner compiler traces the shard's grad
         _check_same_graph(pg, next(_COMPILES), gm, global_inputs or example_inputs,
                           same_values=self.config.inputs == "replicated")
         compiled = compile_graph(gm, config=self.config, rank=pg.rank(), world=pg.size(), group=pg.group_name,
                                  ring_group=ring_group, heads_group=heads_group, heads_axis_size=heads_axis,
-                                 sharded_inputs=sharded_inputs)
+                                 sharded_inputs=sharded_inputs,
+                                 carried_inputs={placeholders[i].name for i in carried} if carried else None)
         record = GraphRecord(compiled.report, compiled.gathered_output_shapes, bool(compiled.families.families))
         self._warn_if_whole_from_earlier_graph(record, example_inputs)
         self.compiled.append(record)
-        return _lower(compiled.graph_module, example_inputs, self.config.inner)
+        lowered = _lower(compiled.graph_module, example_inputs, self.config.inner)
+        if not carried and not compiled.carried_outputs:
+            return lowered
+        return _carrying(lowered, set(carried), compiled.carried_outputs, pg.group_name)
 
     def _warn_if_whole_from_earlier_graph(self, compiled: GraphRecord, example_inputs: list) -> None:
         """A graph with no sequence of its own that takes, as input, a value an earlier graph gathered whole
@@ -312,6 +335,16 @@ def _split_dims(gm: fx.GraphModule, example_inputs: list) -> list[tuple[int, int
             if d in getattr(example_inputs[i], "_dynamo_dynamic_indices", ())]
 
 
+def _carrying(fn: Callable, carried_inputs: set[int], carried_outputs: dict, group: str) -> Callable:
+    """``fn`` (a compiled per-rank graph) called with the shards of the SplitTensor inputs at
+    ``carried_inputs``, its outputs at ``carried_outputs`` handed back as SplitTensor."""
+    def run(*args):
+        out = fn(*(local_of(a) if i in carried_inputs else a for i, a in enumerate(args)))
+        return type(out)(wrap(o, carried_outputs[i].dim, carried_outputs[i].layout, group) if i in carried_outputs
+                         else o for i, o in enumerate(out))
+    return run
+
+
 def _lower(gm: fx.GraphModule, example_inputs: list, inner) -> Callable:
     if inner == "eager":
         return gm.forward
@@ -334,7 +367,8 @@ def _values_digest(example_inputs: list) -> str:
     """A digest of the inputs' values: whole for data, a sample for parameters (cheap on large models)."""
     h = hashlib.sha256()
     for x in example_inputs:
-        if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor) and x.device.type != "meta":
+        if (isinstance(x, torch.Tensor) and not isinstance(x, (torch._subclasses.FakeTensor, SplitTensor))
+                and x.device.type != "meta"):  # a SplitTensor holds a different shard on every rank
             data = x.detach().reshape(-1)[:256] if isinstance(x, torch.nn.Parameter) else x.detach().reshape(-1)
             # a copy: numpy() would mark the input's own storage unresizable, and FSDP2 frees its unsharded
             # parameters by resizing their storage to 0

@@ -37,8 +37,11 @@ class BackendConfig:
     sequence arrive already split by ``autoshard.shard_inputs`` (a data loader loads only its part)."""
 
     outputs: str = "gathered"
-    """``"gathered"``: every rank gets the whole outputs. ``"sharded"``: outputs that carry the sequence
-    stay split (scalars and other reductions are still reduced)."""
+    """What becomes of outputs split along the sequence (scalars and other reductions are always reduced):
+    ``"gathered"``: all-gathered, every rank gets plain whole tensors. ``"split"``: they come back as
+    :class:`autoshard.SplitTensor` -- the global shape, this rank's shard inside: a graph compiled by the same
+    backend (after a graph break, the next block, the loss) takes it still split; other code gathers it on
+    each use (``.full_tensor()`` once for a whole copy). ``"sharded"``: this rank's plain local shards."""
 
     grad_sync: bool = True
     """Sum parameter gradients over the group, so every rank holds the one-process gradients. With
@@ -72,7 +75,7 @@ class BackendConfig:
         check("strategy", self.strategy, STRATEGIES)
         check("layout", self.layout, LAYOUT_CHOICES)
         check("inputs", self.inputs, ("replicated", "sharded"))
-        check("outputs", self.outputs, ("gathered", "sharded"))
+        check("outputs", self.outputs, ("split", "gathered", "sharded"))
         check("kernels", self.kernels, ("auto", "torch", "triton"))
         if not callable(self.inner):
             check("inner", self.inner, ("eager", "aot_eager", "inductor"))

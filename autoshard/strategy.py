@@ -22,12 +22,14 @@ __all__ = ["choose", "attention_shape"]
 
 
 def attention_shape(node, length: int) -> AttentionShape:
-    """What the cost model needs of the attention ``node`` over a sequence of ``length`` positions."""
+    """What the cost model needs of the attention ``node`` over a sequence of ``length`` positions. The dtype is
+    the one it computes in, its output's (under autocast its inputs may differ; the rewrite casts them)."""
     op = op_of(node)
     q, k = value_of(op["q"]), value_of(op["k"])
     seg = op.get("segment_ids")
-    return AttentionShape(q.shape[0], length, q.shape[1], k.shape[1], q.shape[3], q.dtype, bool(op.get("causal")),
-                          op.get("window"), op.get("key_mask") is not None, value_of(seg).dtype if seg is not None else None)
+    return AttentionShape(q.shape[0], length, q.shape[1], k.shape[1], q.shape[3], value_of(node).dtype,
+                          bool(op.get("causal")), op.get("window"), op.get("key_mask") is not None,
+                          value_of(seg).dtype if seg is not None else None)
 
 
 def _planned_mesh(shape: AttentionShape, world: int, topology: Topology) -> tuple[int, int]:
@@ -41,10 +43,12 @@ def _planned_mesh(shape: AttentionShape, world: int, topology: Topology) -> tupl
 
 
 def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_size: int | None = None,
-           topology: Topology | None = None, planning: bool = False) -> tuple[dict[int, SequenceLayout], dict, dict, int | None]:
+           topology: Topology | None = None, planning: bool = False,
+           carried_layouts: dict[int, str] | None = None) -> tuple[dict[int, SequenceLayout], dict, dict, int | None]:
     """(root layout per family index, strategy per attention node, reason per attention node, Ulysses axis
     size of the hybrid). ``planning``: the hybrid may be chosen without a 2-D mesh (the plan then says
-    which mesh to build)."""
+    which mesh to build). ``carried_layouts``: family index -> the layout kind a value an earlier graph
+    returned split arrives in; under ``layout="auto"`` the family keeps it (no re-alignment)."""
     topology = topology or config.topology or Topology()
     layouts, strategies, reasons = {}, {}, {}
     decided = {}  # (shape, hybrid possible) -> (best, why): the layers of a model share a few shapes
@@ -71,6 +75,8 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
                 heads_axis_size = best.mesh[1]
                 reasons[node] += f"; build a 2-D mesh (ring {best.mesh[0]}, ulysses {best.mesh[1]}) to run it"
         kind = config.layout
+        if kind == "auto" and (carried_layouts or {}).get(fam.index) in ("contiguous", "zigzag"):
+            kind = carried_layouts[fam.index]
         if kind == "auto":
             kind = "zigzag" if "zigzag" in wanted_layouts and fam.length >= 2 * world else "contiguous"
         if kind == "contiguous":

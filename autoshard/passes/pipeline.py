@@ -76,7 +76,9 @@ class PipelineState:
     sharded_inputs: dict[str, Any] | None = None
     """Placeholder name -> the Shard placement its input arrives in (``inputs="sharded"``)."""
     seeds: list[tuple[fx.Node, int]] = field(default_factory=list)
-    """(placeholder, sequence dim) of inputs the user named in ``seq_dims``."""
+    """(placeholder, sequence dim) of inputs the user named in ``seq_dims``, and of SplitTensor inputs."""
+    carried_layouts: dict[str, str] = field(default_factory=dict)
+    """Placeholder name -> layout kind of the inputs that arrive as SplitTensor (their family keeps it)."""
     topology: Any = None
     """Cluster description for the cost model; None = the default."""
     planning: bool = False
@@ -142,9 +144,14 @@ def _families(state: PipelineState) -> dict[str, int]:
 
 
 def _strategy(state: PipelineState) -> dict[str, int]:
+    carried = {}
+    for node in state.gm.graph.nodes:
+        if node.name in state.carried_layouts:
+            for _, _, family, _ in state.families.dims_of(node):
+                carried[family.index] = state.carried_layouts[node.name]
     state.layouts, state.strategies, state.reasons, state.heads_axis_size = choose(
         state.families, config=state.config, world=state.world, heads_axis_size=state.heads_axis_size,
-        topology=state.topology, planning=state.planning)
+        topology=state.topology, planning=state.planning, carried_layouts=carried)
     if state.planning and state.heads_axis_size and not state.ring_group:
         state.ring_group = plan_group_name(state.rank // state.heads_axis_size, state.world // state.heads_axis_size)
         state.heads_group = plan_group_name(state.rank % state.heads_axis_size, state.heads_axis_size)

@@ -80,7 +80,7 @@ class CompileReport:
     transitions: list[Transition] = field(default_factory=list)
     fallbacks: list[Fallback] = field(default_factory=list)
     attention: list[dict] = field(default_factory=list)
-    """One entry per distributed attention: node, strategy, layout, mask."""
+    """One entry per distributed attention: node, strategy, layout, mask, the dtype it computes in."""
     grad_buckets: dict[str, list[str]] = field(default_factory=dict)
     """Gradient buckets: bucket node -> the parameters whose gradients it sums in one all-reduce."""
     comms: list = field(default_factory=list)
@@ -122,6 +122,8 @@ class Rewriter:
         self._bucket: list | None = None  # [bucket node, bytes, dtype] of the open gradient bucket
         self._root_of: dict[SequenceLayout, int] = {}  # layout -> the length of the family root it derives from
         self.gathered_outputs: list[fx.Node] = []
+        self.carried_outputs: dict[int, Shard] = {}
+        """Position in the output tuple -> placement of the split outputs left local (``outputs="split"``)."""
         """Outputs that were split and are gathered whole for the caller."""
         self._last_placeholder: fx.Node | None = None
 
@@ -443,14 +445,25 @@ class Rewriter:
         self.report.recomputed[region] = again
 
     def _outputs(self, node: fx.Node) -> None:
-        def out(n):
+        """The graph's outputs: split ones gathered (``outputs="gathered"``), left as local shards
+        (``"sharded"``), or, with ``"split"``, left local and listed in ``carried_outputs`` for the backend
+        to hand back as :class:`~autoshard.runtime.split_tensor.SplitTensor` (a value whose split merges
+        the sequence with another dim is gathered)."""
+        def out(n, index=None):
             have = self.placement(n)
-            if self.config.outputs == "sharded" and isinstance(have, Shard):
+            if isinstance(have, Shard) and (self.config.outputs == "sharded" or (
+                    self.config.outputs == "split" and index is not None and not have.factors)):
+                if self.config.outputs == "split":
+                    self.carried_outputs[index] = have
                 return self.env[n]
             if isinstance(have, Shard):
                 self.gathered_outputs.append(n)
             return self.input(n, REPLICATE, reason="output")
-        self.graph.output(fx.node.map_arg(node.args[0], out))
+        results = node.args[0]
+        if isinstance(results, (tuple, list)):
+            self.graph.output(type(results)(out(n, i) if isinstance(n, fx.Node) else n for i, n in enumerate(results)))
+        else:
+            self.graph.output(fx.node.map_arg(results, out))
 
 
 def is_parameter(node: fx.Node) -> bool:

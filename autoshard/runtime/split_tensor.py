@@ -1,0 +1,145 @@
+"""``SplitTensor``: a value split along the sequence that leaves one compiled graph and enters the next.
+
+The carrier. A graph break, per-block compilation, FSDP's module hooks cut a model into several graphs;
+what one graph returns split along the sequence must reach the next graph still split, with its layout
+and its global length known. The options were a side table keyed by tensor identity (the value then
+shows its local shape to the code between the graphs, and dynamo would trace the next graph at the local
+length: wrong positions, wrong masks), DTensor (it cannot express zigzag, nor our uneven shards: torch's
+chunk gives the remainder to the last ranks, ours to the first), or a tensor subclass. It is a subclass.
+
+A ``SplitTensor`` has the *global* shape, dtype and device of the value and holds this rank's shard
+(``local``), the sequence ``dim``, the :class:`~autoshard.runtime.layouts.SequenceLayout` and the group's
+name. So:
+
+* dynamo traces the next graph with the global shape, exactly as without the split (it flattens the
+  subclass through ``__tensor_flatten__``, and guards on its layout);
+* the backend sees a split input (the example value is a ``SplitTensor``): the placeholder is seeded as a
+  sequence, its placement is the carrier's, and the compiled graph is called with ``local`` -- no gather,
+  no re-slicing. Inner compilers (eager, aot_eager, inductor) only ever see plain local tensors;
+* anywhere else -- user code between graphs, a graph compiled by another backend -- every op gathers the
+  whole value first (``__torch_dispatch__``) and returns plain tensors: the one-process value, at the
+  cost of an all-gather per use (``full_tensor()`` once keeps a whole copy). In-place ops on a
+  ``SplitTensor`` raise: they would change a temporary gathered copy;
+* autograd: :func:`wrap` and :func:`local_of` are each other's adjoint. The gradient of a carrier that
+  went into another graph arrives as a ``SplitTensor`` (its ``local`` is the gradient shard); one that
+  user code consumed arrives whole, and this rank keeps its part.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .layouts import SequenceLayout
+
+__all__ = ["SplitTensor", "wrap", "local_of"]
+
+_METADATA_OPS = {torch.ops.aten.is_floating_point.default, torch.ops.aten.is_complex.default,
+                 torch.ops.aten.dim.default, torch.ops.aten.numel.default, torch.ops.aten.sym_numel.default,
+                 torch.ops.aten.size.default, torch.ops.aten.sym_size.default, torch.ops.aten.stride.default,
+                 torch.ops.aten.sym_stride.default, torch.ops.aten.is_contiguous.default,
+                 torch.ops.aten.is_same_size.default}
+"""Ops that read only shape, dtype or device: answered from a meta stand-in, without a gather."""
+
+
+class SplitTensor(torch.Tensor):
+    """A value split along a sequence dim over a group's ranks (see the module docstring)."""
+
+    local: torch.Tensor
+    """This rank's shard."""
+    seq_dim: int
+    """The dim split along the sequence."""
+    seq_layout: SequenceLayout
+    """Which positions every rank holds."""
+    group_name: str
+    """The sequence group's name."""
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, dim: int, layout: SequenceLayout, group: str, shape=None):
+        if shape is None:
+            shape = list(local.shape)
+            shape[dim] = layout.length
+        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
+                                                  requires_grad=False)
+        out.local, out.seq_dim, out.seq_layout, out.group_name = local, dim, layout, group
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __tensor_flatten__(self):
+        return ["local"], (self.seq_dim, self.seq_layout, self.group_name)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, context, outer_size, outer_stride):
+        dim, layout, group = context
+        return SplitTensor(inner["local"], dim, layout, group, outer_size)
+
+    def __repr__(self) -> str:
+        return (f"SplitTensor(shape={tuple(self.shape)}, seq_dim={self.seq_dim}, layout={self.seq_layout.kind}, "
+                f"local={tuple(self.local.shape)}, requires_grad={self.requires_grad})")
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole value (all-gathered), as a plain tensor; differentiable."""
+        return self.clone()
+
+    def whole(self) -> torch.Tensor:
+        """The whole value, gathered over the group (no autograd: called under dispatch)."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(self.local) or self.local.device.type == "meta":
+            return self.local.new_empty(self.shape)
+        return torch.ops.autoshard.seq_unshard.default(self.local, self.seq_dim, self.seq_layout.encode(),
+                                                       self.group_name)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA_OPS:
+            stand_in = tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
+                                if isinstance(x, SplitTensor) else x, (args, kwargs))
+            return func(*stand_in[0], **stand_in[1])
+        if func._schema.is_mutable:
+            written = [a for a, arg in zip(args, func._schema.arguments)
+                       if isinstance(a, SplitTensor) and arg.alias_info is not None and arg.alias_info.is_write]
+            if written or any(isinstance(v, SplitTensor) for v in kwargs.values()):
+                raise RuntimeError(
+                    f"autoshard: {func} changes a SplitTensor in place (a value compiled code returned split along "
+                    f"the sequence); take a whole copy first (x = x.full_tensor()), or compile with "
+                    f"outputs='gathered'")
+        return func(*tree_map(lambda x: x.whole() if isinstance(x, SplitTensor) else x, args),
+                    **tree_map(lambda x: x.whole() if isinstance(x, SplitTensor) else x, kwargs))
+
+
+class _Wrap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, dim, layout, group):
+        ctx.dim, ctx.layout, ctx.group = dim, layout, group
+        return SplitTensor(local.detach(), dim, layout, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, SplitTensor):
+            return grad.local, None, None, None
+        shard = torch.ops.autoshard.seq_shard.default(grad.contiguous(), ctx.dim, ctx.layout.encode(), ctx.group)
+        return shard, None, None, None
+
+
+class _Local(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, split):
+        ctx.dim, ctx.layout, ctx.group = split.seq_dim, split.seq_layout, split.group_name
+        return split.local.detach()  # a new tensor on the same storage, not a view: AOTAutograd would replay a view from its base
+
+    @staticmethod
+    def backward(ctx, grad):
+        return SplitTensor(grad.contiguous(), ctx.dim, ctx.layout, ctx.group)
+
+
+def wrap(local: torch.Tensor, dim: int, layout: SequenceLayout, group: str) -> SplitTensor:
+    """The carrier of this rank's shard ``local`` (split along ``dim`` as ``layout`` over ``group``)."""
+    return _Wrap.apply(local, dim, layout, group)
+
+
+def local_of(split: SplitTensor) -> torch.Tensor:
+    """This rank's shard of ``split``; its gradient goes back as a ``SplitTensor``."""
+    return _Local.apply(split)
