@@ -29,9 +29,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .graph import eliminate_dead_code, new_node, unused_with_side_effects
+from .graph import eliminate_dead_code, new_node, unused_impure
 from .masks import StructuredMask, Unstructurable, empty_rows_of, structure_mask
-from .ops import canonical, is_tensor_node, register_canonical, shape_of
+from .ops import canonical, is_tensor_node, register_canonical, shape_of, value_of
 
 __all__ = ["captured_attention", "capture_attention", "dense_mask_of"]
 
@@ -234,7 +234,7 @@ def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> li
     """Replace every attention of ``gm`` by ``captured_attention``; returns (node, reason the mask stayed dense).
     Attention-like patterns that could not be captured are appended to ``missed`` with the reason."""
     graph = gm.graph
-    keep = unused_with_side_effects(graph)
+    keep = unused_impure(graph)
     captured = []
     mask_cache: dict[tuple, StructuredMask | str] = {}
     for node in list(graph.nodes):
@@ -272,7 +272,8 @@ def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> li
                   "softcap": softcap, "dropout_p": dropout_p,
                   "empty_rows": empty_rows_of(fill) if fill is not None else spec.empty_rows}
         with graph.inserting_before(node):
-            new = new_node(graph, captured_attention, (q, k, v, spec.key_mask, spec.segment_ids, dense), kwargs)
+            new = new_node(graph, captured_attention, (q, k, v, spec.key_mask, spec.segment_ids, dense), kwargs,
+                           example_value=value_of(node))
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         captured.append((new, reason))

@@ -1,25 +1,49 @@
-"""Small helpers for editing dynamo graphs while keeping their example values."""
+"""Small helpers for editing dynamo graphs while keeping their example values.
+
+Dead code: a pass removes only what it made dead (the nodes of a pattern it replaced) or what is
+*provably pure* (:func:`is_pure`: an op of the canonical vocabulary that neither mutates nor draws, a
+size query, arithmetic on sizes). Anything else -- an op the vocabulary does not know, such as the
+``_vmap_increment_nesting`` / ``_vmap_decrement_nesting`` pair dynamo emits around an inlined
+``torch.vmap`` -- may act through state its value does not show, so it stays even when nothing uses it.
+
+Module state: dynamo lifts parameters, buffers and other tensor attributes of modules into placeholders
+it marks as unguarded static inputs, and drops their real values (``meta["grapharg"]``) once the backend
+returns. :func:`keep_real_values` keeps a weak reference to them for graphs compiled later (one per
+length of a dynamic graph, dry-run plans); :func:`real_value` reads either.
+"""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import inspect
 import operator
 
+import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.weak import TensorWeakRef
 
-from .ops import value_of
+from .ops import canonical, value_of
 
-__all__ = ["new_node", "fake_mode_of", "mutates", "has_side_effects", "eliminate_dead_code",
-           "unused_with_side_effects"]
+__all__ = ["new_node", "fake_mode_of", "mutates", "has_side_effects", "is_pure", "eliminate_dead_code",
+           "unused_impure", "is_module_state", "keep_real_values", "real_value", "REAL_VALUE"]
+
+REAL_VALUE = "autoshard_real_value"
+"""``node.meta`` key: a weak reference to the real value of a module-state placeholder (:func:`keep_real_values`)."""
 
 _IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv)
 _RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli",
            "multinomial", "normal", "poisson", "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
            "feature_alpha_dropout"}
 """Names of ops that draw from the generator: dropping an unused one would shift every later draw."""
+_SIZE_QUERIES = {"size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "get_device"}
+"""Tensor methods that only read metadata."""
+_PURE_FUNCTIONS = {builtins.getattr, builtins.len, torch.Size, torch.sym_int, torch.sym_float, torch.sym_max,
+                   torch.sym_min, torch.sym_not, torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default,
+                   torch.ops.aten.sym_stride.int, torch.ops.aten.sym_storage_offset.default}
+"""Functions of sizes and metadata (what dynamic-shape graphs compute their sizes with)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,17 +85,59 @@ def has_side_effects(node: fx.Node) -> bool:
     return node.is_impure() or (node.op in ("call_function", "call_method") and (mutates(node) or _name(node) in _RANDOM))
 
 
+def is_pure(node: fx.Node) -> bool:
+    """Whether an unused ``node`` can go without changing anything: a call of the canonical vocabulary
+    (:mod:`.ops`) that neither mutates nor draws, or a size / metadata query (see the module docstring)."""
+    if node.op not in ("call_function", "call_method") or has_side_effects(node):
+        return False
+    if node.op == "call_method" and node.target in _SIZE_QUERIES:
+        return True
+    if node.op == "call_function" and (node.target in _PURE_FUNCTIONS
+                                       or getattr(node.target, "__module__", None) == "math"):
+        return True
+    op = canonical(node)
+    return op is not None and op.name != "noop"
+
+
 def eliminate_dead_code(graph: fx.Graph, keep: set[fx.Node] | None = None) -> None:
-    """Remove the nodes nothing uses, keeping those with side effects (:func:`has_side_effects`), or, given
-    ``keep``, FX's impure nodes and ``keep`` (a pass that replaces a pattern passes the side-effect nodes that
-    were unused before it: a dropout it folded into the replacement goes, a user's ``x.mul_(3)`` stays)."""
-    graph.eliminate_dead_code(is_impure_node=has_side_effects if keep is None else
+    """Remove the nodes nothing uses that are pure (:func:`is_pure`); given ``keep``, every unused node but
+    FX's impure nodes and ``keep`` (a pass that replaces a pattern passes :func:`unused_impure` from before
+    it: a dropout it folded into the replacement goes, a user's ``x.mul_(3)`` or a vmap level stays)."""
+    graph.eliminate_dead_code(is_impure_node=(lambda node: not is_pure(node)) if keep is None else
                               lambda node: node.is_impure() or node in keep)
 
 
-def unused_with_side_effects(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes nothing uses that :func:`eliminate_dead_code` must keep."""
-    return {node for node in graph.nodes if not node.users and has_side_effects(node)}
+def unused_impure(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes nothing uses that are not pure: what a pass's :func:`eliminate_dead_code` must keep."""
+    return {node for node in graph.nodes if not node.users and not is_pure(node)}
+
+
+def is_module_state(node: fx.Node) -> bool:
+    """Whether the placeholder ``node`` is a module's parameter, buffer or tensor attribute (dynamo's unguarded
+    static input)."""
+    static = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+    return node.op == "placeholder" and static == "unguarded"
+
+
+def keep_real_values(gm: fx.GraphModule, inputs: list) -> None:
+    """Keep a weak reference to the real value of every module-state placeholder of ``gm``, ``inputs`` being
+    the graph's inputs in placeholder order (see the module docstring)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, inputs):
+        if is_module_state(node) and isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            node.meta[REAL_VALUE] = TensorWeakRef(value)
+
+
+def real_value(node: fx.Node) -> torch.Tensor | None:
+    """The real value of a module-state placeholder: dynamo's while the backend runs, else the one
+    :func:`keep_real_values` kept; None when neither is known (or it was freed)."""
+    if not is_module_state(node):
+        return None
+    arg = node.meta.get("grapharg")
+    if arg is not None:
+        return arg.example
+    ref = node.meta.get(REAL_VALUE)
+    return ref() if ref is not None else None
 
 
 def fake_mode_of(graph: fx.Graph):
@@ -83,11 +149,17 @@ def fake_mode_of(graph: fx.Graph):
     return None
 
 
-def new_node(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, op: str = "call_function") -> fx.Node:
+def new_node(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, op: str = "call_function", *,
+             example_value=None) -> fx.Node:
     """Insert ``target(*args, **kwargs)`` at the graph's insertion point, with ``meta["example_value"]``
-    computed from the inputs' example values (under their fake mode, so nothing real is allocated)."""
+    computed from the inputs' example values (under their fake mode, so nothing real is allocated), or
+    ``example_value`` when given: the value of a node the new one replaces, which dynamo recorded under the
+    autocast state of its place in the graph (an autocast region inside the graph is not in effect here)."""
     kwargs = dict(kwargs or {})
     node = graph.create_node(op, target, tuple(args), kwargs)
+    if example_value is not None:
+        node.meta["example_value"] = example_value
+        return node
     vals, kvals = fx.node.map_arg(tuple(args), value_of), fx.node.map_arg(kwargs, value_of)
     mode = fake_mode_of(graph)
     with mode if mode is not None else contextlib.nullcontext():

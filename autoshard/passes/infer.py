@@ -67,6 +67,13 @@ class Families:
     token_local: set[fx.Node] = field(default_factory=set)
     """Nodes inside ``autoshard.token_local`` regions."""
 
+    def square_values(self) -> set[str]:
+        """Names of the values that carry a sequence on two dims (an S x S score or mask matrix): a refused
+        edge that would have put a second dim of the value into a family. Two dims of a value that no family
+        holds (the batch twice, in a ``[B, B]`` contrastive matrix) are not a sequence."""
+        return {why.removeprefix("second dim of ") for a, b, _, why in self.refused
+                if why.startswith("second dim of ") and (a in self.member or b in self.member)}
+
     def dims_of(self, node: fx.Node) -> list[tuple[int, int, Family, int]]:
         """The (dim, factor, family, offset) of every element of ``node`` that is in a family."""
         out = []

@@ -18,6 +18,16 @@ gives one boolean formula in ``b, h, q, k``; its conjuncts are classified:
 * anything else: not structurable -- the attention keeps its dense mask and is computed on gathered
   keys (recorded in the plan), never on a wrong mask.
 
+A buffer (or any tensor attribute of a module that needs no gradient) is module state, not an input: its
+values are read when the graph is compiled (a placeholder dynamo lifted from the module, see
+:func:`~autoshard.passes.graph.real_value`, or a ``get_attr``). One that holds a band -- one value where ``lo <= k - q <= hi``, another elsewhere, as
+nanoGPT's ``tril(ones(N, N))`` -- is that band's formula (a ``Piecewise`` in ``q`` and ``k``, folded
+through the comparisons that read it), so ``att.masked_fill(bias[:, :, :T, :T] == 0, -inf)`` is causal.
+The values are then guarded: an ``autoshard::check_band`` node before the attention checks on every
+call that the buffer is the tensor it was, at the version it was (and verifies its values again when
+not; :mod:`autoshard.runtime.sequence_ops`). Buffers on the meta device (a dry-run plan of a model
+built on meta) have no values to read: their masks stay dense.
+
 Materialized tensors are plain graph nodes, so inference splits them along the sequence like any
 other per-token value.
 """
@@ -32,8 +42,11 @@ import sympy
 import torch
 import torch.fx as fx
 from sympy.core.function import AppliedUndef
+from torch._subclasses.fake_tensor import FakeTensor
 
+from ..runtime.sequence_ops import Band, constant_band
 from .graph import new_node as _new
+from .graph import real_value
 from .ops import canonical, is_tensor_node, shape_of, value_of
 
 __all__ = ["StructuredMask", "structure_mask", "Unstructurable", "empty_rows_of"]
@@ -115,12 +128,14 @@ class _Evaluator:
     def __init__(self):
         self.cache: dict[fx.Node, _Abs] = {}
         self.leaves: dict[str, fx.Node] = {}
+        self.bands: dict[fx.Node, Band] = {}
+        """Buffers read as bands (each needs a guard)."""
 
     def __call__(self, node) -> _Abs:
         if not isinstance(node, fx.Node):
             return _Abs(sympy.sympify(bool(node) if isinstance(node, bool) else node), ())
         if node not in self.cache:
-            self.cache[node] = self._eval(node)
+            self.cache[node] = _settle(self._eval(node))
         return self.cache[node]
 
     def leaf(self, node: fx.Node) -> _Abs:
@@ -128,6 +143,11 @@ class _Evaluator:
         return _leaf(node)
 
     def _eval(self, node: fx.Node) -> _Abs:
+        value = _buffer_value(node)
+        band = constant_band(value) if value is not None else None
+        if band is not None:
+            self.bands[node] = band
+            return _band_value(band, value)
         if not is_tensor_node(node):
             raise Unstructurable(f"non-tensor {node.format_node()}")
         shape = shape_of(node)
@@ -254,6 +274,69 @@ def _very_negative(expr) -> bool:
         return float(expr) <= _NEG_BIG
     except (TypeError, ValueError):
         return False
+
+
+def _buffer_value(node: fx.Node) -> torch.Tensor | None:
+    """The value of the module buffer ``node`` reads (see the module docstring), or None: not module state, a
+    tensor that needs gradients (a parameter), or one without values (fake, meta)."""
+    if node.op == "get_attr":
+        value = functools.reduce(getattr, node.target.split("."), node.graph.owning_module)
+    else:
+        value = real_value(node)
+    if (not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor) or value.is_meta
+            or value.requires_grad):
+        return None
+    return value
+
+
+def _buffer_name(node: fx.Node) -> str:
+    """Where the buffer ``node`` reads lives, for messages: dynamo's source while it is known, else the node."""
+    if node.op == "get_attr":
+        return node.target
+    name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", node.name)
+    return name() if callable(name) else name
+
+
+def _band_value(band: Band, value: torch.Tensor) -> _Abs:
+    """The abstract value of a buffer holding ``band``: its formula in its own last two index symbols."""
+    shape = tuple(value.shape)
+    n = len(shape)
+    offset = _sym(n - 1) - _sym(n - 2)
+    cond = sympy.And(*([sympy.Ge(offset, band.lo)] if band.lo > 1 - shape[-2] else []),
+                     *([sympy.Le(offset, band.hi)] if band.hi < shape[-1] - 1 else []))
+    if value.dtype == torch.bool:
+        return _Abs(cond if band.inside else sympy.Not(cond), shape)
+    if band.inside == band.outside:
+        return _Abs(sympy.sympify(band.inside), shape)
+    if value.dtype.is_floating_point and 0.0 in (band.inside, band.outside):  # 0 and very negative: additive
+        other = band.outside if band.inside == 0.0 else band.inside
+        if other <= _NEG_BIG:
+            return _Abs(cond if band.inside == 0.0 else sympy.Not(cond), shape, fill=other)
+    return _Abs(sympy.Piecewise((sympy.sympify(band.inside), cond), (sympy.sympify(band.outside), True)), shape)
+
+
+def _settle(v: _Abs) -> _Abs:
+    """``v`` with its ``Piecewise`` (a band buffer's) folded out: comparisons of it become boolean formulas, an
+    expression of values 0 and very negative an additive mask."""
+    if not isinstance(v.expr, sympy.Basic) or not v.expr.has(sympy.Piecewise):
+        return v
+    folded = sympy.piecewise_fold(v.expr)
+    if not isinstance(folded, sympy.Piecewise):
+        return _Abs(folded, v.shape, v.fill)
+    pieces = folded.args
+    if all(value in (sympy.true, sympy.false) for value, _ in pieces):
+        terms, before = [], sympy.false
+        for value, cond in pieces:
+            terms.append(sympy.And(value, cond, sympy.Not(before)))
+            before = sympy.Or(before, cond)
+        return _Abs(sympy.Or(*terms), v.shape, v.fill)
+    if len(pieces) == 2 and v.fill is None and pieces[1][1] is sympy.true:
+        (a, cond), (b, _) = pieces
+        if a == 0 and _very_negative(b):
+            return _Abs(cond, v.shape, fill=float(b))
+        if b == 0 and _very_negative(a):
+            return _Abs(sympy.Not(cond), v.shape, fill=float(a))
+    return _Abs(folded, v.shape, v.fill)
 
 
 # ----------------------------------------------------------------------------- classification
@@ -427,6 +510,9 @@ def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bo
             if isinstance(segments[0], sympy.Tuple):
                 raise Unstructurable("several segment-id tensors")
             spec.segment_ids = _materialize(graph, segments[0], Q, batch, q_len, evaluator.leaves, None)
+        for buffer, band in evaluator.bands.items():  # the mask relies on the values read: guard them
+            _new(graph, torch.ops.autoshard.check_band.default,
+                 (buffer, band.inside, band.outside, band.lo, band.hi, _buffer_name(buffer)))
     return spec
 
 

@@ -4,6 +4,9 @@ no table for (``decompose``; it runs after attention capture, which reads masks 
 ``torch.diff(x, prepend=p)`` along a dim becomes ``X = cat(p, x); X[1:] - X[:-1]``: slices and a
 subtraction, whose rules already know how to shift positions across ranks (the two slices are offset
 by one, so the subtraction re-aligns one of them with a one-position halo exchange).
+
+``torch.outer(a, b)`` becomes ``a[:, None] * b[None, :]``: an elementwise product, so RoPE's angles
+``outer(arange(S), inv_freq)`` are built for the local positions only.
 """
 
 from __future__ import annotations
@@ -33,9 +36,24 @@ def _decompose_diff(graph: fx.Graph, node: fx.Node, op) -> fx.Node:
         for _ in range(op["n"]):
             out = new_node(graph, operator.sub, (_slice_along(graph, out, dim, 1, None),
                                                   _slice_along(graph, out, dim, None, -1)))
+    return _replace(graph, node, out)
+
+
+def _replace(graph: fx.Graph, node: fx.Node, out: fx.Node) -> fx.Node:
+    """``node`` replaced by ``out``; its users' canonical ops are bound again (they named ``node``)."""
     node.replace_all_uses_with(out)
     graph.erase_node(node)
+    for user in out.users:
+        user.meta[OP_KEY] = canonical(user)
     return out
+
+
+def _decompose_outer(graph: fx.Graph, node: fx.Node, op) -> fx.Node:
+    with graph.inserting_before(node):
+        column = new_node(graph, operator.getitem, (op["a"], (slice(None), None)))
+        row = new_node(graph, operator.getitem, (op["b"], (None, slice(None))))
+        out = new_node(graph, operator.mul, (column, row))
+    return _replace(graph, node, out)
 
 
 def annotate(gm: fx.GraphModule) -> None:
@@ -45,9 +63,12 @@ def annotate(gm: fx.GraphModule) -> None:
 
 
 def decompose(gm: fx.GraphModule) -> None:
-    """Rewrite composites into ops with rules (``diff``); new nodes get their canonical op on first use."""
+    """Rewrite composites into ops with rules (``diff``, ``outer``); new nodes get their canonical op on first
+    use."""
     graph = gm.graph
     for node in list(graph.nodes):
         op = op_of(node)
         if op is not None and op.name == "diff" and isinstance(op["n"], int):
             _decompose_diff(graph, node, op)
+        elif op is not None and op.name == "outer":
+            _decompose_outer(graph, node, op)

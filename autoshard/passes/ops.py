@@ -27,6 +27,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines autoshard::check_band
+
 __all__ = ["Op", "OP_KEY", "canonical", "op_of", "register_canonical", "value_of", "is_tensor_node", "shape_of",
            "numel"]
 
@@ -119,6 +121,12 @@ def _bind_expand(input, *args, **kwargs):
     return {"input": input}
 
 
+@register_canonical("complex_view", functions=[torch.view_as_complex, torch.view_as_real])
+def _bind_complex_view(input):
+    """``view_as_complex`` drops a last dim of 2, ``view_as_real`` adds one; the other dims map one to one."""
+    return {"input": input}
+
+
 @register_canonical("identity", functions=[torch.clone], methods=["contiguous", "clone", "detach", "requires_grad_",
                                                           "cpu", "cuda"])
 def _bind_identity(input, *args, **kwargs):
@@ -192,6 +200,11 @@ def _bind_linear(input, weight, bias=None):
 @register_canonical("matmul", functions=[torch.matmul, torch.bmm, torch.mm, operator.matmul], methods=["matmul", "bmm", "mm", "__matmul__"])
 def _bind_matmul(input, other, *, out=None):
     return {"a": input, "b": other}
+
+
+@register_canonical("outer", functions=[torch.outer, torch.ger], methods=["outer", "ger"])
+def _bind_outer(input, vec2, *, out=None):
+    return {"a": input, "b": vec2}
 
 
 @register_canonical("addmm", functions=[torch.addmm, torch.baddbmm], methods=["addmm", "baddbmm"])
@@ -396,9 +409,9 @@ def _bind_marked_attention(q, k, v, causal, scale):
             "enable_gqa": True}
 
 
-# --- nodes that carry no tensor computation
+# --- nodes that carry no tensor computation (a guard on a buffer read as a mask among them)
 _NOOPS = {torch._C._log_api_usage_once, torch._C._set_grad_enabled, torch.autograd.function.FunctionCtx,
-          builtins.isinstance, torch._C._get_tracing_state}
+          builtins.isinstance, torch._C._get_tracing_state, torch.ops.autoshard.check_band.default}
 
 
 # ----------------------------------------------------------------------------- pointwise recognition
@@ -410,7 +423,9 @@ _OPERATOR_ATEN = {operator.add: "add", operator.sub: "sub", operator.mul: "mul",
                   operator.eq: "eq", operator.ne: "ne", operator.lt: "lt", operator.le: "le", operator.gt: "gt",
                   operator.ge: "ge", operator.iadd: "add", operator.isub: "sub", operator.imul: "mul",
                   operator.itruediv: "div"}
-_EXTRA_POINTWISE = {"floor_divide", "positive"}
+_EXTRA_POINTWISE = {"floor_divide", "positive", "polar", "complex"}
+"""Elementwise ops ATen does not tag pointwise (``polar`` and ``complex`` build complex values: RoPE's
+``freqs_cis``)."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from .graph import eliminate_dead_code
+from .graph import eliminate_dead_code, keep_real_values
 from .ops import value_of
 
 __all__ = ["is_dynamic", "specialize", "size_key", "symbolic_dims", "symbol_of"]
@@ -66,6 +66,7 @@ def specialize(gm: fx.GraphModule, args: list, shapes: dict[int, tuple] | None =
     out = graph.graph_copy(gm.graph, copies)
     graph.output(out)
     static = fx.GraphModule(gm, graph)
+    keep_real_values(static, args)  # buffers read as masks
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
     for i, shape in (shapes or {}).items():

@@ -7,7 +7,9 @@
 * :mod:`~autoshard.runtime.attention` -- distributed attention (ring, zigzag, all-gather, Ulysses,
   hybrid) over one local primitive with global offsets; :func:`attention` is its public entry point.
 * :mod:`~autoshard.runtime.redistribute` / :mod:`~autoshard.runtime.random` -- the ops the compiler
-  inserts (partial sums, gradient syncs, realigns, sharded cumsum and dropout).
+  inserts (partial sums, gradient syncs, realigns, sharded cumsum and dropout);
+  :mod:`~autoshard.runtime.sequence_ops` -- positions chosen by data (``argmax`` along the split sequence,
+  rows read there) and the guard on a buffer read as a mask.
 """
 
 from .accounting import CommCounter, comm_counter

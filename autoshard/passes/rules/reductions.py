@@ -9,7 +9,9 @@ split dim:
   split evenly across ranks exactly as one device splits it among ties;
 * ``logsumexp``, ``var`` / ``std``: all-reduced maximum / mean, then all-reduced sums;
 * ``all`` / ``any``: an all-reduce of the local answer;
-* others (``argmax``, ``prod``, ``norm``, ``max(dim)`` with indices) gather, recorded as fallbacks.
+* ``argmax`` / ``argmin`` and ``max`` / ``min`` with indices: every rank's extreme and its global
+  position, all-gathered (:func:`~autoshard.passes.rules.selection.arg_extreme`);
+* others (``prod``, ``norm``, ``argmax`` of the flattened input) gather, recorded as fallbacks.
 
 A rank's shard may be empty (a slice of the sequence can leave a rank no position of it). Every rank
 still joins every all-reduce, with the reduction's identity as its part: ``-inf`` for a maximum
@@ -24,6 +26,7 @@ split dim adds the sums of all earlier positions held by other ranks (``seq_cums
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -35,6 +38,7 @@ from ..comms import Comm
 from ..ops import numel, shape_of, value_of
 from . import register
 from .pointwise import link_same, whole_args
+from .selection import arg_extreme
 
 __all__ = ["local_extreme", "extreme_over_split", "logsumexp_over_split", "var_over_split", "truth_over_split"]
 
@@ -139,6 +143,8 @@ def rewrite_reduce(rw, node, op):
             kept = have.moved(have.dim - sum(1 for d in reduced if d < have.dim and not op["keepdim"]))
             new = rw.reemit(node, (rw.input(src, have),) + tuple(node.args[1:]), dict(node.kwargs))
             rw.done(node, new, (kept, kept))
+        elif isinstance(have, Shard) and not have.factors:
+            rw.done(node, arg_extreme(rw, node, src, have, bool(op["keepdim"]), kind == "max"), (REPLICATE, REPLICATE))
         else:
             rw.fallback(node, f"{kind} with indices over the split sequence")
         return
@@ -176,6 +182,9 @@ def rewrite_reduce(rw, node, op):
         correction = op.get("correction", 1)
         rw.done(node, rw.call(var_over_split, x, dims, keepdim, correction, count, kind == "std", rw.group), REPLICATE)
         _record(rw, node, ["mean", "squares"], ["mean"] if rw.requires_grad(src) else [])
+    elif kind in ("argmax", "argmin") and op["dim"] is not None and not have.factors:
+        pair = arg_extreme(rw, node, src, have, keepdim, kind == "argmax")
+        rw.done(node, rw.call(operator.getitem, pair, 1), REPLICATE)
     elif kind in ("all", "any"):
         rw.done(node, rw.call(truth_over_split, x, dims, keepdim, kind == "all", rw.group), REPLICATE)
         _record(rw, node, ["truth"], [], itemsize=4)

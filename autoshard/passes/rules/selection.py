@@ -3,17 +3,42 @@
 
 Along any dim but the sequence they act on every position separately (a router's top-k over experts,
 a per-token sort), so they run on shards and every output keeps the input's split. Along the split
-sequence itself they need every position: the input is gathered (a fallback).
+sequence itself ``topk`` and the sorts need every position: the input is gathered (a fallback).
+
+``max`` / ``min`` with indices and ``argmax`` / ``argmin`` along the split sequence (a CLIP text encoder
+pools at ``(ids == eos).int().argmax(-1)``) are exact with one small collective
+(:func:`arg_extreme`): every rank offers its shard's extreme and its global position, an all-gather of
+those ``(value, int64 index)`` pairs -- the size of the output, never of the sequence -- and every rank
+picks the same winner (``autoshard::seq_arg_extreme``).
 """
 
 from __future__ import annotations
 
-from ...placements import Partial
-from ..ops import is_tensor_node, shape_of, value_of
+import torch
+import torch.fx as fx
+
+from ...placements import Partial, Shard
+from ...runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines autoshard::seq_arg_extreme
+from ...runtime.accounting import all_gather_bytes
+from ...runtime.attention.formulas import P
+from ..comms import Comm
+from ..ops import is_tensor_node, numel, shape_of, value_of
 from . import register
 from .pointwise import TUPLE_LINKS
 
-__all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside
+__all__ = ["arg_extreme"]
+
+
+def arg_extreme(rw, node: fx.Node, src: fx.Node, have: Shard, keepdim: bool, largest: bool) -> fx.Node:
+    """(values, global indices) of the max (``largest``) / min of ``src``, split as ``have``, along its split
+    dim, for ``node``; replicated. Books the all-gather of the candidates."""
+    new = rw.call(torch.ops.autoshard.seq_arg_extreme.default, rw.input(src, have), have.dim, keepdim, largest,
+                  have.layout.encode(), rw.group)
+    shape = shape_of(src)
+    row = numel(shape) // shape[have.dim] * (value_of(src).element_size() + 8)  # a value and an int64 per output
+    rw.book.comms.append(Comm("all_gather", node.name, "forward", [all_gather_bytes(row, rw.world)] * rw.world,
+                              (P - 1) * row, reason="extreme candidates"))
+    return new
 
 
 def _outputs(node) -> list:

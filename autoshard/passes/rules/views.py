@@ -1,5 +1,5 @@
-"""Shape and layout ops: views, permutes, expands, repeat_interleave, indexing, splits, concatenation,
-padding.
+"""Shape and layout ops: views (``view_as_complex`` / ``view_as_real`` among them), permutes, expands,
+repeat_interleave, indexing, splits, concatenation, padding.
 
 Views follow *factors*: the input's dims are cut into factors, the output's dims are matched against
 consecutive factors (merging or splitting them), and matched factors are the same positions. A
@@ -9,8 +9,10 @@ the repeated dim, so a merged ``[B*S]`` repeated per token (MoE routing) stays s
 
 Indexing along the sequence is exact on shards: a step-1 slice keeps each rank's positions inside the
 range (a derived layout: the shifted labels of a causal LM), selecting one position gives a partial
-value held by its owner (``hidden[:, 0]``: the CLS token), indexing with a tensor of positions gathers
-from the owners (``hidden[batch, last_index]``). Constant int lists are advanced indices too: on
+value held by its owner (``hidden[:, 0]``: the CLS token), and so does indexing it with a tensor of
+positions (``hidden[arange(B), eos_index]``: CLIP's pooling): each rank reads the rows it holds
+(``autoshard::seq_local_index``) and zeros elsewhere, and the all-reduce that makes the partial value
+whole moves only the rows read. Constant int lists are advanced indices too: on
 another dim they keep the split (Falcon's ``fused_qkv[..., [-2], :]``), on the split dim they gather.
 Concatenation and padding along the sequence place the new positions on the ranks that hold their
 neighbours (the CLS token goes to the rank holding position 0), so no data moves.
@@ -25,9 +27,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...placements import REPLICATE, Partial, Shard
+from ...runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines autoshard::seq_local_index
 from ..ops import Op, is_tensor_node, shape_of, value_of
 from . import register
-from .pointwise import TUPLE_LINKS, link_nothing, whole_args
+from .pointwise import TUPLE_LINKS, link_nothing, rewrite_same, whole_args
 
 __all__ = ["permutation", "select_owned"]
 
@@ -110,6 +113,23 @@ def _view_source_shard(rw, node, src, out: Shard) -> Shard | None:
 
 
 register("view", link=link_view, rewrite=rewrite_view)
+
+
+# ============================================================================= complex views
+
+
+def link_complex_view(ctx, node, op):
+    """``view_as_complex`` / ``view_as_real``: the dims both sides have are the same positions."""
+    src = op["input"]
+    shared = min(len(shape_of(src)), len(shape_of(node)))
+    in_factors = ctx.factorization(src)
+    ctx.set_factorization(node, [list(in_factors[d]) for d in range(shared)] +
+                          [[s] for s in shape_of(node)[shared:]])
+    for d in range(shared):
+        ctx.link_dims(node, d, src, d)
+
+
+register("complex_view", link=link_complex_view, rewrite=rewrite_same)
 
 
 # ============================================================================= permutes
@@ -399,6 +419,9 @@ def rewrite_index(rw, node, op):
             owned = rw.call(select_owned, local, _dim_after(items, item), item[2], have.layout.encode(), rw.rank)
             rw.done(node, owned, Partial())
             return
+        if item[0] == "tensor" and out is None and not have.factors:
+            rw.done(node, _read_owned_rows(rw, node, src, items, item, x, have, adv_dims), Partial())
+            return
         rw.fallback(node, "indexing a split dim with a step, a tensor, a list or a merged dim")
         return
 
@@ -414,6 +437,28 @@ def rewrite_index(rw, node, op):
         return
     whole = rw.reemit(node, *whole_args(rw, node))  # the split starts at this value
     rw.done(node, rw.shard_value(node, whole, out), out)
+
+
+def _read_owned_rows(rw, node, src, items, item, x, have: Shard, adv_dims) -> fx.Node:
+    """``x[index]`` where ``item`` indexes the split dim with a tensor of positions: the rows this rank holds,
+    zeros where another rank holds the position (a partial sum; see the module docstring)."""
+    local = rw.call(torch.ops.autoshard.seq_local_index.default, rw.input(item[2], REPLICATE),
+                    have.layout.encode(), rw.rank)
+    row = rw.local_shape(src, have)
+    if row[have.dim] == 0:  # no rows here: read a zero row
+        row[have.dim] = 1
+        x = rw.call(torch.cat, [x, rw.method("new_zeros", x, tuple(row))], have.dim)
+    index = list(_build_index(rw, items, None, node, adv_dims))
+    index[items.index(item)] = rw.call(torch.clamp, local, min=0)
+    picked = rw.call(operator.getitem, x, tuple(index))
+    # where the rows landed: the advanced block of the output (the index broadcast with the other tensors)
+    block = (1,) * (len(adv_dims) - len(shape_of(item[2]))) + shape_of(item[2])
+    view = [1] * len(shape_of(node))
+    for j, od in enumerate(adv_dims):
+        view[od] = block[j]
+    owned = rw.call(torch.reshape, rw.call(operator.ge, local, 0), tuple(view))
+    val = value_of(node)
+    return rw.call(torch.where, owned, picked, rw.call(torch.zeros, (), dtype=val.dtype, device=val.device))
 
 
 def _local_range(shard: Shard, rank: int, start: int, stop: int) -> tuple[int, int]:

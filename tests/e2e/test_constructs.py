@@ -1,0 +1,278 @@
+"""Constructs third-party model code uses, each in a small model written here, against one process:
+
+* ``buffer_mask`` -- the hand-written GPT of nanoGPT / minGPT: a causal mask read from a registered buffer,
+  ``att.masked_fill(self.bias[:, :, :T, :T] == 0, -inf)``; the buffer's values make it causal, and a
+  guard checks on every call that they have not changed;
+* ``rope_complex`` -- Llama-1's (Meta reference) RoPE in complex form: ``polar(ones, outer(arange(S),
+  inv_freq))``, ``view_as_complex``, a complex product, ``view_as_real``; the angles are built for the local
+  positions only;
+* ``eos_pooling`` -- a CLIP-style text encoder pooled at its end-of-text token, ``h[arange(B), (ids ==
+  eos).int().argmax(-1)]``, a ``[B, B]`` contrastive loss (not a sequence x sequence value), ``max`` with
+  indices, ``argmin`` with ties across ranks, and a slice that leaves some ranks no position;
+* ``scan_vmap`` -- a state-space model with no attention (an ``associative_scan`` layer, a ``torch.vmap``
+  layer): it runs whole, with the warning, and gives the one-process results (the ``_vmap_*_nesting``
+  calls dynamo emits, unused values, stay in the graph).
+
+Each model: hidden 32, 2 layers, a length neither world size divides (61; 13 for the scan), every case
+of a world size in one launch (2 and 4 ranks), float64: loss, outputs and every parameter gradient within
+1e-9 relative, 0 fallbacks, no S x S value, attention distributed with the asserted strategy, the bytes
+the report books equal to the bytes sent.
+"""
+
+import functools
+import math
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._higher_order_ops.associative_scan import associative_scan
+
+from autoshard.runtime import comm_counter
+from autoshard.runtime.sequence_ops import constant_band
+from autoshard.testing import run_on_ranks
+from autoshard.testing.equivalence import compare_with_one_process
+
+HIDDEN, HEADS, VOCAB, LAYERS, SEQ, EOS = 32, 4, 64, 2, 61, 3
+
+
+class NanoAttention(nn.Module):
+    """nanoGPT's ``CausalSelfAttention``, slow path."""
+
+    def __init__(self):
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.register_buffer("bias", torch.tril(torch.ones(128, 128)).view(1, 1, 128, 128))
+
+    def forward(self, x):
+        b, t, c = x.size()
+        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in self.c_attn(x).split(HIDDEN, dim=2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        y = F.softmax(att, dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(128, HIDDEN)
+        self.h = nn.ModuleList(NanoAttention() for _ in range(LAYERS))
+        self.ln_f, self.lm_head = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device))
+        for block in self.h:
+            x = x + block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def apply_rotary_emb(x, freqs_cis):
+    """Llama-1's ``apply_rotary_emb``: pairs of features as complex numbers, rotated by ``freqs_cis``."""
+    x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.view(1, x_.shape[1], 1, x_.shape[-1])  # reshape_for_broadcast
+    return torch.view_as_real(x_ * freqs_cis).flatten(3).type_as(x)
+
+
+class MetaAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(4))
+
+    def forward(self, x, freqs_cis):
+        b, s, _ = x.shape
+        xq, xk, xv = (w(x).view(b, s, HEADS, HIDDEN // HEADS) for w in (self.wq, self.wk, self.wv))
+        xq, xk = apply_rotary_emb(xq, freqs_cis), apply_rotary_emb(xk, freqs_cis)
+        out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
+                                             is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, HIDDEN))
+
+
+class LlamaOne(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(MetaAttention() for _ in range(LAYERS))
+        self.norm, self.output = nn.RMSNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, tokens, labels):
+        dim = HIDDEN // HEADS
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+        freqs = torch.outer(torch.arange(tokens.size(1), device=tokens.device), inv_freq).float()
+        freqs_cis = torch.polar(torch.ones_like(freqs), freqs)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = h + layer(h, freqs_cis)
+        logits = self.output(self.norm(h)).float()
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+
+
+class TextBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.qkv, self.out = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, HEADS, -1).transpose(1, 2) for t in self.qkv(self.ln(x)).chunk(3, -1))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(o.transpose(1, 2).reshape(b, s, HIDDEN))
+
+
+class ClipText(nn.Module):
+    """A CLIP-style text tower pooled at the end-of-text token, a contrastive loss against image features,
+    and other reads of the sequence at data-dependent positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.token, self.position = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(128, HIDDEN)
+        self.blocks = nn.ModuleList(TextBlock() for _ in range(LAYERS))
+        self.ln_final, self.projection = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 16, bias=False)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, ids, image_features):
+        b, s = ids.shape
+        x = self.token(ids) + self.position(torch.arange(s, device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_final(x)
+        pooled = x[torch.arange(b, device=x.device), (ids == EOS).int().argmax(dim=-1)]
+        text = F.normalize(self.projection(pooled), dim=-1)
+        logits = self.logit_scale.exp() * text @ F.normalize(image_features, dim=-1).t()  # [B, B]
+        labels = torch.arange(b, device=x.device)
+        loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+        best, where = x.max(dim=1)
+        first_negative = (x[..., 0] > 0).int().argmin(dim=1)  # ties everywhere: the first position wins
+        head, head_where = x[:, :3].min(dim=1)  # three positions: ranks beyond the first hold none
+        return loss, best, where, first_negative, head, head_where
+
+
+def _combine(a, b):
+    (gate_a, value_a), (gate_b, value_b) = a, b
+    return gate_a * gate_b, value_a * gate_b + value_b
+
+
+class ScanBlock(nn.Module):
+    """A gated linear recurrence h_t = g_t h_{t-1} + x_t by ``associative_scan``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        gate, value = self.inp(x).chunk(2, -1)
+        _, h = associative_scan(_combine, (torch.sigmoid(gate), value), dim=1, combine_mode="generic")
+        return x + self.out(h)
+
+
+class VmapBlock(nn.Module):
+    """A per-sample mix through ``torch.vmap``."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return x + torch.vmap(lambda row: self.mix(row) * row.mean(0))(x)
+
+
+class ScanLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList([ScanBlock(), VmapBlock()])
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).view(-1, VOCAB), labels.view(-1))
+
+
+def _tokens(seq=SEQ):
+    ids = torch.randint(4, VOCAB, (2, seq))
+    return ids, ids.clone()
+
+
+def _clip_inputs():
+    ids = torch.randint(4, VOCAB, (2, SEQ))
+    ids[0, SEQ - 1] = EOS               # on the last rank
+    ids[1, 20], ids[1, 45] = EOS, EOS   # on two ranks: the first wins
+    return ids, torch.randn(2, 16)
+
+
+CASES = {  # name: (model, inputs, strategy; None: no attention)
+    "buffer_mask": (NanoGPT, _tokens, "ring"),
+    "rope_complex": (LlamaOne, _tokens, "zigzag"),
+    "eos_pooling": (ClipText, _clip_inputs, "zigzag"),
+    "scan_vmap": (ScanLM, functools.partial(_tokens, 13), None),  # short: dynamo traces the scan slowly
+}
+WORLDS = (2, 4)
+
+
+def _run():
+    results = {}
+    for name, (model, inputs, strategy) in CASES.items():
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught, comm_counter() as sent:
+            warnings.simplefilter("always")
+            r = compare_with_one_process(model, inputs, dtype=torch.float64, outputs="gathered",  # bytes in the graph
+                                         **({"strategy": strategy} if strategy else {}))
+        results[name] = {
+            "error": r.max_error(), "summary": r.summary(), "fallbacks": r.fallbacks, "attention": r.attention,
+            "squares": [v for g in r.compiled_reports for v in g.square_values],
+            "placements": {k: v for g in r.compiled_reports for k, v in g.placements.items()},
+            "comms": [(c.kind, c.node, c.phase, c.reason) for g in r.compiled_reports for c in g.comms],
+            "booked": sum(c.bytes_by_rank[dist.get_rank()] for g in r.compiled_reports for c in g.comms),
+            "measured": sent.payload_bytes_sent, "warnings": [str(w.message) for w in caught]}
+    return results
+
+
+@functools.cache
+def _results(world: int):
+    return run_on_ranks(_run, world, timeout=300)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_construct_matches_one_process(name, world):
+    strategy = CASES[name][2]
+    for rank, results in enumerate(_results(world)):
+        r = results[name]
+        where = f"{name} P={world} rank {rank}"
+        assert r["error"] <= 1e-9, f"{where}: {r['summary']}"
+        assert r["fallbacks"] == [], f"{where}: {r['fallbacks']}"
+        assert r["squares"] == [], f"{where}: S x S values {r['squares']}"
+        assert r["booked"] == r["measured"], f"{where}: bytes booked {r['booked']}, sent {r['measured']}"
+        if strategy is None:  # no attention: whole, and said so
+            assert r["attention"] == [], f"{where}: {r['attention']}"
+            assert any("runs whole on every rank" in w for w in r["warnings"]), f"{where}: {r['warnings']}"
+            continue
+        attention = r["attention"]
+        assert len(attention) == LAYERS and all(a["strategy"] == strategy and a["causal"] for a in attention), \
+            f"{where}: {attention}"
+        if name == "rope_complex":  # the angles of the local positions only
+            assert r["placements"]["freqs_cis"].startswith("S(0"), f"{where}: {r['placements']}"
+        if name == "eos_pooling":  # small collectives: candidates all-gathered, the pooled rows all-reduced
+            reasons = {(kind, node): why for kind, node, phase, why in r["comms"] if phase == "forward"}
+            assert reasons[("all_gather", "argmax")] == "extreme candidates", f"{where}: {r['comms']}"
+            assert ("all_reduce", "pooled") in reasons, f"{where}: {r['comms']}"
+            assert not any(kind == "all_gather" and node.startswith("x") for kind, node in reasons), r["comms"]
+
+
+def test_band_guard_verifies_a_changed_buffer_again():
+    """``autoshard::check_band`` passes a buffer that still holds its band after an in-place change and fails
+    one that no longer does."""
+    mask = torch.tril(torch.ones(6, 6)).view(1, 1, 6, 6)
+    band = constant_band(mask)
+    check = torch.ops.autoshard.check_band.default
+    check(mask, band.inside, band.outside, band.lo, band.hi, "bias")
+    mask.mul_(1.0)  # a new version, the same values
+    check(mask, band.inside, band.outside, band.lo, band.hi, "bias")
+    mask[0, 0, 0, 5] = 1.0
+    with pytest.raises(RuntimeError, match="no longer holds the mask"):
+        check(mask, band.inside, band.outside, band.lo, band.hi, "bias")
