@@ -11,6 +11,11 @@ pass could not structure) runs on gathered keys and values with this rank's rows
 its scores are soft-capped; that one, an attention with dropout, and one whose keys are another
 sequence run on whole tensors. Both are recorded in the plan.
 
+Mixed precision: the distributed op gets queries, keys and values in the dtype the one-device attention
+computed in (its output's): under ``torch.autocast`` SDPA and a hand-written attention's matmuls cast
+their inputs, a custom op is not cast, so the rewrite emits the casts. The op computes in the dtype it
+is given (its blocks accumulate and merge in float32), as a fused kernel does.
+
 Rows that see no key under an additive mask (:func:`fill_empty_rows`) get what one device gives them.
 Such rows can sit on some ranks only (left padding under a causal mask leaves the first rank's rows
 empty), so every rank takes the same path whatever its own rows are: a ~finfo.min fill is always
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 from ...placements import REPLICATE, Shard
 from ...runtime.collectives import all_gather, all_reduce
 from ...runtime.attention import formulas
+from ...runtime.attention.local import without_autocast
 from ...strategy import attention_shape
 from ..ops import shape_of, value_of
 from . import register
@@ -145,7 +151,8 @@ def _own_storage(result: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("autoshard::fill_gathered_empty_rows", mutates_args=())
 def _fill_gathered_op(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale: float, softcap: float, sizes: list[int], mode: str, group: str) -> torch.Tensor:
-    result = _fill_gathered(out, lse, q, k, v, scale, softcap, sizes, mode, group).contiguous()
+    with without_autocast(q):
+        result = _fill_gathered(out, lse, q, k, v, scale, softcap, sizes, mode, group).contiguous()
     return _own_storage(result, out, lse, q, k, v)
 
 
@@ -170,7 +177,7 @@ def _fill_gathered_backward_op(grad: torch.Tensor, out: torch.Tensor, lse: torch
                                mode: str, group: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients for ``out``, ``q``, ``k``, ``v``: the forward recomputed with autograd and differentiated
     (every rank takes the same branch, so the collectives and their backwards match)."""
-    with torch.enable_grad(), _autograd_inside_op():
+    with torch.enable_grad(), _autograd_inside_op(), without_autocast(q):
         inputs = [t.detach().requires_grad_() for t in (out, q, k, v)]
         result = _fill_gathered(inputs[0], lse, *inputs[1:], scale, softcap, sizes, mode, group)
         grads = torch.autograd.grad(result, inputs, grad, allow_unused=True)
@@ -213,7 +220,7 @@ def _record_empty_row_bytes(rw, node, op, mode: str, softcap: float) -> None:
     """What :func:`fill_empty_rows` always sends: the three all-reduces of :func:`uniform_attention` (and their
     backward), or the one-integer all-reduce that asks whether any rank has an empty row (the gather that
     follows when one has is not planned for)."""
-    q, k, v = (value_of(op[t]) for t in ("q", "k", "v"))
+    k, v = value_of(op["k"]), value_of(op["v"])
     if _gathers_for_empty_rows(mode, softcap):
         rw.book.all_reduce(node.name, 1, 4, "forward", reason="any row with no visible key")
         return
@@ -221,7 +228,8 @@ def _record_empty_row_bytes(rw, node, op, mode: str, softcap: float) -> None:
     needs_grad = any(rw.requires_grad(op[t]) for t in ("q", "k", "v"))
     for numel in (b * hkv * d * dv, b * hkv * d, b * hkv * dv):
         for phase in ("forward", "backward") if needs_grad else ("forward",):
-            rw.book.all_reduce(node.name, numel, q.element_size(), phase, reason="rows with no visible key")
+            rw.book.all_reduce(node.name, numel, value_of(node).element_size(), phase,  # the attention's dtype
+                               reason="rows with no visible key")
 
 
 def link_attention(ctx, node, op):
@@ -253,7 +261,7 @@ def rewrite_attention(rw, node, op):
     if distributable:
         strategy = rw.strategies[node]
         window = op.get("window")
-        args = [rw.input(q, sq), rw.input(k, sk), rw.input(v, sk)]
+        args = [rw.in_dtype_of(node, t, rw.input(t, s)) for t, s in ((q, sq), (k, sk), (v, sk))]
         per_key = Shard(1, sk.layout)
         args += [rw.input(t, per_key) if t is not None else None for t in (op.get("key_mask"), op.get("segment_ids"))]
         # the hybrid's group is its Ulysses axis; the layout spans the whole (flattened) mesh
@@ -274,7 +282,8 @@ def rewrite_attention(rw, node, op):
         rw.report.attention.append({"node": node.name, "strategy": strategy, "layout": sq.layout.kind,
                                     "length": sq.layout.length, "causal": bool(op.get("causal")),
                                     "window": window, "key_mask": op.get("key_mask") is not None,
-                                    "segment_ids": op.get("segment_ids") is not None, "softcap": softcap})
+                                    "segment_ids": op.get("segment_ids") is not None, "softcap": softcap,
+                                    "dtype": str(value_of(node).dtype).removeprefix("torch.")})
         return
     structured = op.get("causal") or op.get("window") or op.get("key_mask") or op.get("segment_ids")
     if (dense is not None and dropout_p == 0.0 and not softcap and out is not None and out.dim == 2

@@ -5,8 +5,10 @@ contracted dim is shared. So a sequence split on rows (tokens through a linear l
 ``Conv1D`` addmm over merged batch*sequence rows) stays split and the weight is used whole (its
 gradient is this rank's share, summed by ``grad_sync``). When the contracted dim is the split one
 (token mixing, ``probs @ v`` of an attention that was not captured), both operands are taken split and
-the result is a partial sum. When the output is split on one operand's positions and the other
-operand carries a split of its own (its rows are another sequence dim), that operand is gathered.
+the result is a partial sum; a bias is added once, after the all-reduce, in the product's dtype (under
+autocast the lower precision, as one device's linear / addmm casts it). When the output is split on one
+operand's positions and the other operand carries a split of its own (its rows are another sequence
+dim), that operand is gathered.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...placements import REPLICATE, Partial, Shard
-from ..ops import shape_of
+from ..ops import numel, shape_of, value_of
 from . import register
 
 __all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside
@@ -90,6 +92,13 @@ def rewrite_matmul(rw, node, op):
 register("matmul", link=link_matmul, rewrite=rewrite_matmul)
 
 
+def _reduced(rw, node, partial):
+    """The all-reduced sum of ``partial``, this rank's part of ``node``'s product (before its bias), booked."""
+    rw.book.all_reduce(node.name, numel(shape_of(node)), value_of(node).element_size(), "forward",
+                       reason="product over the split dim")
+    return rw.call(torch.ops.autoshard.reduce_partial.default, partial, "sum", rw.group)
+
+
 def link_addmm(ctx, node, op):
     _link_product(ctx, node, op["a"], op["b"], extra=op["bias"])
 
@@ -99,9 +108,9 @@ def rewrite_addmm(rw, node, op):
     want_a, want_b, out = _product_inputs(rw, node, a, b)
     if isinstance(out, Partial):  # the bias must be added once: reduce the product first
         prod = rw.call(torch.matmul, rw.input(a, want_a), rw.input(b, want_b))
-        summed = rw.call(torch.ops.autoshard.reduce_partial.default, prod, "sum", rw.group)
+        summed = _reduced(rw, node, prod)
         scaled = rw.call(torch.mul, summed, op["alpha"]) if op["alpha"] != 1 else summed
-        base = rw.input(bias, REPLICATE)
+        base = rw.in_dtype_of(node, bias, rw.input(bias, REPLICATE))
         base = rw.call(torch.mul, base, op["beta"]) if op["beta"] != 1 else base
         rw.done(node, rw.call(torch.add, base, scaled), REPLICATE)
         return
@@ -141,8 +150,8 @@ def rewrite_linear(rw, node, op):
         if bias is None:
             rw.done(node, part, Partial())
             return
-        summed = rw.call(torch.ops.autoshard.reduce_partial.default, part, "sum", rw.group)
-        rw.done(node, rw.call(torch.add, summed, rw.input(bias, REPLICATE)), REPLICATE)
+        summed = _reduced(rw, node, part)
+        rw.done(node, rw.call(torch.add, summed, rw.in_dtype_of(node, bias, rw.input(bias, REPLICATE))), REPLICATE)
         return
     if out is None:
         args = [rw.input(x, REPLICATE), rw.input(w, REPLICATE), rw.input(bias, REPLICATE) if bias is not None else None]

@@ -53,10 +53,11 @@ def rewrite_norm(rw, node, op):
 register("layer_norm", "rms_norm", "group_norm", "batch_norm", link=link_norm, rewrite=rewrite_norm)
 
 
-def softmax_over_split(x: torch.Tensor, dim: int, log: bool, dtype, group: str) -> torch.Tensor:
-    """(log-)softmax along a dim split over ranks: the max and the normalizer are all-reduced."""
-    if dtype is not None:
-        x = x.to(dtype)
+def softmax_over_split(x: torch.Tensor, dim: int, log: bool, dtype: torch.dtype, group: str) -> torch.Tensor:
+    """(log-)softmax along a dim split over ranks: the max and the normalizer are all-reduced. Computed in
+    ``dtype``, the one-device softmax's output dtype: its ``dtype=`` argument, or float32 where autocast
+    runs softmax in float32 (CUDA)."""
+    x = x.to(dtype)
     m = reduce_partial(local_extreme(x, [dim]), "max", group)  # an empty shard joins with -inf
     shifted = x - m
     # the normalizer feeds this rank's positions: its gradient is a share, summed by all_reduce's backward
@@ -78,7 +79,7 @@ def rewrite_softmax(rw, node, op):
         rw.fallback(node, "softmax over a merged split dim")
         return
     log = "log_softmax" in str(getattr(node.target, "__name__", node.target))
-    rw.done(node, rw.call(softmax_over_split, x, dim, log, op["dtype"], rw.group), out)
+    rw.done(node, rw.call(softmax_over_split, x, dim, log, value_of(node).dtype, rw.group), out)
     v = value_of(node)
     reduced = numel(v.shape) // v.shape[dim]
     rw.book.all_reduce(node.name, reduced, v.element_size(), "forward", reason="softmax maximum")

@@ -12,7 +12,12 @@ shares the wiring and the checks::
 
 ``out`` has ``q``'s dtype; ``lse`` is float32 (float64 for float64 inputs), natural log, and not
 differentiable. The op checks its inputs with local information only (shapes the layout implies,
-heads the group can split), so a consistent mistake raises the same clear error on every rank.
+heads the group can split, a dtype the forced Triton kernels cannot compute in), so a consistent
+mistake raises the same clear error on every rank.
+
+Mixed precision: like a fused kernel, the op computes in the dtype of its inputs (autocast is off
+inside it; blocks accumulate and merge in float32) and autocast does not cast them. Its callers do: the
+compiler to the dtype the one-device attention computed in, :func:`attention` as SDPA under autocast.
 
 :func:`attention` is the entry point for code that shards by hand. Beyond the op's local checks it
 confirms once per call signature that all ranks agree (shapes, dtypes, strategy, masks) with one small
@@ -35,10 +40,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..collectives import gather_table
 from ..groups import GroupLike, metadata_device, resolve_group
 from ..layouts import LAYOUTS, SequenceLayout
-from .backend import KERNELS
+from .backend import KERNELS, check_triton_dtype
 from .base import STRATEGIES, AttentionInputError, Call, Strategy
 from .hybrid import hybrid_axes
-from .local import compute_dtype
+from .local import compute_dtype, without_autocast
 from .masks import MaskSpec
 
 __all__ = ["attention"]
@@ -91,6 +96,7 @@ def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
         raise AttentionInputError(f"autoshard.attention: unknown strategy {call.strategy!r}; expected one of "
                                   f"{tuple(STRATEGIES)}")
     _check_tensors(q, k, v, key_mask, segment_ids)
+    check_triton_dtype(call.kernels, q)
     if not (call.softcap >= 0.0 and math.isfinite(call.softcap)):
         raise AttentionInputError(f"autoshard.attention: softcap must be a finite number >= 0 (0: no capping), got "
                                   f"{call.softcap}")
@@ -137,7 +143,8 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: O
                   causal: bool, window_left: int, window_right: int, scale: float, softcap: float,
                   kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
     call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, softcap, kernels)
-    out, lse = _validate(q, k, v, key_mask, segment_ids, call).forward(q, k, v, key_mask, segment_ids, call)
+    with without_autocast(q):
+        out, lse = _validate(q, k, v, key_mask, segment_ids, call).forward(q, k, v, key_mask, segment_ids, call)
     return _laid_out((out, q, q.dtype), (lse, None, compute_dtype(q.dtype)))
 
 
@@ -154,7 +161,8 @@ def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            window_left: int, window_right: int, scale: float, softcap: float,
                            kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, softcap, kernels)
-    dq, dk, dv = STRATEGIES[strategy].backward(dout, q, k, v, out, lse, key_mask, segment_ids, call)
+    with without_autocast(q):
+        dq, dk, dv = STRATEGIES[strategy].backward(dout, q, k, v, out, lse, key_mask, segment_ids, call)
     return _laid_out((dq, q, q.dtype), (dk, k, k.dtype), (dv, v, v.dtype))
 
 
@@ -289,8 +297,10 @@ def attention(
     scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask (Gemma2's attention logit
     soft-capping; 0, the default, leaves them). ``kernels``: ``"auto"``,
     ``"torch"`` or ``"triton"``. ``seq_len``: the global length (default: the sum of the shards, found by
-    a small exchange on every call). ``dropout_p`` must be 0.
+    a small exchange on every call). ``dropout_p`` must be 0. Under ``torch.autocast`` ``q``, ``k``, ``v`` are
+    cast as SDPA casts them: to the autocast dtype, float64 excepted.
     """
+    q, k, v = (_autocast_input(t) for t in (q, k, v))
     if dropout_p:
         raise AttentionInputError(
             f"autoshard.attention: dropout is not part of distributed attention (dropout_p={dropout_p}); pass "
@@ -347,6 +357,15 @@ def attention(
             _agreed.clear()
         _agreed.add(key)
     return _run(q, k, v, key_mask, segment_ids, call)
+
+
+def _autocast_input(t):
+    """``t`` as an op of autocast's lower-precision list (SDPA's) receives it: a floating tensor other than float64,
+    on a device type where autocast is on, in the autocast dtype; anything else as it is."""
+    if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+            and torch.amp.is_autocast_available(t.device.type) and torch.is_autocast_enabled(t.device.type)):
+        return t.to(torch.get_autocast_dtype(t.device.type))
+    return t
 
 
 def _run(q, k, v, key_mask, segment_ids, call: Call) -> torch.Tensor:

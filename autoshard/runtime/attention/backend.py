@@ -5,14 +5,18 @@
 raise their clear error), ``"auto"`` picks Triton when the tensors are on a CUDA device, the kernels
 import and they serve the block's dtype and head dim (float16 / bfloat16 / float32, head dim up to
 ``MAX_HEAD_DIM``), else torch -- so a float64 model or a 512-wide head runs on the torch path instead of
-failing. The kernels module is imported lazily, so the runtime works where Triton is absent.
+failing. A forced ``"triton"`` with a dtype the kernels do not compute in fails up front
+(:func:`check_triton_dtype`, from the op's local checks: every rank, before any communication), naming
+the fix. The kernels module is imported lazily, so the runtime works where Triton is absent.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["KERNELS", "use_triton", "choose_triton"]
+from .base import AttentionInputError
+
+__all__ = ["KERNELS", "use_triton", "choose_triton", "check_triton_dtype"]
 
 KERNELS = ("auto", "torch", "triton")
 
@@ -35,3 +39,20 @@ def choose_triton(kernels: str, device_type: str, dtype: torch.dtype, head_dim: 
     except ImportError:
         return False
     return dtype in _SUPPORTED_DTYPES and 1 <= head_dim <= MAX_HEAD_DIM
+
+
+def check_triton_dtype(kernels: str, x: torch.Tensor) -> None:
+    """With ``kernels="triton"``: raise :class:`AttentionInputError` when the kernels cannot compute in ``x``'s
+    dtype (float16, bfloat16 and float32 only; autocast's dtypes are all served)."""
+    if kernels != "triton":
+        return
+    try:
+        from autoshard.kernels.attention import _SUPPORTED_DTYPES
+    except ImportError:  # the kernels raise their own error: Triton is missing
+        return
+    if x.dtype not in _SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in _SUPPORTED_DTYPES)
+        raise AttentionInputError(
+            f"autoshard.attention: kernels='triton' computes in {names}, but the attention's inputs are {x.dtype}; "
+            f"pass kernels='auto' (Triton where it serves the dtype, the torch path elsewhere) or kernels='torch', "
+            f"or cast the model to one of those dtypes (or run it under torch.autocast)")

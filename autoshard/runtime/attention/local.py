@@ -39,6 +39,7 @@ Implementations (``kernels``, see :mod:`.backend`): the Triton kernels of
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -49,7 +50,8 @@ from .masks import MaskSpec, Visibility
 from .merge import merge_attention_
 
 __all__ = [
-    "local_attention", "local_attention_backward", "compute_dtype", "row_delta", "TILE_Q", "TILE_K", "FUSED_BLOCKS",
+    "local_attention", "local_attention_backward", "compute_dtype", "without_autocast", "row_delta", "TILE_Q", "TILE_K",
+    "FUSED_BLOCKS",
 ]
 
 TILE_Q = 512
@@ -67,6 +69,14 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype attention accumulates in for inputs of ``dtype``: float64 stays, the rest is float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def without_autocast(t: torch.Tensor):
+    """Autocast off on ``t``'s device type, around the body of an attention op: like a fused kernel, the op
+    computes in the dtype of its inputs and accumulates in :func:`compute_dtype` (autocast would run its
+    matmuls in the lower precision); its callers cast the inputs (see :mod:`.api`)."""
+    available = torch.amp.is_autocast_available(t.device.type)
+    return torch.autocast(t.device.type, enabled=False) if available else contextlib.nullcontext()
 
 
 def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
