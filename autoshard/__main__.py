@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--strategy", choices=STRATEGIES, default="auto")
     p.add_argument("--layout", choices=LAYOUT_CHOICES, default="auto")
-    p.add_argument("--outputs", choices=("gathered", "sharded"), default="gathered")
+    p.add_argument("--outputs", choices=("split", "gathered", "sharded"), default="split")
     p.add_argument("--ranks-per-node", type=int, default=Topology().ranks_per_node)
     p.add_argument("--rank", type=int, default=0, help="the rank whose view the plan shows")
     p.add_argument("--json", help="also write the plan as JSON to this file")

@@ -36,7 +36,7 @@ class BackendConfig:
     """``"replicated"``: every rank passes the same full inputs. ``"sharded"``: inputs that carry the
     sequence arrive already split by ``autoshard.shard_inputs`` (a data loader loads only its part)."""
 
-    outputs: str = "gathered"
+    outputs: str = "split"
     """What becomes of outputs split along the sequence (scalars and other reductions are always reduced):
     ``"gathered"``: all-gathered, every rank gets plain whole tensors. ``"split"``: they come back as
     :class:`autoshard.SplitTensor` -- the global shape, this rank's shard inside: a graph compiled by the same

@@ -31,6 +31,7 @@ import torch.fx as fx
 
 from .config import BackendConfig
 from .cost import Topology, attention_costs
+from .passes.graph import keep_real_values
 from .runtime.attention import formulas
 from .runtime.groups import plan_group_name
 from .strategy import attention_shape
@@ -138,7 +139,7 @@ class Plan:
                          f"{_size(mem.outputs)}, transient {_size(mem.transient)})")
             if mem.outputs > mem.saved_activations:
                 lines.append("  note: most of it is outputs gathered whole on every rank (the logits?); "
-                             "outputs='sharded' keeps them split")
+                             "outputs='split' (the default) keeps them split")
         if self.recomputed:
             lines.append(f"  activation checkpointing: {len(self.recomputed)} region(s) recomputed whole in backward, "
                          f"their collectives included ({_size(sum(self.recomputed.values()))} sent again per rank)")
@@ -217,6 +218,7 @@ def _capture(model, args: tuple, kwargs: dict) -> list[tuple[fx.GraphModule, lis
     graphs = []
 
     def grab(gm, example_inputs):
+        keep_real_values(gm, example_inputs)  # dynamo drops them when this returns; masks may read buffers
         graphs.append((gm, list(example_inputs)))
         return gm.forward
 

@@ -8,9 +8,12 @@ heads, SwiGLU 688, float32, random weights), ``gradient_checkpointing_enable()``
 with labels: forward + backward of the loss. Figures per S:
 
 * ``one process``: the model uncompiled on one process, checkpointed;
-* ``P=2 <outputs>``: compiled with ``autoshard.backend(outputs=...)`` on 2 gloo ranks, checkpointed layers
-  rewritten and still checkpointed (the report's recomputed regions are counted); ``gathered`` is the
-  default, which all-gathers the ``[1, S, 32000]`` logits onto every rank, ``sharded`` keeps them split;
+* ``P=2 whole <outputs>``: the model compiled with ``autoshard.backend(outputs=...)`` on 2 gloo ranks,
+  checkpointed layers rewritten and still checkpointed (the report's recomputed regions are counted);
+  ``gathered`` all-gathers the ``[1, S, 32000]`` logits onto every rank, ``split`` (the default) returns
+  them as a SplitTensor that nothing gathers here;
+* ``P=2 per-block split``: every decoder layer compiled on its own (``layer.compile(backend=...)``), the
+  rest eager: the layers pass their outputs on split; the final norm, LM head and loss run whole;
 * ``peak/rank``: peak extra resident memory of the step (the larger of the two ranks), and its ratio to one
   process; ``sent/rank``: bytes each rank sends in the step (recomputation included), ``recomputed``: of
   those, what backward's recomputation of the checkpointed layers sends again.
@@ -37,13 +40,14 @@ try:
 except ImportError:  # run as a module
     from benchmarks._common import print_table
 
-OUTPUTS = ("gathered", "sharded")
+RUNS = ("whole gathered", "whole split", "per-block split")
+LAYERS = 4
 
 
 def _model():
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=LAYERS,
                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32768)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -69,18 +73,23 @@ def _measure(lengths: list[int]) -> dict:
                 _step(model, length)
             out[(length, "one process")] = (mem.peak_bytes, 0, 0)
         dist.barrier()
-    for outputs in OUTPUTS:
+    for run in RUNS:
         torch._dynamo.reset()
-        backend = autoshard.backend(outputs=outputs)
-        compiled = torch.compile(_model(), backend=backend)
+        backend = autoshard.backend(outputs=run.split()[1])
+        model = _model()
+        if run.startswith("per-block"):
+            for layer in model.model.layers:
+                layer.compile(backend=backend)
+        else:
+            model = torch.compile(model, backend=backend)
         for length in lengths:
-            _step(compiled, 256)
+            _step(model, 256)
             dist.barrier()
             with comm_counter() as sent, peak_memory() as mem:
-                _step(compiled, length)
-            report = backend.compiled[-1].report
-            out[(length, f"P=2 {outputs}")] = (mem.peak_bytes, sent.payload_bytes_sent,
-                                               sum(report.recomputed.values()))
+                _step(model, length)
+            reports = [g.report for g in backend.compiled][-(LAYERS if run.startswith("per") else 1):]
+            out[(length, f"P=2 {run}")] = (mem.peak_bytes, sent.payload_bytes_sent,
+                                           sum(sum(r.recomputed.values()) for r in reports))
     return out
 
 
@@ -92,7 +101,7 @@ def main() -> None:
     rows = []
     for length in args.lengths:
         base = ranks[0][(length, "one process")][0]
-        for name in ("one process", *(f"P=2 {o}" for o in OUTPUTS)):
+        for name in ("one process", *(f"P=2 {run}" for run in RUNS)):
             peak = max(r[(length, name)][0] for r in ranks if (length, name) in r)
             sent = max(r[(length, name)][1] for r in ranks if (length, name) in r)
             again = max(r[(length, name)][2] for r in ranks if (length, name) in r)

@@ -36,7 +36,7 @@ from ..runtime.accounting import all_gather_bytes, all_reduce_bytes
 from ..runtime.layouts import SequenceLayout
 from ..runtime.redistribute import grad_scale, grad_sync, grad_sync_bucket, reduce_partial
 from .comms import CommBook
-from .graph import mutates
+from .graph import is_module_state, mutates
 from .infer import Families, Family
 from .ops import is_tensor_node, numel, op_of, shape_of, value_of
 from .regions import REGION
@@ -467,9 +467,10 @@ class Rewriter:
 
 
 def is_parameter(node: fx.Node) -> bool:
-    """Whether ``node`` is a graph input that holds a module parameter (dynamo's example is a Parameter)."""
-    return node.op == "placeholder" and isinstance(getattr(node.meta.get("grapharg"), "example", None),
-                                                   torch.nn.Parameter)
+    """Whether ``node`` is a graph input that holds a module's parameter: dynamo's example is a Parameter while
+    the backend runs; later (plans, per-length compiles) dynamo's mark of module state says it."""
+    return node.op == "placeholder" and (
+        isinstance(getattr(node.meta.get("grapharg"), "example", None), torch.nn.Parameter) or is_module_state(node))
 
 
 def _itemsize(node: fx.Node) -> int:

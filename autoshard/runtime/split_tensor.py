@@ -18,8 +18,11 @@ name. So:
   no re-slicing. Inner compilers (eager, aot_eager, inductor) only ever see plain local tensors;
 * anywhere else -- user code between graphs, a graph compiled by another backend -- every op gathers the
   whole value first (``__torch_dispatch__``) and returns plain tensors: the one-process value, at the
-  cost of an all-gather per use (``full_tensor()`` once keeps a whole copy). In-place ops on a
-  ``SplitTensor`` raise: they would change a temporary gathered copy;
+  cost of an all-gather per use (``full_tensor()`` once keeps a whole copy). Every rank of the group must
+  make that use (it is an all-gather): a rank that does so alone -- ``if rank == 0: print(logits)`` --
+  waits for the others in the rendezvous store and raises a clear error after ``GATHER_TIMEOUT``, instead
+  of hanging in the collective. In-place ops on a ``SplitTensor`` raise: they would change a temporary
+  gathered copy;
 * autograd: :func:`wrap` and :func:`local_of` are each other's adjoint. The gradient of a carrier that
   went into another graph arrives as a ``SplitTensor`` (its ``local`` is the gradient shard); one that
   user code consumed arrives whole, and this rank keeps its part.
@@ -27,9 +30,14 @@ name. So:
 
 from __future__ import annotations
 
+import datetime
+import warnings
+
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from .groups import resolve_group
 from .layouts import SequenceLayout
 
 __all__ = ["SplitTensor", "wrap", "local_of"]
@@ -40,6 +48,39 @@ _METADATA_OPS = {torch.ops.aten.is_floating_point.default, torch.ops.aten.is_com
                  torch.ops.aten.sym_stride.default, torch.ops.aten.is_contiguous.default,
                  torch.ops.aten.is_same_size.default}
 """Ops that read only shape, dtype or device: answered from a meta stand-in, without a gather."""
+
+
+GATHER_TIMEOUT = datetime.timedelta(seconds=300)
+"""How long a rank that gathers a SplitTensor waits for the other ranks of its group to gather it too."""
+_GATHERS: dict[str, int] = {}
+"""Group name -> how many SplitTensor gathers this rank has made in it."""
+
+
+def _all_ranks_gather(group: str) -> None:
+    """Meet the group's other ranks in the rendezvous store before a gather outside compiled code, and raise
+    a clear error instead of hanging when they do not come (code that uses a SplitTensor on some ranks only,
+    such as ``if rank == 0: print(logits)``)."""
+    pg = resolve_group(group)
+    store = dist.distributed_c10d._get_default_store()
+    count = _GATHERS[group] = _GATHERS.get(group, 0) + 1
+    key = f"autoshard/split_gather/{group}/{count}"
+    if store.add(key, 1) == pg.size():
+        store.set(key + "/all", "1")
+    try:
+        store.wait([key + "/all"], GATHER_TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 -- the store raises its own timeout type
+        raise RuntimeError(
+            f"autoshard: rank {pg.rank()} uses an output split along the sequence (an autoshard.SplitTensor) outside "
+            f"compiled code, which all-gathers it, but not every rank of its group did so within "
+            f"{GATHER_TIMEOUT.seconds} s. Use it on every rank (e.g. whole = x.full_tensor() on every rank, then "
+            f"print on one), or compile with outputs='gathered'") from exc
+    if count > 2:  # every rank is past the gather before the last: its keys are read
+        store.delete_key(f"autoshard/split_gather/{group}/{count - 2}")
+        store.delete_key(f"autoshard/split_gather/{group}/{count - 2}/all")
+
+
+_WARNED = False
+"""Whether the first gather of a SplitTensor outside compiled code was warned about (once per process)."""
 
 
 class SplitTensor(torch.Tensor):
@@ -88,6 +129,15 @@ class SplitTensor(torch.Tensor):
 
         if is_fake(self.local) or self.local.device.type == "meta":
             return self.local.new_empty(self.shape)
+        _all_ranks_gather(self.group_name)
+        global _WARNED
+        if not _WARNED:
+            _WARNED = True
+            warnings.warn(
+                "autoshard: an output split along the sequence (an autoshard.SplitTensor, e.g. the logits) is used "
+                "outside compiled code, so it is all-gathered whole for that use, and again for every later use; "
+                "x.full_tensor() once keeps a whole copy, and outputs='gathered' returns plain whole tensors",
+                stacklevel=3)
         return torch.ops.autoshard.seq_unshard.default(self.local, self.seq_dim, self.seq_layout.encode(),
                                                        self.group_name)
 

@@ -88,11 +88,11 @@ def _run_hybrid_cases(cases):
         torch._dynamo.reset()
         inputs = tuple(x.double() if x.is_floating_point() else x for x in _inputs(model, seq)())
         plan = autoshard.plan(_model(model, seq)().double(), inputs, world_size=4, strategy="hybrid",
-                              topology=Topology(ranks_per_node=2), rank=dist.get_rank())
+                              topology=Topology(ranks_per_node=2), rank=dist.get_rank(), outputs="gathered")
         torch._dynamo.reset()
-        with comm_counter() as sent:
+        with comm_counter() as sent:  # outputs gathered in the graph: what the comparison reads is counted there
             r = compare_with_one_process(_model(model, seq), _inputs(model, seq), dtype=torch.float64, group=mesh,
-                                         strategy="hybrid")
+                                         strategy="hybrid", outputs="gathered")
         measured = sent.payload_bytes_sent
         predicted = plan.bytes_sent("forward") + plan.bytes_sent("backward")
         out.append((model, seq, r.max_error(), r.summary(), r.attention, r.fallbacks, predicted, measured))

@@ -10,6 +10,8 @@
   (float64, 1e-10 relative; measured 1e-13. In float32 the same runs differ by ~2e-4: Adam's first steps
   move every weight by about lr * sign(gradient), so the rounding of near-zero gradient entries decides
   whole steps, and any change of summation order changes that rounding).
+* The loss over the global batch: uneven targets per dp group and per sp rank (one with none), two
+  micro-batches accumulated with ``num_items_in_batch``: gradients equal one process (float64, 1e-10).
 * A mesh whose axes are not sequence axes is refused with the sub-mesh to pass, on every rank.
 
 Models: transformers ``LlamaForCausalLM`` with a small config (hidden 64, 2 layers, 4 / 2 heads, vocab 256,
@@ -54,7 +56,7 @@ def _checkpointed(seq: int, strategy: str, inner: str) -> dict:
     with comm_counter() as sent:
         r = compare_with_one_process(functools.partial(_llama, True), lambda: (),
                                      kwargs=dict(input_ids=ids, labels=ids, use_cache=False), strategy=strategy,
-                                     inner=inner)
+                                     inner=inner, outputs="gathered")  # the logits gathered in the graph, booked
     rank = dist.get_rank()
     return {"error": r.max_error(), "summary": r.summary(), "fallbacks": r.fallbacks, "attention": r.attention,
             "recomputed": [rep.recomputed for rep in r.compiled_reports],
@@ -117,12 +119,50 @@ def _train(kind: str) -> float:
     return worst
 
 
+def _accumulated() -> float:
+    """Two micro-batches accumulated on a (dp=2, sp=2) mesh, DDP over dp: targets fall unevenly (one dp group's
+    second half, one sp rank's whole shard, has none in the first micro-batch); every dp group divides its
+    loss sum by ``num_items_in_batch`` = the global batch's targets / dp, so DDP's average is the mean over
+    all targets of both micro-batches. Returns the largest relative gradient difference from one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    torch.manual_seed(0)
+    model = _llama(False).double()
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(5)
+    micro = []
+    for first in (True, False):
+        ids = torch.randint(0, 256, (4, 29), generator=gen)
+        labels = ids.masked_fill(torch.rand(4, 29, generator=gen) < 0.3, -100)
+        if first:
+            labels[:2, 14:] = -100
+        micro.append((ids, labels))
+    targets = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro)
+    for ids, labels in micro:
+        reference(input_ids=ids, labels=labels, num_items_in_batch=targets, use_cache=False).loss.backward()
+
+    step_model = DistributedDataParallel(torch.compile(model, backend=autoshard.backend(mesh["sp"])),
+                                         process_group=mesh["dp"].get_group())
+    dp = mesh.get_local_rank("dp")
+    for ids, labels in micro:
+        mine = slice(2 * dp, 2 * dp + 2)
+        step_model(input_ids=ids[mine], labels=labels[mine], num_items_in_batch=torch.tensor(targets / 2.0),
+                   use_cache=False).loss.backward()
+    ref = dict(reference.named_parameters())
+    return max(((p.grad - ref[n].grad).abs().max() / ref[n].grad.abs().max()).item()
+               for n, p in model.named_parameters())
+
+
 def _run(world: int):
     out = {case: _checkpointed(*case[1:]) for case in CHECKPOINT_CASES if case[0] == world}
     if world == 4:
         out["refused"] = _refused_meshes()
         out["fsdp"] = _train("fsdp")
         out["ddp"] = _train("ddp")
+        out["accumulated"] = _accumulated()
     return out
 
 
@@ -151,6 +191,11 @@ def test_training_on_a_dp_sp_mesh_matches_one_process(kind):
     """Parameters after three AdamW steps equal one-process training on the same global batch."""
     for rank, results in enumerate(_results(4)):
         assert results[kind] <= 1e-10, f"{kind} rank {rank}: parameters differ by {results[kind]:.2e} (relative)"
+
+
+def test_loss_over_the_global_batch_with_uneven_targets_and_accumulation():
+    for rank, results in enumerate(_results(4)):
+        assert results["accumulated"] <= 1e-10, f"rank {rank}: gradients differ by {results['accumulated']:.2e}"
 
 
 def test_a_mesh_with_other_axes_is_refused():
