@@ -31,10 +31,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-__all__ = ["REGION", "Region", "inline_regions", "fill_regions", "outline_regions"]
+__all__ = ["REGION", "REGIONS", "Region", "inline_regions", "fill_regions", "outline_regions"]
 
 REGION = "autoshard_region"
 """``node.meta`` key: the index of the checkpointed region a node belongs to."""
+REGIONS = "autoshard_regions"
+"""``GraphModule.meta`` key: the graph's checkpointed regions (:class:`Region`), in index order."""
 
 _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 _WRAP = torch.ops.higher_order.wrap
@@ -100,8 +102,10 @@ def _inline_one(gm: fx.GraphModule, node: fx.Node, region: int | None) -> None:
 
 def inline_regions(gm: fx.GraphModule) -> list[Region]:
     """Inline every ``tag_activation_checkpoint`` and ``wrap`` body (nested ones too); return the
-    checkpointed regions in graph order (see the module docstring)."""
-    regions: list[Region] = []
+    checkpointed regions in graph order (see the module docstring). They are also kept in
+    ``gm.meta[REGIONS]``, so inlining an inlined graph again (specialization inlines first, to recompute the
+    bodies' example values at the concrete sizes) returns the same regions."""
+    regions: list[Region] = gm.meta.setdefault(REGIONS, [])
     while True:
         hops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_CHECKPOINT, _WRAP)]
         if not hops:
@@ -113,6 +117,8 @@ def inline_regions(gm: fx.GraphModule) -> list[Region]:
                 region = len(regions)
                 regions.append(Region(region, node.args[0].target, dict(node.kwargs), dict(body.meta)))
             _inline_one(gm, node, region)
+    for region in regions:
+        region.nodes.clear()
     for node in gm.graph.nodes:
         if REGION in node.meta:
             regions[node.meta[REGION]].nodes.append(node.name)

@@ -10,6 +10,8 @@ keeps one dynamic graph (no recompile limit is hit); this pass caches one static
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -17,6 +19,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .graph import eliminate_dead_code, keep_real_values
 from .ops import value_of
+from .regions import REGIONS, inline_regions
 
 __all__ = ["is_dynamic", "specialize", "size_key", "symbolic_dims", "symbol_of"]
 
@@ -66,6 +69,8 @@ def specialize(gm: fx.GraphModule, args: list, shapes: dict[int, tuple] | None =
     out = graph.graph_copy(gm.graph, copies)
     graph.output(out)
     static = fx.GraphModule(gm, graph)
+    static.meta[REGIONS] = [dataclasses.replace(r, nodes=[]) for r in gm.meta.get(REGIONS, [])]
+    inline_regions(static)  # checkpointed bodies: their example values are recomputed with the rest
     keep_real_values(static, args)  # buffers read as masks
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
@@ -73,8 +78,8 @@ def specialize(gm: fx.GraphModule, args: list, shapes: dict[int, tuple] | None =
         with mode:
             fake_args[i] = torch.empty(shape, dtype=args[i].dtype, device=args[i].device)
     FakeTensorProp(static, mode).propagate(*fake_args)
-    for old, node in copies.items():
-        val, before = node.meta.get("val"), value_of(old)
+    for node in static.graph.nodes:  # the inlined bodies' nodes too
+        val, before = node.meta.get("val"), value_of(node)
         if isinstance(val, torch.Tensor) and isinstance(before, torch.Tensor) and before.requires_grad:
             val.requires_grad_(True)  # fake propagation detaches; rules read who needs gradients
         node.meta["example_value"] = val
