@@ -20,6 +20,7 @@ from ..placements import Shard
 from ..runtime.accounting import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from ..runtime.attention.formulas import P as P_SYMBOL
 from ..runtime.attention.formulas import S as S_SYMBOL
+from ..runtime.conv_halo import window_bytes
 from ..runtime.layouts import SequenceLayout
 from ..runtime.redistribute import realign_plan
 
@@ -31,7 +32,8 @@ class Comm:
     """One collective, in one direction, as every rank performs it."""
 
     kind: str
-    """``all_gather``, ``reduce_scatter``, ``all_reduce``, ``realign`` or an attention strategy's traffic."""
+    """``all_gather``, ``reduce_scatter``, ``all_reduce``, ``realign``, ``halo_exchange`` or an attention strategy's
+    traffic."""
     node: str
     """The graph value it serves."""
     phase: str
@@ -97,6 +99,12 @@ class CommBook:
             runs = sends if phase == "forward" else recvs
             per_rank.append(sum(n for peer_runs in runs.values() for _, n in peer_runs) * row_bytes)
         self.comms.append(Comm("realign", node, phase, per_rank, None, reason="positions moved"))
+
+    def windows(self, node: str, layout: SequenceLayout, windows, row_bytes: int, phase: str) -> None:
+        """Point-to-point fetch of the positions of every rank's ``windows`` (a convolution's halos) that other
+        ranks hold under ``layout``; backward returns their gradients."""
+        self.comms.append(Comm("halo_exchange", node, phase, window_bytes(layout, windows, row_bytes, phase), None,
+                               reason="convolution halos"))
 
     def attention(self, node: str, strategy: str, phase: str, bytes_by_rank: list[int], formula: sympy.Expr) -> None:
         """A distributed attention's own traffic: exact bytes of every rank, and the strategy's formula."""

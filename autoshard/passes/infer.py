@@ -19,6 +19,11 @@ the logits). Groups that contain a seed -- the sequence dims of attention calls,
 (``autoshard.mark_sequence``) and of ``seq_dims`` -- are the *families*; the first seed is a family's
 root (the first attention's query dim, whose layout the strategy chooses). Elements in no family
 are not split.
+
+Some positions are not an offset of others: a strided convolution's output position ``j`` reads input
+positions ``s*j - p ...``. Its rule declares a *conditional seed* instead of an edge (``seed_along``): the
+input's length is a sequence of its own whenever the output's is one (and the other way round), so the
+input becomes the root of a new family with its own layout, and the rule moves the halos between them.
 """
 
 from __future__ import annotations
@@ -93,6 +98,8 @@ class LinkContext:
         self.edge_list: list[tuple[Elem, Elem, int, int]] = []
         """(a, b, delta, order): position i of a is position i + delta of b."""
         self.seeds: list[tuple[Elem, fx.Node | None]] = []
+        self.conditional_seeds: list[tuple[Elem, Elem]] = []
+        """(element, anchor): the element roots a family of its own when the anchor is in one."""
         self.token_local: set[fx.Node] = set()
         """Nodes inside ``autoshard.token_local`` regions."""
         self._linked: set[tuple[fx.Node, int]] = set()  # (node, dim) pairs some edge already uses
@@ -133,6 +140,11 @@ class LinkContext:
     def seed(self, elem: Elem, attention: fx.Node | None = None) -> None:
         """``elem`` carries a sequence (the first seed of a family becomes its root)."""
         self.seeds.append((elem, attention))
+
+    def seed_along(self, elem: Elem, anchor: Elem) -> None:
+        """``elem`` carries a sequence of its own whenever ``anchor`` is in a family (a strided convolution's
+        input and output: no offset maps one onto the other)."""
+        self.conditional_seeds.append((elem, anchor))
 
 
 def _numel(node: fx.Node) -> int:
@@ -198,6 +210,16 @@ def find_families(ctx: LinkContext) -> Families:
             families.append(fam)
         if attention is not None and attention not in fam.attention_nodes:
             fam.attention_nodes.append(attention)
+    added = True
+    while added:  # a chain of strided convolutions reaches the families one link at a time
+        added = False
+        for elem, anchor in ctx.conditional_seeds:
+            root, seed_off = find(elem)
+            if root not in by_root and find(anchor)[0] in by_root:
+                fam = by_root[root] = Family(len(families), elem, ctx.factorization(elem[0])[elem[1]][elem[2]])
+                fam.root_offset = seed_off
+                families.append(fam)
+                added = True
     member: dict[Elem, tuple[Family, int]] = {}
     for e in list(parent):
         root, off = find(e)

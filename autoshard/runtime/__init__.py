@@ -9,7 +9,8 @@
 * :mod:`~autoshard.runtime.redistribute` / :mod:`~autoshard.runtime.random` -- the ops the compiler
   inserts (partial sums, gradient syncs, realigns, sharded cumsum and dropout);
   :mod:`~autoshard.runtime.sequence_ops` -- positions chosen by data (``argmax`` along the split sequence,
-  rows read there) and the guard on a buffer read as a mask.
+  rows read there) and the guard on a buffer read as a mask; :mod:`~autoshard.runtime.conv_halo` -- the
+  windows (own positions plus halos) a convolution along the split sequence reads.
 """
 
 from .accounting import CommCounter, comm_counter

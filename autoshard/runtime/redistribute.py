@@ -159,15 +159,16 @@ def realign_plan(src: SequenceLayout, dst: SequenceLayout, rank: int):
 
 
 def _move_runs(x: torch.Tensor, dim: int, out: torch.Tensor, keep, outgoing: dict, incoming: dict, pg,
-               combine: str) -> torch.Tensor:
+               combine: str, kind: str = "realign") -> torch.Tensor:
     """Runs of ``x`` along ``dim`` into ``out`` (``combine``: ``"copy_"`` or ``"add_"``): ``keep`` holds the
     local ``(to, from, length)`` runs, ``outgoing`` peer -> the ``(from, length)`` runs sent to it,
-    ``incoming`` peer -> the ``(to, length)`` runs received from it, in order."""
+    ``incoming`` peer -> the ``(to, length)`` runs received from it, in order. The bytes are counted as
+    ``kind``."""
     for to, frm, n in keep:
         getattr(out.narrow(dim, to, n), combine)(x.narrow(dim, frm, n))
     send_list = [(torch.cat([x.narrow(dim, s, n) for s, n in runs], dim), peer) for peer, runs in outgoing.items() if runs]
     recv_bufs = {peer: x.new_empty(_with(x.shape, dim, sum(n for _, n in runs))) for peer, runs in incoming.items() if runs}
-    for w in _p2p(send_list, [(buf, peer) for peer, buf in recv_bufs.items()], pg, "realign"):
+    for w in _p2p(send_list, [(buf, peer) for peer, buf in recv_bufs.items()], pg, kind):
         w.wait()
     for peer, buf in recv_bufs.items():
         off = 0

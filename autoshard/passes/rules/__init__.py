@@ -16,7 +16,7 @@ file               ops
 ``factories``      arange and friends: positions of the local tokens
 ``loss``           cross_entropy / nll_loss, elementwise losses: exact global reductions
 ``attention``      the captured attention: distributed attention
-``conv``           convolutions (sequence-preserving ones keep the split)
+``conv``           convolutions: 1-d ones along the sequence split with halos (strided too)
 =================  ============================================================================
 
 A rule is two functions: ``link(ctx, node, op)`` declares edges between sequence elements (see

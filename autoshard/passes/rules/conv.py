@@ -1,34 +1,150 @@
 """Convolutions.
 
-The batch dim passes through a convolution; its spatial dims mix neighbouring positions, so a value
-split along a spatial dim is gathered first (recorded as a fallback). ViT's patch embedding is the
-common case and runs on the whole image: the sequence starts after it, at the flattened patches.
+The batch dim passes through a convolution. A 1-d convolution (``conv1d``, input ``[B, C, L]`` or ``[C, L]``)
+along a split sequence runs on shards with halos (Whisper-style audio front ends, Conformer / Mamba
+convolutions):
+
+* link: with stride 1 output position ``i`` is input position ``i + (k-1)*d//2 - p`` (the kernel's centre), an
+  ordinary offset edge, so input and output share a family; a strided convolution maps ``j`` to ``s*j - p``,
+  which no offset expresses, so each side is a conditional seed of the other (``seed_along``): the input
+  becomes a family of its own, with its own layout, whenever the output is split, and the other way round.
+* rewrite: each rank computes the output positions its layout gives it. For every interval ``[a, b)`` of them
+  it reads the input window ``[s*a - p, s*(b-1) - p + d*(k-1) + 1)`` -- from a whole input by local slicing
+  (free), from a split one with ``autoshard::seq_windows`` (:mod:`~autoshard.runtime.conv_halo`: point to
+  point, the halos only; booked forward and backward) -- and convolves it without padding: the window
+  carries the zero padding at the sequence's ends. Kernel size, stride, padding (ints, ``"same"``,
+  ``"valid"``), dilation and groups are all served; uneven shards and zigzag layouts need nothing special,
+  the windows follow from the two layouts.
+
+What is not split is reported: a convolution whose input is split along a dim it mixes (a 2-d or 3-d
+convolution's spatial dims, a 1-d one's channels, a merged dim) gathers that input, recorded as a fallback.
+A convolution over a whole input whose output is not a sequence (ViT's patch embedding: the sequence starts
+after it, at the flattened patches) runs whole on every rank, as before, with nothing gathered.
 """
 
 from __future__ import annotations
 
-from ...placements import REPLICATE
-from ..ops import shape_of
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...placements import REPLICATE, Shard
+from ...runtime.conv_halo import encode_windows
+from ..ops import numel, shape_of, value_of
 from . import register
 from .pointwise import mapped_args, whole_args
 
 __all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside
 
 
+def _one(value) -> int | None:
+    """An int or a one-element tuple/list as an int, else None."""
+    if isinstance(value, (tuple, list)):
+        return int(value[0]) if len(value) == 1 else None
+    return int(value) if isinstance(value, int) else None
+
+
+def _conv1d(op) -> tuple[int, int, int, int] | None:
+    """(kernel size, stride, left padding, dilation) of a 1-d convolution, or None for any other convolution."""
+    src, weight = op["input"], op["weight"]
+    if len(shape_of(weight)) != 3 or len(shape_of(src)) not in (2, 3):
+        return None
+    kernel, stride, dilation = shape_of(weight)[-1], _one(op["stride"]), _one(op["dilation"])
+    padding = op["padding"]
+    if padding == "valid":
+        left = 0
+    elif padding == "same":
+        left = dilation * (kernel - 1) // 2 if dilation is not None else None
+    else:
+        left = _one(padding)
+    if None in (stride, dilation, left):
+        return None
+    return kernel, stride, left, dilation
+
+
 def link_conv(ctx, node, op):
     src = op["input"]
-    if len(shape_of(src)) == len(shape_of(node)) and shape_of(src)[0] == shape_of(node)[0]:
+    if len(shape_of(src)) == len(shape_of(op["weight"])):  # batched: [B, C, *spatial]
         ctx.link_dims(node, 0, src, 0)
+    params = _conv1d(op)
+    if params is None:
+        return
+    kernel, stride, left, dilation = params
+    dim = len(shape_of(src)) - 1
+    if stride == 1:
+        ctx.link_dims(node, dim, src, dim, dilation * (kernel - 1) // 2 - left)
+    else:
+        ctx.seed_along((src, dim, 0), (node, dim, 0))
+        ctx.seed_along((node, dim, 0), (src, dim, 0))
 
 
 def rewrite_conv(rw, node, op):
     out = rw.out_shard(node)
     src = op["input"]
-    if out is None or out.dim != 0:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+    params = _conv1d(op)
+    if out is not None and out.dim == 0:  # the sequence rides the batch dim: position by position
+        convert = lambda n: rw.input(n, out) if n is src else rw.input(n, REPLICATE, partial_grad=True)  # noqa: E731
+        rw.done(node, rw.reemit(node, *mapped_args(node, convert)), out)
         return
-    convert = lambda n: rw.input(n, out) if n is src else rw.input(n, REPLICATE, partial_grad=True)  # noqa: E731
-    rw.done(node, rw.reemit(node, *mapped_args(node, convert)), out)
+    have = rw.placement(src)
+    spatial = len(shape_of(src)) - 1
+    if params is None or out is None or out.factors or out.dim != spatial or (
+            isinstance(have, Shard) and (have.dim != spatial or have.factors)):
+        rw.done(node, rw.reemit(node, *whole_args(rw, node, _unsplit_reason(op, params, have, spatial))), REPLICATE)
+        return
+    if not all(out.layout.local_intervals(r) for r in range(rw.world)):
+        whole = rw.reemit(node, *whole_args(rw, node, "a rank holds none of the convolution's output positions"))
+        rw.done(node, rw.shard_value(node, whole, out), out)
+        return
+    rw.done(node, _split_conv(rw, node, op, params, out, have), out)
+
+
+def _unsplit_reason(op, params, have, spatial: int) -> str:
+    """Why a convolution runs whole: a fallback when its input is split (it is then gathered), else nothing."""
+    if not isinstance(have, Shard):
+        return ""
+    if params is None:
+        return f"a {len(shape_of(op['weight'])) - 2}-d convolution mixes its input's split dim {have.dim}"
+    if have.dim != spatial or have.factors:
+        return f"a 1-d convolution mixes its input's split dim {have.dim} (channels, or a merged dim)"
+    return "the output of a 1-d convolution over the split sequence is not split"
+
+
+def _split_conv(rw, node: fx.Node, op, params, out: Shard, have) -> fx.Node:
+    """The output positions ``out`` gives this rank, from one input window per interval of them."""
+    kernel, stride, left, dilation = params
+    src = op["input"]
+    dim, length = out.dim, shape_of(src)[out.dim]
+    reach = dilation * (kernel - 1) + 1
+    windows = [[(a * stride - left, (b - 1) * stride - left + reach) for a, b in out.layout.local_intervals(r)]
+               for r in range(rw.world)]
+    mine = windows[rw.rank]
+    if isinstance(have, Shard):
+        fetched = rw.call(torch.ops.autoshard.seq_windows.default, rw.input(src, have), dim, have.layout.encode(),
+                          encode_windows(windows), rw.group)
+        row_bytes = numel(shape_of(src)) // length * value_of(src).element_size()
+        for phase in ("forward", "backward") if rw.requires_grad(src) else ("forward",):
+            rw.book.windows(src.name, have.layout, windows, row_bytes, phase)
+        starts = [sum(hi - lo for lo, hi in mine[:i]) for i in range(len(mine))]
+        pieces = [fetched if len(mine) == 1 else rw.call(torch.narrow, fetched, dim, start, hi - lo)
+                  for start, (lo, hi) in zip(starts, mine)]
+    else:
+        whole = rw.input(src, REPLICATE, partial_grad=True)
+        pieces = [_window_of_whole(rw, whole, dim, length, lo, hi) for lo, hi in mine]
+    weight = rw.input(op["weight"], REPLICATE, partial_grad=True)
+    bias = rw.input(op["bias"], REPLICATE, partial_grad=True)
+    outs = [rw.reemit(node, (piece, weight, bias, stride, 0, dilation, op["groups"]), {}) for piece in pieces]
+    return outs[0] if len(outs) == 1 else rw.call(torch.cat, outs, dim)
+
+
+def _window_of_whole(rw, whole: fx.Node, dim: int, length: int, lo: int, hi: int) -> fx.Node:
+    """Positions ``[lo, hi)`` of a whole value along its last dim ``dim``, zeros outside ``[0, length)``."""
+    start = min(max(lo, 0), length)
+    stop = max(min(hi, length), start)
+    piece = rw.call(torch.narrow, whole, dim, start, stop - start)
+    if start - lo or hi - stop:
+        piece = rw.call(F.pad, piece, [start - lo, hi - stop])
+    return piece
 
 
 register("conv", link=link_conv, rewrite=rewrite_conv)

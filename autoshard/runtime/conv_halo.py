@@ -1,0 +1,148 @@
+"""Windows of a split sequence: what a convolution over the sequence reads on each rank.
+
+A convolution's output positions ``[a, b)`` read the input positions ``[s*a - p, s*(b-1) - p + d*(k-1) + 1)``
+(stride ``s``, left padding ``p``, dilation ``d``, kernel ``k``). When the input is split along the sequence
+by a layout, each rank needs, for every interval of output positions it owns, one such *window*: mostly its
+own positions plus a halo from its neighbours, with zeros where the window passes the sequence's ends (the
+convolution's zero padding). The windows of different ranks may overlap (a halo is read by two ranks), so
+they are not a layout, and their sizes differ by rank (uneven shards, strides): ``halo_exchange`` with one
+fixed ``left``/``right`` for all ranks cannot serve them.
+
+``autoshard::seq_windows(x, dim, layout, windows, group)`` fetches them: every rank knows every rank's
+windows (they follow from the layouts the compiler chose), so each sends its neighbours exactly the
+positions they read, point to point, with no exchange of sizes first. Backward is the adjoint: the gradient
+of each window position returns to the rank that owns the position and is added there (a position read
+twice gets both gradients).
+
+Windows travel through the dispatcher flattened, per rank ``[n, lo_0, hi_0, ..., lo_{n-1}, hi_{n-1}]``
+(:func:`encode_windows`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+from .collectives import _pg, _with
+from .layouts import SequenceLayout
+from .redistribute import _move_runs
+
+__all__ = ["window_plan", "window_bytes", "encode_windows"]
+
+Windows = tuple[tuple[tuple[int, int], ...], ...]
+"""Per rank, the half-open global position ranges it reads, in the order its output is built."""
+
+
+def encode_windows(windows: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+    """Flatten per-rank windows into ints (see the module docstring)."""
+    out = []
+    for ranges in windows:
+        out.append(len(ranges))
+        for lo, hi in ranges:
+            out += [int(lo), int(hi)]
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _decode(code: tuple[int, ...], world: int) -> Windows:
+    out, i = [], 0
+    for _ in range(world):
+        n = code[i]
+        out.append(tuple((code[i + 1 + 2 * j], code[i + 2 + 2 * j]) for j in range(n)))
+        i += 1 + 2 * n
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def window_plan(layout: SequenceLayout, windows: Windows, rank: int):
+    """For ``rank``: ``(keep, sends, recvs)`` in :func:`~autoshard.runtime.redistribute.realign_plan`'s form,
+    with window-local offsets in place of the destination layout's (positions outside the sequence are sent
+    by nobody: they stay zero)."""
+    def pieces(reader: int):
+        """(window offset, owner, owner's local offset, n) of every run ``reader``'s windows hold."""
+        result, base = [], 0
+        for lo, hi in windows[reader]:
+            pos, end = max(lo, 0), min(hi, layout.length)
+            while pos < end:
+                owner = layout.owner(pos)
+                local = 0
+                for s, e in layout.local_intervals(owner):
+                    if s <= pos < e:
+                        n = min(e, end) - pos
+                        result.append((base + pos - lo, owner, local + pos - s, n))
+                        pos += n
+                        break
+                    local += e - s
+            base += hi - lo
+        return result
+
+    keep, recvs = [], {p: [] for p in range(layout.world_size)}
+    for offset, owner, local, n in pieces(rank):
+        if owner == rank:
+            keep.append((offset, local, n))
+        else:
+            recvs[owner].append((offset, n))
+    sends = {p: [] for p in range(layout.world_size)}
+    for peer in range(layout.world_size):
+        if peer != rank:
+            sends[peer] = [(local, n) for _, owner, local, n in pieces(peer) if owner == rank]
+    return tuple(keep), sends, recvs
+
+
+def window_bytes(layout: SequenceLayout, windows: Sequence[Sequence[tuple[int, int]]], row_bytes: int,
+                 phase: str) -> list[int]:
+    """Bytes every rank sends to fetch ``windows`` (``"forward"``) or to return their gradients (``"backward"``)."""
+    frozen = tuple(tuple(map(tuple, w)) for w in windows)
+    out = []
+    for rank in range(layout.world_size):
+        _, sends, recvs = window_plan(layout, frozen, rank)
+        runs = sends if phase == "forward" else recvs
+        out.append(sum(n for peer_runs in runs.values() for _, n in peer_runs) * row_bytes)
+    return out
+
+
+def _width(windows: Windows, rank: int) -> int:
+    return sum(hi - lo for lo, hi in windows[rank])
+
+
+@torch.library.custom_op("autoshard::seq_windows", mutates_args=())
+def _seq_windows(x: torch.Tensor, dim: int, layout: list[int], windows: list[int], group: str) -> torch.Tensor:
+    pg = _pg(group)
+    src = SequenceLayout.decode(layout)
+    plan = _decode(tuple(windows), src.world_size)
+    keep, sends, recvs = window_plan(src, plan, pg.rank())
+    out = x.new_zeros(_with(x.shape, dim, _width(plan, pg.rank())))
+    return _move_runs(x, dim, out, keep, sends, recvs, pg, "copy_", "halo_exchange")
+
+
+@_seq_windows.register_fake
+def _(x, dim, layout, windows, group):
+    plan = _decode(tuple(windows), SequenceLayout.decode(layout).world_size)
+    return x.new_empty(_with(x.shape, dim, _width(plan, _pg(group).rank())))
+
+
+@torch.library.custom_op("autoshard::seq_windows_backward", mutates_args=())
+def _seq_windows_backward(g: torch.Tensor, dim: int, layout: list[int], windows: list[int],
+                          group: str) -> torch.Tensor:
+    pg = _pg(group)
+    src = SequenceLayout.decode(layout)
+    keep, sends, recvs = window_plan(src, _decode(tuple(windows), src.world_size), pg.rank())
+    out = g.new_zeros(_with(g.shape, dim, src.local_length(pg.rank())))
+    return _move_runs(g, dim, out, [(frm, to, n) for to, frm, n in keep], recvs, sends, pg, "add_", "halo_exchange")
+
+
+@_seq_windows_backward.register_fake
+def _(g, dim, layout, windows, group):
+    return g.new_empty(_with(g.shape, dim, SequenceLayout.decode(layout).local_length(_pg(group).rank())))
+
+
+def _setup(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+_seq_windows.register_autograd(
+    lambda ctx, g: (torch.ops.autoshard.seq_windows_backward(g, *ctx.args), None, None, None, None),
+    setup_context=_setup)
+
