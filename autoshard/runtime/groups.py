@@ -4,10 +4,27 @@ Every public runtime function takes ``group=``: a ``ProcessGroup``, a 1-D ``Devi
 axis), a group name, or ``None`` for the default group. Custom ops cannot carry a ProcessGroup object
 through the dispatcher, so they carry the group's *name* (a string, as torch's functional collectives
 do) and resolve it back here.
+
+Groups end before the interpreter does. Just after a collective returned, a gloo group's worker thread may
+still hold the last reference to its tensors (the runtime's collectives run on temporaries whose Python
+objects are gone by then); releasing them takes the GIL. While Python shuts down, a thread that asks for the
+GIL is ended by ``pthread_exit``, whose forced unwind through a C++ destructor calls ``std::terminate``: the
+process aborts ("terminate called without an active exception") after the job finished.
+``destroy_process_group`` joins those threads, but only when it drops the last reference to the group, and
+torch keeps another one once the first custom op call imports ``torch._dynamo`` after the group exists:
+``torch.distributed.nn.functional`` (which dynamo imports) binds ``group.WORLD`` as a default argument of
+its functions at import. So, when the process exits (an ``atexit`` hook, which runs before the interpreter
+shuts down), :func:`_release_groups` destroys the groups a job left initialized (with a warning: call
+``destroy_process_group`` at the end of the job) and drops the group references held in those default
+arguments, so every group and its threads end while Python still runs.
 """
 
 from __future__ import annotations
 
+import atexit
+import sys
+import types
+import warnings
 from typing import Union
 
 import torch
@@ -89,3 +106,27 @@ def metadata_device(group: GroupLike) -> torch.device:
         return torch.device("cpu")
     kind = devices[0]
     return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def _release_groups() -> None:
+    """At exit: destroy the process groups a job left initialized, then drop the references to destroyed groups
+    that ``torch.distributed.nn.functional`` holds in default arguments, so every gloo group is destroyed (its
+    threads joined) before the interpreter shuts down (see the module docstring)."""
+    if not dist.is_available():
+        return
+    forgotten = dist.is_initialized()
+    if forgotten:
+        dist.destroy_process_group()
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    if functional is not None:
+        for fn in vars(functional).values():
+            defaults = fn.__defaults__ if isinstance(fn, types.FunctionType) else None
+            if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+                fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+    if forgotten:
+        warnings.warn("autoshard: the process exited with torch.distributed still initialized; its process groups "
+                      "were destroyed at exit. Call torch.distributed.destroy_process_group() at the end of the job.",
+                      RuntimeWarning, stacklevel=1)
+
+
+atexit.register(_release_groups)
