@@ -3,9 +3,10 @@
 Per attention call (forward + backward, per rank):
 
 * **compute** -- attention FLOPs (``4 B H S_q S_k D`` forward, 2.5x that backward, halved by a causal
-  mask, narrowed by a window) divided among the ranks as the strategy divides them: evenly for Ulysses
-  and the zigzag ring, unevenly for a contiguous layout under a causal mask (the last rank's queries see
-  the most keys), with Ulysses' uneven head split as it is;
+  mask, narrowed by a window or by chunks) divided among the ranks as the strategy divides them: evenly for
+  Ulysses and the zigzag ring, unevenly for a contiguous layout under a causal mask without chunks (the last
+  rank's queries see the most keys; chunked local attention gives every chunk the same work), with
+  Ulysses' uneven head split as it is;
 * **communication** -- the bytes of :mod:`autoshard.runtime.attention.formulas` over the bandwidth of the
   links they cross: NVLink-class inside a node, InfiniBand-class between nodes (a ring or an all-to-all
   that spans nodes is paced by the inter-node links);
@@ -87,6 +88,7 @@ class AttentionShape:
     window: tuple[int, int] | None = None
     key_mask: bool = False
     segment_ids_dtype: torch.dtype | None = None
+    chunk: int = 0
 
     def flops(self) -> float:
         """Forward FLOPs of the whole attention (every rank together)."""
@@ -97,6 +99,9 @@ class AttentionShape:
             pairs = self.seq * min(self.seq, span)
         elif self.causal:
             pairs = self.seq * (self.seq + 1) / 2
+        if self.chunk:
+            chunk = min(self.chunk, self.seq)
+            pairs = min(pairs, self.seq * ((chunk + 1) / 2 if self.causal else chunk))
         return 4.0 * self.batch * self.heads * pairs * self.head_dim
 
 
@@ -174,7 +179,8 @@ def attention_costs(shape: AttentionShape, world: int, topology: Topology = Topo
                                   bytes_backward=bwd, memory_bytes=memory, layout=layout))
 
     balanced = total_flops / world / topology.attention_flops
-    imbalanced = balanced * ((2 * world - 1) / world if shape.causal and shape.window is None else 1.0)
+    imbalanced = balanced * ((2 * world - 1) / world if shape.causal and shape.window is None and not shape.chunk
+                             else 1.0)
 
     ring_like("ring", "contiguous", imbalanced)
     if shape.seq >= 2 * world:

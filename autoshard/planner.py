@@ -269,7 +269,9 @@ def _decisions(compiled, index: int, world: int, config: BackendConfig, topology
             decided = by_node.get(node.name, {})
             strategy = decided.get("strategy", compiled.strategies.get(node, "?"))
             reason = compiled.reasons.get(node, decided.get("reason", ""))
-            mask = ", ".join(k for k in ("causal", "window", "key_mask", "segment_ids") if decided.get(k)) or "none"
+            mask = ", ".join(k if k != "chunk" else f"chunk {decided[k]}"
+                             for k in ("causal", "window", "chunk", "key_mask", "segment_ids")
+                             if decided.get(k)) or "none"
             out.append(AttentionDecision(
                 node=f"g{index}.{node.name}", layer=layer, strategy=strategy, layout=decided.get("layout", "-"),
                 reason=reason, mask=mask,

@@ -29,7 +29,7 @@ def attention_shape(node, length: int) -> AttentionShape:
     seg = op.get("segment_ids")
     return AttentionShape(q.shape[0], length, q.shape[1], k.shape[1], q.shape[3], value_of(node).dtype,
                           bool(op.get("causal")), op.get("window"), op.get("key_mask") is not None,
-                          value_of(seg).dtype if seg is not None else None)
+                          value_of(seg).dtype if seg is not None else None, int(op.get("chunk") or 0))
 
 
 def _planned_mesh(shape: AttentionShape, world: int, topology: Topology) -> tuple[int, int]:

@@ -8,6 +8,11 @@ inside the kernel, never materialized (the contract of :func:`autoshard.runtime.
   (``-1`` = unbounded). Both are one *band* ``i_pos - L <= j_pos <= i_pos + R`` with ``R = min(right, 0)``
   under causal; the host drops a bound no pair of this block can violate and skips a block the band
   hides entirely, so a ring step whose keys all lie in the past runs the unmasked specialization.
+- chunked local attention ``chunk=C`` (Llama-4): ``i_pos // C == j_pos // C``. Each tile narrows its range
+  of the other axis to the chunks of its own rows (``_band_tiles``: a chunk mask is block-diagonal, so tiles
+  outside those chunks are never loaded), fully visible tiles exist only for a tile inside one chunk, and
+  tiles that straddle a chunk boundary are masked from positions. The host drops the chunk when the whole
+  block lies in one chunk and skips a block whose queries and keys share no chunk.
 - ``key_mask`` ``[B, Sk]`` (True = may be attended) and ``segment_ids`` ``(seg_q [B, Sq], seg_k [B, Sk])``.
 
 Soft-capping (``softcap > 0``, Gemma2): the scaled scores ``s`` become ``softcap * tanh(s / softcap)``
@@ -40,7 +45,7 @@ Shared ``@triton.jit`` helpers keep the forward and the two backward kernels fro
 from positions, key_mask and segment ids, for either orientation) and ``_load_tile``.
 
 Specialization: head dim (padded to a power of two >= 16; any head dim up to 256 works, columns past
-it are masked), the band flags, key_mask / segment presence, soft-capping and the input dtype are compile-time
+it are masked), the band and chunk flags, key_mask / segment presence, soft-capping and the input dtype are compile-time
 constants. Offsets, band widths and sequence lengths are runtime values excluded from Triton's
 integer specialization, so ring steps reuse one compiled kernel. Block sizes / warps / stages are
 autotuned per (head dim, bucketed sequence lengths, mask kind, dtype), pruned to configurations whose
@@ -190,9 +195,10 @@ def _seq_bucket(n: int) -> int:
     return min(max(triton.next_power_of_2(max(n, 1)), 16), 1 << 17)
 
 
-_TUNING_KEY = ["BLOCK_D", "SQ_BUCKET", "SK_BUCKET", "HAS_LEFT", "HAS_RIGHT", "HAS_KEY_MASK", "HAS_SEG", "SOFTCAP"]
+_TUNING_KEY = ["BLOCK_D", "SQ_BUCKET", "SK_BUCKET", "HAS_LEFT", "HAS_RIGHT", "HAS_CHUNK", "HAS_KEY_MASK", "HAS_SEG",
+               "SOFTCAP"]
 # Runtime integers that change between calls (ring steps, uneven shards): never specialize on them.
-_RUNTIME_INTS = ["Sq", "Sk", "q_offset", "k_offset", "left", "right", "SQ_BUCKET", "SK_BUCKET"]
+_RUNTIME_INTS = ["Sq", "Sk", "q_offset", "k_offset", "left", "right", "chunk", "SQ_BUCKET", "SK_BUCKET"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -201,13 +207,15 @@ _RUNTIME_INTS = ["Sq", "Sk", "q_offset", "k_offset", "left", "right", "SQ_BUCKET
 
 
 @triton.jit
-def _band_tiles(first_pos, last_pos, other_offset, other_len, before, after,
-                BLOCK: tl.constexpr, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr):
+def _band_tiles(first_pos, last_pos, other_offset, other_len, before, after, chunk,
+                BLOCK: tl.constexpr, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr, HAS_CHUNK: tl.constexpr):
     """Tiles of the other axis seen by rows at global positions [first_pos, last_pos].
 
     A row at position p sees other-axis positions [p - before, p + after] (a missing bound is
-    unbounded). Returns (lo, full_lo, full_hi, hi), local indices of the other axis, lo/full_lo/full_hi
-    multiples of BLOCK: tiles starting in [lo, hi) hold every visible pair, and the tiles
+    unbounded) and, with HAS_CHUNK, only those of its own chunk [p // chunk * chunk, (p // chunk + 1) *
+    chunk): the rows see the chunks from first_pos's to last_pos's, and fully visible tiles exist only
+    when the rows lie in one chunk. Returns (lo, full_lo, full_hi, hi), local indices of the other axis,
+    lo/full_lo/full_hi multiples of BLOCK: tiles starting in [lo, hi) hold every visible pair, and the tiles
     [full_lo, full_hi) lie inside the band for every row and inside [0, other_len).
     """
     lo = 0
@@ -220,6 +228,14 @@ def _band_tiles(first_pos, last_pos, other_offset, other_len, before, after,
     if HAS_AFTER:
         hi = tl.minimum(tl.maximum(last_pos + after - other_offset + 1, 0), other_len)
         full_hi = tl.minimum(full_hi, tl.maximum(first_pos + after - other_offset + 1, 0) // BLOCK * BLOCK)
+    if HAS_CHUNK:
+        chunk_lo = first_pos // chunk * chunk - other_offset  # the first row's chunk starts here
+        chunk_hi = (last_pos // chunk + 1) * chunk - other_offset  # the last row's chunk ends before here
+        lo = tl.maximum(lo, chunk_lo)
+        hi = tl.minimum(hi, tl.maximum(chunk_hi, 0))
+        full_lo = tl.maximum(full_lo, (tl.maximum(chunk_lo, 0) + BLOCK - 1) // BLOCK * BLOCK)
+        one_chunk = first_pos // chunk == last_pos // chunk
+        full_hi = tl.where(one_chunk, tl.minimum(full_hi, tl.maximum(chunk_hi, 0) // BLOCK * BLOCK), 0)
     visible = lo < hi
     lo = lo // BLOCK * BLOCK
     hi = tl.where(visible, hi, lo)  # nothing visible: every range below is empty
@@ -230,12 +246,13 @@ def _band_tiles(first_pos, last_pos, other_offset, other_len, before, after,
 
 
 @triton.jit
-def _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, KeyMask, SegK,
+def _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, chunk, seg_q, KeyMask, SegK,
                      Q_AXIS: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
-                     HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr):
+                     HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+                     HAS_SEG: tl.constexpr):
     """Boolean tile mask: queries along axis Q_AXIS (0: [queries, keys], 1: [keys, queries]).
 
-    PARTIAL tiles check key bounds and the band from positions; key_mask / segment ids apply to
+    PARTIAL tiles check key bounds, the band and the chunks from positions; key_mask / segment ids apply to
     every tile where present. KeyMask / SegK point at this batch row; seg_q holds the query segments.
     """
     visible = tl.expand_dims(k_idx < Sk, Q_AXIS)
@@ -246,6 +263,8 @@ def _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, K
             visible = visible & (k_pos <= q_pos + right)
         if HAS_LEFT:
             visible = visible & (k_pos >= q_pos - left)
+        if HAS_CHUNK:  # positions are >= 0: // is the floor
+            visible = visible & (k_pos // chunk == q_pos // chunk)
     if HAS_KEY_MASK:
         key_ok = tl.load(KeyMask + k_idx, mask=k_idx < Sk, other=0) != 0
         visible = visible & tl.expand_dims(key_ok, Q_AXIS)
@@ -321,9 +340,9 @@ def _load_row_stats(Lse, Delta, rows, n_rows, CHECK_ROWS: tl.constexpr):
 
 @triton.jit
 def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK, k_offsets, v_offsets,
-                   start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
+                   start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
                    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) over the key tiles starting in [start, end)."""
@@ -337,8 +356,8 @@ def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK
         if SOFTCAP:
             qk, _ = _soft_cap(qk, qk_cap)
         if PARTIAL or HAS_KEY_MASK or HAS_SEG:
-            visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, KeyMask, SegK,
-                                       0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG)
+            visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, chunk, seg_q, KeyMask, SegK,
+                                       0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG)
             s = tl.where(visible, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -363,8 +382,9 @@ def _attn_fwd_kernel(
     Q, K, V, Out, Lse, KeyMask, SegQ, SegK,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
-    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
+    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -397,19 +417,20 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
-                                           k_offset, Sk, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                           k_offset, Sk, left, right, chunk, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                           HAS_CHUNK)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, lo, full_lo, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-                                   HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
+                                   k_offset, left, right, chunk, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+                                   HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, False,
-                                   HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
+                                   k_offset, left, right, chunk, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, False,
+                                   HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, full_hi, hi, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-                                   HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
+                                   k_offset, left, right, chunk, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+                                   HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
 
     has_keys = l_i > 0.0
     l_ref = tl.where(has_keys, l_i, 1.0)
@@ -444,9 +465,10 @@ def _attn_bwd_delta_kernel(Out, DO, Delta, stride_ob, stride_oh, stride_os, stri
 @triton.jit
 def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask, SegK,
                       q_offsets, do_offsets, start, end, first_head, kv_group, stride_qh, stride_qs, stride_doh,
-                      stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap, HEAD_DIM: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
-                      HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                      stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr,
+                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                      HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
                       SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Accumulate dk (unscaled) and dv of one key tile over the query tiles starting in [start, end) of
     every query head of the kv head's group. Heads and tiles form one flat loop (not two nested ones),
@@ -471,8 +493,8 @@ def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, Ke
             seg_q = q_idx
             if HAS_SEG:
                 seg_q = tl.load(SegQ_b + q_idx, mask=q_idx < Sq, other=0)
-            visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, KeyMask, SegK,
-                                       1, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG)
+            visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, chunk, seg_q, KeyMask, SegK,
+                                       1, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG)
             p_t = tl.exp2(tl.where(visible, qk_t * qk_scale, float("-inf")) - lse2[None, :])
         else:
             p_t = tl.exp2(qk_t * qk_scale - lse2[None, :])
@@ -492,8 +514,9 @@ def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, KeyMask, SegQ, SegK,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
+    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -521,7 +544,8 @@ def _attn_bwd_dkdv_kernel(
     # Queries at position p see keys [p - left, p + right], so a key at position k is seen by queries
     # [k - right, k + left]: the same band helper with the bounds swapped.
     lo, full_lo, full_hi, hi = _band_tiles(k_offset + k_start, k_offset + tl.minimum(k_start + BLOCK_N, Sk) - 1,
-                                           q_offset, Sq, right, left, BLOCK_M, HAS_RIGHT, HAS_LEFT)
+                                           q_offset, Sq, right, left, chunk, BLOCK_M, HAS_RIGHT, HAS_LEFT,
+                                           HAS_CHUNK)
     Q_b = Q + b.to(tl.int64) * stride_qb
     DO_b = DO + b.to(tl.int64) * stride_dob
     Lse_b = Lse + b.to(tl.int64) * num_heads * Sq
@@ -529,18 +553,18 @@ def _attn_bwd_dkdv_kernel(
     first_head = hk * kv_group
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, lo, full_lo, first_head, kv_group, stride_qh, stride_qs,
-                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG,
+                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
                                SOFTCAP, DOT_PRECISION)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, full_lo, full_hi, first_head, kv_group, stride_qh, stride_qs,
-                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG,
+                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
                                SOFTCAP, DOT_PRECISION)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, full_hi, hi, first_head, kv_group, stride_qh, stride_qs,
-                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG,
+                               stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
                                SOFTCAP, DOT_PRECISION)
 
     _store_tile(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
@@ -551,9 +575,9 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask, SegK, k_offsets, v_offsets,
-                  start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
+                  start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
                   HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     """Accumulate dq (unscaled) of one query tile over the key tiles starting in [start, end)."""
@@ -569,8 +593,8 @@ def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask,
         if SOFTCAP:
             qk, tanh = _soft_cap(qk, qk_cap)
         if PARTIAL or HAS_KEY_MASK or HAS_SEG:
-            visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, seg_q, KeyMask, SegK,
-                                       0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG)
+            visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, chunk, seg_q, KeyMask, SegK,
+                                       0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG)
             p = tl.exp2(tl.where(visible, qk * qk_scale, float("-inf")) - lse2[:, None])
         else:
             p = tl.exp2(qk * qk_scale - lse2[:, None])
@@ -589,8 +613,9 @@ def _attn_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, KeyMask, SegQ, SegK,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
+    num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -623,18 +648,19 @@ def _attn_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
-                                           k_offset, Sk, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                           k_offset, Sk, left, right, chunk, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                           HAS_CHUNK)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
-                       lo, full_lo, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
+                       lo, full_lo, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
                        DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
-                       full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
-                       DOT_PRECISION)
+                       full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale,
+                       qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
+                       SOFTCAP, DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
-                       full_hi, hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, qk_scale, qk_cap,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
+                       full_hi, hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
                        DOT_PRECISION)
     _store_tile(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
                 + q_idx[:, None].to(tl.int64) * stride_dqs + offs_d[None, :], dq * scale, q_idx, Sq, offs_d, HEAD_DIM)
@@ -707,7 +733,9 @@ class _Problem:
     right: int  # band: j_pos <= i_pos + right (when has_right)
     has_left: bool
     has_right: bool
-    hidden: bool  # the band hides every pair of the block: nothing to compute
+    chunk: int  # chunked local attention: j_pos // chunk == i_pos // chunk (when has_chunk)
+    has_chunk: bool
+    hidden: bool  # the band or the chunks hide every pair of the block: nothing to compute
     scale: float
     softcap: float  # scaled scores s become softcap * tanh(s / softcap); 0: no capping
 
@@ -749,6 +777,20 @@ def _band(causal, window, q_offset: int, sq: int, k_offset: int, sk: int):
     return max(left, 0), max(right, 0), has_left, has_right, hidden
 
 
+def _chunks(chunk, q_offset: int, sq: int, k_offset: int, sk: int):
+    """(chunk, has_chunk, hidden) of a chunk mask for this block: dropped when every query and key lies in one
+    chunk, hidden when the queries and the keys share no chunk."""
+    chunk = _check_int("chunk", chunk)
+    if chunk < 0:
+        raise ValueError(f"chunk must be >= 0 (0: no chunks), got {chunk}")
+    if not chunk or sq == 0 or sk == 0:
+        return max(chunk, 1), False, False
+    q_first, q_last = q_offset // chunk, (q_offset + sq - 1) // chunk
+    k_first, k_last = k_offset // chunk, (k_offset + sk - 1) // chunk
+    hidden = k_first > q_last or k_last < q_first
+    return chunk, not (q_first == q_last == k_first == k_last), hidden
+
+
 def _key_mask(key_mask, batch: int, sk: int, device):
     if key_mask is None:
         return None
@@ -775,7 +817,8 @@ def _segments(segment_ids, batch: int, sq: int, sk: int, device):
     return seg_q.to(device).contiguous(), seg_k.to(device).contiguous()
 
 
-def _prepare(q, k, v, *, q_offset, k_offset, causal, window, key_mask, segment_ids, scale, softcap) -> _Problem:
+def _prepare(q, k, v, *, q_offset, k_offset, causal, window, chunk, key_mask, segment_ids, scale,
+             softcap) -> _Problem:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, heads, S, D], got "
@@ -804,6 +847,7 @@ def _prepare(q, k, v, *, q_offset, k_offset, causal, window, key_mask, segment_i
     _check_int("q_offset + Sq", q_offset + sq)
     _check_int("k_offset + Sk", k_offset + sk)
     left, right, has_left, has_right, hidden = _band(causal, window, q_offset, sq, k_offset, sk)
+    chunk, has_chunk, chunks_hidden = _chunks(chunk, q_offset, sq, k_offset, sk)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if not scale > 0.0 or not math.isfinite(scale):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
@@ -814,7 +858,8 @@ def _prepare(q, k, v, *, q_offset, k_offset, causal, window, key_mask, segment_i
     return _Problem(q=_last_dim_contiguous(q), k=_last_dim_contiguous(k), v=_last_dim_contiguous(v),
                     key_mask=_key_mask(key_mask, batch, sk, q.device), seg_q=seg_q, seg_k=seg_k,
                     q_offset=q_offset, k_offset=k_offset, left=left, right=right, has_left=has_left,
-                    has_right=has_right, hidden=hidden, scale=scale, softcap=softcap)
+                    has_right=has_right, chunk=chunk, has_chunk=has_chunk, hidden=hidden or chunks_hidden,
+                    scale=scale, softcap=softcap)
 
 
 def _kernel_args(p: _Problem):
@@ -826,9 +871,9 @@ def _kernel_args(p: _Problem):
         SegQ=p.seg_q if p.seg_q is not None else placeholder,
         SegK=p.seg_k if p.seg_k is not None else placeholder,
         num_heads=heads, kv_group=heads // kv_heads, Sq=sq, Sk=sk, q_offset=p.q_offset, k_offset=p.k_offset,
-        left=p.left, right=p.right, scale=p.scale, qk_cap=p.softcap / p.scale if p.softcap else 1.0,
+        left=p.left, right=p.right, chunk=p.chunk, scale=p.scale, qk_cap=p.softcap / p.scale if p.softcap else 1.0,
         SQ_BUCKET=_seq_bucket(sq), SK_BUCKET=_seq_bucket(sk), HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-        HAS_LEFT=p.has_left, HAS_RIGHT=p.has_right, HAS_KEY_MASK=p.key_mask is not None,
+        HAS_LEFT=p.has_left, HAS_RIGHT=p.has_right, HAS_CHUNK=p.has_chunk, HAS_KEY_MASK=p.key_mask is not None,
         HAS_SEG=p.seg_q is not None, SOFTCAP=p.softcap > 0.0, DOT_PRECISION=_dot_precision(p.q.dtype),
     )
 
@@ -917,28 +962,29 @@ def _backward(p: _Problem, dout, out, lse, delta, grad_dtype: torch.dtype):
 # ----------------------------------------------------------------------------------------------------
 
 
-def triton_attention_forward(q, k, v, *, q_offset=0, k_offset=0, causal=False, window=None, key_mask=None,
+def triton_attention_forward(q, k, v, *, q_offset=0, k_offset=0, causal=False, window=None, chunk=0, key_mask=None,
                              segment_ids=None, scale=None, softcap=0.0):
     """Attention of one query block over one key block at global offsets.
 
     q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (fp16 / bf16 / fp32, H % Hkv == 0). Returns (out float32
     [B, H, Sq, D], lse float32 [B, H, Sq], natural log); rows with no visible key get out 0, lse -inf.
-    softcap > 0 caps the scaled scores s to softcap * tanh(s / softcap) before the mask.
+    softcap > 0 caps the scaled scores s to softcap * tanh(s / softcap) before the mask; chunk > 0 keeps
+    only the pairs with i_pos // chunk == j_pos // chunk.
     """
-    p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window,
+    p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, chunk=chunk,
                  key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap)
     return _forward(p, torch.float32)
 
 
 def triton_attention_backward(dout, q, k, v, out, lse, *, delta=None, q_offset=0, k_offset=0, causal=False,
-                              window=None, key_mask=None, segment_ids=None, scale=None, softcap=0.0):
+                              window=None, chunk=0, key_mask=None, segment_ids=None, scale=None, softcap=0.0):
     """Gradients (dq, dk, dv), float32, dk/dv with Hkv heads, of one key block's share of attention.
 
     out / lse are the FINAL values over all key blocks (so ring steps can sum the results); delta =
     rowsum(dout * out) float32 [B, H, Sq] is computed from out when None. Rows with lse -inf contribute
     nothing.
     """
-    p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window,
+    p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, chunk=chunk,
                  key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap)
     return _backward(p, dout, out, lse, delta, torch.float32)
 
@@ -973,17 +1019,17 @@ def triton_merge(out_a, lse_a, out_b, lse_b):
 
 class TritonAttentionFunction(torch.autograd.Function):
     """Differentiable single-block attention: ``apply(q, k, v, q_offset, k_offset, causal, window, key_mask,
-    segment_ids, scale, softcap)`` returns out in q's dtype; gradients are written in the input dtypes."""
+    segment_ids, scale, softcap, chunk)`` returns out in q's dtype; gradients are written in the input dtypes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale, softcap):
-        p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window,
+    def forward(ctx, q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale, softcap, chunk):
+        p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, chunk=chunk,
                      key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap)
         out, lse = _forward(p, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, key_mask,
                               *(segment_ids if segment_ids is not None else (None, None)))
-        ctx.mask_args = dict(q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, scale=scale,
-                             softcap=softcap)
+        ctx.mask_args = dict(q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, chunk=chunk,
+                             scale=scale, softcap=softcap)
         return out
 
     @staticmethod
@@ -992,11 +1038,11 @@ class TritonAttentionFunction(torch.autograd.Function):
         p = _prepare(q, k, v, key_mask=key_mask, segment_ids=None if seg_q is None else (seg_q, seg_k),
                      **ctx.mask_args)
         dq, dk, dv = _backward(p, dout, out, lse, None, q.dtype)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
-def triton_attention(q, k, v, *, q_offset=0, k_offset=0, causal=False, window=None, key_mask=None,
+def triton_attention(q, k, v, *, q_offset=0, k_offset=0, causal=False, window=None, chunk=0, key_mask=None,
                      segment_ids=None, scale=None, softcap=0.0):
     """Differentiable attention through the Triton kernels; out in q's dtype (see TritonAttentionFunction)."""
     return TritonAttentionFunction.apply(q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale,
-                                         softcap)
+                                         softcap, chunk)

@@ -36,7 +36,8 @@ from .ops import canonical, is_tensor_node, register_canonical, shape_of, value_
 __all__ = ["captured_attention", "capture_attention", "dense_mask_of"]
 
 
-def dense_mask_of(q_len: int, k_len: int, causal: bool, window, key_mask, segment_ids, device) -> torch.Tensor | None:
+def dense_mask_of(q_len: int, k_len: int, causal: bool, window, key_mask, segment_ids, device,
+                  chunk: int = 0) -> torch.Tensor | None:
     """The boolean [B|1, 1, Sq, Sk] mask a structured mask stands for (True = attend)."""
     qi = torch.arange(q_len, device=device)[:, None]
     ki = torch.arange(k_len, device=device)[None, :]
@@ -49,6 +50,8 @@ def dense_mask_of(q_len: int, k_len: int, causal: bool, window, key_mask, segmen
             mask &= ki >= qi - left
         if right >= 0:
             mask &= ki <= qi + right
+    if chunk:
+        mask &= qi // chunk == ki // chunk
     mask = mask[None, None]
     if key_mask is not None:
         mask = mask & key_mask[:, None, None, :].bool()
@@ -58,12 +61,14 @@ def dense_mask_of(q_len: int, k_len: int, causal: bool, window, key_mask, segmen
 
 
 def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None,
-                       scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero"):
+                       chunk=0, scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero"):
     """Attention with a structured mask, on whole tensors (what one device computes). ``empty_rows``: what
-    a row with no visible key gets (see :class:`~autoshard.passes.masks.StructuredMask`). ``softcap``: see
-    the module docstring."""
-    structured = causal or window is not None or key_mask is not None or segment_ids is not None
-    mask = dense_mask_of(q.size(-2), k.size(-2), causal, window, key_mask, segment_ids, q.device) if structured else None
+    a row with no visible key gets (see :class:`~autoshard.passes.masks.StructuredMask`). ``chunk``: chunked
+    local attention (query i sees key j only if i // chunk == j // chunk; 0: none). ``softcap``: see the
+    module docstring."""
+    structured = causal or window is not None or chunk or key_mask is not None or segment_ids is not None
+    mask = (dense_mask_of(q.size(-2), k.size(-2), causal, window, key_mask, segment_ids, q.device, chunk)
+            if structured else None)
     if dense_mask is not None:
         mask = dense_mask if mask is None else (mask & dense_mask if dense_mask.dtype == torch.bool
                                                 else dense_mask.masked_fill(~mask, float("-inf")))
@@ -86,11 +91,11 @@ def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None
 
 
 @register_canonical("attention", functions=[captured_attention])
-def _bind_captured(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None, scale=None,
-                   softcap=0.0, dropout_p=0.0, empty_rows="zero"):
+def _bind_captured(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None, chunk=0,
+                   scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero"):
     return {"q": q, "k": k, "v": v, "key_mask": key_mask, "segment_ids": segment_ids, "dense_mask": dense_mask,
-            "causal": causal, "window": window, "scale": scale, "softcap": softcap, "dropout_p": dropout_p,
-            "empty_rows": empty_rows, "captured": True}
+            "causal": causal, "window": window, "chunk": chunk, "scale": scale, "softcap": softcap,
+            "dropout_p": dropout_p, "empty_rows": empty_rows, "captured": True}
 
 
 # ----------------------------------------------------------------------------- pattern helpers
@@ -267,7 +272,7 @@ def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> li
             reason, dense, spec = spec, mask, StructuredMask(causal=causal)
         else:
             reason = None
-        kwargs = {"causal": spec.causal, "window": spec.window,
+        kwargs = {"causal": spec.causal, "window": spec.window, "chunk": spec.chunk,
                   "scale": float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1]),
                   "softcap": softcap, "dropout_p": dropout_p,
                   "empty_rows": empty_rows_of(fill) if fill is not None else spec.empty_rows}

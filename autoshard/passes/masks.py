@@ -11,7 +11,11 @@ gives one boolean formula in ``b, h, q, k``; its conjuncts are classified:
 * only ``q`` and ``k``, linear, or a distance ``|k - q|`` bounded above (a bidirectional sliding window:
   ModernBERT, EmbeddingGemma): bounds on ``k - q`` -> ``causal`` and ``window=(left, right)``;
 * no ``q`` (a function of ``b``, ``k``): a key mask, materialized as a ``[B, S]`` tensor;
-* ``f(b, q) == f(b, k)``: segment ids ``f`` (packed documents), materialized as ``[B, S]``;
+* ``floor((q + o) / C) == floor((k + o) / C)`` with ``o`` a multiple of ``C`` (positions floor-divided by a
+  constant, ``q // C == kv // C``: Llama-4's chunked local attention): ``chunk=C``, block-diagonal, so the
+  runtime skips every block whose positions share no chunk;
+* ``f(b, q) == f(b, k)``: segment ids ``f`` (packed documents, or chunks shifted by a per-row padding
+  offset, ``(q - pad[b]) // C``), materialized as ``[B, S]``;
 * ``P(b, k) <= P(b, q)`` for a position tensor ``P`` next to segment ids that are the runs of ``P``
   (``cumsum(diff(P) != 1)``, how transformers detects packed sequences): ``k <= q``, because inside a
   segment positions grow by one per token;
@@ -67,6 +71,8 @@ class StructuredMask:
     causal: bool = False
     window: tuple[int, int] | None = None
     """(left, right) as flash-attn: key j visible to query i iff i - left <= j <= i + right; -1 = unbounded."""
+    chunk: int = 0
+    """Chunked local attention: key j visible to query i only if i // chunk == j // chunk (0: none)."""
     key_mask: fx.Node | None = None
     """[B, S] bool, True = may be attended."""
     segment_ids: fx.Node | None = None
@@ -196,6 +202,9 @@ class _Evaluator:
         binary = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
                   "le": sympy.Le, "lt": sympy.Lt, "ge": sympy.Ge, "gt": sympy.Gt, "eq": sympy.Eq, "ne": sympy.Ne,
                   "bitwise_and": sympy.And, "logical_and": sympy.And, "bitwise_or": sympy.Or, "logical_or": sympy.Or}
+        floor_division = fn == "floor_divide" or (fn == "div" and node.kwargs.get("rounding_mode") == "floor")
+        if floor_division and len(vals) == 2 and sympy.sympify(vals[1].expr).is_Integer and vals[1].expr != 0:
+            return _Abs(sympy.floor(vals[0].expr / vals[1].expr), shape)
         if fn in binary and len(vals) == 2:
             a, b = vals
             if fn == "mul" and value_of(node).dtype == torch.bool:
@@ -403,6 +412,35 @@ def _linear_bounds(diff, op):
     return (sympy.floor(bound) + 1, sympy.oo)
 
 
+def _chunk_size(atom) -> int | None:
+    """``C`` when ``atom`` is ``floor((q + o) / C) == floor((k + o) / C)`` with the same constant ``C`` and an
+    offset ``o`` that is a multiple of ``C`` (the same chunks as ``o = 0``; sympy moves ``o / C`` out of the
+    floor), else None."""
+    if not isinstance(atom, sympy.Eq):
+        return None
+    terms = sympy.Add.make_args(sympy.expand(atom.lhs - atom.rhs))
+    floors = [t for t in terms if t.has(sympy.floor)]
+    if len(floors) != 2 or sum(t for t in terms if not t.has(sympy.floor)) != 0:
+        return None
+    sizes = {}
+    for term in floors:
+        sign, floor = term.as_coeff_Mul()
+        if sign not in (1, -1) or not isinstance(floor, sympy.floor):
+            return None
+        arg = sympy.expand(floor.args[0])
+        syms = arg.free_symbols
+        if len(syms) != 1 or not syms <= {Q, K}:
+            return None
+        (sym,) = syms
+        inverse, offset = arg.coeff(sym), arg.subs(sym, 0)  # arg = sym / C + o / C
+        if not (inverse.is_Rational and inverse > 0 and inverse.p == 1 and offset.is_integer):
+            return None
+        sizes[sym] = (int(inverse.q), sign)
+    if set(sizes) != {Q, K} or sizes[Q][0] != sizes[K][0] or sizes[Q][1] == sizes[K][1] or sizes[Q][0] < 2:
+        return None
+    return sizes[Q][0]
+
+
 def _is_run_segments(seg: fx.Node, pos: fx.Node) -> bool:
     """``seg`` is ``cumsum(diff(P) != 1)`` along the last dim, ``P`` being ``pos`` (or what ``pos`` expands)."""
     op = canonical(seg)
@@ -466,8 +504,13 @@ def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bo
         if H in syms:
             raise Unstructurable("a mask that differs per head")
         bounds = _k_minus_q_bounds(atom) if not calls else None
+        chunk = _chunk_size(atom) if not calls else None
         if bounds is not None:
             lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
+        elif chunk is not None:
+            if spec.chunk not in (0, chunk):
+                raise Unstructurable(f"two chunk sizes, {spec.chunk} and {chunk}")
+            spec.chunk = chunk
         elif Q not in syms:
             key_atoms.append(atom)
         elif isinstance(atom, sympy.Eq) and sympy.simplify(atom.lhs.xreplace({Q: K}) - atom.rhs) == 0 and K not in atom.lhs.free_symbols:
@@ -583,6 +626,10 @@ class _Emitter:
             return functools.reduce(lambda a, b: _new(self.graph, operator.add, (a, b)), [self.emit(a) for a in expr.args])
         if isinstance(expr, sympy.Mul):
             return functools.reduce(lambda a, b: _new(self.graph, operator.mul, (a, b)), [self.emit(a) for a in expr.args])
+        if isinstance(expr, sympy.floor):  # floor(n / d) of an integer expression n and a constant d
+            numerator, denominator = sympy.fraction(sympy.together(expr.args[0]))
+            if denominator.is_Integer:
+                return _new(self.graph, operator.floordiv, (self.emit(sympy.expand(numerator)), int(denominator)))
         raise Unstructurable(f"cannot build {expr}")
 
 

@@ -42,7 +42,7 @@ TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 3e-3), torch.bf
 # ----------------------------------------------------------------------------------------------------
 
 
-def visible_mask(batch, sq, sk, *, q_offset=0, k_offset=0, causal=False, window=None, key_mask=None,
+def visible_mask(batch, sq, sk, *, q_offset=0, k_offset=0, causal=False, window=None, chunk=0, key_mask=None,
                  segment_ids=None):
     """[B, 1, Sq, Sk] bool: which key each query may attend, straight from the contract's definitions."""
     i = torch.arange(sq)[:, None] + q_offset
@@ -56,6 +56,8 @@ def visible_mask(batch, sq, sk, *, q_offset=0, k_offset=0, causal=False, window=
             mask &= j >= i - left
         if right >= 0:
             mask &= j <= i + right
+    if chunk:
+        mask &= torch.div(i, chunk, rounding_mode="floor") == torch.div(j, chunk, rounding_mode="floor")
     if key_mask is not None:
         mask &= key_mask.cpu()[:, None, None, :]
     if segment_ids is not None:
@@ -105,6 +107,7 @@ class Case:
     k_offset: int = 0
     causal: bool = False
     window: Optional[Tuple[int, int]] = None
+    chunk: int = 0
     key_mask: Optional[str] = None  # "random" | "batch0_empty"
     segments: bool = False
     batch: int = 2
@@ -139,7 +142,7 @@ def make_inputs(case: Case, dtype, device=DEVICE, seed=0):
         segment_ids = (seg[:, case.q_offset:case.q_offset + case.sq].to(device),
                        seg[:, case.k_offset:case.k_offset + case.sk].to(device))
     mask_args = dict(q_offset=case.q_offset, k_offset=case.k_offset, causal=case.causal, window=case.window,
-                     key_mask=key_mask, segment_ids=segment_ids)
+                     chunk=case.chunk, key_mask=key_mask, segment_ids=segment_ids)
     return q, k, v, dout, mask_args
 
 
@@ -165,6 +168,12 @@ MASK_CASES = [
     Case("fully_masked_rows", sq=40, sk=40, q_offset=16, k_offset=30, window=(6, 2), key_mask="batch0_empty"),
     Case("mha", sq=40, sk=40, causal=True, heads=2, kv_heads=2),
     Case("mqa", sq=40, sk=40, causal=True, window=(20, -1), heads=4, kv_heads=1),
+    # chunked local attention: block-diagonal, so tiles outside a row tile's chunks are never visited
+    Case("chunk_aligned", sq=48, sk=48, chunk=16),  # one full tile per chunk, the rest hidden
+    Case("chunk_causal_unaligned", sq=33, sk=35, q_offset=5, k_offset=3, causal=True, chunk=12),  # straddling tiles
+    Case("chunk_wide_causal_ring", sq=24, sk=40, q_offset=40, k_offset=8, causal=True, chunk=40),  # one chunk edge
+    Case("chunk_key_mask", sq=24, sk=30, q_offset=3, causal=True, chunk=7, key_mask="random"),
+    Case("chunk_disjoint", sq=16, sk=16, q_offset=32, k_offset=8, chunk=16),  # no chunk in common: hidden
 ]
 
 
@@ -400,33 +409,38 @@ def test_config_pruning(kernel, head_dim, masked):
 
 
 @triton.jit
-def _band_tiles_probe(Params, Out, BLOCK: tl.constexpr, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr):
+def _band_tiles_probe(Params, Out, BLOCK: tl.constexpr, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr,
+                      HAS_CHUNK: tl.constexpr):
     i = tl.program_id(0)
-    first_pos = tl.load(Params + 6 * i)
-    last_pos = tl.load(Params + 6 * i + 1)
-    other_offset = tl.load(Params + 6 * i + 2)
-    other_len = tl.load(Params + 6 * i + 3)
-    before = tl.load(Params + 6 * i + 4)
-    after = tl.load(Params + 6 * i + 5)
-    lo, full_lo, full_hi, hi = attn._band_tiles(first_pos, last_pos, other_offset, other_len, before, after,
-                                                BLOCK, HAS_BEFORE, HAS_AFTER)
+    first_pos = tl.load(Params + 7 * i)
+    last_pos = tl.load(Params + 7 * i + 1)
+    other_offset = tl.load(Params + 7 * i + 2)
+    other_len = tl.load(Params + 7 * i + 3)
+    before = tl.load(Params + 7 * i + 4)
+    after = tl.load(Params + 7 * i + 5)
+    chunk = tl.load(Params + 7 * i + 6)
+    lo, full_lo, full_hi, hi = attn._band_tiles(first_pos, last_pos, other_offset, other_len, before, after, chunk,
+                                                BLOCK, HAS_BEFORE, HAS_AFTER, HAS_CHUNK)
     slot = tl.arange(0, 4)
     tl.store(Out + 4 * i + slot, tl.where(slot == 0, lo, tl.where(slot == 1, full_lo, tl.where(slot == 2, full_hi, hi))))
 
 
-@pytest.mark.parametrize("has_before, has_after", [(False, False), (True, False), (False, True), (True, True)])
-def test_band_tiles_visit_exactly_the_needed_tiles(has_before, has_after):
+@pytest.mark.parametrize("has_before, has_after, has_chunk", [
+    (False, False, False), (True, False, False), (False, True, False), (True, True, False),
+    (False, False, True), (True, True, True)])
+def test_band_tiles_visit_exactly_the_needed_tiles(has_before, has_after, has_chunk):
     block, n = 16, 160
-    g = torch.Generator().manual_seed(int(has_before) * 2 + int(has_after))
+    g = torch.Generator().manual_seed(int(has_before) * 2 + int(has_after) + 4 * int(has_chunk))
     first = torch.randint(0, 120, (n,), generator=g)
     params = torch.stack([first, first + torch.randint(0, 2 * block, (n,), generator=g),
                           torch.randint(0, 120, (n,), generator=g), torch.randint(1, 80, (n,), generator=g),
-                          torch.randint(0, 40, (n,), generator=g), torch.randint(0, 40, (n,), generator=g)], 1)
-    params[:8, 4:] = 0  # band of width 1 (causal diagonal)
+                          torch.randint(0, 40, (n,), generator=g), torch.randint(0, 40, (n,), generator=g),
+                          torch.randint(1, 48, (n,), generator=g)], 1)
+    params[:8, 4:6] = 0  # band of width 1 (causal diagonal)
     out = torch.empty(n, 4, dtype=torch.int32, device=DEVICE)
     _band_tiles_probe[(n,)](params.to(torch.int32).to(DEVICE), out, BLOCK=block, HAS_BEFORE=has_before,
-                            HAS_AFTER=has_after)
-    for (first_pos, last_pos, offset, length, before, after), (lo, full_lo, full_hi, hi) in zip(
+                            HAS_AFTER=has_after, HAS_CHUNK=has_chunk)
+    for (first_pos, last_pos, offset, length, before, after, chunk), (lo, full_lo, full_hi, hi) in zip(
             params.tolist(), out.cpu().tolist()):
         rows = torch.arange(first_pos, last_pos + 1)[:, None]
         pos = torch.arange(length)[None, :] + offset
@@ -435,13 +449,16 @@ def test_band_tiles_visit_exactly_the_needed_tiles(has_before, has_after):
             seen &= pos >= rows - before
         if has_after:
             seen &= pos <= rows + after
+        if has_chunk:
+            seen &= pos // chunk == rows // chunk
         tiles = range(0, length, block)
         needed = {t for t in tiles if seen[:, t:t + block].any()}
         fully = {t for t in tiles if t + block <= length and seen[:, t:t + block].all()}
         visited_partial = list(range(lo, full_lo, block)) + list(range(full_hi, hi, block))
         visited_full = list(range(full_lo, full_hi, block))
         visited = visited_partial + visited_full
-        where = f"rows [{first_pos}, {last_pos}] offset {offset} len {length} band (-{before}, +{after})"
+        where = (f"rows [{first_pos}, {last_pos}] offset {offset} len {length} band (-{before}, +{after}) "
+                 f"chunk {chunk if has_chunk else None}")
         assert len(visited) == len(set(visited)), f"tile visited twice: {where}"
         assert set(visited) == needed, f"visited {sorted(visited)} != needed {sorted(needed)}: {where}"
         assert set(visited_full) == fully, f"full {visited_full} != {sorted(fully)}: {where}"

@@ -56,6 +56,7 @@ def _cases(world: int) -> list[dict]:
             length=(8 * world if n % 3 else 8 * world + 1),  # every third length uneven (at every world size)
             tiled=n % 4 == 1,                              # force the tiled path with small tiles
             softcap=2.0 if n % 5 == 2 else 0.0,            # Gemma2's soft-capped scores, every dtype and mask
+            chunk=5 if n % 7 == 3 else 0,                  # chunked local attention (Llama-4) on every strategy
             seed=n))
     return cases
 
@@ -78,7 +79,8 @@ def _inputs(case: dict):
 
 
 def _mask_args(case: dict) -> dict:
-    return {"causal": "causal" in case["mask"], "window": (5, 0) if "window" in case["mask"] else None}
+    return {"causal": "causal" in case["mask"], "window": (5, 0) if "window" in case["mask"] else None,
+            "chunk": case["chunk"]}
 
 
 def _reference(case: dict):
@@ -179,14 +181,14 @@ def test_matches_one_process_sdpa(runs):
 
 def test_triton_kernels_plug_into_the_strategies():
     """Every strategy with ``kernels="triton"`` (the Triton interpreter on CPU), at least once each; the
-    causal cases with soft-capped scores."""
+    causal cases with soft-capped scores, the sliding-window case chunked too."""
     pytest.importorskip("triton")
     pytest.importorskip("autoshard.kernels.attention")
     wanted = {("ring", "contiguous", "causal+window"), ("zigzag", "zigzag", "causal"),
               ("zigzag", "zigzag", "key_mask"), ("allgather", "contiguous", "key_mask"),
               ("ulysses", "contiguous", "segments+causal"), ("hybrid", "zigzag", "causal")}
     cases = [dict(case, kernels="triton", dtype=torch.float32, tiled=False, length=20, head_dim=16,
-                  softcap=2.0 if case["mask"] == "causal" else 0.0)
+                  softcap=2.0 if case["mask"] == "causal" else 0.0, chunk=6 if case["mask"] == "causal+window" else 0)
              for case in _cases(2) if case["dtype"] == torch.float64 and (case["heads"], case["kv_heads"]) == (8, 2)
              and (case["strategy"], case["layout"], case["mask"]) in wanted]
     assert len(cases) == len(wanted)
@@ -420,11 +422,11 @@ def _compiled_attention():
 
     def fn(q, k, v):
         out, lse = torch.ops.autoshard.attention(q, k, v, None, None, "zigzag", layout.encode(), group, "", True,
-                                                 -1, -1, 8 ** -0.5, 0.0, "torch")
+                                                 -1, -1, 0, 8 ** -0.5, 0.0, "torch")
         return out.sum() + lse.sum().detach()
 
     torch.library.opcheck(torch.ops.autoshard.attention.default,
-                          (q, k, v, None, None, "zigzag", layout.encode(), group, "", True, -1, -1, 8 ** -0.5, 2.0,
+                          (q, k, v, None, None, "zigzag", layout.encode(), group, "", True, -1, -1, 4, 8 ** -0.5, 2.0,
                            "torch"))
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     compiled(q, k, v).backward()

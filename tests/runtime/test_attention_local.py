@@ -45,7 +45,7 @@ def path(request, monkeypatch):
     return request.param
 
 
-def _visible(q_offset, sq, k_offset, sk, causal, window):
+def _visible(q_offset, sq, k_offset, sk, causal, window, chunk=0):
     """The dense [sq, sk] visibility, written independently of MaskSpec."""
     i = torch.arange(q_offset, q_offset + sq).unsqueeze(1)
     j = torch.arange(k_offset, k_offset + sk).unsqueeze(0)
@@ -57,15 +57,17 @@ def _visible(q_offset, sq, k_offset, sk, causal, window):
             mask &= j >= i - window[0]
         if window[1] >= 0:
             mask &= j <= i + window[1]
+    if chunk:
+        mask &= torch.div(i, chunk, rounding_mode="floor") == torch.div(j, chunk, rounding_mode="floor")
     return mask
 
 
-def _dense(q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale, softcap=0.0):
+def _dense(q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale, softcap=0.0, chunk=0):
     """Reference attention in float64 with an explicit mask; rows with no visible key give out 0, lse -inf.
     ``softcap``: the scaled scores become ``softcap * tanh(s / softcap)`` before the mask."""
     group = q.size(1) // k.size(1)
     keys, values = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    mask = _visible(q_offset, q.size(2), k_offset, k.size(2), causal, window)[None, None]
+    mask = _visible(q_offset, q.size(2), k_offset, k.size(2), causal, window, chunk)[None, None]
     if key_mask is not None:
         mask = mask & key_mask[:, None, None, :]
     if segment_ids is not None:
@@ -152,6 +154,36 @@ def test_softcap_matches_dense(path, dtype, tol):
             assert (got.double() - ref).abs().max() <= tol * ref.abs().max(), (where, name)
 
 
+# (causal, window, key_mask, chunk): chunked local attention (Llama-4) alone and with the other masks
+CHUNK_MASKS = [(False, None, False, 8), (True, None, True, 5), (True, (6, 0), False, 8), (True, None, False, 40)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+def test_chunked_attention_matches_dense(path, dtype, tol):
+    """``chunk=C`` (query i sees key j only if i // C == j // C) against the dense reference, forward and
+    backward, at offsets that put chunk boundaries inside the blocks, at their edges and around them; the
+    FLOPs counted are exactly the visible pairs (the tiles outside the chunks are skipped)."""
+    for n, ((causal, window, use_km, chunk), (q_offset, k_offset)) in enumerate(
+            itertools.product(CHUNK_MASKS, [(0, 0), (16, 24), (3, 40)])):
+        q, k, v, dout, km, _ = _case(n, 6, 2, use_km, False, dtype=dtype)
+        kw = dict(q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, chunk=chunk, key_mask=km)
+        with attention_flops() as flops:
+            out, lse = local_attention(q, k, v, **kw)
+        grads = local_attention_backward(dout, q, k, v, out, lse, **kw)
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = _dense(*leaves, q_offset, k_offset, causal, window, km, None, 1 / math.sqrt(q.size(-1)),
+                                  chunk=chunk)
+        ref_out.backward(dout.double())
+        where = f"mask {(causal, window, use_km, chunk)} offsets {(q_offset, k_offset)}"
+        pairs = int(_visible(q_offset, 19, k_offset, 33, causal, window, chunk).sum())
+        assert flops.forward == 4 * 2 * 6 * 24 * pairs, where
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), where
+        expected = (ref_out.detach(), *(t.grad for t in leaves))
+        for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), expected):
+            assert got.dtype == dtype, (where, name)
+            assert (got.double() - ref).abs().max() <= tol * max(ref.abs().max(), 1e-300), (where, name)
+
+
 def test_softcap_is_checked():
     q, k, v, _, _, _ = _case(0, 2, 2, False, False)
     with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
@@ -202,16 +234,17 @@ def test_hidden_blocks_return_at_once_and_flops_count_visible_pairs():
 
 def test_mask_spec_classification_matches_dense():
     g = torch.Generator().manual_seed(0)
-    for _ in range(400):
+    for n in range(800):
         causal = bool(torch.randint(0, 2, (), generator=g))
         window = tuple(int(x) for x in torch.randint(-1, 6, (2,), generator=g))
         window = None if torch.rand((), generator=g) < 0.3 else window
         q0, k0 = (int(x) for x in torch.randint(0, 24, (2,), generator=g))
         sq, sk = (int(x) for x in torch.randint(1, 9, (2,), generator=g))
-        spec = MaskSpec.of(causal, window)
-        dense = _visible(q0, sq, k0, sk, causal, window)
+        chunk = 0 if n % 2 else int(torch.randint(1, 7, (), generator=g))  # half of the cases chunked
+        spec = MaskSpec.of(causal, window, chunk)
+        dense = _visible(q0, sq, k0, sk, causal, window, chunk)
         expected = Visibility.HIDDEN if not dense.any() else Visibility.FULL if dense.all() else Visibility.PARTIAL
-        assert spec.classify(q0, sq, k0, sk) is expected, (causal, window, q0, sq, k0, sk)
+        assert spec.classify(q0, sq, k0, sk) is expected, (causal, window, chunk, q0, sq, k0, sk)
         assert spec.visible_pairs(q0, sq, k0, sk) == int(dense.sum())
         assert torch.equal(spec.visible(q0, sq, k0, sk), dense)
 
@@ -221,6 +254,8 @@ def test_mask_spec_rejects_bad_windows():
         MaskSpec.of(window=(3, -2))
     with pytest.raises(ValueError, match="pair of ints"):
         MaskSpec.of(window=(3,))
+    with pytest.raises(ValueError, match="chunk must be an int >= 0"):
+        MaskSpec.of(chunk=-8)
 
 
 def test_merge_of_halves_equals_the_whole():

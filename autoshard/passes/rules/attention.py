@@ -6,8 +6,9 @@ per-key positions.
 
 Rewrite: with queries, keys and values split along one layout and a structured mask, the call becomes
 ``torch.ops.autoshard.attention`` with the strategy chosen for it (``rw.strategies``); soft-capped
-scores (``softcap``, Gemma2) pass through to it. An attention that keeps a dense mask (one the mask
-pass could not structure) runs on gathered keys and values with this rank's rows of the mask, unless
+scores (``softcap``, Gemma2) and chunked local attention (``chunk``, Llama-4; its hidden blocks are
+skipped, see :mod:`autoshard.runtime.attention`) pass through to it. An attention that keeps a dense mask
+(one the mask pass could not structure) runs on gathered keys and values with this rank's rows of the mask, unless
 its scores are soft-capped; that one, an attention with dropout, and one whose keys are another
 sequence run on whole tensors. Both are recorded in the plan.
 
@@ -268,8 +269,8 @@ def rewrite_attention(rw, node, op):
         groups = (rw.heads_group, rw.ring_group) if strategy == "hybrid" else (rw.group, "")
         call = rw.call(torch.ops.autoshard.attention.default, *args, strategy, sq.layout.encode(), *groups,
                        bool(op.get("causal")),
-                       window[0] if window else -1, window[1] if window else -1, float(op["scale"]), softcap,
-                       rw.config.kernels)
+                       window[0] if window else -1, window[1] if window else -1, int(op.get("chunk") or 0),
+                       float(op["scale"]), softcap, rw.config.kernels)
         result = rw.call(operator.getitem, call, 0)
         _record_attention_bytes(rw, node, op, strategy, sq)
         empty_rows = op.get("empty_rows", "zero")
@@ -281,11 +282,13 @@ def rewrite_attention(rw, node, op):
         rw.done(node, result, out)
         rw.report.attention.append({"node": node.name, "strategy": strategy, "layout": sq.layout.kind,
                                     "length": sq.layout.length, "causal": bool(op.get("causal")),
-                                    "window": window, "key_mask": op.get("key_mask") is not None,
+                                    "window": window, "chunk": int(op.get("chunk") or 0),
+                                    "key_mask": op.get("key_mask") is not None,
                                     "segment_ids": op.get("segment_ids") is not None, "softcap": softcap,
                                     "dtype": str(value_of(node).dtype).removeprefix("torch.")})
         return
-    structured = op.get("causal") or op.get("window") or op.get("key_mask") or op.get("segment_ids")
+    structured = (op.get("causal") or op.get("window") or op.get("chunk") or op.get("key_mask")
+                  or op.get("segment_ids"))
     if (dense is not None and dropout_p == 0.0 and not softcap and out is not None and out.dim == 2
             and not out.factors and not structured):
         reason = "attention with a mask that is not causal / window / padding / segments"

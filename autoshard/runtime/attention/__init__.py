@@ -17,6 +17,16 @@ Structure (one file per concern; the strategies share everything below them):
 * :mod:`.merge` -- the fp32 LSE merge; :mod:`.masks` -- structured masks and block classification;
 * :mod:`.formulas` -- bytes sent per rank as sympy expressions (for the planner);
 * :mod:`.flops` -- attention FLOPs per rank, counted.
+
+Chunked local attention (``chunk=C``: query ``i`` sees key ``j`` only if ``i // C == j // C``, Llama-4's
+local layers) is block-diagonal, and every strategy skips its hidden blocks through the one
+classification of :class:`.masks.MaskSpec` (a block whose query and key positions share no chunk is
+hidden): the ring and the zigzag ring skip each (query piece, key piece) pair of a step that shares no
+chunk -- no compute, but the K/V block still travels on, since later ranks may need it; the all-gather,
+Ulysses and the hybrid attend their queries to the gathered pieces and skip the pieces outside the
+queries' chunks; inside a block :func:`local_attention` skips the tiles outside the chunks and masks
+the tiles that straddle a chunk boundary (the Triton kernels narrow each query tile's key range to its
+chunks, the same per key tile in the backward).
 """
 
 from . import allgather, hybrid, ring, ulysses, zigzag  # noqa: F401  (registers the strategies)

@@ -6,7 +6,10 @@ Both dispatch by ``strategy`` name to the algorithms registered in :mod:`.base`,
 shares the wiring and the checks::
 
     torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, strategy, layout, group, ring_group,
-                                  causal, window_left, window_right, scale, softcap, kernels) -> (out, lse)
+                                  causal, window_left, window_right, chunk, scale, softcap, kernels) -> (out, lse)
+
+``chunk`` (0: none) is chunked local attention, query ``i`` sees key ``j`` only if ``i // chunk == j //
+chunk`` (Llama-4's local layers; see :class:`.masks.MaskSpec`).
 
 ``softcap`` (0: none) caps the scaled scores, ``softcap * tanh(s / softcap)``, before the mask (Gemma2).
 
@@ -132,25 +135,28 @@ def _laid_out(*items: tuple[torch.Tensor, torch.Tensor | None, torch.dtype]) -> 
     return tuple(out)
 
 
-def _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, softcap, kernels) -> Call:
+def _call(strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale, softcap,
+          kernels) -> Call:
     return Call(strategy=strategy, layout=SequenceLayout.decode(layout), group=group, ring_group=ring_group,
-                spec=MaskSpec(causal, (window_left, window_right)), scale=scale, softcap=softcap, kernels=kernels)
+                spec=MaskSpec(causal, (window_left, window_right), chunk), scale=scale, softcap=softcap,
+                kernels=kernels)
 
 
 @torch.library.custom_op("autoshard::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
                   segment_ids: Optional[torch.Tensor], strategy: str, layout: list[int], group: str, ring_group: str,
-                  causal: bool, window_left: int, window_right: int, scale: float, softcap: float,
+                  causal: bool, window_left: int, window_right: int, chunk: int, scale: float, softcap: float,
                   kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
-    call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, softcap, kernels)
+    call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale, softcap,
+                 kernels)
     with without_autocast(q):
         out, lse = _validate(q, k, v, key_mask, segment_ids, call).forward(q, k, v, key_mask, segment_ids, call)
     return _laid_out((out, q, q.dtype), (lse, None, compute_dtype(q.dtype)))
 
 
 @_attention_op.register_fake
-def _(q, k, v, key_mask, segment_ids, strategy, layout, group, ring_group, causal, window_left, window_right, scale,
-      softcap, kernels):
+def _(q, k, v, key_mask, segment_ids, strategy, layout, group, ring_group, causal, window_left, window_right, chunk,
+      scale, softcap, kernels):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype))
 
 
@@ -158,9 +164,10 @@ def _(q, k, v, key_mask, segment_ids, strategy, layout, group, ring_group, causa
 def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, key_mask: Optional[torch.Tensor], segment_ids: Optional[torch.Tensor],
                            strategy: str, layout: list[int], group: str, ring_group: str, causal: bool,
-                           window_left: int, window_right: int, scale: float, softcap: float,
+                           window_left: int, window_right: int, chunk: int, scale: float, softcap: float,
                            kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, scale, softcap, kernels)
+    call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale, softcap,
+                 kernels)
     with without_autocast(q):
         dq, dk, dv = STRATEGIES[strategy].backward(dout, q, k, v, out, lse, key_mask, segment_ids, call)
     return _laid_out((dq, q, q.dtype), (dk, k, k.dtype), (dv, v, v.dtype))
@@ -168,7 +175,7 @@ def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 @_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, key_mask, segment_ids, strategy, layout, group, ring_group, causal, window_left,
-      window_right, scale, softcap, kernels):
+      window_right, chunk, scale, softcap, kernels):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -192,7 +199,7 @@ _attention_op.register_autograd(_backward, setup_context=_setup)
 # ---------------------------------------------------------------------------- cross-rank agreement
 
 _SIGNATURE = ("B", "H", "Hkv", "D", "dtype", "device", "strategy", "layout", "seq_len", "causal", "window_left",
-              "window_right", "key_mask", "segment_ids", "scale", "softcap", "kernels")
+              "window_right", "chunk", "key_mask", "segment_ids", "scale", "softcap", "kernels")
 _agreed: set = set()
 
 
@@ -213,7 +220,7 @@ def _signature(q, k, key_mask, segment_ids, strategy, layout, seq_len, spec, sca
     return tuple(_code(x) for x in (
         *shapes, q.dtype if isinstance(q, torch.Tensor) else None,
         q.device.type if isinstance(q, torch.Tensor) else "", strategy, layout,
-        -1 if seq_len is None else seq_len, spec.causal, *spec.window, key_mask is not None,
+        -1 if seq_len is None else seq_len, spec.causal, *spec.window, spec.chunk, key_mask is not None,
         segment_ids.dtype if isinstance(segment_ids, torch.Tensor) else None, float(scale or 0.0),
         float(softcap), kernels))
 
@@ -273,6 +280,7 @@ def attention(
     layout: str | SequenceLayout = "contiguous",
     causal: bool = False,
     window: tuple[int, int] | None = None,
+    chunk: int = 0,
     key_mask: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
     scale: float | None = None,
@@ -291,7 +299,8 @@ def attention(
     ``group``: a ProcessGroup, a 1-D DeviceMesh or None (the default group); for ``strategy="hybrid"`` a 2-D
     DeviceMesh (see :mod:`.hybrid`). ``strategy``: ``"ring"``, ``"zigzag"`` (needs ``layout="zigzag"``),
     ``"allgather"``, ``"ulysses"`` or ``"hybrid"``. ``layout``: ``"contiguous"``, ``"zigzag"`` or a
-    :class:`SequenceLayout`. ``causal`` / ``window=(left, right)`` (-1 unbounded) / ``key_mask`` (``[B, S_local]``
+    :class:`SequenceLayout`. ``causal`` / ``window=(left, right)`` (-1 unbounded) / ``chunk`` (chunked local
+    attention, ``i // chunk == j // chunk``; 0: none) / ``key_mask`` (``[B, S_local]``
     bool shard, True = attend) / ``segment_ids`` (``[B, S_local]`` int shard; attend within a segment):
     structured masks, never an S x S tensor. ``scale``: default ``1/sqrt(D)``. ``softcap``: when positive, the
     scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask (Gemma2's attention logit
@@ -318,7 +327,7 @@ def attention(
             raise AttentionInputError(f"autoshard.attention: seq_len={seq_len} but {layout!r} has length "
                                       f"{layout.length}")
         seq_len = layout.length
-    spec = MaskSpec.of(causal, window)
+    spec = MaskSpec.of(causal, window, chunk)
     pgs = _groups(group, strategy)
     world = math.prod(pg.size() for pg in pgs)
     names = [pg.group_name for pg in pgs] + [""]
@@ -371,5 +380,5 @@ def _autocast_input(t):
 def _run(q, k, v, key_mask, segment_ids, call: Call) -> torch.Tensor:
     out, _ = torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, call.strategy, call.layout.encode(),
                                            call.group, call.ring_group, call.spec.causal, *call.spec.window,
-                                           call.scale, call.softcap, call.kernels)
+                                           call.spec.chunk, call.scale, call.softcap, call.kernels)
     return out

@@ -37,7 +37,7 @@ class Call:
     ring_group: str = ""
     """For ``hybrid``: the ring axis' process-group name; empty otherwise."""
     spec: MaskSpec = MaskSpec()
-    """Causal / window mask."""
+    """Causal / window / chunk mask."""
     scale: float
     """Softmax scale."""
     softcap: float = 0.0

@@ -139,8 +139,8 @@ def attend(
         for hs in heads:
             block_out, block_lse = local_attention(
                 q[:, hs.q, qp.rows], k[:, hs.kv, kp.rows], v[:, hs.kv, kp.rows], q_offset=qp.start,
-                k_offset=kp.start, causal=spec.causal, window=spec.window_arg, scale=scale, softcap=softcap,
-                kernels=kernels, **masks)
+                k_offset=kp.start, causal=spec.causal, window=spec.window_arg, chunk=spec.chunk, scale=scale,
+                softcap=softcap, kernels=kernels, **masks)
             merge_attention_(out[:, hs.q, qp.rows], lse[:, hs.q, qp.rows], block_out, block_lse, kernels=kernels)
 
 
@@ -177,7 +177,7 @@ def attend_backward(
             rows, keys = (slice(None), hs.q, qp.rows), (slice(None), hs.kv, kp.rows)
             gq, gk, gv = local_attention_backward(
                 dout[rows], q[rows], k[keys], v[keys], out[rows], lse[rows], delta=delta[rows],
-                q_offset=qp.start, k_offset=kp.start, causal=spec.causal, window=spec.window_arg,
+                q_offset=qp.start, k_offset=kp.start, causal=spec.causal, window=spec.window_arg, chunk=spec.chunk,
                 scale=scale, softcap=softcap, kernels=kernels, **masks)
             dq[rows] += gq
             dk[keys] += gk

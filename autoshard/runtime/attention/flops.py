@@ -7,7 +7,7 @@
 Every call of :func:`~autoshard.runtime.attention.local_attention` (and its backward) records the FLOPs
 of the (query, key) pairs its mask lets through, whichever kernel runs: ``4 * D`` per visible pair and
 head in the forward (``Q K^T`` and ``P V``), ``10 * D`` in the backward (``Q K^T`` again, ``dV``, ``dP``,
-``dQ``, ``dK``). Only position masks (causal, window) are counted; data masks (``key_mask``,
+``dQ``, ``dK``). Only position masks (causal, window, chunks) are counted; data masks (``key_mask``,
 ``segment_ids``) do not reduce the count, since no kernel skips work for them. Blocks a strategy skips
 are never computed and so never counted: the figure measures how evenly a strategy spreads the work.
 

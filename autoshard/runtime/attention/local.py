@@ -1,7 +1,7 @@
 """The local attention primitive every distributed strategy computes through.
 
-    out, lse = local_attention(q, k, v, q_offset=..., k_offset=..., causal=..., window=..., key_mask=...,
-                               segment_ids=..., scale=...)
+    out, lse = local_attention(q, k, v, q_offset=..., k_offset=..., causal=..., window=..., chunk=...,
+                               key_mask=..., segment_ids=..., scale=...)
     dq, dk, dv = local_attention_backward(dout, q, k, v, out, lse, same mask arguments)
 
 One block of queries against one block of keys, both placed by their **global** offsets, so the same
@@ -94,6 +94,7 @@ def local_attention(
     k_offset: int = 0,
     causal: bool = False,
     window: tuple[int, int] | None = None,
+    chunk: int = 0,
     key_mask: torch.Tensor | None = None,
     segment_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
     scale: float | None = None,
@@ -102,13 +103,14 @@ def local_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query block against one key block at global offsets; returns ``(out, lse)``.
 
-    ``key_mask``: ``[B, Sk]`` bool, True where the key may be attended. ``segment_ids``: the pair
-    ``(seg_q [B, Sq], seg_k [B, Sk])``; a key is visible only within the query's segment. ``scale``
-    defaults to ``1 / sqrt(D)``. ``softcap``: when positive, the scaled scores ``s`` become
-    ``softcap * tanh(s / softcap)`` before the mask and the softmax (0: no capping). See the module
-    docstring for the outputs.
+    ``causal`` / ``window`` / ``chunk``: the position mask (:class:`.masks.MaskSpec`; a chunk mask skips the
+    tiles outside the chunks and masks the tiles that straddle a chunk boundary). ``key_mask``: ``[B, Sk]``
+    bool, True where the key may be attended. ``segment_ids``: the pair ``(seg_q [B, Sq], seg_k [B, Sk])``; a
+    key is visible only within the query's segment. ``scale`` defaults to ``1 / sqrt(D)``. ``softcap``: when
+    positive, the scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask and the softmax
+    (0: no capping). See the module docstring for the outputs.
     """
-    spec = MaskSpec.of(causal, window)
+    spec = MaskSpec.of(causal, window, chunk)
     _check(q, k, v, key_mask, segment_ids, softcap)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     (B, H, Sq, D), Sk = q.shape, k.size(2)
@@ -121,8 +123,8 @@ def local_attention(
         from autoshard.kernels.attention import triton_attention_forward
 
         return triton_attention_forward(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=spec.causal,
-                                        window=spec.window_arg, key_mask=key_mask, segment_ids=segment_ids,
-                                        scale=scale, softcap=softcap)
+                                        window=spec.window_arg, chunk=spec.chunk, key_mask=key_mask,
+                                        segment_ids=segment_ids, scale=scale, softcap=softcap)
     parts = _fused_parts(spec, visibility, q, q_offset, k_offset, Sk, key_mask, segment_ids, softcap)
     if parts is not None:
         return _fused_forward(q, k, v, parts, scale)
@@ -142,6 +144,7 @@ def local_attention_backward(
     k_offset: int = 0,
     causal: bool = False,
     window: tuple[int, int] | None = None,
+    chunk: int = 0,
     key_mask: torch.Tensor | None = None,
     segment_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
     scale: float | None = None,
@@ -153,7 +156,7 @@ def local_attention_backward(
     ``out``/``lse``: the rows' final values over all key blocks; ``delta``: ``rowsum(dout * out)``
     (``[B, H, Sq]``), computed when ``None``. Mask arguments and ``softcap`` as in :func:`local_attention`.
     """
-    spec = MaskSpec.of(causal, window)
+    spec = MaskSpec.of(causal, window, chunk)
     _check(q, k, v, key_mask, segment_ids, softcap)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     (B, H, Sq, D), Sk = q.shape, k.size(2)
@@ -167,7 +170,8 @@ def local_attention_backward(
 
         return triton_attention_backward(dout, q, k, v, out, lse, delta=delta, q_offset=q_offset,
                                          k_offset=k_offset, causal=spec.causal, window=spec.window_arg,
-                                         key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap)
+                                         chunk=spec.chunk, key_mask=key_mask, segment_ids=segment_ids, scale=scale,
+                                         softcap=softcap)
     parts = _fused_parts(spec, visibility, q, q_offset, k_offset, Sk, key_mask, segment_ids, softcap)
     if parts is not None:
         return _fused_backward(dout, q, k, v, out, lse, parts, scale)
@@ -205,7 +209,7 @@ def _fused_parts(spec: MaskSpec, visibility: Visibility, q: torch.Tensor, q_offs
 
     A fully visible block is one range; under a plain causal mask the keys before the queries are one
     fully visible range and the keys at the queries' own positions one aligned causal diagonal (keys
-    after them are hidden). Other blocks (windows, data masks, a diagonal cut by the block's edge) and
+    after them are hidden). Other blocks (windows, chunks, data masks, a diagonal cut by the block's edge) and
     soft-capped scores (the kernel has no soft-cap) are left to the tiled path.
     """
     if (not FUSED_BLOCKS or q.device.type != "cpu" or key_mask is not None or segment_ids is not None

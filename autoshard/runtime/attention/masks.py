@@ -1,7 +1,8 @@
 """Structured attention masks: which (query, key) pairs are visible, by *global* position.
 
-A :class:`MaskSpec` holds the position-based part of a mask (``causal`` and ``window``); the data-based
-parts (``key_mask``, ``segment_ids``) are tensors that travel with the keys and are applied tile by tile.
+A :class:`MaskSpec` holds the position-based part of a mask (``causal``, ``window`` and ``chunk``); the
+data-based parts (``key_mask``, ``segment_ids``) are tensors that travel with the keys and are applied tile
+by tile.
 No mask here ever becomes an ``S x S`` tensor: a block of queries ``[q_start, q_start + q_len)`` against a
 block of keys ``[k_start, k_start + k_len)`` is *classified* from its offsets alone:
 
@@ -14,8 +15,14 @@ block of keys ``[k_start, k_start + k_len)`` is *classified* from its offsets al
 
 Visibility rule (flash-attn's convention): key ``j`` is visible to query ``i`` iff
 ``causal`` implies ``j <= i`` and ``window=(left, right)`` implies ``i - left <= j <= i + right``,
-where ``-1`` means unbounded on that side. Mistral's ``sliding_window=W`` is ``window=(W - 1, 0)`` with
-``causal=True``.
+where ``-1`` means unbounded on that side, and ``chunk=C`` implies ``i // C == j // C``. Mistral's
+``sliding_window=W`` is ``window=(W - 1, 0)`` with ``causal=True``; Llama-4's chunked local attention is
+``chunk=C`` with ``causal=True``.
+
+A chunk mask is block-diagonal: a block whose query positions and key positions share no chunk (the
+chunk ranges ``[q_start // C, q_last // C]`` and ``[k_start // C, k_last // C]`` are disjoint) is
+``HIDDEN``, so every strategy skips it the way it skips the blocks a causal mask or a window hides; a block
+is ``FULL`` only when all its queries and keys lie in one chunk.
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ class MaskSpec:
     window: tuple[int, int] = (-1, -1)
     """``(left, right)``: key ``j`` is visible to query ``i`` only if ``i - left <= j <= i + right``;
     ``-1`` leaves that side unbounded."""
+    chunk: int = 0
+    """Chunked local attention: key ``j`` is visible to query ``i`` only if ``i // chunk == j // chunk``
+    (0: no chunks)."""
 
     def __post_init__(self):
         window = tuple(self.window)
@@ -54,11 +64,13 @@ class MaskSpec:
             raise ValueError(
                 f"autoshard.attention: window sides must be >= 0, or -1 for unbounded, got {self.window!r}")
         object.__setattr__(self, "window", window)
+        if not isinstance(self.chunk, int) or isinstance(self.chunk, bool) or self.chunk < 0:
+            raise ValueError(f"autoshard.attention: chunk must be an int >= 0 (0: no chunks), got {self.chunk!r}")
 
     @staticmethod
-    def of(causal: bool = False, window: tuple[int, int] | None = None) -> "MaskSpec":
-        """The spec of ``causal`` and ``window`` (``None`` for no window)."""
-        return MaskSpec(bool(causal), (-1, -1) if window is None else tuple(window))
+    def of(causal: bool = False, window: tuple[int, int] | None = None, chunk: int = 0) -> "MaskSpec":
+        """The spec of ``causal``, ``window`` (``None`` for no window) and ``chunk`` (0 for none)."""
+        return MaskSpec(bool(causal), (-1, -1) if window is None else tuple(window), int(chunk))
 
     # ------------------------------------------------------------------ the band of visible keys
     @property
@@ -75,13 +87,13 @@ class MaskSpec:
 
     @property
     def is_positional(self) -> bool:
-        """Whether visibility depends on positions at all (False: no causal mask, no window)."""
-        return self.lower is not None or self.upper is not None
+        """Whether visibility depends on positions at all (False: no causal mask, no window, no chunks)."""
+        return self.lower is not None or self.upper is not None or self.chunk > 0
 
     @property
     def is_plain_causal(self) -> bool:
-        """Exactly ``j <= i`` (causal, no window cutting further)."""
-        return self.causal and self.lower is None
+        """Exactly ``j <= i`` (causal, no window or chunk cutting further)."""
+        return self.causal and self.lower is None and not self.chunk
 
     @property
     def window_arg(self) -> tuple[int, int] | None:
@@ -99,7 +111,11 @@ class MaskSpec:
         # The visible band [i - lo, i + hi] moves right as i grows.
         if (hi is not None and k_start > q_last + hi) or (lo is not None and k_last < q_start - lo):
             return Visibility.HIDDEN
-        if (hi is None or k_last <= q_start + hi) and (lo is None or k_start >= q_last - lo):
+        c = self.chunk
+        if c and (k_start // c > q_last // c or k_last // c < q_start // c):  # no chunk in common
+            return Visibility.HIDDEN
+        if ((hi is None or k_last <= q_start + hi) and (lo is None or k_start >= q_last - lo)
+                and (not c or q_start // c == q_last // c == k_start // c == k_last // c)):
             return Visibility.FULL
         return Visibility.PARTIAL
 
@@ -114,6 +130,8 @@ class MaskSpec:
             mask &= j <= i + self.upper
         if self.lower is not None:
             mask &= j >= i - self.lower
+        if self.chunk:
+            mask &= i // self.chunk == j // self.chunk
         return mask
 
     def visible_pairs(self, q_start: int, q_len: int, k_start: int, k_len: int) -> int:
@@ -127,4 +145,7 @@ class MaskSpec:
         first = torch.full_like(i, k_start) if self.lower is None else (i - self.lower).clamp(min=k_start)
         last = torch.full_like(i, k_start + k_len - 1) if self.upper is None else (i + self.upper).clamp(
             max=k_start + k_len - 1)
+        if self.chunk:  # the row's chunk [i // C * C, i // C * C + C - 1]
+            chunk_start = i // self.chunk * self.chunk
+            first, last = torch.maximum(first, chunk_start), torch.minimum(last, chunk_start + self.chunk - 1)
         return int((last - first + 1).clamp(min=0).sum())
