@@ -235,9 +235,8 @@ class AutoshardBackend:
         if not compiled.splits_sequence and gathered & inputs:
             warnings.warn(
                 "autoshard: a graph break passes values the previous graph gathered whole (e.g. logits before a "
-                "loss computed in a separate graph); the code after the break runs unsplit on every rank. Remove "
-                "the break to keep it split (for transformers models, set config.loss_type, e.g. "
-                "'ForCausalLM').", stacklevel=2)
+                "loss computed in a separate graph); the code after the break runs unsplit on every rank. With "
+                "outputs='split' (the default) the next graph takes them still split.", stacklevel=2)
 
     def compile_for_sizes(self, gm: fx.GraphModule, args: list, dims: list | None = None,
                           lengths: tuple | None = None) -> Callable:
