@@ -213,17 +213,39 @@ def _size(nbytes: float) -> str:
 # ============================================================================= building
 
 
-def _capture(model, args: tuple, kwargs: dict) -> list[tuple[fx.GraphModule, list]]:
-    """Dynamo's graphs of ``model(*args, **kwargs)`` (run on the inputs as given: meta tensors compute nothing)."""
+def _capture(model, args: tuple, kwargs: dict) -> list[tuple[fx.GraphModule, list, list]]:
+    """Dynamo's graphs of ``model(*args, **kwargs)`` (run on the inputs as given: meta tensors compute nothing),
+    each with its example inputs and, per input, the (graph, output position) that produced it, or None: a value
+    one graph returns and the next takes (a graph break) is the same tensor object."""
     graphs = []
+    produced: dict[int, tuple[int, int]] = {}
+    alive: list = []  # the outputs seen, so that their ids stay theirs during the capture
 
     def grab(gm, example_inputs):
         keep_real_values(gm, example_inputs)  # dynamo drops them when this returns; masks may read buffers
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
+        index = len(graphs)
+        graphs.append((gm, list(example_inputs), [produced.get(id(x)) for x in example_inputs]))
+
+        def run(*inputs):
+            out = gm.forward(*inputs)
+            for position, value in enumerate(out):
+                if isinstance(value, torch.Tensor):
+                    produced[id(value)] = (index, position)
+                    alive.append(value)
+            return out
+        return run
 
     torch.compile(model, backend=grab, dynamic=False)(*args, **kwargs)
     return graphs
+
+
+def _carried(sources: list, carried_outputs: dict, example_inputs: list, rank: int) -> tuple[dict, list]:
+    """What a graph takes split from earlier graphs (``outputs="split"``): (placeholder index -> Shard, the example
+    inputs with those at this rank's local shape)."""
+    shards = {i: carried_outputs[src] for i, src in enumerate(sources) if src is not None and src in carried_outputs}
+    local = [x.new_empty(shards[i].local_shape(tuple(x.shape), rank)) if i in shards else x
+             for i, x in enumerate(example_inputs)]
+    return shards, local
 
 
 def _memory(compiled, example_inputs: list, world: int, root_length: int) -> tuple[MemoryEstimate, Any]:
@@ -283,18 +305,26 @@ def _decisions(compiled, index: int, world: int, config: BackendConfig, topology
     return out
 
 
-def plan_graphs(graphs: list[tuple[fx.GraphModule, list]], *, world_size: int, config: BackendConfig,
-                rank: int = 0) -> Plan:
-    """The plan of already-captured dynamo graphs (what ``backend(..., dry_run=True)`` prints)."""
+def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, rank: int = 0) -> Plan:
+    """The plan of already-captured dynamo graphs (what ``backend(..., dry_run=True)`` prints): (graph, example
+    inputs) or, from :func:`_capture`, (graph, example inputs, the earlier output each input is). With
+    ``outputs="split"`` a graph takes the values an earlier graph leaves split still split, as the run does."""
     from .compiler import compile_graph
 
     topology = config.topology or Topology()
     result = Plan(world_size=world_size, rank=rank, topology=asdict(topology), symbols={})
     symbols: dict[str, int] = {"P": world_size}
     memories = []
-    for index, (gm, example_inputs) in enumerate(graphs):
+    carried_outputs: dict[tuple[int, int], Any] = {}  # (graph, output position) -> Shard it leaves split in
+    for index, (gm, example_inputs, *sources) in enumerate(graphs):
+        shards, example_inputs = _carried(sources[0] if sources else [None] * len(example_inputs),
+                                             carried_outputs, example_inputs, rank)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        names = {placeholders[i].name: shard for i, shard in shards.items()}
         compiled = compile_graph(gm, config=config, rank=rank, world=world_size,
-                                 group=plan_group_name(rank, world_size), topology=topology, planning=True)
+                                 group=plan_group_name(rank, world_size), topology=topology, planning=True,
+                                 sharded_inputs=names or None, carried_inputs=set(names) or None)
+        carried_outputs.update({(index, position): shard for position, shard in compiled.carried_outputs.items()})
         report = compiled.report
         prefix = f"g{index}."
         result.placements.update({prefix + k: v for k, v in report.placements.items()})

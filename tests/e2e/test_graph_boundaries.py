@@ -6,7 +6,8 @@
   sent are no more than the whole-model compile's -- under the eager and aot_eager inner compilers.
 * Graph breaks: the gradient-checkpointing warning break of transformers' Llama (``use_cache`` left on)
   and GPT-2's default ``loss_type=None`` break: the graph after the break takes the hidden states /
-  logits split, so the LM head and the loss run split too (no output gathered before the break).
+  logits split, so the LM head and the loss run split too (no output gathered before the break); the
+  dry-run plan takes the split across the break too and predicts the bytes the run books.
 * A SplitTensor that escapes to user code is the one-process value: every op gathers it first;
   ``full_tensor()`` is the whole value with its gradient; an in-place op raises a clear error; a use on one
   rank only (``if rank == 0: print(logits)``) raises a clear error on that rank instead of hanging.
@@ -20,6 +21,7 @@ import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import autoshard
 from autoshard.runtime import comm_counter
@@ -71,7 +73,9 @@ def _compare(make, kwargs, compile_fn) -> dict:
     errors = {"loss": _relative(out.loss, ref.loss), "logits": _relative(out.logits, ref.logits)}
     errors |= {name: _relative(p.grad, ref_params[name].grad) for name, p in model.named_parameters()}
     reports = [g.report for g in backend.compiled]
+    booked = sum(c.bytes_by_rank[dist.get_rank()] for r in reports for c in r.comms)
     return {"error": max(errors.values()), "worst": max(errors, key=errors.get), "bytes": sent.payload_bytes_sent,
+            "booked": booked,
             "transitions": [f"{t.kind} {t.node} ({t.reason})" for r in reports for t in r.transitions],
             "fallbacks": [f.node for r in reports for f in r.fallbacks], "split": [bool(r.placements) and
             any(p.startswith("S") for p in r.placements.values()) for r in reports],
@@ -98,15 +102,22 @@ def _blocks(seq: int, inner: str) -> dict:
 
 
 def _break(name: str) -> dict:
+    """The run, and the dry-run plan of the same model (it must take the split across the break as the run
+    does: the same bytes as the run books)."""
     ids = torch.randint(0, 256, (2, 61), generator=torch.Generator().manual_seed(61))
-    if name == "gpt2_default_loss":
-        return _compare(_gpt2, dict(input_ids=ids, labels=ids), functools.partial(_whole, inner="eager"))
 
-    def make():
+    def checkpointed():
         model = _llama()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model.train()
-    return _compare(make, dict(input_ids=ids, labels=ids), functools.partial(_whole, inner="eager"))
+    make = _gpt2 if name == "gpt2_default_loss" else checkpointed
+    out = _compare(make, dict(input_ids=ids, labels=ids), functools.partial(_whole, inner="eager"))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    plan = autoshard.plan(make(), kwargs=dict(input_ids=ids, labels=ids), world_size=dist.get_world_size(),
+                          rank=dist.get_rank())
+    out["planned"] = plan.bytes_sent()
+    return out
 
 
 def _escape() -> dict:
@@ -139,7 +150,6 @@ def _used_on_one_rank_only(ids) -> str:
     unmatched gather leaves this worker's other groups in step)."""
     import datetime
 
-    import torch.distributed as dist
     from autoshard.runtime import split_tensor
 
     group = dist.new_group(list(range(dist.get_world_size())))
@@ -195,6 +205,7 @@ def test_graph_breaks_carry_the_split(case):
         assert r["fallbacks"] == [], f"{where}: {r['fallbacks']}"
         assert len(r["split"]) >= 2 and all(r["split"]), f"{where}: graphs split {r['split']}"
         assert not any("(output)" in t for t in r["transitions"]), f"{where}: gathered at the break {r['transitions']}"
+        assert r["planned"] == r["booked"], f"{where}: the plan says {r['planned']} bytes, the run books {r['booked']}"
 
 
 def test_a_split_tensor_in_user_code_is_the_one_process_value():
