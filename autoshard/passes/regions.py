@@ -26,7 +26,7 @@ regions.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -42,19 +42,15 @@ _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 _WRAP = torch.ops.higher_order.wrap
 
 
-@dataclass
+@dataclass(frozen=True)
 class Region:
     """One checkpointed subgraph of the original graph."""
 
     index: int
-    body: str
-    """The body's attribute name in the original graph."""
     kwargs: dict
     """The checkpoint's keyword arguments (``use_reentrant``, ``context_fn``, ...)."""
     meta: dict
     """The body module's metadata (dynamo keeps a selective-checkpoint ``context_fn`` there)."""
-    nodes: list[str] = field(default_factory=list)
-    """Names of the original graph's nodes inside it."""
 
 
 def _fresh_attr(gm: fx.GraphModule, value, hint: str) -> str:
@@ -115,13 +111,8 @@ def inline_regions(gm: fx.GraphModule) -> list[Region]:
             if node.target is _CHECKPOINT and REGION not in node.meta:
                 body = getattr(gm, node.args[0].target)
                 region = len(regions)
-                regions.append(Region(region, node.args[0].target, dict(node.kwargs), dict(body.meta)))
+                regions.append(Region(region, dict(node.kwargs), dict(body.meta)))
             _inline_one(gm, node, region)
-    for region in regions:
-        region.nodes.clear()
-    for node in gm.graph.nodes:
-        if REGION in node.meta:
-            regions[node.meta[REGION]].nodes.append(node.name)
     return regions
 
 
@@ -194,14 +185,14 @@ def outline_regions(gm: fx.GraphModule, regions: list[Region]) -> int:
             continue
         members.setdefault(index, []).append(n)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for index, nodes in members.items():
-        inside = set(nodes)
-        last = order[nodes[-1]]
+    for index, nodes in members.items():  # all checked before the graph changes
+        inside, last = set(nodes), order[nodes[-1]]
         for n in nodes:
             for user in n.users:
                 if user not in inside and order[user] < last:
                     raise RuntimeError(f"autoshard: checkpointed region {index} is not contiguous in the rewritten "
                                        f"graph ({user.format_node()} uses {n.name} between its nodes)")
+    for index, nodes in members.items():
         _outline_one(gm, regions[index], nodes)
     gm.graph.lint()
     gm.recompile()

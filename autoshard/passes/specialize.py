@@ -10,8 +10,6 @@ keeps one dynamic graph (no recompile limit is hit); this pass caches one static
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -69,7 +67,7 @@ def specialize(gm: fx.GraphModule, args: list, shapes: dict[int, tuple] | None =
     out = graph.graph_copy(gm.graph, copies)
     graph.output(out)
     static = fx.GraphModule(gm, graph)
-    static.meta[REGIONS] = [dataclasses.replace(r, nodes=[]) for r in gm.meta.get(REGIONS, [])]
+    static.meta[REGIONS] = list(gm.meta.get(REGIONS, []))
     inline_regions(static)  # checkpointed bodies: their example values are recomputed with the rest
     keep_real_values(static, args)  # buffers read as masks
     mode = FakeTensorMode(allow_non_fake_inputs=True)
