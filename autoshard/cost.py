@@ -89,6 +89,18 @@ class AttentionShape:
     key_mask: bool = False
     segment_ids_dtype: torch.dtype | None = None
     chunk: int = 0
+    value_head_dim: int = 0
+    """``v``'s head dim when it is not ``head_dim`` (multi-head latent attention); 0: ``head_dim``."""
+
+    @property
+    def dv(self) -> int:
+        """The value head dim."""
+        return self.value_head_dim or self.head_dim
+
+    @property
+    def kv_dims(self) -> int:
+        """The head dims of one key and one value row together."""
+        return self.head_dim + self.dv
 
     def flops(self) -> float:
         """Forward FLOPs of the whole attention (every rank together)."""
@@ -102,7 +114,7 @@ class AttentionShape:
         if self.chunk:
             chunk = min(self.chunk, self.seq)
             pairs = min(pairs, self.seq * ((chunk + 1) / 2 if self.causal else chunk))
-        return 4.0 * self.batch * self.heads * pairs * self.head_dim
+        return 2.0 * self.batch * self.heads * pairs * self.kv_dims
 
 
 @dataclass
@@ -145,14 +157,15 @@ def preferred_layout(strategy: str, shape: AttentionShape, world: int) -> str:
 def _merge_time(shape: AttentionShape, world: int, steps: int, topology: Topology) -> float:
     """Seconds a ring spends merging ``steps`` partial results per rank (fp32 read, read, write)."""
     local = -(-shape.seq // world)
-    out = shape.batch * shape.heads * local * (shape.head_dim + 1) * 4 * 3
-    grads = shape.batch * shape.kv_heads * local * 2 * shape.head_dim * 4 * 3
+    out = shape.batch * shape.heads * local * (shape.dv + 1) * 4 * 3
+    grads = shape.batch * shape.kv_heads * local * shape.kv_dims * 4 * 3
     return steps * (out + grads) / topology.memory_bandwidth
 
 
 def _bytes(strategy: str, shape: AttentionShape, sizes: dict) -> tuple[int, int]:
     subs = formulas.values(dtype=shape.dtype, key_mask=shape.key_mask, segment_ids_dtype=shape.segment_ids_dtype,
-                           B=shape.batch, S=shape.seq, H=shape.heads, Hkv=shape.kv_heads, D=shape.head_dim, **sizes)
+                           B=shape.batch, S=shape.seq, H=shape.heads, Hkv=shape.kv_heads, D=shape.head_dim,
+                           Dv=shape.dv, **sizes)
     return tuple(int(math.ceil(float(formulas.bytes_sent(strategy, d).subs(subs)))) for d in ("forward", "backward"))
 
 
@@ -162,7 +175,7 @@ def attention_costs(shape: AttentionShape, world: int, topology: Topology = Topo
     total_flops = shape.flops() * 3.5  # forward + backward (2.5x)
     item = torch.empty((), dtype=shape.dtype).element_size()
     local = -(-shape.seq // world)
-    qkvo = shape.batch * local * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim * item
+    qkvo = shape.batch * local * (shape.heads + shape.kv_heads) * shape.kv_dims * item
     budget = memory_budget if memory_budget is not None else topology.memory_bytes
     costs = []
 
@@ -173,7 +186,7 @@ def attention_costs(shape: AttentionShape, world: int, topology: Topology = Topo
         exposed = max(0.0, comm - compute)
         latency = 2 * world * (topology.latency(world) + topology.step_overhead) + _merge_time(shape, world, world,
                                                                                               topology)
-        memory = qkvo + 2 * 2 * shape.batch * local * shape.kv_heads * shape.head_dim * item
+        memory = qkvo + 2 * shape.batch * local * shape.kv_heads * shape.kv_dims * item
         costs.append(StrategyCost(name, True, compute_s=compute, comm_s=comm, exposed_comm_s=exposed,
                                   latency_s=latency, total_s=compute + exposed + latency, bytes_forward=fwd,
                                   bytes_backward=bwd, memory_bytes=memory, layout=layout))
@@ -190,7 +203,7 @@ def attention_costs(shape: AttentionShape, world: int, topology: Topology = Topo
                                                    f"has {shape.seq}"))
 
     fwd, bwd = _bytes("allgather", shape, {"P": world})
-    gathered = 2 * shape.batch * shape.seq * shape.kv_heads * shape.head_dim * item
+    gathered = shape.batch * shape.seq * shape.kv_heads * shape.kv_dims * item
     comm = (fwd + bwd) / topology.bandwidth(world)
     latency = 4 * topology.latency(world) * max(1, math.ceil(math.log2(max(world, 2))))
     costs.append(StrategyCost("allgather", True, compute_s=balanced, comm_s=comm, exposed_comm_s=comm,
@@ -225,7 +238,8 @@ def attention_costs(shape: AttentionShape, world: int, topology: Topology = Topo
         fwd, bwd = _bytes("hybrid", shape, sizes)
         # Ulysses inside the node (fast, exposed), the ring across nodes (slow, overlapped)
         u_fwd, u_bwd = _bytes("ulysses", AttentionShape(shape.batch, shape.seq // outer, shape.heads, shape.kv_heads,
-                                                        shape.head_dim, shape.dtype), {"P": inner})
+                                                        shape.head_dim, shape.dtype, value_head_dim=shape.dv),
+                              {"P": inner})
         inner_comm = (u_fwd + u_bwd) / topology.intra_node_bandwidth
         ring_comm = max(0, fwd + bwd - u_fwd - u_bwd) / topology.inter_node_bandwidth
         compute = balanced

@@ -25,11 +25,12 @@ def attention_shape(node, length: int) -> AttentionShape:
     """What the cost model needs of the attention ``node`` over a sequence of ``length`` positions. The dtype is
     the one it computes in, its output's (under autocast its inputs may differ; the rewrite casts them)."""
     op = op_of(node)
-    q, k = value_of(op["q"]), value_of(op["k"])
+    q, k, v = value_of(op["q"]), value_of(op["k"]), value_of(op["v"])
     seg = op.get("segment_ids")
     return AttentionShape(q.shape[0], length, q.shape[1], k.shape[1], q.shape[3], value_of(node).dtype,
                           bool(op.get("causal")), op.get("window"), op.get("key_mask") is not None,
-                          value_of(seg).dtype if seg is not None else None, int(op.get("chunk") or 0))
+                          value_of(seg).dtype if seg is not None else None, int(op.get("chunk") or 0),
+                          value_head_dim=v.shape[3] if v.shape[3] != q.shape[3] else 0)
 
 
 def _planned_mesh(shape: AttentionShape, world: int, topology: Topology) -> tuple[int, int]:

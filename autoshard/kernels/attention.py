@@ -44,11 +44,16 @@ Shared ``@triton.jit`` helpers keep the forward and the two backward kernels fro
 ``_band_tiles`` (which tiles to visit, which are fully visible), ``_tile_visibility`` (the tile mask
 from positions, key_mask and segment ids, for either orientation) and ``_load_tile``.
 
-Specialization: head dim (padded to a power of two >= 16; any head dim up to 256 works, columns past
+Shapes: q [B, H, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] with H % Hkv == 0 (GQA / MQA). The value head
+dim Dv may differ from the query / key head dim D (MLA, e.g. DeepSeek-V3's D = 192, Dv = 128): out, dout and
+dv are [.., Dv], dq and dk [.., D]. Tiles of q / k / dq / dk have ``BLOCK_D`` columns and tiles of v / out /
+dout / dv ``BLOCK_DV``; when Dv == D the two are one constant and the kernels are the same code.
+
+Specialization: both head dims (each padded to a power of two >= 16; any head dim up to 256 works, columns past
 it are masked), the band and chunk flags, key_mask / segment presence, soft-capping and the input dtype are compile-time
 constants. Offsets, band widths and sequence lengths are runtime values excluded from Triton's
 integer specialization, so ring steps reuse one compiled kernel. Block sizes / warps / stages are
-autotuned per (head dim, bucketed sequence lengths, mask kind, dtype), pruned to configurations whose
+autotuned per (head dims, bucketed sequence lengths, mask kind, dtype), pruned to configurations whose
 shared memory and register estimates fit the device. Under ``TRITON_INTERPRET=1`` a single 16x16
 configuration is used. ``AUTOSHARD_TRITON_AUTOTUNE=0`` keeps only the first fitting configuration
 (no benchmarking; used by the GPU test run).
@@ -141,15 +146,17 @@ def _shape(config) -> tuple:
     return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
 
 
-def _resources(kernel: str, block_m: int, block_n: int, block_d: int, stages: int, itemsize: int, masked: bool):
-    """(shared memory bytes, live fp32 values) of one program, estimated; calibrated on sm_90 compiles."""
-    if kernel == "fwd":  # q resident; k, v streamed; acc [M, D]; scores [M, N] (+ key_mask / segment masks)
-        return (itemsize * block_d * (block_m + 2 * stages * block_n),
-                block_m * (block_d + block_n * (2.5 if masked else 1.0)))
+def _resources(kernel: str, block_m: int, block_n: int, block_d: int, block_dv: int, stages: int, itemsize: int,
+               masked: bool):
+    """(shared memory bytes, live fp32 values) of one program, estimated; calibrated on sm_90 compiles with
+    block_dv == block_d (q / k / dq / dk tiles have block_d columns, v / out / dout / dv tiles block_dv)."""
+    if kernel == "fwd":  # q resident; k, v streamed; acc [M, Dv]; scores [M, N] (+ key_mask / segment masks)
+        return (itemsize * (block_d * block_m + (block_d + block_dv) * stages * block_n),
+                block_m * (block_dv + block_n * (2.5 if masked else 1.0)))
     if kernel == "dq":  # q, do resident; k, v streamed; dq [M, D]; scores and dp [M, N]
-        return itemsize * block_d * (2 * block_m + 2 * stages * block_n), block_m * (block_d + 2 * block_n)
-    # dkdv: k, v resident; q, do streamed; dk, dv [N, D]; scores and dp [N, M]
-    return itemsize * block_d * (2 * block_n + 2 * stages * block_m), 2 * block_n * (block_d + block_m)
+        return itemsize * (block_d + block_dv) * (block_m + stages * block_n), block_m * (block_d + 2 * block_n)
+    # dkdv: k, v resident; q, do streamed; dk [N, D], dv [N, Dv]; scores and dp [N, M]
+    return itemsize * (block_d + block_dv) * (block_n + stages * block_m), block_n * (block_d + block_dv + 2 * block_m)
 
 
 def _max_shared_memory(device: torch.device) -> int:
@@ -164,12 +171,12 @@ def _fitting_configs(kernel: str, configs, args, smem_limit: int):
     if args["Q"].element_size() == 4:
         return [c for c in configs if _shape(c) in _FP32_CANDIDATES]
     configs = [c for c in configs if _shape(c) in _CANDIDATES[kernel]]
-    block_d, itemsize = args["BLOCK_D"], args["Q"].element_size()
+    block_d, block_dv, itemsize = args["BLOCK_D"], args["BLOCK_DV"], args["Q"].element_size()
     masked = args["HAS_KEY_MASK"] or args["HAS_SEG"]  # per-key loads and compares in every tile
     fitting = []
     for config in configs:
         m, n, warps, stages = _shape(config)
-        smem, live = _resources(kernel, m, n, block_d, stages, itemsize, masked)
+        smem, live = _resources(kernel, m, n, block_d, block_dv, stages, itemsize, masked)
         resident_rows = n if kernel == "dkdv" else m
         if smem <= smem_limit and live <= _REGISTER_BUDGET * 32 * warps and resident_rows >= _MIN_ROWS_PER_WARP * warps:
             fitting.append(config)
@@ -195,8 +202,8 @@ def _seq_bucket(n: int) -> int:
     return min(max(triton.next_power_of_2(max(n, 1)), 16), 1 << 17)
 
 
-_TUNING_KEY = ["BLOCK_D", "SQ_BUCKET", "SK_BUCKET", "HAS_LEFT", "HAS_RIGHT", "HAS_CHUNK", "HAS_KEY_MASK", "HAS_SEG",
-               "SOFTCAP"]
+_TUNING_KEY = ["BLOCK_D", "BLOCK_DV", "SQ_BUCKET", "SK_BUCKET", "HAS_LEFT", "HAS_RIGHT", "HAS_CHUNK", "HAS_KEY_MASK",
+               "HAS_SEG", "SOFTCAP"]
 # Runtime integers that change between calls (ring steps, uneven shards): never specialize on them.
 _RUNTIME_INTS = ["Sq", "Sk", "q_offset", "k_offset", "left", "right", "chunk", "SQ_BUCKET", "SK_BUCKET"]
 
@@ -341,13 +348,14 @@ def _load_row_stats(Lse, Delta, rows, n_rows, CHECK_ROWS: tl.constexpr):
 @triton.jit
 def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK, k_offsets, v_offsets,
                    start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
-                   HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) over the key tiles starting in [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
         k_idx = start_n + offs_n
         k = _load_tile(K_head + tl.cast(start_n, tl.int64) * stride_ks + k_offsets, k_idx, Sk, offs_d,
@@ -368,8 +376,8 @@ def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK
             p = tl.exp2(qk * qk_scale - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(V_head + tl.cast(start_n, tl.int64) * stride_vs + v_offsets, k_idx, Sk, offs_d,
-                       HEAD_DIM, BLOCK_D, PARTIAL)
+        v = _load_tile(V_head + tl.cast(start_n, tl.int64) * stride_vs + v_offsets, k_idx, Sk, offs_dv,
+                       V_DIM, BLOCK_DV, PARTIAL)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -383,8 +391,8 @@ def _attn_fwd_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
     num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -398,6 +406,7 @@ def _attn_fwd_kernel(
     q_idx = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
 
     Q_head = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     K_head = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
@@ -410,10 +419,10 @@ def _attn_fwd_kernel(
     KeyMask_b = KeyMask + b * Sk
     SegK_b = SegK + b * Sk
     k_offsets = offs_n[:, None] * stride_ks + offs_d[None, :]
-    v_offsets = offs_n[:, None] * stride_vs + offs_d[None, :]
+    v_offsets = offs_n[:, None] * stride_vs + offs_dv[None, :]
     qk_scale = scale * _LOG2E
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
@@ -421,23 +430,26 @@ def _attn_fwd_kernel(
                                            HAS_CHUNK)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, lo, full_lo, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, chunk, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-                                   HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
+                                   k_offset, left, right, chunk, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                                   BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
+                                   DOT_PRECISION)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, chunk, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, False,
-                                   HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
+                                   k_offset, left, right, chunk, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                                   BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
+                                   DOT_PRECISION)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, full_hi, hi, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, chunk, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-                                   HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
+                                   k_offset, left, right, chunk, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                                   BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
+                                   DOT_PRECISION)
 
     has_keys = l_i > 0.0
     l_ref = tl.where(has_keys, l_i, 1.0)
     out = acc / l_ref[:, None]  # acc is 0 where nothing was visible
     lse = tl.where(has_keys, (m_i + tl.log2(l_ref)) * _LN2, float("-inf"))
     O_head = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    _store_tile(O_head + q_idx[:, None].to(tl.int64) * stride_os + offs_d[None, :], out, q_idx, Sq, offs_d, HEAD_DIM)
+    _store_tile(O_head + q_idx[:, None].to(tl.int64) * stride_os + offs_dv[None, :], out, q_idx, Sq, offs_dv, V_DIM)
     tl.store(Lse + row + q_idx, lse, mask=q_idx < Sq)
 
 
@@ -466,15 +478,16 @@ def _attn_bwd_delta_kernel(Out, DO, Delta, stride_ob, stride_oh, stride_os, stri
 def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask, SegK,
                       q_offsets, do_offsets, start, end, first_head, kv_group, stride_qh, stride_qs, stride_doh,
                       stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr,
-                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
-                      HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+                      BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                      HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
                       SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Accumulate dk (unscaled) and dv of one key tile over the query tiles starting in [start, end) of
     every query head of the kv head's group. Heads and tiles form one flat loop (not two nested ones),
     which keeps the loop-carried state, and so the register pressure, that of a single loop."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     tiles = (end - start + BLOCK_M - 1) // BLOCK_M
     for it in range(0, kv_group * tiles):
         g = it // tiles
@@ -484,7 +497,7 @@ def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, Ke
         q = _load_tile(Q_b + h * stride_qh + tl.cast(start_m, tl.int64) * stride_qs + q_offsets, q_idx, Sq, offs_d,
                        HEAD_DIM, BLOCK_D, PARTIAL)
         do = _load_tile(DO_b + h * stride_doh + tl.cast(start_m, tl.int64) * stride_dos + do_offsets, q_idx, Sq,
-                        offs_d, HEAD_DIM, BLOCK_D, PARTIAL).to(v.dtype)
+                        offs_dv, V_DIM, BLOCK_DV, PARTIAL).to(v.dtype)
         lse2, delta = _load_row_stats(Lse_b + h * Sq, Delta_b + h * Sq, q_idx, Sq, PARTIAL)
         qk_t = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [keys, queries]
         if SOFTCAP:
@@ -515,8 +528,8 @@ def _attn_bwd_dkdv_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
     num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -527,20 +540,22 @@ def _attn_bwd_dkdv_kernel(
     k_idx = k_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
 
     k = _load_tile(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
                    + k_idx[:, None].to(tl.int64) * stride_ks + offs_d[None, :], k_idx, Sk, offs_d, HEAD_DIM, BLOCK_D, True)
     v = _load_tile(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-                   + k_idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :], k_idx, Sk, offs_d, HEAD_DIM, BLOCK_D, True)
+                   + k_idx[:, None].to(tl.int64) * stride_vs + offs_dv[None, :], k_idx, Sk, offs_dv, V_DIM, BLOCK_DV,
+                   True)
     KeyMask_b = KeyMask + b * Sk
     SegK_b = SegK + b * Sk
     SegQ_b = SegQ + b * Sq
     q_offsets = offs_m[:, None] * stride_qs + offs_d[None, :]
-    do_offsets = offs_m[:, None] * stride_dos + offs_d[None, :]
+    do_offsets = offs_m[:, None] * stride_dos + offs_dv[None, :]
     qk_scale = scale * _LOG2E
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # Queries at position p see keys [p - left, p + right], so a key at position k is seen by queries
     # [k - right, k + left]: the same band helper with the bounds swapped.
     lo, full_lo, full_hi, hi = _band_tiles(k_offset + k_start, k_offset + tl.minimum(k_start + BLOCK_N, Sk) - 1,
@@ -554,41 +569,42 @@ def _attn_bwd_dkdv_kernel(
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, lo, full_lo, first_head, kv_group, stride_qh, stride_qs,
                                stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
-                               SOFTCAP, DOT_PRECISION)
+                               HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                               HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, full_lo, full_hi, first_head, kv_group, stride_qh, stride_qs,
                                stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
-                               SOFTCAP, DOT_PRECISION)
+                               HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                               HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, full_hi, hi, first_head, kv_group, stride_qh, stride_qs,
                                stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
-                               SOFTCAP, DOT_PRECISION)
+                               HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                               HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
 
     _store_tile(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
                 + k_idx[:, None].to(tl.int64) * stride_dks + offs_d[None, :], dk * scale, k_idx, Sk, offs_d, HEAD_DIM)
     _store_tile(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
-                + k_idx[:, None].to(tl.int64) * stride_dvs + offs_d[None, :], dv, k_idx, Sk, offs_d, HEAD_DIM)
+                + k_idx[:, None].to(tl.int64) * stride_dvs + offs_dv[None, :], dv, k_idx, Sk, offs_dv, V_DIM)
 
 
 @triton.jit
 def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask, SegK, k_offsets, v_offsets,
                   start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
-                  HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     """Accumulate dq (unscaled) of one query tile over the key tiles starting in [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
         k_idx = start_n + offs_n
         k = _load_tile(K_head + tl.cast(start_n, tl.int64) * stride_ks + k_offsets, k_idx, Sk, offs_d,
                        HEAD_DIM, BLOCK_D, PARTIAL)
-        v = _load_tile(V_head + tl.cast(start_n, tl.int64) * stride_vs + v_offsets, k_idx, Sk, offs_d,
-                       HEAD_DIM, BLOCK_D, PARTIAL)
+        v = _load_tile(V_head + tl.cast(start_n, tl.int64) * stride_vs + v_offsets, k_idx, Sk, offs_dv,
+                       V_DIM, BLOCK_DV, PARTIAL)
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
         if SOFTCAP:
             qk, tanh = _soft_cap(qk, qk_cap)
@@ -614,8 +630,8 @@ def _attn_bwd_dq_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -628,12 +644,13 @@ def _attn_bwd_dq_kernel(
     q_idx = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
 
     q = _load_tile(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
                    + q_idx[:, None].to(tl.int64) * stride_qs + offs_d[None, :], q_idx, Sq, offs_d, HEAD_DIM, BLOCK_D, True)
     do = _load_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-                    + q_idx[:, None].to(tl.int64) * stride_dos + offs_d[None, :], q_idx, Sq, offs_d,
-                    HEAD_DIM, BLOCK_D, True).to(q.dtype)
+                    + q_idx[:, None].to(tl.int64) * stride_dos + offs_dv[None, :], q_idx, Sq, offs_dv,
+                    V_DIM, BLOCK_DV, True).to(q.dtype)
     lse2, delta = _load_row_stats(Lse + row, Delta + row, q_idx, Sq, True)
     seg_q = q_idx
     if HAS_SEG:
@@ -643,7 +660,7 @@ def _attn_bwd_dq_kernel(
     KeyMask_b = KeyMask + b * Sk
     SegK_b = SegK + b * Sk
     k_offsets = offs_n[:, None] * stride_ks + offs_d[None, :]
-    v_offsets = offs_n[:, None] * stride_vs + offs_d[None, :]
+    v_offsets = offs_n[:, None] * stride_vs + offs_dv[None, :]
     qk_scale = scale * _LOG2E
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -652,16 +669,16 @@ def _attn_bwd_dq_kernel(
                                            HAS_CHUNK)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
                        lo, full_lo, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
-                       DOT_PRECISION)
+                       HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK,
+                       HAS_SEG, SOFTCAP, DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
                        full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale,
-                       qk_cap, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
-                       SOFTCAP, DOT_PRECISION)
+                       qk_cap, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                       HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
                        full_hi, hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
-                       DOT_PRECISION)
+                       HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK,
+                       HAS_SEG, SOFTCAP, DOT_PRECISION)
     _store_tile(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
                 + q_idx[:, None].to(tl.int64) * stride_dqs + offs_d[None, :], dq * scale, q_idx, Sq, offs_d, HEAD_DIM)
 
@@ -743,6 +760,11 @@ class _Problem:
     def shape(self):
         batch, heads, sq, head_dim = self.q.shape
         return batch, heads, self.k.shape[1], sq, self.k.shape[2], head_dim
+
+    @property
+    def out_shape(self):
+        """Shape of out / dout: [B, H, Sq, Dv], v's head dim."""
+        return (*self.q.shape[:3], self.v.shape[3])
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -833,15 +855,16 @@ def _prepare(q, k, v, *, q_offset, k_offset, causal, window, chunk, key_mask, se
         raise RuntimeError(f"Triton attention kernels cannot run on {q.device}: they need a CUDA device, or "
                            "TRITON_INTERPRET=1 set before autoshard.kernels.attention is imported (CPU)")
     batch, heads, sq, head_dim = q.shape
-    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(f"k and v must be [B, Hkv, Sk, D] matching q {tuple(q.shape)}, got k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
+    if k.shape[0] != batch or k.shape[3] != head_dim or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k must be [B, Hkv, Sk, D] and v [B, Hkv, Sk, Dv] matching q {tuple(q.shape)}, got "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     kv_heads, sk = k.shape[1], k.shape[2]
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"the number of query heads ({heads}) must be a multiple of the kv heads ({kv_heads})")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim {head_dim} is not supported by the Triton kernels (1..{MAX_HEAD_DIM}; "
-                         f"non-powers of two are padded); use kernels='torch'")
+    for name, dim in (("head dim", head_dim), ("v head dim", v.shape[3])):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} {dim} is not supported by the Triton kernels (1..{MAX_HEAD_DIM}; "
+                             f"non-powers of two are padded); use kernels='torch'")
     q_offset = _check_int("q_offset", q_offset)
     k_offset = _check_int("k_offset", k_offset)
     _check_int("q_offset + Sq", q_offset + sq)
@@ -865,6 +888,7 @@ def _prepare(q, k, v, *, q_offset, k_offset, causal, window, chunk, key_mask, se
 def _kernel_args(p: _Problem):
     """Keyword arguments shared by the forward and both backward kernels."""
     batch, heads, kv_heads, sq, sk, head_dim = p.shape
+    v_dim = p.out_shape[3]
     placeholder = p.q  # never dereferenced when the matching HAS_* flag is off
     return dict(
         KeyMask=p.key_mask if p.key_mask is not None else placeholder,
@@ -873,6 +897,7 @@ def _kernel_args(p: _Problem):
         num_heads=heads, kv_group=heads // kv_heads, Sq=sq, Sk=sk, q_offset=p.q_offset, k_offset=p.k_offset,
         left=p.left, right=p.right, chunk=p.chunk, scale=p.scale, qk_cap=p.softcap / p.scale if p.softcap else 1.0,
         SQ_BUCKET=_seq_bucket(sq), SK_BUCKET=_seq_bucket(sk), HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        V_DIM=v_dim, BLOCK_DV=_block_d(v_dim),
         HAS_LEFT=p.has_left, HAS_RIGHT=p.has_right, HAS_CHUNK=p.has_chunk, HAS_KEY_MASK=p.key_mask is not None,
         HAS_SEG=p.seg_q is not None, SOFTCAP=p.softcap > 0.0, DOT_PRECISION=_dot_precision(p.q.dtype),
     )
@@ -900,7 +925,7 @@ def _strides(prefix: str, x: torch.Tensor):
 
 def _forward(p: _Problem, out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     batch, heads, kv_heads, sq, sk, head_dim = p.shape
-    out = torch.empty(p.q.shape, dtype=out_dtype, device=p.q.device)
+    out = torch.empty(p.out_shape, dtype=out_dtype, device=p.q.device)
     lse = torch.empty((batch, heads, sq), dtype=torch.float32, device=p.q.device)
     if p.hidden or sk == 0 or out.numel() == 0:  # nothing visible: out 0, lse -inf
         return out.zero_(), lse.fill_(float("-inf"))
@@ -933,7 +958,7 @@ def _check_like(name: str, x: torch.Tensor, shape, device) -> None:
 def _backward(p: _Problem, dout, out, lse, delta, grad_dtype: torch.dtype):
     batch, heads, kv_heads, sq, sk, head_dim = p.shape
     device = p.q.device
-    _check_like("dout", dout, p.q.shape, device)
+    _check_like("dout", dout, p.out_shape, device)
     _check_like("lse", lse, (batch, heads, sq), device)
     dq = torch.empty(p.q.shape, dtype=grad_dtype, device=device)
     dk = torch.empty(p.k.shape, dtype=grad_dtype, device=device)
@@ -942,7 +967,7 @@ def _backward(p: _Problem, dout, out, lse, delta, grad_dtype: torch.dtype):
         return dq.zero_(), dk.zero_(), dv.zero_()
     dout = _last_dim_contiguous(dout)
     if delta is None:
-        _check_like("out", out, p.q.shape, device)
+        _check_like("out", out, p.out_shape, device)
         delta = _delta(_last_dim_contiguous(out), dout)
     else:
         _check_like("delta", delta, (batch, heads, sq), device)
@@ -966,8 +991,9 @@ def triton_attention_forward(q, k, v, *, q_offset=0, k_offset=0, causal=False, w
                              segment_ids=None, scale=None, softcap=0.0):
     """Attention of one query block over one key block at global offsets.
 
-    q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (fp16 / bf16 / fp32, H % Hkv == 0). Returns (out float32
-    [B, H, Sq, D], lse float32 [B, H, Sq], natural log); rows with no visible key get out 0, lse -inf.
+    q [B, H, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (fp16 / bf16 / fp32, H % Hkv == 0; Dv may differ
+    from D, as in MLA). Returns (out float32 [B, H, Sq, Dv], lse float32 [B, H, Sq], natural log); rows with
+    no visible key get out 0, lse -inf. The default scale is 1 / sqrt(D).
     softcap > 0 caps the scaled scores s to softcap * tanh(s / softcap) before the mask; chunk > 0 keeps
     only the pairs with i_pos // chunk == j_pos // chunk.
     """
@@ -978,7 +1004,8 @@ def triton_attention_forward(q, k, v, *, q_offset=0, k_offset=0, causal=False, w
 
 def triton_attention_backward(dout, q, k, v, out, lse, *, delta=None, q_offset=0, k_offset=0, causal=False,
                               window=None, chunk=0, key_mask=None, segment_ids=None, scale=None, softcap=0.0):
-    """Gradients (dq, dk, dv), float32, dk/dv with Hkv heads, of one key block's share of attention.
+    """Gradients (dq [B, H, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, Dv]), float32, of one key block's
+    share of attention; dout and out are [B, H, Sq, Dv].
 
     out / lse are the FINAL values over all key blocks (so ring steps can sum the results); delta =
     rowsum(dout * out) float32 [B, H, Sq] is computed from out when None. Rows with lse -inf contribute

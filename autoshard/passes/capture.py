@@ -18,22 +18,43 @@ keeps it dense (``dense_mask``) and the rewrite computes it on gathered keys.
 ``captured_attention`` itself is the one-device meaning of the captured call, used when the attention
 is not distributed. Its ``softcap`` (0: none) caps the scaled scores, ``softcap * tanh(s / softcap)``,
 before the mask; the distributed op applies it block by block.
+
+A captured attention whose mask stays dense carries why in ``node.meta[DENSE_MASK]`` (a :class:`DenseMask`),
+for plans to say. A mask computed from module buffers whose values are unknown -- fake or meta tensors, a
+dry-run plan of a model built on the meta device -- is *unknown*, not "not structurable": nanoGPT's
+``bias[:, :, :T, :T] == 0`` is causal exactly when the buffer holds ``tril(ones)``, which only its values say.
+It is planned as what it is here, a dense mask (never assumed causal), and the reason names the buffers.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
-from .graph import eliminate_dead_code, new_node, unused_impure
+from .graph import eliminate_dead_code, is_module_state, new_node, real_value, unused_impure
 from .masks import StructuredMask, Unstructurable, empty_rows_of, structure_mask
 from .ops import canonical, is_tensor_node, register_canonical, shape_of, value_of
 
-__all__ = ["captured_attention", "capture_attention", "dense_mask_of"]
+__all__ = ["captured_attention", "capture_attention", "dense_mask_of", "DenseMask", "DENSE_MASK"]
+
+DENSE_MASK = "autoshard_dense_mask"
+"""``node.meta`` key of a captured attention whose mask stays dense: its :class:`DenseMask`."""
+
+
+@dataclass(frozen=True)
+class DenseMask:
+    """Why an attention's mask stays dense (see the module docstring)."""
+
+    reason: str
+    unknown_buffers: tuple[str, ...] = ()
+    """The module buffers the mask is computed from whose values are unknown (then the mask is unknown)."""
 
 
 def dense_mask_of(q_len: int, k_len: int, causal: bool, window, key_mask, segment_ids, device,
@@ -61,17 +82,21 @@ def dense_mask_of(q_len: int, k_len: int, causal: bool, window, key_mask, segmen
 
 
 def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None,
-                       chunk=0, scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero"):
+                       chunk=0, scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero", alibi_slopes=None):
     """Attention with a structured mask, on whole tensors (what one device computes). ``empty_rows``: what
     a row with no visible key gets (see :class:`~autoshard.passes.masks.StructuredMask`). ``chunk``: chunked
     local attention (query i sees key j only if i // chunk == j // chunk; 0: none). ``softcap``: see the
-    module docstring."""
+    module docstring. ``alibi_slopes``: ALiBi, ``[H]`` slopes; every visible score gets ``slope[h] * (k - q)``
+    after the cap."""
     structured = causal or window is not None or chunk or key_mask is not None or segment_ids is not None
     mask = (dense_mask_of(q.size(-2), k.size(-2), causal, window, key_mask, segment_ids, q.device, chunk)
             if structured else None)
     if dense_mask is not None:
         mask = dense_mask if mask is None else (mask & dense_mask if dense_mask.dtype == torch.bool
                                                 else dense_mask.masked_fill(~mask, float("-inf")))
+    if alibi_slopes is not None:
+        return _with_alibi(q, k, v, mask, alibi_slopes, scale=scale, softcap=softcap, dropout_p=dropout_p,
+                           empty_rows=empty_rows)
     if softcap:
         from .rules.attention import soft_capped_attention
 
@@ -90,12 +115,35 @@ def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None
     return out
 
 
+def _with_alibi(q, k, v, mask, alibi_slopes, *, scale, softcap, dropout_p, empty_rows):
+    """:func:`captured_attention` with ALiBi: the bias in an additive mask. A hidden score gets finfo.min, not -inf
+    (a row that sees no key then stays finite), and such a row gets what ``empty_rows`` says: 0, or the uniform
+    attention finfo.min gives."""
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    distance = (torch.arange(k.size(-2), device=q.device) - torch.arange(q.size(-2), device=q.device)[:, None])
+    additive = (alibi_slopes.view(-1, 1, 1) * distance.to(alibi_slopes.dtype)).to(q.dtype)
+    empty = None
+    if mask is not None and mask.dtype == torch.bool:
+        additive = additive.masked_fill(~mask, torch.finfo(q.dtype).min)
+        empty = ~mask.any(-1, keepdim=True)
+    elif mask is not None:
+        additive = additive + mask
+    if softcap:
+        from .rules.attention import soft_capped_attention
+
+        out = soft_capped_attention(q, k, v, additive, scale=scale, softcap=softcap, dropout_p=dropout_p)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout_p, scale=scale,
+                                             enable_gqa=k.size(-3) != q.size(-3))
+    return out.masked_fill(empty, 0.0) if empty is not None and empty_rows == "zero" else out
+
+
 @register_canonical("attention", functions=[captured_attention])
 def _bind_captured(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None, chunk=0,
-                   scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero"):
+                   scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero", alibi_slopes=None):
     return {"q": q, "k": k, "v": v, "key_mask": key_mask, "segment_ids": segment_ids, "dense_mask": dense_mask,
             "causal": causal, "window": window, "chunk": chunk, "scale": scale, "softcap": softcap,
-            "dropout_p": dropout_p, "empty_rows": empty_rows, "captured": True}
+            "dropout_p": dropout_p, "empty_rows": empty_rows, "alibi_slopes": alibi_slopes, "captured": True}
 
 
 # ----------------------------------------------------------------------------- pattern helpers
@@ -178,8 +226,45 @@ def _soft_capped(node: fx.Node):
 
 
 def _masked(graph: fx.Graph, node: fx.Node, before: fx.Node):
-    """(scores, mask node or None, fill or None): the mask an attention applies to its scores, as SDPA
-    takes it (bool = attend, or an additive float mask), and the value masked scores are set to."""
+    """(scores, mask node or None, fill or None): the masks an attention applies to its scores, as SDPA takes
+    one (bool = attend, or an additive float mask), and the value masked scores are set to. Several (a bias
+    added, then a causal ``masked_fill``: ALiBi) become one additive mask, the bias where every mask keeps."""
+    scores, mask, fill = _masked_once(graph, node, before)
+    while mask is not None:
+        inner, inner_mask, inner_fill = _masked_once(graph, _skip(scores), before)
+        if inner_mask is None or not _is_scores(inner):
+            break
+        with graph.inserting_before(before):
+            mask = _combined(graph, inner_mask, mask, fill)
+        scores, fill = inner, min(f for f in (fill, inner_fill, float("-inf")) if f is not None)
+    return scores, mask, fill
+
+
+def _is_scores(node: fx.Node) -> bool:
+    """Whether ``node`` is ``q @ k^T``, maybe scaled and soft-capped (what a mask applies to)."""
+    scores = _constant_scale(_skip(_soft_capped(_skip(node))[0]))[0]
+    m_op = _op(scores)
+    return m_op is not None and m_op.name == "matmul"
+
+
+def _combined(graph: fx.Graph, inner, outer, fill):
+    """One mask of two, as SDPA takes it: bool ones and'ed; with an additive one, the additive sum where the bool
+    ones keep, ``fill`` (-inf when none) elsewhere."""
+    bools = [m for m in (inner, outer) if value_of(m).dtype == torch.bool]
+    floats = [m for m in (inner, outer) if value_of(m).dtype != torch.bool]
+    keep = functools.reduce(lambda a, b: new_node(graph, operator.and_, (a, b)), bools) if bools else None
+    additive = functools.reduce(lambda a, b: new_node(graph, operator.add, (a, b)), floats) if floats else None
+    if additive is None:
+        return keep
+    if keep is None:
+        return additive
+    hidden = new_node(graph, operator.invert, (keep,))
+    return new_node(graph, "masked_fill", (additive, hidden, fill if fill is not None else float("-inf")),
+                    op="call_method")
+
+
+def _masked_once(graph: fx.Graph, node: fx.Node, before: fx.Node):
+    """:func:`_masked` of one mask."""
     op = _op(node)
     if op is None or op.name != "pointwise":
         return node, None, None
@@ -235,13 +320,49 @@ def _handwritten(graph: fx.Graph, node: fx.Node):
     return q, k, v, mask, scale, softcap, dropout_p, fill
 
 
+def _unknown_buffers(mask) -> tuple[str, ...]:
+    """Where the module buffers that ``mask`` is computed from live (dynamo's source names), those whose values
+    are unknown: fake or meta tensors, or values no longer kept."""
+    names, seen, todo = [], set(), [mask]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, fx.Node) or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(node.all_input_nodes)
+        if node.op == "get_attr":
+            value = functools.reduce(getattr, node.target.split("."), node.graph.owning_module)
+        elif is_module_state(node):
+            value = real_value(node)
+        else:
+            continue
+        if value is not None and not isinstance(value, torch.Tensor):
+            continue
+        known = value is not None and not isinstance(value, FakeTensor) and not value.is_meta
+        if not known and not getattr(value_of(node), "requires_grad", False):  # a parameter is no mask
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            name = source.name if source is not None else node.target if node.op == "get_attr" else node.name
+            names.append(name() if callable(name) else name)
+    return tuple(sorted(names))
+
+
+def _dense(reason: str, mask) -> DenseMask:
+    """Why ``mask`` stays dense, ``reason`` being why it could not be structured."""
+    unknown = _unknown_buffers(mask)
+    if unknown:
+        reason = (f"its mask is computed from module state {', '.join(unknown)}, whose values are unknown here (a "
+                  f"model on the meta device): planned as a dense mask; plan the model with its buffers' values "
+                  f"(built on the CPU) to see the mask they hold")
+    return DenseMask(reason, unknown)
+
+
 def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> list[tuple[fx.Node, str | None]]:
     """Replace every attention of ``gm`` by ``captured_attention``; returns (node, reason the mask stayed dense).
     Attention-like patterns that could not be captured are appended to ``missed`` with the reason."""
     graph = gm.graph
     keep = unused_impure(graph)
     captured = []
-    mask_cache: dict[tuple, StructuredMask | str] = {}
+    mask_cache: dict[tuple, StructuredMask | DenseMask] = {}
     for node in list(graph.nodes):
         op = _op(node)
         if op is not None and op.name == "attention" and node.target is not captured_attention:
@@ -263,25 +384,27 @@ def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> li
         key = (mask, causal, q_len, k_len)
         if key not in mask_cache:
             try:
-                mask_cache[key] = structure_mask(graph, node, mask, causal, q_len, k_len, batch)
+                mask_cache[key] = structure_mask(graph, node, mask, causal, q_len, k_len, batch, shape_of(q)[-3])
             except Unstructurable as exc:
-                mask_cache[key] = str(exc)
+                mask_cache[key] = _dense(str(exc), mask)
         spec = mask_cache[key]
-        dense = None
-        if isinstance(spec, str):
-            reason, dense, spec = spec, mask, StructuredMask(causal=causal)
-        else:
-            reason = None
+        dense = why_dense = None
+        if isinstance(spec, DenseMask):
+            why_dense, dense, spec = spec, mask, StructuredMask(causal=causal)
         kwargs = {"causal": spec.causal, "window": spec.window, "chunk": spec.chunk,
                   "scale": float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1]),
                   "softcap": softcap, "dropout_p": dropout_p,
                   "empty_rows": empty_rows_of(fill) if fill is not None else spec.empty_rows}
+        if spec.alibi_slopes is not None:
+            kwargs["alibi_slopes"] = spec.alibi_slopes
         with graph.inserting_before(node):
             new = new_node(graph, captured_attention, (q, k, v, spec.key_mask, spec.segment_ids, dense), kwargs,
                            example_value=value_of(node))
+        if why_dense is not None:
+            new.meta[DENSE_MASK] = why_dense
         node.replace_all_uses_with(new)
         graph.erase_node(node)
-        captured.append((new, reason))
+        captured.append((new, why_dense.reason if why_dense is not None else None))
     eliminate_dead_code(graph, keep)
     return captured
 

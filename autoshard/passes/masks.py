@@ -77,6 +77,8 @@ class StructuredMask:
     """[B, S] bool, True = may be attended."""
     segment_ids: fx.Node | None = None
     """[B, S] int: attend within equal ids only."""
+    alibi_slopes: fx.Node | None = None
+    """[H] float32: ALiBi, every visible score gets ``slope[h] * (k - q)`` (see :func:`structure_mask`)."""
     empty_rows: str = "zero"
     """What a query row that sees no key gets: ``"zero"`` (boolean masks, as SDPA), ``"uniform"`` (an
     additive mask filled with ~finfo.min: every score rounds to the fill, so softmax is uniform over all
@@ -98,7 +100,8 @@ def empty_rows_of(fill: float | None) -> str:
 class _Abs:
     expr: object  # sympy expression (bool-valued for masks, numeric otherwise)
     shape: tuple[int, ...]
-    fill: float | None = None  # a float (additive) mask: 0 where expr holds, ``fill`` elsewhere
+    fill: float | None = None  # a float (additive) mask: ``bias`` where expr holds, ``fill`` elsewhere
+    bias: object = 0  # with ``fill``: the numeric expression added where the mask holds (ALiBi's position bias)
 
 
 def _sym(d: int) -> sympy.Symbol:
@@ -106,8 +109,10 @@ def _sym(d: int) -> sympy.Symbol:
 
 
 def _reindex(v: _Abs, mapping: dict[int, object], shape: tuple[int, ...]) -> _Abs:
-    return _Abs(sympy.sympify(v.expr).xreplace({_sym(d): e for d, e in mapping.items()}) if mapping else v.expr,
-                shape, v.fill)
+    if not mapping:
+        return _Abs(v.expr, shape, v.fill, v.bias)
+    subs = {_sym(d): e for d, e in mapping.items()}
+    return _Abs(sympy.sympify(v.expr).xreplace(subs), shape, v.fill, sympy.sympify(v.bias).xreplace(subs))
 
 
 def _broadcast_to(v: _Abs, shape: tuple[int, ...]) -> _Abs:
@@ -190,15 +195,19 @@ class _Evaluator:
     def _pointwise(self, node, fn, shape) -> _Abs:
         tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
         vals = [_broadcast_to(self(a), shape) if isinstance(a, fx.Node) else self(a) for a in node.args]
+        numeric = [_numeric(a, v) for a, v in zip(node.args, vals)]
         if fn == "where":
             cond, a, b = vals
-            if a.expr == 0 and _very_negative(b.expr):
-                return _Abs(cond.expr, shape, fill=float(b.expr))
-            if b.expr == 0 and _very_negative(a.expr):
-                return _Abs(sympy.Not(cond.expr), shape, fill=float(a.expr))
+            if numeric[1] and _very_negative(b.expr):
+                return _Abs(cond.expr, shape, fill=float(b.expr), bias=a.expr)
+            if numeric[2] and _very_negative(a.expr):
+                return _Abs(sympy.Not(cond.expr), shape, fill=float(a.expr), bias=b.expr)
             return self.leaf(node)
         if fn == "masked_fill" and len(vals) == 3 and _very_negative(vals[2].expr):
-            return _Abs(sympy.Not(vals[1].expr), shape, fill=float(vals[2].expr)) if vals[0].expr == 0 else self.leaf(node)
+            x, hide = vals[0], sympy.Not(vals[1].expr)
+            if x.fill is not None:
+                return _Abs(sympy.And(x.expr, hide), shape, fill=min(x.fill, float(vals[2].expr)), bias=x.bias)
+            return _Abs(hide, shape, fill=float(vals[2].expr), bias=x.expr) if numeric[0] else self.leaf(node)
         binary = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
                   "le": sympy.Le, "lt": sympy.Lt, "ge": sympy.Ge, "gt": sympy.Gt, "eq": sympy.Eq, "ne": sympy.Ne,
                   "bitwise_and": sympy.And, "logical_and": sympy.And, "bitwise_or": sympy.Or, "logical_or": sympy.Or}
@@ -211,7 +220,11 @@ class _Evaluator:
                 return _Abs(sympy.And(a.expr, b.expr), shape)
             if fn in ("add", "sub") and (a.fill is not None or b.fill is not None):
                 if a.fill is not None and b.fill is not None and fn == "add":
-                    return _Abs(sympy.And(a.expr, b.expr), shape, fill=a.fill + b.fill)
+                    return _Abs(sympy.And(a.expr, b.expr), shape, fill=a.fill + b.fill, bias=a.bias + b.bias)
+                if a.fill is not None and numeric[1]:  # a mask plus (minus) a position bias
+                    return _Abs(a.expr, shape, fill=a.fill, bias=binary[fn](a.bias, b.expr))
+                if b.fill is not None and numeric[0] and fn == "add":
+                    return _Abs(b.expr, shape, fill=b.fill, bias=b.bias + a.expr)
                 return self.leaf(node)
             return _Abs(binary[fn](a.expr, b.expr), shape)
         if fn in ("bitwise_not", "logical_not") and len(tensor_args) == 1:
@@ -278,6 +291,16 @@ def _unit_reshape(v: _Abs, shape) -> _Abs:
     return _reindex(v, mapping, tuple(shape))
 
 
+def _numeric(arg, v: _Abs) -> bool:
+    """Whether ``arg`` (abstract value ``v``) is a number: a float tensor that is no additive mask, or a Python
+    number."""
+    if v.fill is not None:
+        return False
+    if isinstance(arg, fx.Node):
+        return is_tensor_node(arg) and value_of(arg).dtype.is_floating_point
+    return isinstance(arg, (int, float)) and not isinstance(arg, bool)
+
+
 def _very_negative(expr) -> bool:
     try:
         return float(expr) <= _NEG_BIG
@@ -331,21 +354,21 @@ def _settle(v: _Abs) -> _Abs:
         return v
     folded = sympy.piecewise_fold(v.expr)
     if not isinstance(folded, sympy.Piecewise):
-        return _Abs(folded, v.shape, v.fill)
+        return _Abs(folded, v.shape, v.fill, v.bias)
     pieces = folded.args
     if all(value in (sympy.true, sympy.false) for value, _ in pieces):
         terms, before = [], sympy.false
         for value, cond in pieces:
             terms.append(sympy.And(value, cond, sympy.Not(before)))
             before = sympy.Or(before, cond)
-        return _Abs(sympy.Or(*terms), v.shape, v.fill)
+        return _Abs(sympy.Or(*terms), v.shape, v.fill, v.bias)
     if len(pieces) == 2 and v.fill is None and pieces[1][1] is sympy.true:
         (a, cond), (b, _) = pieces
         if a == 0 and _very_negative(b):
             return _Abs(cond, v.shape, fill=float(b))
         if b == 0 and _very_negative(a):
             return _Abs(sympy.Not(cond), v.shape, fill=float(a))
-    return _Abs(folded, v.shape, v.fill)
+    return _Abs(folded, v.shape, v.fill, v.bias)
 
 
 # ----------------------------------------------------------------------------- classification
@@ -470,9 +493,13 @@ def _same_values(a: fx.Node, b: fx.Node) -> bool:
 
 
 def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bool, q_len: int, k_len: int,
-                   batch: int) -> StructuredMask:
+                   batch: int, heads: int) -> StructuredMask:
     """The structured form of ``attn_mask`` (and ``is_causal``) for the attention ``attention``; materialized
-    key masks / segment ids are inserted before it. Raises :class:`Unstructurable`."""
+    key masks / segment ids / ALiBi slopes are inserted before it. Raises :class:`Unstructurable`.
+
+    A float mask may add a position bias where it holds. One of the form ``A(h) * k + C(b, h, q)`` is ALiBi:
+    ``C`` is the same for every key of a row, which softmax cancels, so it is ``A(h) * (k - q)`` (Bloom adds
+    ``slope * k``, the ALiBi paper ``-slope * (q - k)``), and ``A`` is materialized as the ``[H]`` slopes."""
     spec = StructuredMask()
     atoms = []
     if is_causal:
@@ -480,15 +507,22 @@ def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bo
     evaluator = _Evaluator()
     if attn_mask is not None:
         v = evaluator(attn_mask)
-        if value_of(attn_mask).dtype != torch.bool and v.fill is None:
-            raise Unstructurable("a float mask that is not where(mask, 0, -inf)")
+        if value_of(attn_mask).dtype != torch.bool and v.fill is None:  # a bias alone
+            v = _Abs(sympy.true, v.shape, bias=v.expr)
         spec.empty_rows = empty_rows_of(v.fill)
         full = _broadcast_to(v, (1,) * max(0, 4 - len(v.shape)) + v.shape)
         n = len(full.shape)
         names = {n - 1: K, n - 2: Q, n - 3: H, n - 4: B}
-        expr = sympy.sympify(full.expr).xreplace({_sym(d): names.get(d, sympy.Integer(0)) for d in range(n)})
+        renamed = {_sym(d): names.get(d, sympy.Integer(0)) for d in range(n)}
+        expr = sympy.sympify(full.expr).xreplace(renamed)
         if full.shape[-2] not in (1, q_len) or full.shape[-1] not in (1, k_len):
             raise Unstructurable("mask shape does not match the attention")
+        slopes = _alibi_slopes(sympy.sympify(full.bias).xreplace(renamed), evaluator.leaves)
+        if slopes is not None:
+            if spec.empty_rows == "scores":
+                raise Unstructurable("ALiBi with a mild fill (rows that see no key attend by their scores)")
+            with graph.inserting_before(attention):
+                spec.alibi_slopes = _materialize_slopes(graph, slopes, heads, evaluator.leaves)
         expr = sympy.simplify_logic(expr) if expr.has(sympy.Or) else expr
         atoms += list(expr.args) if isinstance(expr, sympy.And) else [expr]
 
@@ -557,6 +591,31 @@ def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bo
             _new(graph, torch.ops.autoshard.check_band.default,
                  (buffer, band.inside, band.outside, band.lo, band.hi, _buffer_name(buffer)))
     return spec
+
+
+def _alibi_slopes(bias, leaves: dict[str, fx.Node]):
+    """``A(h)`` when ``bias`` is ``A(h) * k + C(b, h, q)`` with ``A`` not 0 (see :func:`structure_mask`); None when
+    the bias is the same for every key of a row (softmax cancels it). Raises :class:`Unstructurable` otherwise."""
+    bias = sympy.expand(bias)
+    if K not in bias.free_symbols:
+        if any(K in call.free_symbols for call in _leaf_calls(bias)):
+            raise Unstructurable("a position bias read from a tensor (a learned relative-position table)")
+        return None
+    slope = sympy.expand(sympy.diff(bias, K))
+    if slope.free_symbols - {H} or slope.has(sympy.Derivative) or K in sympy.expand(bias - slope * K).free_symbols:
+        raise Unstructurable(f"a position bias {bias} that is not slope(h) * (k - q)")
+    for call in _leaf_calls(slope):
+        if getattr(value_of(leaves[str(call.func)]), "requires_grad", False):
+            raise Unstructurable("learned ALiBi slopes (the slopes need a gradient)")
+    return slope
+
+
+def _materialize_slopes(graph: fx.Graph, slope, heads: int, leaves: dict[str, fx.Node]) -> fx.Node:
+    """The ``[heads]`` float32 slopes ``slope(h)`` as graph nodes."""
+    grid = _materialize(graph, slope, H, 1, heads, leaves, None)
+    if not isinstance(grid, fx.Node) or value_of(grid).dtype != torch.float32:
+        grid = _new(graph, torch.Tensor.to, (_as_node(graph, grid), torch.float32))
+    return _new(graph, torch.Tensor.reshape, (grid, (heads,)))
 
 
 # ----------------------------------------------------------------------------- materialization

@@ -186,6 +186,12 @@ def _bind_gather(input, dim, index, *, sparse_grad=False, out=None):
     return {"input": input, "dim": dim, "index": index}
 
 
+@register_canonical("scatter", functions=[torch.scatter, torch.scatter_add, torch.scatter_reduce],
+                    methods=["scatter", "scatter_add", "scatter_reduce"])
+def _bind_scatter(input, dim, index, src=None, reduce=None, *, value=None, include_self=True, out=None):
+    return {"input": input, "dim": dim, "index": index, "src": src}
+
+
 @register_canonical("index_select", functions=[torch.index_select], methods=["index_select"])
 def _bind_index_select(input, dim, index, *, out=None):
     return {"input": input, "dim": dim, "index": index}

@@ -1,16 +1,17 @@
 """The compile pipeline: the passes one graph goes through, in one ordered list, each with a name.
 
-=============  ==================================================================================
-``inline``     checkpointed and wrapped subgraphs are copied into the graph (:mod:`.regions`)
-``canonical``  record every node's canonical op (:mod:`.normalize`, :mod:`.ops`)
-``capture``    attention calls become ``captured_attention`` with a structured mask (:mod:`.capture`)
-``decompose``  composites (``diff``) become ops that have rules (:mod:`.normalize`)
-``link``       every node's rule links its dims to its inputs' dims; annotations seed (:mod:`.infer`)
-``families``   linked dims joined into sequence families (:mod:`.infer`)
-``strategy``   an attention algorithm per attention, a layout per family (:mod:`autoshard.strategy`)
-``rewrite``    the local graph of this rank (:mod:`.rewrite`)
-``outline``    checkpointed regions are cut out of the local graph again, still checkpointed (:mod:`.regions`)
-=============  ==================================================================================
+=================  ==================================================================================
+``inline``         checkpointed and wrapped subgraphs are copied into the graph (:mod:`.regions`)
+``canonical``      record every node's canonical op (:mod:`.normalize`, :mod:`.ops`)
+``functionalize``  in-place writes into fresh tensors become out-of-place ops (:mod:`.functionalize`)
+``capture``        attention calls become ``captured_attention`` with a structured mask (:mod:`.capture`)
+``decompose``      composites (``diff``) become ops that have rules (:mod:`.normalize`)
+``link``           every node's rule links its dims to its inputs' dims; annotations seed (:mod:`.infer`)
+``families``       linked dims joined into sequence families (:mod:`.infer`)
+``strategy``       an attention algorithm per attention, a layout per family (:mod:`autoshard.strategy`)
+``rewrite``        the local graph of this rank (:mod:`.rewrite`)
+``outline``        checkpointed regions are cut out of the local graph again, still checkpointed (:mod:`.regions`)
+=================  ==================================================================================
 
 Each pass reads and writes one :class:`PipelineState` and returns what it counted (attentions captured,
 masks left dense, patterns missed, families, fallbacks...). :func:`run_pipeline` times every pass and
@@ -34,6 +35,7 @@ from ..config import BackendConfig
 from ..runtime.groups import plan_group_name
 from ..strategy import choose
 from .capture import capture_attention
+from .functionalize import functionalize
 from .infer import Families, LinkContext, find_families, link_graph
 from .normalize import annotate, decompose
 from .ops import op_of
@@ -117,6 +119,10 @@ def _canonical(state: PipelineState) -> dict[str, int]:
     return {"nodes": len(state.gm.graph.nodes)}
 
 
+def _functionalize(state: PipelineState) -> dict[str, int]:
+    return functionalize(state.gm)
+
+
 def _capture(state: PipelineState) -> dict[str, int]:
     captured = capture_attention(state.gm, state.missed)
     annotate(state.gm)  # rewired nodes: their canonical ops must name the new inputs
@@ -195,6 +201,7 @@ def _decisions_text(state: PipelineState) -> str:
 PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[PipelineState], str]], ...] = (
     ("inline", _inline, _graph_code),
     ("canonical", _canonical, _graph_code),
+    ("functionalize", _functionalize, _graph_code),
     ("capture", _capture, _graph_code),
     ("decompose", _decompose, _graph_code),
     ("link", _link, lambda state: f"{len(state.links.factors)} nodes with linked dims\n"),

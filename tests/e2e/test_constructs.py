@@ -9,6 +9,12 @@
 * ``eos_pooling`` -- a CLIP-style text encoder pooled at its end-of-text token, ``h[arange(B), (ids ==
   eos).int().argmax(-1)]``, a ``[B, B]`` contrastive loss (not a sequence x sequence value), ``max`` with
   indices, ``argmin`` with ties across ranks, and a slice that leaves some ranks no position;
+* ``latent_attention`` -- DeepSeek's multi-head latent attention: a value head dim (4) other than the query
+  and key head dim (8), keys written into a ``new_empty`` buffer by slice assignment and ``copy_`` (made
+  out-of-place by the ``functionalize`` pass, then split), a router gate ``zeros_like(s).scatter_(-1, topk, 1)``;
+* ``alibi`` -- ALiBi as the paper writes it (``-slope * (q - k)`` added to hand-written scores, then a causal
+  ``masked_fill``) and as Bloom does (``slope * k`` plus an additive causal mask, through SDPA): the slopes
+  are found from the graph and carried to the distributed op, which adds the bias from global positions;
 * ``scan_vmap`` -- a state-space model with no attention (an ``associative_scan`` layer, a ``torch.vmap``
   layer): it runs whole, with the warning, and gives the one-process results (the ``_vmap_*_nesting``
   calls dynamo emits, unused values, stay in the graph).
@@ -150,6 +156,95 @@ class ClipText(nn.Module):
         return loss, best, where, first_negative, head, head_where
 
 
+NOPE, ROPE, VDIM, LATENT, EXPERTS = 6, 2, 4, 16, 4
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek-style multi-head latent attention: q/k head dim ``NOPE + ROPE`` = 8, value head dim 4, keys
+    assembled in a fresh buffer (``new_empty``, slice assignment, ``copy_`` of a part shared by every head), and
+    a router's top-2 one-hot gate built in place (``zeros_like(scores).scatter_``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wkv_a = nn.Linear(HIDDEN, HEADS * (NOPE + ROPE)), nn.Linear(HIDDEN, LATENT + ROPE)
+        self.wkv_b, self.wo = nn.Linear(LATENT, HEADS * (NOPE + VDIM)), nn.Linear(HEADS * VDIM, HIDDEN)
+        self.router = nn.Linear(HIDDEN, EXPERTS)
+        self.expert_scale = nn.Parameter(torch.randn(EXPERTS, HIDDEN) / 4)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, HEADS, NOPE + ROPE).transpose(1, 2)
+        latent, k_pe = self.wkv_a(x).split([LATENT, ROPE], dim=-1)
+        k_nope, v = self.wkv_b(latent).view(b, s, HEADS, NOPE + VDIM).transpose(1, 2).split([NOPE, VDIM], dim=-1)
+        k = k_nope.new_empty(b, HEADS, s, NOPE + ROPE)
+        k[:, :, :, :NOPE] = k_nope
+        k[:, :, :, NOPE:].copy_(k_pe.unsqueeze(1))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        scores = self.router(x)
+        gate = torch.zeros_like(scores).scatter_(-1, scores.topk(2, dim=-1).indices, 1.0)
+        return x + self.wo(o.transpose(1, 2).reshape(b, s, HEADS * VDIM)) * (1 + gate @ self.expert_scale)
+
+
+class LatentLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(LatentAttention() for _ in range(LAYERS))
+        self.norm, self.head = nn.RMSNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(self.norm(x)).view(-1, VOCAB), labels.view(-1))
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """The ALiBi paper's slopes (a power-of-two head count): a geometric sequence from 2^(-8 / heads)."""
+    start = 2 ** (-8 / heads)
+    return torch.tensor([start ** (i + 1) for i in range(heads)])
+
+
+class AlibiAttention(nn.Module):
+    """ALiBi, as the paper writes it (hand-written: ``-slope * (q - k)`` added to the scores, then a causal
+    ``masked_fill``) or as Bloom does (``slope * k`` plus an additive causal mask, through SDPA)."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.qkv, self.out = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.register_buffer("slopes", alibi_slopes(HEADS), persistent=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, HEADS, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        pos = torch.arange(s, device=x.device)
+        if self.form == "paper":
+            bias = -self.slopes[:, None, None] * (pos[None, :, None] - pos[None, None, :])
+            att = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + bias
+            att = att.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+            y = att.softmax(-1) @ v
+        else:
+            alibi = (self.slopes[:, None] * pos[None, :].float()).view(1, HEADS, 1, s)
+            causal = torch.full((s, s), float("-inf"), device=x.device).triu(1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=alibi + causal)
+        return x + self.out(y.transpose(1, 2).reshape(b, s, HIDDEN))
+
+
+class AlibiLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList([AlibiAttention("paper"), AlibiAttention("bloom")])
+        self.norm, self.head = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(self.norm(x)).view(-1, VOCAB), labels.view(-1))
+
+
 def _combine(a, b):
     (gate_a, value_a), (gate_b, value_b) = a, b
     return gate_a * gate_b, value_a * gate_b + value_b
@@ -209,6 +304,8 @@ CASES = {  # name: (model, inputs, strategy; None: no attention)
     "buffer_mask": (NanoGPT, _tokens, "ring"),
     "rope_complex": (LlamaOne, _tokens, "zigzag"),
     "eos_pooling": (ClipText, _clip_inputs, "zigzag"),
+    "latent_attention": (LatentLM, _tokens, "ulysses"),
+    "alibi": (AlibiLM, _tokens, "zigzag"),
     "scan_vmap": (ScanLM, functools.partial(_tokens, 13), None),  # short: dynamo traces the scan slowly
 }
 WORLDS = (2, 4)
@@ -255,6 +352,8 @@ def test_construct_matches_one_process(name, world):
         attention = r["attention"]
         assert len(attention) == LAYERS and all(a["strategy"] == strategy and a["causal"] for a in attention), \
             f"{where}: {attention}"
+        if name == "alibi":  # both forms: the slopes carried to the distributed op
+            assert all(a["alibi"] for a in attention), f"{where}: {attention}"
         if name == "rope_complex":  # the angles of the local positions only
             assert r["placements"]["freqs_cis"].startswith("S(0"), f"{where}: {r['placements']}"
         if name == "eos_pooling":  # small collectives: candidates all-gathered, the pooled rows all-reduced

@@ -114,6 +114,7 @@ class Case:
     heads: int = 4
     kv_heads: int = 2
     head_dim: int = 16
+    v_dim: Optional[int] = None  # v / out head dim (MLA); None: head_dim
 
     def __str__(self):
         return self.name
@@ -125,10 +126,11 @@ def make_inputs(case: Case, dtype, device=DEVICE, seed=0):
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
 
+    v_dim = case.v_dim or case.head_dim
     q = randn(case.batch, case.heads, case.sq, case.head_dim)
     k = randn(case.batch, case.kv_heads, case.sk, case.head_dim)
-    v = randn(case.batch, case.kv_heads, case.sk, case.head_dim)
-    dout = randn(case.batch, case.heads, case.sq, case.head_dim)
+    v = randn(case.batch, case.kv_heads, case.sk, v_dim)
+    dout = randn(case.batch, case.heads, case.sq, v_dim)
     key_mask = None
     if case.key_mask is not None:
         key_mask = torch.rand(case.batch, case.sk, generator=g) < 0.7
@@ -174,6 +176,16 @@ MASK_CASES = [
     Case("chunk_wide_causal_ring", sq=24, sk=40, q_offset=40, k_offset=8, causal=True, chunk=40),  # one chunk edge
     Case("chunk_key_mask", sq=24, sk=30, q_offset=3, causal=True, chunk=7, key_mask="random"),
     Case("chunk_disjoint", sq=16, sk=16, q_offset=32, k_offset=8, chunk=16),  # no chunk in common: hidden
+]
+
+# MLA: v's head dim Dv differs from q / k's D, narrower (D 24 -> BLOCK_D 32, Dv 12 -> BLOCK_DV 16) or wider
+# (D 16, Dv 40 -> BLOCK_DV 64), both padded, through full, band-edge, ragged and masked tiles.
+MLA_CASES = [
+    Case("mla_causal_gqa", sq=40, sk=45, q_offset=5, causal=True, head_dim=24, v_dim=12),
+    Case("mla_dense_ragged_wide_v", sq=33, sk=45, head_dim=16, v_dim=40),
+    Case("mla_key_mask_mqa", sq=33, sk=40, key_mask="random", heads=4, kv_heads=1, head_dim=24, v_dim=12),
+    Case("mla_segments_window_wide_v", sq=40, sk=36, q_offset=24, k_offset=6, causal=True, window=(17, -1),
+         segments=True, head_dim=16, v_dim=40),
 ]
 
 
@@ -227,6 +239,25 @@ def test_softcap_forward_backward_fp32(case):
     run_and_check(case, torch.float32, scale=1.0, softcap=2.0)
 
 
+@pytest.mark.parametrize("case", MLA_CASES, ids=str)
+def test_mla_v_head_dim_forward_backward_fp32(case):
+    out, lse, (dq, dk, dv), _ = run_and_check(case, torch.float32)
+    assert out.shape == (case.batch, case.heads, case.sq, case.v_dim) and lse.shape == (case.batch, case.heads, case.sq)
+    assert dq.shape[-1] == dk.shape[-1] == case.head_dim and dv.shape[-1] == case.v_dim
+
+
+@pytest.mark.parametrize("case", [MLA_CASES[0], MLA_CASES[1]], ids=str)
+def test_mla_v_head_dim_softcap_fp32(case):
+    run_and_check(case, torch.float32, scale=1.0, softcap=2.0)
+
+
+@pytest.mark.parametrize("dtype, head_dim, v_dim", [(torch.bfloat16, 24, 12), (torch.float16, 16, 40)], ids=str)
+def test_mla_v_head_dim_half_precision(dtype, head_dim, v_dim):
+    case = Case(f"mla_d{head_dim}_dv{v_dim}", sq=37, sk=41, q_offset=11, k_offset=4, causal=True, window=(25, -1),
+                batch=1, heads=2, kv_heads=1, head_dim=head_dim, v_dim=v_dim)
+    run_and_check(case, dtype)
+
+
 def test_fp32_head_dim_not_power_of_two_with_scale():
     run_and_check(Case("d40", sq=20, sk=30, causal=True, batch=1, heads=2, kv_heads=2, head_dim=40),
                   torch.float32, scale=0.3)
@@ -268,10 +299,11 @@ def test_fully_masked_rows_are_zero_with_neg_inf_lse_and_no_nan_gradients():
     assert all(torch.isfinite(x).all() for x in (out, dq, dk, dv))
 
 
-def test_ring_steps_merge_and_accumulate_to_the_full_result():
+@pytest.mark.parametrize("v_dim", [None, 40], ids=["dv_is_d", "mla_dv40"])
+def test_ring_steps_merge_and_accumulate_to_the_full_result(v_dim):
     """Two key blocks at their global offsets, merged with triton_merge; the backward of each block
     from the FINAL out / lse (and a shared delta) sums to the gradients over all keys."""
-    full = Case("ring", sq=24, sk=40, q_offset=24, causal=True, key_mask="random", segments=True)
+    full = Case("ring", sq=24, sk=40, q_offset=24, causal=True, key_mask="random", segments=True, v_dim=v_dim)
     q, k, v, dout, mask_args = make_inputs(full, torch.float32)
     key_mask, (seg_q, seg_k) = mask_args["key_mask"], mask_args["segment_ids"]
     split = 17
@@ -319,8 +351,9 @@ def test_merge_kernel():
     assert torch.isneginf(lse[1, 2, 10:14].cpu()).all() and (out[1, 2, 10:14] == 0).all()
 
 
-def test_autograd_function_single_block_in_input_dtype():
-    case = Case("autograd", sq=40, sk=40, causal=True, window=(15, -1), key_mask="random", head_dim=32)
+@pytest.mark.parametrize("v_dim", [None, 16], ids=["dv_is_d", "mla_dv16"])
+def test_autograd_function_single_block_in_input_dtype(v_dim):
+    case = Case("autograd", sq=40, sk=40, causal=True, window=(15, -1), key_mask="random", head_dim=32, v_dim=v_dim)
     q, k, v, dout, mask_args = make_inputs(case, torch.bfloat16)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = triton_attention(q, k, v, **mask_args)
@@ -348,6 +381,9 @@ def test_non_contiguous_inputs():
 @pytest.mark.parametrize("bad, error, match", [
     (dict(q=torch.zeros(1, 2, 8, 300), k=torch.zeros(1, 2, 8, 300), v=torch.zeros(1, 2, 8, 300)), ValueError,
      "head dim 300"),
+    (dict(v=torch.zeros(1, 2, 8, 300)), ValueError, "v head dim 300"),
+    (dict(v=torch.zeros(1, 2, 7, 16)), ValueError, r"v \[B, Hkv, Sk, Dv\]"),
+    (dict(v=torch.zeros(1, 1, 8, 16)), ValueError, r"v \[B, Hkv, Sk, Dv\]"),
     (dict(k=torch.zeros(1, 2, 8, 16, dtype=torch.float16)), TypeError, "share a dtype"),
     (dict(q=torch.zeros(1, 3, 8, 16)), ValueError, "multiple of the kv heads"),
     (dict(window=(-2, 0)), ValueError, "window bounds"),
@@ -373,25 +409,25 @@ H100_SMEM = 232448  # bytes of shared memory one block may use on Hopper (227 KB
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim, v_dim", [(64, 64), (128, 128), (256, 256), (256, 128), (64, 128)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_config_pruning(kernel, head_dim, masked):
-    """The autotuner's candidates are pruned per dtype, head dim and mask kind to what fits (the
+def test_config_pruning(kernel, head_dim, v_dim, masked):
+    """The autotuner's candidates are pruned per dtype, head dims and mask kind to what fits (the
     estimates were calibrated on sm_90 compiles); the compiled kernels' configurations, not the
-    interpreter's single one, are checked here."""
+    interpreter's single one, are checked here. (256, 128): MLA's padded D = 192, Dv = 128."""
     candidates = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                   for m, n, w, s in attn._CANDIDATES[kernel] + attn._FP32_CANDIDATES]
-    flags = dict(BLOCK_D=head_dim, SQ_BUCKET=1 << 14, SK_BUCKET=1 << 14, HAS_LEFT=False, HAS_RIGHT=True,
-                 HAS_KEY_MASK=masked, HAS_SEG=False)
+    flags = dict(BLOCK_D=head_dim, BLOCK_DV=v_dim, SQ_BUCKET=1 << 14, SK_BUCKET=1 << 14, HAS_LEFT=False,
+                 HAS_RIGHT=True, HAS_KEY_MASK=masked, HAS_SEG=False)
     bf16 = torch.empty(0, dtype=torch.bfloat16)
     kept = attn._fitting_configs(kernel, candidates, dict(Q=bf16, **flags), H100_SMEM)
     assert kept and all(attn._shape(c) in attn._CANDIDATES[kernel] for c in kept)
     for c in kept:
         m, n, warps, stages = attn._shape(c)
-        smem, live = attn._resources(kernel, m, n, head_dim, stages, 2, masked)
+        smem, live = attn._resources(kernel, m, n, head_dim, v_dim, stages, 2, masked)
         assert (n if kernel == "dkdv" else m) >= 16 * warps
         assert smem <= H100_SMEM and live <= attn._REGISTER_BUDGET * 32 * warps or len(kept) == 1
-    if head_dim <= 128:  # the preferred (first) candidate fits at the head dims that matter most
+    if max(head_dim, v_dim) <= 128:  # the preferred (first) candidate fits at the head dims that matter most
         assert attn._shape(kept[0]) == attn._CANDIDATES[kernel][0]
     fp32 = attn._fitting_configs(kernel, candidates, dict(Q=bf16.float(), **flags), H100_SMEM)
     assert [attn._shape(c) for c in fp32] == attn._FP32_CANDIDATES
@@ -475,6 +511,8 @@ GPU_CASES = [
     Case("gpu_masks_d128", sq=384, sk=450, q_offset=100, k_offset=30, causal=True, key_mask="random",
          segments=True, batch=2, heads=2, kv_heads=2, head_dim=128),
     Case("gpu_dense_d96", sq=300, sk=333, batch=1, heads=2, kv_heads=1, head_dim=96),
+    Case("gpu_mla_d192_dv128", sq=400, sk=450, q_offset=50, causal=True, batch=1, heads=4, kv_heads=2, head_dim=192,
+         v_dim=128),  # DeepSeek-V3's head dims
 ]
 
 
@@ -500,8 +538,8 @@ def test_gpu_every_candidate_config():
     kernels = {"fwd": attn._attn_fwd_kernel, "dq": attn._attn_bwd_dq_kernel, "dkdv": attn._attn_bwd_dkdv_kernel}
     saved = {name: (k.configs, dict(k.cache)) for name, k in kernels.items()}
     q = torch.empty(1, device=DEVICE, dtype=torch.bfloat16)
-    flags = dict(BLOCK_D=128, SQ_BUCKET=1024, SK_BUCKET=1024, HAS_LEFT=True, HAS_RIGHT=True, HAS_KEY_MASK=True,
-                 HAS_SEG=False)
+    flags = dict(BLOCK_D=128, BLOCK_DV=128, SQ_BUCKET=1024, SK_BUCKET=1024, HAS_LEFT=True, HAS_RIGHT=True,
+                 HAS_KEY_MASK=True, HAS_SEG=False)
     try:
         for name, kernel in kernels.items():
             for config in attn._fitting_configs(name, saved[name][0], dict(Q=q, **flags),

@@ -57,6 +57,7 @@ def _cases(world: int) -> list[dict]:
             tiled=n % 4 == 1,                              # force the tiled path with small tiles
             softcap=2.0 if n % 5 == 2 else 0.0,            # Gemma2's soft-capped scores, every dtype and mask
             chunk=5 if n % 7 == 3 else 0,                  # chunked local attention (Llama-4) on every strategy
+            value_dim=(12 if n % 2 else 20) if n % 6 == 5 else None,  # v's head dim differs (MLA)
             seed=n))
     return cases
 
@@ -67,8 +68,9 @@ def _cases(world: int) -> list[dict]:
 def _inputs(case: dict):
     g = torch.Generator().manual_seed(case["seed"])
     B, S, D, H, Hkv = case["batch"], case["length"], case["head_dim"], case["heads"], case["kv_heads"]
-    q, k, v, dout = (torch.randn(B, h, S, D, generator=g, dtype=torch.float64).to(case["dtype"])
-                     for h in (H, Hkv, Hkv, H))
+    Dv = case.get("value_dim") or D
+    q, k, v, dout = (torch.randn(B, h, S, d, generator=g, dtype=torch.float64).to(case["dtype"])
+                     for h, d in ((H, D), (Hkv, D), (Hkv, Dv), (H, Dv)))
     key_mask = segments = None
     if case["mask"] == "key_mask":
         key_mask = torch.rand(B, S, generator=g) > 0.3
@@ -181,14 +183,16 @@ def test_matches_one_process_sdpa(runs):
 
 def test_triton_kernels_plug_into_the_strategies():
     """Every strategy with ``kernels="triton"`` (the Triton interpreter on CPU), at least once each; the
-    causal cases with soft-capped scores, the sliding-window case chunked too."""
+    causal cases with soft-capped scores, the sliding-window case chunked too, the key-mask and segment cases
+    with a value head dim (12) other than the query/key head dim (MLA)."""
     pytest.importorskip("triton")
     pytest.importorskip("autoshard.kernels.attention")
     wanted = {("ring", "contiguous", "causal+window"), ("zigzag", "zigzag", "causal"),
               ("zigzag", "zigzag", "key_mask"), ("allgather", "contiguous", "key_mask"),
               ("ulysses", "contiguous", "segments+causal"), ("hybrid", "zigzag", "causal")}
     cases = [dict(case, kernels="triton", dtype=torch.float32, tiled=False, length=20, head_dim=16,
-                  softcap=2.0 if case["mask"] == "causal" else 0.0, chunk=6 if case["mask"] == "causal+window" else 0)
+                  softcap=2.0 if case["mask"] == "causal" else 0.0, chunk=6 if case["mask"] == "causal+window" else 0,
+                  value_dim=12 if case["mask"] in ("key_mask", "segments+causal") else None)
              for case in _cases(2) if case["dtype"] == torch.float64 and (case["heads"], case["kv_heads"]) == (8, 2)
              and (case["strategy"], case["layout"], case["mask"]) in wanted]
     assert len(cases) == len(wanted)
@@ -204,7 +208,8 @@ def _mesh_sizes(case: dict, world: int) -> tuple[int, int]:
 
 def _size_args(case: dict) -> dict:
     """The case's sizes and masks, as the byte functions take them."""
-    return dict(B=case["batch"], H=case["heads"], Hkv=case["kv_heads"], D=case["head_dim"], dtype=case["dtype"],
+    return dict(B=case["batch"], H=case["heads"], Hkv=case["kv_heads"], D=case["head_dim"], Dv=case.get("value_dim"),
+                dtype=case["dtype"],
                 key_mask=case["mask"] == "key_mask",
                 segment_ids_dtype=torch.int64 if case["mask"] == "segments+causal" else None)
 
@@ -215,7 +220,7 @@ def _formula_bytes(case: dict, world: int, direction: str) -> int | None:
     H, Hkv = case["heads"], case["kv_heads"]
     if H % P_u or not (Hkv % P_u == 0 or P_u % Hkv == 0):
         return None
-    sizes = dict(B=case["batch"], S=case["length"], H=H, Hkv=Hkv, D=case["head_dim"])
+    sizes = dict(B=case["batch"], S=case["length"], H=H, Hkv=Hkv, D=case["head_dim"], Dv=case.get("value_dim") or 0)
     sizes.update(dict(P_r=P_r, P_u=P_u) if case["mesh"] else dict(P=world))
     args = _size_args(case)
     subs = values(dtype=args["dtype"], key_mask=args["key_mask"], segment_ids_dtype=args["segment_ids_dtype"], **sizes)
@@ -373,7 +378,7 @@ def _bad_inputs() -> dict[str, str]:
 
 EXPECTED_ERRORS = {
     "dtype": ["share one floating dtype"],
-    "shape": ["k and v must be [B, Hkv, S_local, D] matching q"],
+    "shape": ["k must be [B, Hkv, S_local, D] and v [B, Hkv, S_local, Dv] matching q"],
     "device": ["on one device"],
     "heads": ["multiple of the 3 kv heads"],
     "not a shard": ["holds 8 positions, but the contiguous layout of 10 positions on 2 ranks gives it 5"],
@@ -405,7 +410,7 @@ def test_bad_input_raises_a_clear_error_on_every_rank():
                 assert fragment in messages[name], (rank, name, messages[name])
         assert messages["after"] == "finite"
     # a shape error on rank 1 only: rank 1 names it, rank 0 learns that rank 1 failed
-    assert "k and v must be [B, Hkv, S_local, D]" in results[1]["one rank wrong"]
+    assert "k must be [B, Hkv, S_local, D] and v" in results[1]["one rank wrong"]
     assert "sequence rank(s) [1] rejected their inputs" in results[0]["one rank wrong"]
 
 
@@ -421,13 +426,19 @@ def _compiled_attention():
     group = dist.group.WORLD.group_name
 
     def fn(q, k, v):
-        out, lse = torch.ops.autoshard.attention(q, k, v, None, None, "zigzag", layout.encode(), group, "", True,
+        out, lse = torch.ops.autoshard.attention(q, k, v, None, None, None, "zigzag", layout.encode(), group, "", True,
                                                  -1, -1, 0, 8 ** -0.5, 0.0, "torch")
         return out.sum() + lse.sum().detach()
 
     torch.library.opcheck(torch.ops.autoshard.attention.default,
-                          (q, k, v, None, None, "zigzag", layout.encode(), group, "", True, -1, -1, 4, 8 ** -0.5, 2.0,
-                           "torch"))
+                          (q, k, v, None, None, None, "zigzag", layout.encode(), group, "", True, -1, -1, 4, 8 ** -0.5,
+                           2.0, "torch"))
+    # ALiBi slopes, and a value head dim (6) other than the query/key head dim (8), laid out as q is
+    v_narrow = v.detach()[..., :6].clone().requires_grad_()
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    torch.library.opcheck(torch.ops.autoshard.attention.default,
+                          (q.transpose(1, 2).contiguous().transpose(1, 2), k, v_narrow, None, None, slopes, "zigzag",
+                           layout.encode(), group, "", True, -1, -1, 0, 8 ** -0.5, 0.0, "torch"))
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     compiled(q, k, v).backward()
     grads = [t.grad.clone() for t in (q, k, v)]

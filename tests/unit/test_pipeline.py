@@ -20,17 +20,18 @@ def test_every_pass_runs_in_order_counts_and_dumps(tmp_path, monkeypatch):
     ids = torch.randint(0, 256, (1, 12))
     files = _dumped(tmp_path, monkeypatch, LlamaLM(), (ids, ids))
     assert list(files) == [f"{i:02d}-{name}.txt" for i, (name, _, _) in enumerate(PASSES)]
-    capture = files["02-capture.txt"]
+    capture = files["03-capture.txt"]
     assert capture.startswith("# capture: {'attention': 2, 'dense_masks': 0, 'missed': 0,")
     assert "captured_attention" in capture
     assert files["00-inline.txt"].startswith("# inline: {'checkpointed': 0, 'nodes_added': 0}")
-    assert files["05-families.txt"].count("family ") == 1
-    assert files["06-strategy.txt"].count(": ring (") == 2
-    assert "autoshard.attention" in files["07-rewrite.txt"] and "captured_attention" not in files["07-rewrite.txt"]
-    assert files["08-outline.txt"].startswith("# outline: {'outlined': 0}")
+    assert files["02-functionalize.txt"].startswith("# functionalize: {'functionalized': 0, 'kept_in_place': 0}")
+    assert files["06-families.txt"].count("family ") == 1
+    assert files["07-strategy.txt"].count(": ring (") == 2
+    assert "autoshard.attention" in files["08-rewrite.txt"] and "captured_attention" not in files["08-rewrite.txt"]
+    assert files["09-outline.txt"].startswith("# outline: {'outlined': 0}")
 
 
 def test_handwritten_attention_is_captured_and_counted(tmp_path, monkeypatch):
     ids = torch.randint(0, 256, (1, 12))
     files = _dumped(tmp_path, monkeypatch, HandwrittenLM(), (ids,))
-    assert files["02-capture.txt"].startswith("# capture: {'attention': 2,")
+    assert files["03-capture.txt"].startswith("# capture: {'attention': 2,")

@@ -12,7 +12,7 @@ file               ops
 ``norms``          layer_norm, rms_norm, softmax/log_softmax (and over the sequence)
 ``reductions``     sum/mean/amax/... over any dims, cumsum
 ``selection``      topk, sort, argsort, cummax along a dim (and max/min with indices)
-``embedding``      embedding, gather, index_select
+``embedding``      embedding, gather, index_select, scatter
 ``factories``      arange and friends: positions of the local tokens
 ``loss``           cross_entropy / nll_loss, elementwise losses: exact global reductions
 ``attention``      the captured attention: distributed attention

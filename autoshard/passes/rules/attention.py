@@ -208,7 +208,7 @@ def _record_attention_bytes(rw, node, op, strategy: str, sq: Shard) -> None:
     """The attention's own traffic, forward and (when its inputs need gradients) backward: the exact bytes of
     every rank (uneven shards and head splits included) and the strategy's formula."""
     s = attention_shape(node, sq.layout.length)
-    sizes = dict(B=s.batch, H=s.heads, Hkv=s.kv_heads, D=s.head_dim, dtype=s.dtype, key_mask=s.key_mask,
+    sizes = dict(B=s.batch, H=s.heads, Hkv=s.kv_heads, D=s.head_dim, Dv=s.dv, dtype=s.dtype, key_mask=s.key_mask,
                  segment_ids_dtype=s.segment_ids_dtype, P_u=rw.heads_axis_size if strategy == "hybrid" else None)
     needs_grad = any(rw.requires_grad(op[t]) for t in ("q", "k", "v"))
     for phase in ("forward", "backward") if needs_grad else ("forward",):
@@ -265,6 +265,8 @@ def rewrite_attention(rw, node, op):
         args = [rw.in_dtype_of(node, t, rw.input(t, s)) for t, s in ((q, sq), (k, sk), (v, sk))]
         per_key = Shard(1, sk.layout)
         args += [rw.input(t, per_key) if t is not None else None for t in (op.get("key_mask"), op.get("segment_ids"))]
+        slopes = op.get("alibi_slopes")
+        args.append(rw.input(slopes, REPLICATE) if slopes is not None else None)
         # the hybrid's group is its Ulysses axis; the layout spans the whole (flattened) mesh
         groups = (rw.heads_group, rw.ring_group) if strategy == "hybrid" else (rw.group, "")
         call = rw.call(torch.ops.autoshard.attention.default, *args, strategy, sq.layout.encode(), *groups,
@@ -285,6 +287,7 @@ def rewrite_attention(rw, node, op):
                                     "window": window, "chunk": int(op.get("chunk") or 0),
                                     "key_mask": op.get("key_mask") is not None,
                                     "segment_ids": op.get("segment_ids") is not None, "softcap": softcap,
+                                    "alibi": slopes is not None,
                                     "dtype": str(value_of(node).dtype).removeprefix("torch.")})
         return
     structured = (op.get("causal") or op.get("window") or op.get("chunk") or op.get("key_mask")

@@ -1,9 +1,15 @@
-"""Lookups: embedding, gather, index_select.
+"""Lookups: embedding, gather, index_select, and gather's inverse, scatter.
 
 A lookup's output has the positions of its *indices*; the table it reads is data and is used whole.
 So token ids split along the sequence give split embeddings (the table's gradient is this rank's
 share), and positions split along the sequence read a whole position table or buffer (GPT-2's
 ``wpe``, BERT's token-type buffer) at the right rows.
+
+``scatter`` (``scatter_add``, ``scatter_reduce``; the in-place forms arrive here functionalized) writes
+along ``dim`` at the index's positions of every other dim: where the index and the source span a dim
+fully, the output's positions along it are theirs, so a split along it (not ``dim``) is computed on every
+rank's own positions -- a MoE router's ``zeros_like(scores).scatter_(-1, topk, 1)``, a one-hot over
+features. A scatter along the split dim itself runs on the gathered values (a fallback in the report).
 """
 
 from __future__ import annotations
@@ -91,3 +97,37 @@ def rewrite_index_select(rw, node, op):
 
 
 register("index_select", link=link_index_select, rewrite=rewrite_index_select)
+
+
+def _scatter_inputs(op) -> list:
+    return [n for n in (op["index"], op.get("src")) if n is not None and not isinstance(n, (int, float, bool))]
+
+
+def _spans(node, inp, d: int) -> bool:
+    return shape_of(inp)[d] == shape_of(node)[d]
+
+
+def link_scatter(ctx, node, op):
+    dim = op["dim"] % len(shape_of(node))
+    ctx.set_factorization(node, [list(f) for f in ctx.factorization(op["input"])])
+    for d in range(len(shape_of(node))):
+        ctx.link_dims(node, d, op["input"], d)
+        if d != dim:
+            for inp in _scatter_inputs(op):
+                if _spans(node, inp, d):
+                    ctx.link_dims(node, d, inp, d)
+
+
+def rewrite_scatter(rw, node, op):
+    out = rw.out_shard(node)
+    dim = op["dim"] % len(shape_of(node))
+    if out is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    if out.dim == dim or not all(_spans(node, n, out.dim) for n in _scatter_inputs(op)):
+        rw.fallback(node, "scatter along the split dim (or an index that does not span it)")
+        return
+    rw.done(node, rw.reemit(node, *mapped_args(node, lambda n: rw.input(n, out))), out)
+
+
+register("scatter", link=link_scatter, rewrite=rewrite_scatter)

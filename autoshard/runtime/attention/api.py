@@ -5,13 +5,17 @@ implementation), and its registered backward is itself a custom op, ``autoshard:
 Both dispatch by ``strategy`` name to the algorithms registered in :mod:`.base`, so every algorithm
 shares the wiring and the checks::
 
-    torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, strategy, layout, group, ring_group,
+    torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, alibi_slopes, strategy, layout, group, ring_group,
                                   causal, window_left, window_right, chunk, scale, softcap, kernels) -> (out, lse)
 
 ``chunk`` (0: none) is chunked local attention, query ``i`` sees key ``j`` only if ``i // chunk == j //
 chunk`` (Llama-4's local layers; see :class:`.masks.MaskSpec`).
 
 ``softcap`` (0: none) caps the scaled scores, ``softcap * tanh(s / softcap)``, before the mask (Gemma2).
+
+``alibi_slopes`` (None: none) is ALiBi (Bloom, MPT): a ``[H]`` float32 tensor, the same on every rank; every score
+gets ``slope[h] * (k_pos - q_pos)`` of its global positions, after the cap and before the mask. The slopes get
+no gradient.
 
 ``out`` has ``q``'s dtype; ``lse`` is float32 (float64 for float64 inputs), natural log, and not
 differentiable. The op checks its inputs with local information only (shapes the layout implies,
@@ -69,10 +73,11 @@ def _check_tensors(q, k, v, key_mask, segment_ids) -> None:
         raise AttentionInputError(f"autoshard.attention: q, k, v must be on one device, got {q.device}, {k.device}, "
                                   f"{v.device}")
     B, H, S, D = q.shape
-    if k.shape != v.shape or k.size(0) != B or k.size(2) != S or k.size(3) != D:
+    if k.shape[:3] != v.shape[:3] or k.size(0) != B or k.size(2) != S or k.size(3) != D or not v.size(3):
         raise AttentionInputError(
-            f"autoshard.attention: k and v must be [B, Hkv, S_local, D] matching q [B, H, S_local, D] = "
-            f"{list(q.shape)} in B, S_local and D, got k {list(k.shape)}, v {list(v.shape)}")
+            f"autoshard.attention: k must be [B, Hkv, S_local, D] and v [B, Hkv, S_local, Dv] matching q [B, H, "
+            f"S_local, D] = {list(q.shape)} in B, S_local and D (v's head dim Dv may differ), got k {list(k.shape)}, "
+            f"v {list(v.shape)}")
     if H % k.size(1):
         raise AttentionInputError(f"autoshard.attention: the {H} query heads must be a multiple of the {k.size(1)} "
                                   f"kv heads (GQA/MQA: H divisible by Hkv)")
@@ -93,12 +98,25 @@ def _check_token_mask(name: str, mask, q: torch.Tensor, kind: str, dtype_ok) -> 
                                   f"[{B}, {S}] {kind} tensor on {q.device}, got {got}")
 
 
+def _check_slopes(alibi_slopes, q: torch.Tensor) -> None:
+    """ALiBi slopes must be one float32 per query head, on q's device."""
+    if alibi_slopes is None:
+        return
+    if (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.shape != (q.size(1),)
+            or alibi_slopes.dtype != torch.float32 or alibi_slopes.device != q.device):
+        got = (f"{list(alibi_slopes.shape)} {alibi_slopes.dtype} on {alibi_slopes.device}"
+               if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__)
+        raise AttentionInputError(f"autoshard.attention: alibi_slopes must be a [H] = [{q.size(1)}] float32 tensor on "
+                                  f"{q.device} (one slope per query head), got {got}")
+
+
 def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
     """Every check that needs only this rank's information; returns the strategy."""
     if call.strategy not in STRATEGIES:
         raise AttentionInputError(f"autoshard.attention: unknown strategy {call.strategy!r}; expected one of "
                                   f"{tuple(STRATEGIES)}")
     _check_tensors(q, k, v, key_mask, segment_ids)
+    _check_slopes(call.alibi_slopes, q)
     check_triton_dtype(call.kernels, q)
     if not (call.softcap >= 0.0 and math.isfinite(call.softcap)):
         raise AttentionInputError(f"autoshard.attention: softcap must be a finite number >= 0 (0: no capping), got "
@@ -117,9 +135,17 @@ def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
 # ---------------------------------------------------------------------------- the custom ops
 
 
+def _like_q(q: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A meta tensor shaped like ``q`` with the last dim ``head_dim``, its dims in ``q``'s memory order: the layout
+    of the output (head dim ``Dv``) and of ``dq`` (``D``)."""
+    order = sorted(range(q.dim()), key=lambda d: q.stride(d), reverse=True)
+    return torch.empty_permuted((*q.shape[:-1], head_dim), order, dtype=q.dtype, device="meta")
+
+
 def _laid_out(*items: tuple[torch.Tensor, torch.Tensor | None, torch.dtype]) -> tuple[torch.Tensor, ...]:
     """Each ``(tensor, like, dtype)``: the tensor in ``dtype``, with the strides of ``torch.empty_like(like)``
-    (contiguous for ``like=None``) and its own storage, cast and laid out by at most one copy. The fake implementations promise exactly these strides, which
+    (contiguous for ``like=None``; ``like`` may be a meta tensor) and its own storage, cast and laid out by at most
+    one copy. The fake implementations promise exactly these strides, which
     AOTAutograd and Inductor plan the following views with; laid out like ``q`` (heads a strided view of the
     projection, as in most models), the output's ``transpose(1, 2).reshape`` back to the hidden size is a view,
     not a copy. Own storage: a custom op's outputs may not alias, and strategies may return the halves of
@@ -129,68 +155,70 @@ def _laid_out(*items: tuple[torch.Tensor, torch.Tensor | None, torch.dtype]) -> 
         ref = torch.empty_like(like, device="meta") if like is not None else t.new_empty(t.shape, device="meta")
         strides = ref.stride()  # what empty_like gives, without allocating it
         if t.dtype != dtype or t.stride() != strides or t.untyped_storage().data_ptr() in seen:
-            t = (torch.empty_like(like, dtype=dtype) if like is not None else t.new_empty(t.shape, dtype=dtype)).copy_(t)
+            t = torch.empty_strided(t.shape, strides, dtype=dtype, device=t.device).copy_(t)
         seen.add(t.untyped_storage().data_ptr())
         out.append(t)
     return tuple(out)
 
 
-def _call(strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale, softcap,
-          kernels) -> Call:
+def _call(alibi_slopes, strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale,
+          softcap, kernels) -> Call:
     return Call(strategy=strategy, layout=SequenceLayout.decode(layout), group=group, ring_group=ring_group,
                 spec=MaskSpec(causal, (window_left, window_right), chunk), scale=scale, softcap=softcap,
-                kernels=kernels)
+                alibi_slopes=alibi_slopes, kernels=kernels)
 
 
 @torch.library.custom_op("autoshard::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
-                  segment_ids: Optional[torch.Tensor], strategy: str, layout: list[int], group: str, ring_group: str,
-                  causal: bool, window_left: int, window_right: int, chunk: int, scale: float, softcap: float,
-                  kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
-    call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale, softcap,
-                 kernels)
+                  segment_ids: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], strategy: str,
+                  layout: list[int], group: str, ring_group: str, causal: bool, window_left: int, window_right: int,
+                  chunk: int, scale: float, softcap: float, kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
+    call = _call(alibi_slopes, strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale,
+                 softcap, kernels)
     with without_autocast(q):
         out, lse = _validate(q, k, v, key_mask, segment_ids, call).forward(q, k, v, key_mask, segment_ids, call)
-    return _laid_out((out, q, q.dtype), (lse, None, compute_dtype(q.dtype)))
+    return _laid_out((out, _like_q(q, v.size(-1)), q.dtype), (lse, None, compute_dtype(q.dtype)))
 
 
 @_attention_op.register_fake
-def _(q, k, v, key_mask, segment_ids, strategy, layout, group, ring_group, causal, window_left, window_right, chunk,
-      scale, softcap, kernels):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype))
+def _(q, k, v, key_mask, segment_ids, alibi_slopes, strategy, layout, group, ring_group, causal, window_left,
+      window_right, chunk, scale, softcap, kernels):
+    return (torch.empty_like(_like_q(q, v.size(-1)), device=q.device),
+            q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype)))
 
 
 @torch.library.custom_op("autoshard::attention_backward", mutates_args=())
 def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, key_mask: Optional[torch.Tensor], segment_ids: Optional[torch.Tensor],
-                           strategy: str, layout: list[int], group: str, ring_group: str, causal: bool,
-                           window_left: int, window_right: int, chunk: int, scale: float, softcap: float,
-                           kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    call = _call(strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale, softcap,
-                 kernels)
+                           alibi_slopes: Optional[torch.Tensor], strategy: str, layout: list[int], group: str,
+                           ring_group: str, causal: bool, window_left: int, window_right: int, chunk: int,
+                           scale: float, softcap: float, kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    call = _call(alibi_slopes, strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale,
+                 softcap, kernels)
     with without_autocast(q):
         dq, dk, dv = STRATEGIES[strategy].backward(dout, q, k, v, out, lse, key_mask, segment_ids, call)
     return _laid_out((dq, q, q.dtype), (dk, k, k.dtype), (dv, v, v.dtype))
 
 
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, key_mask, segment_ids, strategy, layout, group, ring_group, causal, window_left,
-      window_right, chunk, scale, softcap, kernels):
+def _(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, strategy, layout, group, ring_group, causal,
+      window_left, window_right, chunk, scale, softcap, kernels):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, key_mask, segment_ids, *config = inputs
+    q, k, v, key_mask, segment_ids, alibi_slopes, *config = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_mask, segment_ids)
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, segment_ids, alibi_slopes)
     ctx.config = config
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, key_mask, segment_ids = ctx.saved_tensors
-    dq, dk, dv = torch.ops.autoshard.attention_backward(dout, q, k, v, out, lse, key_mask, segment_ids, *ctx.config)
-    return (dq, dk, dv, None, None) + (None,) * len(ctx.config)
+    q, k, v, out, lse, key_mask, segment_ids, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = torch.ops.autoshard.attention_backward(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes,
+                                                        *ctx.config)
+    return (dq, dk, dv, None, None, None) + (None,) * len(ctx.config)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup)
@@ -198,8 +226,8 @@ _attention_op.register_autograd(_backward, setup_context=_setup)
 
 # ---------------------------------------------------------------------------- cross-rank agreement
 
-_SIGNATURE = ("B", "H", "Hkv", "D", "dtype", "device", "strategy", "layout", "seq_len", "causal", "window_left",
-              "window_right", "chunk", "key_mask", "segment_ids", "scale", "softcap", "kernels")
+_SIGNATURE = ("B", "H", "Hkv", "D", "Dv", "dtype", "device", "strategy", "layout", "seq_len", "causal", "window_left",
+              "window_right", "chunk", "key_mask", "segment_ids", "scale", "softcap", "alibi_slopes", "kernels")
 _agreed: set = set()
 
 
@@ -214,15 +242,16 @@ def _code(x) -> int:
     return hash(tuple(str(x).encode()))
 
 
-def _signature(q, k, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, softcap,
+def _signature(q, k, v, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, softcap, alibi: bool,
                kernels) -> tuple[int, ...]:
-    shapes = (q.size(0), q.size(1), k.size(1), q.size(3)) if _is4d(q) and _is4d(k) else (0, 0, 0, 0)
+    shapes = (q.size(0), q.size(1), k.size(1), q.size(3), v.size(3)) if _is4d(q) and _is4d(k) and _is4d(v) else (
+        0, 0, 0, 0, 0)
     return tuple(_code(x) for x in (
         *shapes, q.dtype if isinstance(q, torch.Tensor) else None,
         q.device.type if isinstance(q, torch.Tensor) else "", strategy, layout,
         -1 if seq_len is None else seq_len, spec.causal, *spec.window, spec.chunk, key_mask is not None,
         segment_ids.dtype if isinstance(segment_ids, torch.Tensor) else None, float(scale or 0.0),
-        float(softcap), kernels))
+        float(softcap), alibi, kernels))
 
 
 def _is4d(t) -> bool:
@@ -285,6 +314,7 @@ def attention(
     segment_ids: torch.Tensor | None = None,
     scale: float | None = None,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     kernels: str = "auto",
     seq_len: int | None = None,
     dropout_p: float = 0.0,
@@ -304,7 +334,8 @@ def attention(
     bool shard, True = attend) / ``segment_ids`` (``[B, S_local]`` int shard; attend within a segment):
     structured masks, never an S x S tensor. ``scale``: default ``1/sqrt(D)``. ``softcap``: when positive, the
     scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask (Gemma2's attention logit
-    soft-capping; 0, the default, leaves them). ``kernels``: ``"auto"``,
+    soft-capping; 0, the default, leaves them). ``alibi_slopes``: ALiBi's ``[H]`` float32 slopes, whole on every
+    rank: every score gets ``slope[h] * (k_pos - q_pos)`` (global positions). ``kernels``: ``"auto"``,
     ``"torch"`` or ``"triton"``. ``seq_len``: the global length (default: the sum of the shards, found by
     a small exchange on every call). ``dropout_p`` must be 0. Under ``torch.autocast`` ``q``, ``k``, ``v`` are
     cast as SDPA casts them: to the autocast dtype, float64 excepted.
@@ -335,18 +366,20 @@ def attention(
     def make_call(length: int) -> Call:
         lay = layout if isinstance(layout, SequenceLayout) else SequenceLayout.of(layout, length, world)
         return Call(strategy=strategy, layout=lay, group=names[0], ring_group=names[1], spec=spec,
-                    scale=float(scale), softcap=float(softcap), kernels=kernels)
+                    scale=float(scale), softcap=float(softcap), alibi_slopes=alibi_slopes, kernels=kernels)
 
     error, call = None, None
     try:
         _check_tensors(q, k, v, key_mask, segment_ids)
+        _check_slopes(alibi_slopes, q)
         scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
         if seq_len is not None:
             call = make_call(seq_len)
             _validate(q, k, v, key_mask, segment_ids, call)
     except ValueError as e:  # AttentionInputError, or a layout the world size cannot serve
         error = e
-    signature = _signature(q, k, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, softcap, kernels)
+    signature = _signature(q, k, v, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, softcap,
+                           alibi_slopes is not None, kernels)
     key = (tuple(names), signature, q.size(2) if _is4d(q) else -1)
     if error is None and call is not None and key in _agreed:
         return _run(q, k, v, key_mask, segment_ids, call)
@@ -378,7 +411,8 @@ def _autocast_input(t):
 
 
 def _run(q, k, v, key_mask, segment_ids, call: Call) -> torch.Tensor:
-    out, _ = torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, call.strategy, call.layout.encode(),
+    out, _ = torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, call.alibi_slopes, call.strategy,
+                                           call.layout.encode(),
                                            call.group, call.ring_group, call.spec.causal, *call.spec.window,
                                            call.spec.chunk, call.scale, call.softcap, call.kernels)
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from ..groups import resolve_group
@@ -42,6 +43,9 @@ class Call:
     """Softmax scale."""
     softcap: float = 0.0
     """Scores soft-cap: ``softcap * tanh(s / softcap)`` on the scaled scores before the mask (0: none)."""
+    alibi_slopes: torch.Tensor | None = None
+    """ALiBi: ``[H]`` float32 slopes; every score gets ``slope[h] * (k_pos - q_pos)`` of its global positions, after
+    the cap and before the mask (None: none)."""
     kernels: str = "auto"
     """``"auto"``, ``"torch"`` or ``"triton"`` (see :mod:`.backend`)."""
 

@@ -81,10 +81,15 @@ def pieces(layout: SequenceLayout, ranks: Sequence[int]) -> tuple[Piece, ...]:
     return tuple(out)
 
 
-def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accumulators before any key block: ``out = 0``, ``lse = -inf`` (in the compute dtype)."""
+def empty_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulators before any key block: ``out = 0`` (``q``'s rows, ``v``'s head dim), ``lse = -inf`` (in the
+    compute dtype)."""
     ct = compute_dtype(q.dtype)
-    return q.new_zeros(q.shape, dtype=ct), q.new_full(q.shape[:-1], float("-inf"), dtype=ct)
+    return q.new_zeros((*q.shape[:-1], v.size(-1)), dtype=ct), q.new_full(q.shape[:-1], float("-inf"), dtype=ct)
+
+
+def _heads(alibi_slopes: torch.Tensor | None, heads: HeadSegment) -> torch.Tensor | None:
+    return None if alibi_slopes is None else alibi_slopes[heads.q]
 
 
 def _mask_args(q_piece: Piece, k_piece: Piece, key_mask, seg_q, seg_k) -> dict:
@@ -94,10 +99,10 @@ def _mask_args(q_piece: Piece, k_piece: Piece, key_mask, seg_q, seg_k) -> dict:
     }
 
 
-def _visible_pairs(q_pieces, k_pieces, spec: MaskSpec):
-    """The (query piece, key piece) pairs with a visible position. Without a position mask, positions do not
-    matter: the whole local tensors form one pair (one call instead of one per piece pair)."""
-    if not spec.is_positional:
+def _visible_pairs(q_pieces, k_pieces, spec: MaskSpec, alibi_slopes):
+    """The (query piece, key piece) pairs with a visible position. Without a position mask or ALiBi, positions do
+    not matter: the whole local tensors form one pair (one call instead of one per piece pair)."""
+    if not spec.is_positional and alibi_slopes is None:
         yield _whole(q_pieces), _whole(k_pieces)
         return
     for qp in q_pieces:
@@ -127,20 +132,22 @@ def attend(
     seg_k: torch.Tensor | None,
     scale: float,
     softcap: float,
+    alibi_slopes: torch.Tensor | None,
     kernels: str,
 ) -> None:
     """Merge the attention of ``q`` (``q_pieces``) to ``k``/``v`` (``k_pieces``) into ``out``/``lse`` in place.
 
     ``key_mask``/``seg_k`` are per key of ``k``; ``seg_q`` per query of ``q``. ``softcap`` (0: none) caps every
-    block's scores alike: it is elementwise, so the LSE merge of the blocks is unchanged.
+    block's scores alike: it is elementwise, so the LSE merge of the blocks is unchanged. ``alibi_slopes``: the
+    slopes of ``q``'s heads (see :mod:`.local`).
     """
-    for qp, kp in _visible_pairs(q_pieces, k_pieces, spec):
+    for qp, kp in _visible_pairs(q_pieces, k_pieces, spec, alibi_slopes):
         masks = _mask_args(qp, kp, key_mask, seg_q, seg_k)
         for hs in heads:
             block_out, block_lse = local_attention(
                 q[:, hs.q, qp.rows], k[:, hs.kv, kp.rows], v[:, hs.kv, kp.rows], q_offset=qp.start,
                 k_offset=kp.start, causal=spec.causal, window=spec.window_arg, chunk=spec.chunk, scale=scale,
-                softcap=softcap, kernels=kernels, **masks)
+                softcap=softcap, alibi_slopes=_heads(alibi_slopes, hs), kernels=kernels, **masks)
             merge_attention_(out[:, hs.q, qp.rows], lse[:, hs.q, qp.rows], block_out, block_lse, kernels=kernels)
 
 
@@ -165,20 +172,21 @@ def attend_backward(
     seg_k: torch.Tensor | None,
     scale: float,
     softcap: float,
+    alibi_slopes: torch.Tensor | None,
     kernels: str,
 ) -> None:
     """Add the gradients of :func:`attend`'s blocks into ``dq`` (per query) and ``dk``/``dv`` (per key).
 
     ``out``/``lse`` are the rows' final values, ``delta = rowsum(dout * out)``.
     """
-    for qp, kp in _visible_pairs(q_pieces, k_pieces, spec):
+    for qp, kp in _visible_pairs(q_pieces, k_pieces, spec, alibi_slopes):
         masks = _mask_args(qp, kp, key_mask, seg_q, seg_k)
         for hs in heads:
             rows, keys = (slice(None), hs.q, qp.rows), (slice(None), hs.kv, kp.rows)
             gq, gk, gv = local_attention_backward(
                 dout[rows], q[rows], k[keys], v[keys], out[rows], lse[rows], delta=delta[rows],
                 q_offset=qp.start, k_offset=kp.start, causal=spec.causal, window=spec.window_arg, chunk=spec.chunk,
-                scale=scale, softcap=softcap, kernels=kernels, **masks)
+                scale=scale, softcap=softcap, alibi_slopes=_heads(alibi_slopes, hs), kernels=kernels, **masks)
             dq[rows] += gq
             dk[keys] += gk
             dv[keys] += gv

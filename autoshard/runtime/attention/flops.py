@@ -5,9 +5,10 @@
     fl.forward, fl.backward
 
 Every call of :func:`~autoshard.runtime.attention.local_attention` (and its backward) records the FLOPs
-of the (query, key) pairs its mask lets through, whichever kernel runs: ``4 * D`` per visible pair and
-head in the forward (``Q K^T`` and ``P V``), ``10 * D`` in the backward (``Q K^T`` again, ``dV``, ``dP``,
-``dQ``, ``dK``). Only position masks (causal, window, chunks) are counted; data masks (``key_mask``,
+of the (query, key) pairs its mask lets through, whichever kernel runs, per visible pair and head:
+``2 * D + 2 * Dv`` in the forward (``Q K^T`` over the query/key head dim ``D``, ``P V`` over the value head
+dim ``Dv``), ``6 * D + 4 * Dv`` in the backward (``Q K^T`` again, ``dQ``, ``dK``; ``dV``, ``dP``); with
+``Dv = D``, ``4 * D`` and ``10 * D``. Only position masks (causal, window, chunks) are counted; data masks (``key_mask``,
 ``segment_ids``) do not reduce the count, since no kernel skips work for them. Blocks a strategy skips
 are never computed and so never counted: the figure measures how evenly a strategy spreads the work.
 
@@ -23,10 +24,9 @@ from ..accounting import _lock, counting
 
 __all__ = ["AttentionFlops", "attention_flops", "record_flops"]
 
-FORWARD_FLOPS_PER_PAIR = 4
-"""FLOPs per visible (query, key) pair, per head and per unit of head dim, in the forward."""
-BACKWARD_FLOPS_PER_PAIR = 10
-"""The same in the backward."""
+_FLOPS_PER_PAIR = {"forward": (2, 2), "backward": (6, 4)}
+"""Direction -> FLOPs per visible (query, key) pair and head, per unit of the query/key head dim and per unit of
+the value head dim."""
 
 
 @dataclass
@@ -54,12 +54,13 @@ def attention_flops() -> contextlib.AbstractContextManager[AttentionFlops]:
     return counting(AttentionFlops(), _active)
 
 
-def record_flops(direction: str, pairs: int, heads: int, head_dim: int) -> None:
-    """Record one computed block: ``pairs`` visible pairs for each of ``heads`` (batch x heads) rows."""
+def record_flops(direction: str, pairs: int, heads: int, head_dim: int, value_dim: int) -> None:
+    """Record one computed block: ``pairs`` visible pairs for each of ``heads`` (batch x heads) rows, query/key
+    head dim ``head_dim``, value head dim ``value_dim``."""
     if not _active:
         return
-    per_pair = FORWARD_FLOPS_PER_PAIR if direction == "forward" else BACKWARD_FLOPS_PER_PAIR
-    flops = per_pair * pairs * heads * head_dim
+    per_qk, per_v = _FLOPS_PER_PAIR[direction]
+    flops = pairs * heads * (per_qk * head_dim + per_v * value_dim)
     with _lock:  # the lock counting() adds and removes counters under
         for counter in _active:
             setattr(counter, direction, getattr(counter, direction) + flops)

@@ -5,7 +5,8 @@
     int(expr.subs(values(B=1, S=1 << 20, H=32, Hkv=8, D=128, P=64, dtype=torch.bfloat16)))
 
 Symbols (:data:`B`, :data:`S`, ...): batch ``B``, global sequence length ``S``, query heads ``H``, kv heads
-``Hkv``, head dim ``D``, ranks ``P`` (for ``hybrid`` ``P = P_r * P_u``: ring axis ``P_r``, Ulysses axis ``P_u``),
+``Hkv``, query/key head dim ``D``, value head dim ``Dv`` (``D`` unless given: multi-head latent attention has
+another), ranks ``P`` (for ``hybrid`` ``P = P_r * P_u``: ring axis ``P_r``, Ulysses axis ``P_u``),
 bytes per element of the inputs ``e``, bytes per element of accumulated gradients and of the LSE ``a``
 (4; 8 for float64 inputs), and ``M``, the extra bytes per token of the per-token masks that travel
 (1 for a bool ``key_mask`` plus the element size of ``segment_ids``; 0 without them).
@@ -44,32 +45,33 @@ from .local import compute_dtype
 from .ring import block_source
 from .ulysses import group_members, head_plan
 
-__all__ = ["B", "S", "H", "Hkv", "D", "P", "P_r", "P_u", "e", "a", "M", "SYMBOLS", "STRATEGY_FORMULAS", "bytes_sent",
+__all__ = ["B", "S", "H", "Hkv", "D", "Dv", "P", "P_r", "P_u", "e", "a", "M", "SYMBOLS", "STRATEGY_FORMULAS", "bytes_sent",
            "ring_bytes", "allgather_bytes", "ulysses_bytes", "hybrid_bytes", "mask_bytes_per_token", "values",
            "bytes_sent_by_rank"]
 
-B, S, H, Hkv, D, P, P_r, P_u, e, a, M = sympy.symbols("B S H Hkv D P P_r P_u e a M", positive=True, integer=True)
-SYMBOLS = {symbol.name: symbol for symbol in (B, S, H, Hkv, D, P, P_r, P_u, e, a, M)}
+B, S, H, Hkv, D, Dv, P, P_r, P_u, e, a, M = sympy.symbols("B S H Hkv D Dv P P_r P_u e a M", positive=True,
+                                                           integer=True)
+SYMBOLS = {symbol.name: symbol for symbol in (B, S, H, Hkv, D, Dv, P, P_r, P_u, e, a, M)}
 """Every symbol by name."""
 
 
 def _ring(ranks, tokens, kv_heads, backward: bool) -> sympy.Expr:
     """A ring of ``ranks`` blocks of ``tokens`` tokens: every rank forwards ``ranks - 1`` K/V blocks (with their
     masks); the backward forwards them again plus ``ranks - 1`` dK/dV accumulators."""
-    per_token = 2 * kv_heads * D * e + M + (2 * kv_heads * D * a if backward else 0)
+    per_token = kv_heads * (D + Dv) * e + M + (kv_heads * (D + Dv) * a if backward else 0)
     return (ranks - 1) * tokens * B * per_token
 
 
 def _ulysses(ranks, tokens, backward: bool) -> sympy.Expr:
     """An all-to-all group of ``ranks`` ranks holding ``tokens`` tokens each, ``H`` heads split over it."""
     heads_out = H - H / ranks  # heads of this rank's tokens that leave it
-    q = B * tokens * heads_out * D * e  # one [B, H, tokens, D] tensor to head-split (or back)
-    kv = 2 * B * tokens * (ranks - 1) * sympy.ceiling(Hkv / ranks) * D * e  # K and V, kv heads each rank needs
+    rows = B * tokens * heads_out * e  # per unit of head dim: one [B, H, tokens, *] tensor to head-split (or back)
+    kv = B * tokens * (ranks - 1) * sympy.ceiling(Hkv / ranks) * (D + Dv) * e  # K and V, kv heads each rank needs
     lse = B * tokens * heads_out * a
     masks = (ranks - 1) * sympy.ceiling(S / P) * B * M  # all-gathered, padded to the largest shard
     if backward:  # q, out, dout and K, V, lse to head-split; dq and dK, dV back
-        return 4 * q + 2 * kv + lse + masks
-    return 2 * q + kv + lse + masks  # q and K, V to head-split; out and lse back
+        return rows * (2 * D + 2 * Dv) + 2 * kv + lse + masks
+    return rows * (D + Dv) + kv + lse + masks  # q and K, V to head-split; out and lse back
 
 
 def ring_bytes(backward: bool = False) -> sympy.Expr:
@@ -81,7 +83,7 @@ def ring_bytes(backward: bool = False) -> sympy.Expr:
 def allgather_bytes(backward: bool = False) -> sympy.Expr:
     """``allgather``: all-gather of K, V (and masks), ``(P - 1)`` padded shards; the backward gathers them again
     and reduce-scatters dK, dV (``a`` bytes per element)."""
-    per_token = 2 * Hkv * D * e + M + (2 * Hkv * D * a if backward else 0)
+    per_token = Hkv * (D + Dv) * e + M + (Hkv * (D + Dv) * a if backward else 0)
     return (P - 1) * sympy.ceiling(S / P) * B * per_token
 
 
@@ -123,13 +125,15 @@ def mask_bytes_per_token(key_mask: bool = False, segment_ids_dtype: torch.dtype 
 
 def values(*, dtype: torch.dtype = torch.float32, key_mask: bool = False,
            segment_ids_dtype: torch.dtype | None = None, **sizes: int) -> dict:
-    """A substitution dict for the formulas: ``sizes`` gives ``B``, ``S``, ``H``, ``Hkv``, ``D`` and ``P`` (or ``P_r``
-    and ``P_u``); ``e``, ``a`` and ``M`` follow from ``dtype`` and the masks."""
-    unknown = set(sizes) - {"B", "S", "H", "Hkv", "D", "P", "P_r", "P_u"}
+    """A substitution dict for the formulas: ``sizes`` gives ``B``, ``S``, ``H``, ``Hkv``, ``D`` (``Dv``, when it is not
+    ``D``) and ``P`` (or ``P_r`` and ``P_u``); ``e``, ``a`` and ``M`` follow from ``dtype`` and the masks."""
+    unknown = set(sizes) - {"B", "S", "H", "Hkv", "D", "Dv", "P", "P_r", "P_u"}
     if unknown:
         raise ValueError(f"values: unknown sizes {sorted(unknown)}")
     if "P" not in sizes and "P_r" in sizes and "P_u" in sizes:
         sizes["P"] = sizes["P_r"] * sizes["P_u"]
+    if "D" in sizes and not sizes.get("Dv"):
+        sizes["Dv"] = sizes["D"]
     out = {SYMBOLS[name]: int(value) for name, value in sizes.items()}
     out[e], out[a] = _element_sizes(dtype)
     out[M] = mask_bytes_per_token(key_mask, segment_ids_dtype)
@@ -151,25 +155,27 @@ class _Sizes(NamedTuple):
     H: int
     Hkv: int
     D: int
+    Dv: int
     e: int
     a: int
     M: int
 
 
 def bytes_sent_by_rank(strategy: str, direction: str, lengths: Sequence[int], *, B: int, H: int, Hkv: int, D: int,
-                       dtype: torch.dtype = torch.float32, key_mask: bool = False,
+                       Dv: int | None = None, dtype: torch.dtype = torch.float32, key_mask: bool = False,
                        segment_ids_dtype: torch.dtype | None = None, P_u: int | None = None) -> list[int]:
     """Bytes every sequence rank sends in the ``"forward"`` or ``"backward"`` of one call of ``strategy``, exactly.
 
-    ``lengths``: the shard length of every sequence rank (``layout.local_lengths``); ``P_u``: the Ulysses axis size
-    of ``hybrid``. The list is in sequence-rank order (the flattened rank of a ``(ring, ulysses)`` mesh).
+    ``lengths``: the shard length of every sequence rank (``layout.local_lengths``); ``Dv``: the value head dim
+    (default ``D``); ``P_u``: the Ulysses axis size of ``hybrid``. The list is in sequence-rank order (the flattened
+    rank of a ``(ring, ulysses)`` mesh).
     """
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
     if strategy not in STRATEGY_FORMULAS:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(STRATEGY_FORMULAS)}")
     lengths = [int(n) for n in lengths]
-    sizes = _Sizes(B, H, Hkv, D, *_element_sizes(dtype), mask_bytes_per_token(key_mask, segment_ids_dtype))
+    sizes = _Sizes(B, H, Hkv, D, Dv or D, *_element_sizes(dtype), mask_bytes_per_token(key_mask, segment_ids_dtype))
     backward = direction == "backward"
     if strategy == "allgather":
         return [_allgather_rank(lengths, sizes, backward)] * len(lengths)
@@ -186,9 +192,10 @@ def _allgather_rank(lengths: list[int], n: _Sizes, backward: bool) -> int:
     """Every rank: K, V and masks all-gathered (padded to the largest shard); backward again, plus dK, dV
     reduce-scattered in the compute dtype."""
     world, longest = len(lengths), max(lengths)
-    sent = 2 * all_gather_bytes(n.B * n.Hkv * longest * n.D * n.e, world) + all_gather_bytes(n.B * longest * n.M, world)
+    sent = sum(all_gather_bytes(n.B * n.Hkv * longest * dim * n.e, world) for dim in (n.D, n.Dv))
+    sent += all_gather_bytes(n.B * longest * n.M, world)
     if backward:
-        sent += 2 * reduce_scatter_bytes(n.B * n.Hkv * longest * n.D * n.a, world)
+        sent += sum(reduce_scatter_bytes(n.B * n.Hkv * longest * dim * n.a, world) for dim in (n.D, n.Dv))
     return sent
 
 
@@ -212,11 +219,11 @@ def _ulysses_rank(lengths: list[int], member: int, shares, n: _Sizes, backward: 
     q_out = (n.H - q_heads[member]) * own  # (head, token) rows that leave for head-split
     kv_out = (sum(kv_heads) - kv_heads[member]) * own  # a kv head goes to every member whose query heads read it
     q_back, kv_back = q_heads[member] * others, kv_heads[member] * others  # rows that go back to sequence-split
-    row, lse = n.B * n.D * n.e, n.B * n.a
+    qk, v, kv, lse = n.B * n.D * n.e, n.B * n.Dv * n.e, n.B * (n.D + n.Dv) * n.e, n.B * n.a  # bytes of one row
     masks = all_gather_bytes(n.B * max(lengths) * n.M, len(lengths))
     if backward:  # q, out, dout, LSE and K, V out; dq, dK, dV back
-        return (3 * row + lse) * q_out + 2 * row * kv_out + row * q_back + 2 * row * kv_back + masks
-    return row * q_out + 2 * row * kv_out + (row + lse) * q_back + masks  # q, K, V out; out, LSE back
+        return (qk + 2 * v + lse) * q_out + kv * kv_out + qk * q_back + kv * kv_back + masks
+    return qk * q_out + kv * kv_out + (v + lse) * q_back + masks  # q, K, V out; out, LSE back
 
 
 def _ring_rank(block_lengths: list[int], rank: int, kv_heads: int, n: _Sizes, backward: bool) -> int:
@@ -225,10 +232,10 @@ def _ring_rank(block_lengths: list[int], rank: int, kv_heads: int, n: _Sizes, ba
     block it holds at every step but the first."""
     world = len(block_lengths)
     forwarded = sum(block_lengths[block_source(rank, step, world)] for step in range(world - 1))
-    sent = forwarded * n.B * (2 * kv_heads * n.D * n.e + n.M)
+    sent = forwarded * n.B * (kv_heads * (n.D + n.Dv) * n.e + n.M)
     if backward:
         accumulated = sum(block_lengths[block_source(rank, step, world)] for step in range(1, world))
-        sent += accumulated * n.B * 2 * kv_heads * n.D * n.a
+        sent += accumulated * n.B * kv_heads * (n.D + n.Dv) * n.a
     return sent
 
 

@@ -8,12 +8,18 @@ One block of queries against one block of keys, both placed by their **global** 
 function serves every step of every strategy: a block the mask hides entirely returns at once, a fully
 visible one needs no mask tensor, a diagonal one is masked tile by tile. Shapes follow
 ``F.scaled_dot_product_attention``: ``q [B, H, Sq, D]``, ``k``/``v`` ``[B, Hkv, Sk, D]`` with ``H`` divisible
-by ``Hkv``; query head ``h`` reads kv head ``h // (H // Hkv)``. GQA groups the query heads of a kv head
+by ``Hkv``; query head ``h`` reads kv head ``h // (H // Hkv)``. ``v``'s head dim ``Dv`` may differ from ``D``
+(multi-head latent attention: qk 192, v 128); ``out`` and ``dv`` have ``Dv``. GQA groups the query heads of a kv head
 into one matrix (``[B, Hkv, G * rows, D]``); K and V are never repeated.
 
 Soft-capping (``softcap > 0``, Gemma2's attention logit cap): the scaled scores ``s = scale * q.k`` become
 ``softcap * tanh(s / softcap)`` before the mask and the softmax. It is elementwise on the scores, so a
 block's ``lse`` and the merge of blocks stay what they are for any other scores.
+
+ALiBi (``alibi_slopes``, ``[H]`` float32, Bloom / MPT / Falcon): every score then gets ``slope[h] * (k_pos -
+q_pos)`` from the **global** positions of the block (``q_offset + i``, ``k_offset + j``), after the cap and
+before the mask. Models that add ``slope[h] * k_pos`` (Bloom) differ by ``slope[h] * q_pos``, a constant per row
+that the softmax cancels. The slopes are constants: they get no gradient.
 
 Outputs: ``out`` (float32, or float64 for float64 inputs) and ``lse``, the **natural** log (base e) of
 each row's sum of ``exp(s)`` (the capped scores when capping) over its visible keys. A row with no visible key has ``out = 0``
@@ -99,6 +105,7 @@ def local_attention(
     segment_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
     scale: float | None = None,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     kernels: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query block against one key block at global offsets; returns ``(out, lse)``.
@@ -108,27 +115,30 @@ def local_attention(
     bool, True where the key may be attended. ``segment_ids``: the pair ``(seg_q [B, Sq], seg_k [B, Sk])``; a
     key is visible only within the query's segment. ``scale`` defaults to ``1 / sqrt(D)``. ``softcap``: when
     positive, the scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask and the softmax
-    (0: no capping). See the module docstring for the outputs.
+    (0: no capping). ``alibi_slopes``: ALiBi's per-head slopes (see the module docstring). See the module
+    docstring for the outputs.
     """
     spec = MaskSpec.of(causal, window, chunk)
-    _check(q, k, v, key_mask, segment_ids, softcap)
+    _check(q, k, v, key_mask, segment_ids, softcap, alibi_slopes)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     (B, H, Sq, D), Sk = q.shape, k.size(2)
     visibility = spec.classify(q_offset, Sq, k_offset, Sk)
     if visibility is Visibility.HIDDEN:
         ct = compute_dtype(q.dtype)
-        return q.new_zeros(q.shape, dtype=ct), q.new_full(q.shape[:-1], _NEG_INF, dtype=ct)
-    record_flops("forward", spec.visible_pairs(q_offset, Sq, k_offset, Sk), B * H, D)
+        return q.new_zeros((B, H, Sq, v.size(-1)), dtype=ct), q.new_full(q.shape[:-1], _NEG_INF, dtype=ct)
+    record_flops("forward", spec.visible_pairs(q_offset, Sq, k_offset, Sk), B * H, D, v.size(-1))
     if use_triton(kernels, q):
         from autoshard.kernels.attention import triton_attention_forward
 
         return triton_attention_forward(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=spec.causal,
                                         window=spec.window_arg, chunk=spec.chunk, key_mask=key_mask,
-                                        segment_ids=segment_ids, scale=scale, softcap=softcap)
-    parts = _fused_parts(spec, visibility, q, q_offset, k_offset, Sk, key_mask, segment_ids, softcap)
+                                        segment_ids=segment_ids, scale=scale, softcap=softcap,
+                                        alibi_slopes=alibi_slopes)
+    parts = _fused_parts(spec, visibility, q, v, q_offset, k_offset, Sk, key_mask, segment_ids, softcap,
+                         alibi_slopes)
     if parts is not None:
         return _fused_forward(q, k, v, parts, scale)
-    return _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap)
+    return _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap, alibi_slopes)
 
 
 def local_attention_backward(
@@ -149,46 +159,50 @@ def local_attention_backward(
     segment_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
     scale: float | None = None,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     kernels: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of one block (float32, or float64 for float64 inputs).
 
     ``out``/``lse``: the rows' final values over all key blocks; ``delta``: ``rowsum(dout * out)``
-    (``[B, H, Sq]``), computed when ``None``. Mask arguments and ``softcap`` as in :func:`local_attention`.
+    (``[B, H, Sq]``), computed when ``None``. Mask arguments, ``softcap`` and ``alibi_slopes`` as in
+    :func:`local_attention`.
     """
     spec = MaskSpec.of(causal, window, chunk)
-    _check(q, k, v, key_mask, segment_ids, softcap)
+    _check(q, k, v, key_mask, segment_ids, softcap, alibi_slopes)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     (B, H, Sq, D), Sk = q.shape, k.size(2)
     visibility = spec.classify(q_offset, Sq, k_offset, Sk)
     if visibility is Visibility.HIDDEN:
         ct = compute_dtype(q.dtype)
         return (q.new_zeros(q.shape, dtype=ct), k.new_zeros(k.shape, dtype=ct), v.new_zeros(v.shape, dtype=ct))
-    record_flops("backward", spec.visible_pairs(q_offset, Sq, k_offset, Sk), B * H, D)
+    record_flops("backward", spec.visible_pairs(q_offset, Sq, k_offset, Sk), B * H, D, v.size(-1))
     if use_triton(kernels, q):
         from autoshard.kernels.attention import triton_attention_backward
 
         return triton_attention_backward(dout, q, k, v, out, lse, delta=delta, q_offset=q_offset,
                                          k_offset=k_offset, causal=spec.causal, window=spec.window_arg,
                                          chunk=spec.chunk, key_mask=key_mask, segment_ids=segment_ids, scale=scale,
-                                         softcap=softcap)
-    parts = _fused_parts(spec, visibility, q, q_offset, k_offset, Sk, key_mask, segment_ids, softcap)
+                                         softcap=softcap, alibi_slopes=alibi_slopes)
+    parts = _fused_parts(spec, visibility, q, v, q_offset, k_offset, Sk, key_mask, segment_ids, softcap,
+                         alibi_slopes)
     if parts is not None:
         return _fused_backward(dout, q, k, v, out, lse, parts, scale)
     return _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale,
-                           softcap)
+                           softcap, alibi_slopes)
 
 
 # ---------------------------------------------------------------------------- checks
 
 
-def _check(q, k, v, key_mask, segment_ids, softcap) -> None:
+def _check(q, k, v, key_mask, segment_ids, softcap, alibi_slopes) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"local_attention: q, k, v must be [B, H, S, D], got shapes {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or q.size(0) != k.size(0) or q.size(3) != k.size(3) or q.size(1) % k.size(1):
-        raise ValueError(f"local_attention: need q [B, H, Sq, D] and k, v [B, Hkv, Sk, D] with H divisible by "
-                         f"Hkv, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if (k.shape[:3] != v.shape[:3] or q.size(0) != k.size(0) or q.size(3) != k.size(3) or q.size(1) % k.size(1)
+            or not v.size(3)):
+        raise ValueError(f"local_attention: need q [B, H, Sq, D], k [B, Hkv, Sk, D] and v [B, Hkv, Sk, Dv] with H "
+                         f"divisible by Hkv, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, Sq, Sk = q.size(0), q.size(2), k.size(2)
     if key_mask is not None and (key_mask.shape != (B, Sk) or key_mask.dtype != torch.bool):
         raise ValueError(f"local_attention: key_mask must be a [B, Sk] = [{B}, {Sk}] bool tensor, got "
@@ -198,22 +212,27 @@ def _check(q, k, v, key_mask, segment_ids, softcap) -> None:
                          f"[{B}, {Sk}]), got {tuple(segment_ids[0].shape)}, {tuple(segment_ids[1].shape)}")
     if not (softcap >= 0.0 and math.isfinite(softcap)):
         raise ValueError(f"local_attention: softcap must be a finite number >= 0 (0: no capping), got {softcap}")
+    if alibi_slopes is not None and (alibi_slopes.shape != (q.size(1),) or alibi_slopes.dtype != torch.float32):
+        raise ValueError(f"local_attention: alibi_slopes must be a [H] = [{q.size(1)}] float32 tensor, got "
+                         f"{tuple(alibi_slopes.shape)} {alibi_slopes.dtype}")
 
 
 # ---------------------------------------------------------------------------- fused CPU kernel
 
 
-def _fused_parts(spec: MaskSpec, visibility: Visibility, q: torch.Tensor, q_offset: int, k_offset: int, k_len: int,
-                 key_mask, segment_ids, softcap: float) -> list[tuple[int, int, bool]] | None:
+def _fused_parts(spec: MaskSpec, visibility: Visibility, q: torch.Tensor, v: torch.Tensor, q_offset: int,
+                 k_offset: int, k_len: int, key_mask, segment_ids, softcap: float,
+                 alibi_slopes) -> list[tuple[int, int, bool]] | None:
     """Key ranges ``(lo, hi, causal)`` (local indices) that torch's fused kernel computes exactly, or None.
 
     A fully visible block is one range; under a plain causal mask the keys before the queries are one
     fully visible range and the keys at the queries' own positions one aligned causal diagonal (keys
     after them are hidden). Other blocks (windows, chunks, data masks, a diagonal cut by the block's edge) and
-    soft-capped scores (the kernel has no soft-cap) are left to the tiled path.
+    soft-capped or ALiBi-biased scores (the kernel has neither) and a value head dim other than the query's are
+    left to the tiled path.
     """
     if (not FUSED_BLOCKS or q.device.type != "cpu" or key_mask is not None or segment_ids is not None
-            or softcap):
+            or softcap or alibi_slopes is not None or v.size(-1) != q.size(-1)):
         return None
     if visibility is Visibility.FULL:
         return [(0, k_len, False)]
@@ -293,10 +312,21 @@ def _soft_cap(s: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tens
     return t * softcap, t
 
 
-def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap):
-    (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
+def _alibi(scores: torch.Tensor, alibi_slopes, q_start: int, tq: int, k_start: int, tk: int) -> torch.Tensor:
+    """Add ALiBi's ``slope[h] * (k_pos - q_pos)`` in place to a tile's scores, viewed ``[B, Hkv, G, tq, tk]``."""
+    if alibi_slopes is None:
+        return scores
+    B, Hkv, G = scores.size(0), scores.size(1), scores.size(2) // tq
+    distance = (torch.arange(k_start, k_start + tk, device=scores.device)
+                - torch.arange(q_start, q_start + tq, device=scores.device)[:, None]).to(scores.dtype)
+    scores.view(B, Hkv, G, tq, tk).add_(alibi_slopes.to(scores.dtype).view(1, Hkv, G, 1, 1) * distance)
+    return scores
+
+
+def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap, alibi_slopes):
+    (B, H, Sq, D), (Hkv, Sk), Dv = q.shape, k.shape[1:3], v.size(-1)
     G, ct = H // Hkv, compute_dtype(q.dtype)
-    out = q.new_zeros((B, Hkv, G, Sq, D), dtype=ct)
+    out = q.new_zeros((B, Hkv, G, Sq, Dv), dtype=ct)
     lse = q.new_full((B, Hkv, G, Sq), _NEG_INF, dtype=ct)
     grouped = q.unflatten(1, (Hkv, G))
     for tiles in _tiles(spec, q_offset, Sq, k_offset, Sk, q_outer=True):
@@ -305,6 +335,7 @@ def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, sca
         row_max = row_sum = acc = None
         for _, _, j, tk, visibility in tiles:
             s, _ = _soft_cap(rows @ k[:, :, j:j + tk].to(ct).transpose(-1, -2), softcap)
+            s = _alibi(s, alibi_slopes, q_offset + i, tq, k_offset + j, tk)
             mask = _tile_mask(spec, visibility, q_offset, i, tq, k_offset, j, tk, key_mask, segment_ids, q.device)
             if mask is not None:
                 s.view(B, Hkv, G, tq, tk).masked_fill_(~mask, _NEG_INF)
@@ -321,12 +352,13 @@ def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, sca
                 acc = acc.mul_(alpha.unsqueeze(-1)).add_(pv)
             row_max = new_max
         empty = row_sum == 0  # no visible key in the whole block
-        out[:, :, :, i:i + tq] = (acc / row_sum.masked_fill(empty, 1.0).unsqueeze(-1)).view(B, Hkv, G, tq, D)
+        out[:, :, :, i:i + tq] = (acc / row_sum.masked_fill(empty, 1.0).unsqueeze(-1)).view(B, Hkv, G, tq, Dv)
         lse[:, :, :, i:i + tq] = (shift + row_sum.log()).view(B, Hkv, G, tq)
-    return out.view(B, H, Sq, D), lse.view(B, H, Sq)
+    return out.view(B, H, Sq, Dv), lse.view(B, H, Sq)
 
 
-def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap):
+def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap,
+                    alibi_slopes):
     (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
     G, ct = H // Hkv, compute_dtype(q.dtype)
     if delta is None:
@@ -334,7 +366,7 @@ def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, ke
     # Rows with no visible key anywhere (lse = -inf) get lse = +inf, so every p = exp(s - lse) is 0.
     lse = lse.to(ct).masked_fill(lse == _NEG_INF, float("inf")).reshape(B, Hkv, G, Sq)
     delta = delta.to(ct).reshape(B, Hkv, G, Sq)
-    q_grouped, dout_grouped = q.unflatten(1, (Hkv, G)), dout.unflatten(1, (Hkv, G))
+    q_grouped, dout_grouped, Dv = q.unflatten(1, (Hkv, G)), dout.unflatten(1, (Hkv, G)), v.size(-1)
     dq = q.new_zeros((B, Hkv, G, Sq, D), dtype=ct)
     dk, dv = k.new_zeros(k.shape, dtype=ct), v.new_zeros(v.shape, dtype=ct)
     for tiles in _tiles(spec, q_offset, Sq, k_offset, Sk, q_outer=False):
@@ -342,8 +374,9 @@ def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, ke
         keys, values = k[:, :, j:j + tk].to(ct), v[:, :, j:j + tk].to(ct)
         for i, tq, _, _, visibility in tiles:
             rows = (q_grouped[:, :, :, i:i + tq].to(ct) * scale).reshape(B, Hkv, G * tq, D)
-            grad_rows = dout_grouped[:, :, :, i:i + tq].to(ct).reshape(B, Hkv, G * tq, D)
+            grad_rows = dout_grouped[:, :, :, i:i + tq].to(ct).reshape(B, Hkv, G * tq, Dv)
             s, tanh = _soft_cap(rows @ keys.transpose(-1, -2), softcap)
+            s = _alibi(s, alibi_slopes, q_offset + i, tq, k_offset + j, tk)
             mask = _tile_mask(spec, visibility, q_offset, i, tq, k_offset, j, tk, key_mask, segment_ids, q.device)
             if mask is not None:
                 s.view(B, Hkv, G, tq, tk).masked_fill_(~mask, _NEG_INF)

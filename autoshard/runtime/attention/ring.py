@@ -82,6 +82,7 @@ def ring_forward(
     spec: MaskSpec,
     scale: float,
     softcap: float,
+    alibi_slopes: torch.Tensor | None,
     kernels: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of this rank's queries over every ring rank's K/V (compute dtype).
@@ -90,7 +91,7 @@ def ring_forward(
     ``i`` holds (its queries and its K/V block alike).
     """
     world, rank = (1, 0) if pg is None else (pg.size(), pg.rank())
-    out, lse = empty_result(q)
+    out, lse = empty_result(q, v)
     block = _block(k, v, key_mask, segment_ids)
     comm = RingCommunicator(pg) if world > 1 else None
     for step in range(world):
@@ -99,7 +100,8 @@ def ring_forward(
             comm.start(block, _like(block, _length(block_pieces[block_source(rank, step + 1, world)])))
         kb, vb, kmb, segb = _unpack(block, key_mask, segment_ids)
         attend(out, lse, q, kb, vb, block_pieces[rank], block_pieces[source], heads=heads, spec=spec,
-               key_mask=kmb, seg_q=segment_ids, seg_k=segb, scale=scale, softcap=softcap, kernels=kernels)
+               key_mask=kmb, seg_q=segment_ids, seg_k=segb, scale=scale, softcap=softcap,
+               alibi_slopes=alibi_slopes, kernels=kernels)
         if step < world - 1:
             block = comm.wait()
     return out, lse
@@ -121,6 +123,7 @@ def ring_backward(
     spec: MaskSpec,
     scale: float,
     softcap: float,
+    alibi_slopes: torch.Tensor | None,
     kernels: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` (compute dtype) of :func:`ring_forward`, given its final ``out`` and ``lse``."""
@@ -141,7 +144,7 @@ def ring_backward(
         dk, dv = kb.new_zeros(kb.shape, dtype=ct), vb.new_zeros(vb.shape, dtype=ct)
         attend_backward(dq, dk, dv, dout, q, kb, vb, out, lse, delta, block_pieces[rank], block_pieces[source],
                         heads=heads, spec=spec, key_mask=kmb, seg_q=segment_ids, seg_k=segb, scale=scale,
-                        softcap=softcap, kernels=kernels)
+                        softcap=softcap, alibi_slopes=alibi_slopes, kernels=kernels)
         if step == 0:
             own = dk, dv
         else:
@@ -179,13 +182,13 @@ def _shards(call: Call) -> list[tuple[Piece, ...]]:
 def _forward(q, k, v, key_mask, segment_ids, call: Call):
     return ring_forward(q, k, v, key_mask, segment_ids, pg=call.pg, block_pieces=_shards(call),
                         heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, scale=call.scale,
-                        softcap=call.softcap, kernels=call.kernels)
+                        softcap=call.softcap, alibi_slopes=call.alibi_slopes, kernels=call.kernels)
 
 
 def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
     return ring_backward(dout, q, k, v, out, lse, key_mask, segment_ids, pg=call.pg, block_pieces=_shards(call),
                          heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, scale=call.scale,
-                         softcap=call.softcap, kernels=call.kernels)
+                         softcap=call.softcap, alibi_slopes=call.alibi_slopes, kernels=call.kernels)
 
 
 register(Strategy("ring", _check, _forward, _backward))
