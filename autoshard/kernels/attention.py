@@ -22,6 +22,13 @@ multiplies ``dS`` by ``1 - tanh^2``. ``SOFTCAP`` is a compile-time flag: kernels
 same code as before. (The autotuner's register estimates were calibrated without the cap; the
 backward's extra tanh tile is not in them.)
 
+ALiBi (``alibi_slopes`` float32 [H], one slope per QUERY head; Bloom, MPT, Falcon): every score gets
+``slope[h] * (j_pos - i_pos)`` from GLOBAL positions, added after the cap and before the mask, so ring steps
+need nothing but their offsets; lse includes the bias. In the kernels' base-2 domain the bias is
+``slope * log2(e) * (j_pos - i_pos)`` (``_alibi_bias``); the backward recomputes it (it is a constant: no
+gradient for the slopes, dS unchanged). ``HAS_ALIBI`` is a compile-time flag: kernels without it are the
+same code as before. (Nor is the bias tile in the autotuner's register estimates.)
+
 Kernels (``@triton.jit`` functions below; ``_forward`` / ``_backward`` / ``triton_merge`` launch them
 on a grid of (tile, head, batch) programs):
 
@@ -50,8 +57,8 @@ dv are [.., Dv], dq and dk [.., D]. Tiles of q / k / dq / dk have ``BLOCK_D`` co
 dout / dv ``BLOCK_DV``; when Dv == D the two are one constant and the kernels are the same code.
 
 Specialization: both head dims (each padded to a power of two >= 16; any head dim up to 256 works, columns past
-it are masked), the band and chunk flags, key_mask / segment presence, soft-capping and the input dtype are compile-time
-constants. Offsets, band widths and sequence lengths are runtime values excluded from Triton's
+it are masked), the band and chunk flags, key_mask / segment presence, soft-capping, ALiBi and the input dtype are
+compile-time constants. Offsets, band widths and sequence lengths are runtime values excluded from Triton's
 integer specialization, so ring steps reuse one compiled kernel. Block sizes / warps / stages are
 autotuned per (head dims, bucketed sequence lengths, mask kind, dtype), pruned to configurations whose
 shared memory and register estimates fit the device. Under ``TRITON_INTERPRET=1`` a single 16x16
@@ -203,7 +210,7 @@ def _seq_bucket(n: int) -> int:
 
 
 _TUNING_KEY = ["BLOCK_D", "BLOCK_DV", "SQ_BUCKET", "SK_BUCKET", "HAS_LEFT", "HAS_RIGHT", "HAS_CHUNK", "HAS_KEY_MASK",
-               "HAS_SEG", "SOFTCAP"]
+               "HAS_SEG", "SOFTCAP", "HAS_ALIBI"]
 # Runtime integers that change between calls (ring steps, uneven shards): never specialize on them.
 _RUNTIME_INTS = ["Sq", "Sk", "q_offset", "k_offset", "left", "right", "chunk", "SQ_BUCKET", "SK_BUCKET"]
 
@@ -292,6 +299,16 @@ def _soft_cap(qk, qk_cap):
 
 
 @triton.jit
+def _alibi_bias(slope2, q_idx, k_idx, q_offset, k_offset, Q_AXIS: tl.constexpr):
+    """ALiBi bias tile in the base-2 domain: ``slope2 * (k_pos - q_pos)`` from GLOBAL positions, with
+    ``slope2 = slope * log2(e)`` (the scores are ``s * log2(e)``). Queries along axis Q_AXIS, as in
+    ``_tile_visibility``. Positions are < 2**30 in magnitude, so the int32 difference cannot overflow."""
+    q_pos = tl.expand_dims(q_offset + q_idx, 1 - Q_AXIS)
+    k_pos = tl.expand_dims(k_offset + k_idx, Q_AXIS)
+    return slope2 * (k_pos - q_pos).to(tl.float32)
+
+
+@triton.jit
 def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
     """tl.dot with fp32 accumulation. DOT_PRECISION "ieee" (fp32 inputs), "tf32" (ignored for 16-bit
     inputs), or "upcast": bf16 under TRITON_INTERPRET, whose dot multiplies bf16 bit patterns as
@@ -348,11 +365,12 @@ def _load_row_stats(Lse, Delta, rows, n_rows, CHECK_ROWS: tl.constexpr):
 @triton.jit
 def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK, k_offsets, v_offsets,
                    start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
-    """Online-softmax update of (acc, m_i, l_i) over the key tiles starting in [start, end)."""
+                   slope2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+                   HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                   SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of (acc, m_i, l_i) over the key tiles starting in [start, end). With HAS_ALIBI,
+    ``slope2`` (this head's slope times log2(e)) biases the base-2 scores after the cap, before the mask."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -366,9 +384,18 @@ def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK
         if PARTIAL or HAS_KEY_MASK or HAS_SEG:
             visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, chunk, seg_q, KeyMask, SegK,
                                        0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG)
-            s = tl.where(visible, qk * qk_scale, float("-inf"))
+            if HAS_ALIBI:
+                s = tl.where(visible, qk * qk_scale + _alibi_bias(slope2, q_idx, k_idx, q_offset, k_offset, 0),
+                             float("-inf"))
+            else:
+                s = tl.where(visible, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            p = tl.exp2(s - m_ref[:, None])
+        elif HAS_ALIBI:
+            s = qk * qk_scale + _alibi_bias(slope2, q_idx, k_idx, q_offset, k_offset, 0)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = m_new
             p = tl.exp2(s - m_ref[:, None])
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -387,14 +414,14 @@ def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK
                  prune_configs_by={"early_config_prune": _pruner("fwd")})
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, KeyMask, SegQ, SegK,
+    Q, K, V, Out, Lse, KeyMask, SegQ, SegK, Alibi,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
     num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Last query tiles first: under causal masks they see the most keys, so the long programs start early.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -421,6 +448,9 @@ def _attn_fwd_kernel(
     k_offsets = offs_n[:, None] * stride_ks + offs_d[None, :]
     v_offsets = offs_n[:, None] * stride_vs + offs_dv[None, :]
     qk_scale = scale * _LOG2E
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(Alibi + h) * _LOG2E  # this query head's ALiBi slope, base 2
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -430,19 +460,19 @@ def _attn_fwd_kernel(
                                            HAS_CHUNK)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, lo, full_lo, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, chunk, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
-                                   BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
-                                   DOT_PRECISION)
+                                   k_offset, left, right, chunk, qk_scale, qk_cap, slope2, HEAD_DIM, BLOCK_D, V_DIM,
+                                   BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
+                                   SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, chunk, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
-                                   BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
-                                   DOT_PRECISION)
+                                   k_offset, left, right, chunk, qk_scale, qk_cap, slope2, HEAD_DIM, BLOCK_D, V_DIM,
+                                   BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
+                                   SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, full_hi, hi, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, chunk, qk_scale, qk_cap, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
-                                   BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
-                                   DOT_PRECISION)
+                                   k_offset, left, right, chunk, qk_scale, qk_cap, slope2, HEAD_DIM, BLOCK_D, V_DIM,
+                                   BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
+                                   SOFTCAP, HAS_ALIBI, DOT_PRECISION)
 
     has_keys = l_i > 0.0
     l_ref = tl.where(has_keys, l_i, 1.0)
@@ -477,14 +507,15 @@ def _attn_bwd_delta_kernel(Out, DO, Delta, stride_ob, stride_oh, stride_os, stri
 @triton.jit
 def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask, SegK,
                       q_offsets, do_offsets, start, end, first_head, kv_group, stride_qh, stride_qs, stride_doh,
-                      stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
+                      stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap, Alibi,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
                       BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                       HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                      SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Accumulate dk (unscaled) and dv of one key tile over the query tiles starting in [start, end) of
     every query head of the kv head's group. Heads and tiles form one flat loop (not two nested ones),
-    which keeps the loop-carried state, and so the register pressure, that of a single loop."""
+    which keeps the loop-carried state, and so the register pressure, that of a single loop. With
+    HAS_ALIBI, Alibi holds the slopes per QUERY head (loaded per head of the group)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -508,7 +539,14 @@ def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, Ke
                 seg_q = tl.load(SegQ_b + q_idx, mask=q_idx < Sq, other=0)
             visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, chunk, seg_q, KeyMask, SegK,
                                        1, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG)
-            p_t = tl.exp2(tl.where(visible, qk_t * qk_scale, float("-inf")) - lse2[None, :])
+            if HAS_ALIBI:
+                s_t = qk_t * qk_scale + _alibi_bias(tl.load(Alibi + h) * _LOG2E, q_idx, k_idx, q_offset, k_offset, 1)
+                p_t = tl.exp2(tl.where(visible, s_t, float("-inf")) - lse2[None, :])
+            else:
+                p_t = tl.exp2(tl.where(visible, qk_t * qk_scale, float("-inf")) - lse2[None, :])
+        elif HAS_ALIBI:
+            s_t = qk_t * qk_scale + _alibi_bias(tl.load(Alibi + h) * _LOG2E, q_idx, k_idx, q_offset, k_offset, 1)
+            p_t = tl.exp2(s_t - lse2[None, :])
         else:
             p_t = tl.exp2(qk_t * qk_scale - lse2[None, :])
         dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION)
@@ -524,14 +562,14 @@ def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, Ke
                  prune_configs_by={"early_config_prune": _pruner("dkdv")})
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, KeyMask, SegQ, SegK,
+    Q, K, V, DO, Lse, Delta, DK, DV, KeyMask, SegQ, SegK, Alibi,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
     num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)  # kv head
@@ -569,18 +607,18 @@ def _attn_bwd_dkdv_kernel(
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, lo, full_lo, first_head, kv_group, stride_qh, stride_qs,
                                stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                               HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                               HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
+                               Alibi, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
+                               HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, full_lo, full_hi, first_head, kv_group, stride_qh, stride_qs,
                                stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                               HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                               HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
+                               Alibi, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_M, False, HAS_LEFT, HAS_RIGHT,
+                               HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, full_hi, hi, first_head, kv_group, stride_qh, stride_qs,
                                stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                               HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                               HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
+                               Alibi, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
+                               HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
 
     _store_tile(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
                 + k_idx[:, None].to(tl.int64) * stride_dks + offs_d[None, :], dk * scale, k_idx, Sk, offs_d, HEAD_DIM)
@@ -591,11 +629,12 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask, SegK, k_offsets, v_offsets,
                   start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                  HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
-    """Accumulate dq (unscaled) of one query tile over the key tiles starting in [start, end)."""
+                  slope2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+                  HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                  SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dq (unscaled) of one query tile over the key tiles starting in [start, end). The ALiBi
+    bias (``slope2``, as in ``_fwd_key_tiles``) is a constant of the scores: it only enters p."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -611,7 +650,13 @@ def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask,
         if PARTIAL or HAS_KEY_MASK or HAS_SEG:
             visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, chunk, seg_q, KeyMask, SegK,
                                        0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG)
-            p = tl.exp2(tl.where(visible, qk * qk_scale, float("-inf")) - lse2[:, None])
+            if HAS_ALIBI:
+                s = qk * qk_scale + _alibi_bias(slope2, q_idx, k_idx, q_offset, k_offset, 0)
+                p = tl.exp2(tl.where(visible, s, float("-inf")) - lse2[:, None])
+            else:
+                p = tl.exp2(tl.where(visible, qk * qk_scale, float("-inf")) - lse2[:, None])
+        elif HAS_ALIBI:
+            p = tl.exp2(qk * qk_scale + _alibi_bias(slope2, q_idx, k_idx, q_offset, k_offset, 0) - lse2[:, None])
         else:
             p = tl.exp2(qk * qk_scale - lse2[:, None])
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION)
@@ -626,14 +671,14 @@ def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask,
                  prune_configs_by={"early_config_prune": _pruner("dq")})
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, KeyMask, SegQ, SegK,
+    Q, K, V, DO, Lse, Delta, DQ, KeyMask, SegQ, SegK, Alibi,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (causal) query tiles first
     h = tl.program_id(1)
@@ -662,6 +707,9 @@ def _attn_bwd_dq_kernel(
     k_offsets = offs_n[:, None] * stride_ks + offs_d[None, :]
     v_offsets = offs_n[:, None] * stride_vs + offs_dv[None, :]
     qk_scale = scale * _LOG2E
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(Alibi + h) * _LOG2E  # this query head's ALiBi slope, base 2
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
@@ -669,16 +717,16 @@ def _attn_bwd_dq_kernel(
                                            HAS_CHUNK)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
                        lo, full_lo, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                       HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK,
-                       HAS_SEG, SOFTCAP, DOT_PRECISION)
+                       slope2, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                       HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
                        full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale,
-                       qk_cap, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                       HAS_KEY_MASK, HAS_SEG, SOFTCAP, DOT_PRECISION)
+                       qk_cap, slope2, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                       HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
                        full_hi, hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                       HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK,
-                       HAS_SEG, SOFTCAP, DOT_PRECISION)
+                       slope2, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                       HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     _store_tile(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
                 + q_idx[:, None].to(tl.int64) * stride_dqs + offs_d[None, :], dq * scale, q_idx, Sq, offs_d, HEAD_DIM)
 
@@ -755,6 +803,7 @@ class _Problem:
     hidden: bool  # the band or the chunks hide every pair of the block: nothing to compute
     scale: float
     softcap: float  # scaled scores s become softcap * tanh(s / softcap); 0: no capping
+    alibi: Optional[torch.Tensor] = None  # float32 [H], contiguous: ALiBi slope per query head
 
     @property
     def shape(self):
@@ -839,8 +888,20 @@ def _segments(segment_ids, batch: int, sq: int, sk: int, device):
     return seg_q.to(device).contiguous(), seg_k.to(device).contiguous()
 
 
+def _alibi_slopes(alibi_slopes, heads: int, device):
+    if alibi_slopes is None:
+        return None
+    if (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32
+            or tuple(alibi_slopes.shape) != (heads,) or alibi_slopes.device != device):
+        got = (f"{alibi_slopes.dtype} {tuple(alibi_slopes.shape)} on {alibi_slopes.device}"
+               if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__)
+        raise ValueError(f"alibi_slopes must be a 1-D float32 tensor [H] = ({heads},) (one slope per query head) "
+                         f"on {device}, got {got}")
+    return alibi_slopes.detach().contiguous()
+
+
 def _prepare(q, k, v, *, q_offset, k_offset, causal, window, chunk, key_mask, segment_ids, scale,
-             softcap) -> _Problem:
+             softcap, alibi_slopes=None) -> _Problem:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, heads, S, D], got "
@@ -878,11 +939,12 @@ def _prepare(q, k, v, *, q_offset, k_offset, causal, window, chunk, key_mask, se
     if not (softcap >= 0.0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be a finite number >= 0 (0: no capping), got {softcap}")
     seg_q, seg_k = _segments(segment_ids, batch, sq, sk, q.device)
+    alibi = _alibi_slopes(alibi_slopes, heads, q.device)
     return _Problem(q=_last_dim_contiguous(q), k=_last_dim_contiguous(k), v=_last_dim_contiguous(v),
                     key_mask=_key_mask(key_mask, batch, sk, q.device), seg_q=seg_q, seg_k=seg_k,
                     q_offset=q_offset, k_offset=k_offset, left=left, right=right, has_left=has_left,
                     has_right=has_right, chunk=chunk, has_chunk=has_chunk, hidden=hidden or chunks_hidden,
-                    scale=scale, softcap=softcap)
+                    scale=scale, softcap=softcap, alibi=alibi)
 
 
 def _kernel_args(p: _Problem):
@@ -894,12 +956,14 @@ def _kernel_args(p: _Problem):
         KeyMask=p.key_mask if p.key_mask is not None else placeholder,
         SegQ=p.seg_q if p.seg_q is not None else placeholder,
         SegK=p.seg_k if p.seg_k is not None else placeholder,
+        Alibi=p.alibi if p.alibi is not None else placeholder,
         num_heads=heads, kv_group=heads // kv_heads, Sq=sq, Sk=sk, q_offset=p.q_offset, k_offset=p.k_offset,
         left=p.left, right=p.right, chunk=p.chunk, scale=p.scale, qk_cap=p.softcap / p.scale if p.softcap else 1.0,
         SQ_BUCKET=_seq_bucket(sq), SK_BUCKET=_seq_bucket(sk), HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         V_DIM=v_dim, BLOCK_DV=_block_d(v_dim),
         HAS_LEFT=p.has_left, HAS_RIGHT=p.has_right, HAS_CHUNK=p.has_chunk, HAS_KEY_MASK=p.key_mask is not None,
-        HAS_SEG=p.seg_q is not None, SOFTCAP=p.softcap > 0.0, DOT_PRECISION=_dot_precision(p.q.dtype),
+        HAS_SEG=p.seg_q is not None, SOFTCAP=p.softcap > 0.0, HAS_ALIBI=p.alibi is not None,
+        DOT_PRECISION=_dot_precision(p.q.dtype),
     )
 
 
@@ -988,7 +1052,7 @@ def _backward(p: _Problem, dout, out, lse, delta, grad_dtype: torch.dtype):
 
 
 def triton_attention_forward(q, k, v, *, q_offset=0, k_offset=0, causal=False, window=None, chunk=0, key_mask=None,
-                             segment_ids=None, scale=None, softcap=0.0):
+                             segment_ids=None, scale=None, softcap=0.0, alibi_slopes=None):
     """Attention of one query block over one key block at global offsets.
 
     q [B, H, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (fp16 / bf16 / fp32, H % Hkv == 0; Dv may differ
@@ -996,23 +1060,26 @@ def triton_attention_forward(q, k, v, *, q_offset=0, k_offset=0, causal=False, w
     no visible key get out 0, lse -inf. The default scale is 1 / sqrt(D).
     softcap > 0 caps the scaled scores s to softcap * tanh(s / softcap) before the mask; chunk > 0 keeps
     only the pairs with i_pos // chunk == j_pos // chunk.
+    alibi_slopes (float32 [H] on q's device, one slope per QUERY head) adds the ALiBi bias
+    slope[h] * (j_pos - i_pos) from global positions to the (capped) scores before the mask; lse includes it.
     """
     p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, chunk=chunk,
-                 key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap)
+                 key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes)
     return _forward(p, torch.float32)
 
 
 def triton_attention_backward(dout, q, k, v, out, lse, *, delta=None, q_offset=0, k_offset=0, causal=False,
-                              window=None, chunk=0, key_mask=None, segment_ids=None, scale=None, softcap=0.0):
+                              window=None, chunk=0, key_mask=None, segment_ids=None, scale=None, softcap=0.0,
+                              alibi_slopes=None):
     """Gradients (dq [B, H, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, Dv]), float32, of one key block's
     share of attention; dout and out are [B, H, Sq, Dv].
 
     out / lse are the FINAL values over all key blocks (so ring steps can sum the results); delta =
     rowsum(dout * out) float32 [B, H, Sq] is computed from out when None. Rows with lse -inf contribute
-    nothing.
+    nothing. alibi_slopes must be those of the forward; the bias is a constant (no gradient for the slopes).
     """
     p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, chunk=chunk,
-                 key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap)
+                 key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes)
     return _backward(p, dout, out, lse, delta, torch.float32)
 
 
@@ -1046,30 +1113,33 @@ def triton_merge(out_a, lse_a, out_b, lse_b):
 
 class TritonAttentionFunction(torch.autograd.Function):
     """Differentiable single-block attention: ``apply(q, k, v, q_offset, k_offset, causal, window, key_mask,
-    segment_ids, scale, softcap, chunk)`` returns out in q's dtype; gradients are written in the input dtypes."""
+    segment_ids, scale, softcap, chunk, alibi_slopes=None)`` returns out in q's dtype; gradients are written in the
+    input dtypes (none for the ALiBi slopes)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale, softcap, chunk):
+    def forward(ctx, q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale, softcap, chunk,
+                alibi_slopes=None):
         p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, chunk=chunk,
-                     key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap)
+                     key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap,
+                     alibi_slopes=alibi_slopes)
         out, lse = _forward(p, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, key_mask,
-                              *(segment_ids if segment_ids is not None else (None, None)))
+                              *(segment_ids if segment_ids is not None else (None, None)), p.alibi)
         ctx.mask_args = dict(q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, chunk=chunk,
                              scale=scale, softcap=softcap)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, key_mask, seg_q, seg_k = ctx.saved_tensors
+        q, k, v, out, lse, key_mask, seg_q, seg_k, alibi = ctx.saved_tensors
         p = _prepare(q, k, v, key_mask=key_mask, segment_ids=None if seg_q is None else (seg_q, seg_k),
-                     **ctx.mask_args)
+                     alibi_slopes=alibi, **ctx.mask_args)
         dq, dk, dv = _backward(p, dout, out, lse, None, q.dtype)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 def triton_attention(q, k, v, *, q_offset=0, k_offset=0, causal=False, window=None, chunk=0, key_mask=None,
-                     segment_ids=None, scale=None, softcap=0.0):
+                     segment_ids=None, scale=None, softcap=0.0, alibi_slopes=None):
     """Differentiable attention through the Triton kernels; out in q's dtype (see TritonAttentionFunction)."""
     return TritonAttentionFunction.apply(q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale,
-                                         softcap, chunk)
+                                         softcap, chunk, alibi_slopes)

@@ -66,9 +66,22 @@ def visible_mask(batch, sq, sk, *, q_offset=0, k_offset=0, causal=False, window=
     return mask
 
 
-def reference(q, k, v, dout, *, scale=None, softcap=0.0, **mask_args):
+def alibi_bias(slopes, sq, sk, q_offset=0, k_offset=0):
+    """[H, Sq, Sk] float64 ALiBi bias slope[h] * (j_pos - i_pos) from global positions."""
+    i = torch.arange(sq, dtype=torch.float64)[:, None] + q_offset
+    j = torch.arange(sk, dtype=torch.float64)[None, :] + k_offset
+    return slopes.detach().cpu().double()[:, None, None] * (j - i)
+
+
+def geometric_slopes(heads, device=DEVICE):
+    """The ALiBi paper's slopes 2 ** (-8 (i + 1) / H), float32 [H]."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], dtype=torch.float32, device=device)
+
+
+def reference(q, k, v, dout, *, scale=None, softcap=0.0, alibi_slopes=None, **mask_args):
     """Dense float64 attention: (out, lse, dq, dk, dv); rows with no visible key give out 0, lse -inf.
-    ``softcap``: the scaled scores become ``softcap * tanh(s / softcap)`` before the mask."""
+    ``softcap``: the scaled scores become ``softcap * tanh(s / softcap)`` before the mask. ``alibi_slopes``
+    [H]: the dense bias ``slope[h] * (j_pos - i_pos)`` (global positions) is added after the cap, before the mask."""
     q, k, v = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     mask = visible_mask(q.shape[0], q.shape[2], k.shape[2], **mask_args)
@@ -76,6 +89,9 @@ def reference(q, k, v, dout, *, scale=None, softcap=0.0, **mask_args):
     s = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, q.shape[2], k.shape[2], mask_args.get("q_offset", 0),
+                           mask_args.get("k_offset", 0))
     s = s.masked_fill(~mask, float("-inf"))
     any_visible = mask.any(-1, keepdim=True)
     p = torch.softmax(torch.where(any_visible, s, 0.0), dim=-1) * mask
@@ -189,13 +205,30 @@ MLA_CASES = [
 ]
 
 
-def run_and_check(case: Case, dtype, device=DEVICE, scale=None, softcap=0.0):
+# ALiBi (Bloom, MPT, Falcon): blocks of a ring at nonzero offsets, so the bias must come from GLOBAL positions,
+# through full (unmasked), band-edge, ragged and masked tiles; GQA / MQA (slopes per query head) and MLA.
+ALIBI_CASES = [
+    Case("alibi_causal_ring_q32", sq=40, sk=40, q_offset=32, causal=True),  # full tiles below the diagonal band
+    Case("alibi_dense_ring_k40", sq=33, sk=45, k_offset=40),  # non-causal, keys ahead, ragged tails
+    Case("alibi_causal_aligned_mqa", sq=48, sk=48, causal=True, heads=4, kv_heads=1),
+    Case("alibi_causal_keys_in_past_far", sq=40, sk=40, q_offset=4096, k_offset=4040, causal=True),  # all full
+    Case("alibi_key_mask_causal_ring", sq=40, sk=40, q_offset=32, causal=True, key_mask="random"),
+    Case("alibi_window_segments", sq=45, sk=41, q_offset=19, k_offset=2, causal=True, window=(17, -1),
+         key_mask="random", segments=True),
+    Case("alibi_fully_masked_rows", sq=40, sk=40, q_offset=16, k_offset=30, window=(6, 2), key_mask="batch0_empty"),
+    Case("alibi_mla_causal_gqa", sq=40, sk=45, q_offset=5, causal=True, head_dim=24, v_dim=12),
+    Case("alibi_mla_ring_wide_v", sq=33, sk=40, k_offset=40, key_mask="random", head_dim=16, v_dim=40),
+]
+
+
+def run_and_check(case: Case, dtype, device=DEVICE, scale=None, softcap=0.0, alibi_slopes=None):
     q, k, v, dout, mask_args = make_inputs(case, dtype, device)
-    out, lse = triton_attention_forward(q, k, v, scale=scale, softcap=softcap, **mask_args)
-    dq, dk, dv = triton_attention_backward(dout, q, k, v, out, lse, scale=scale, softcap=softcap, **mask_args)
+    extra = dict(scale=scale, softcap=softcap, alibi_slopes=alibi_slopes)
+    out, lse = triton_attention_forward(q, k, v, **extra, **mask_args)
+    dq, dk, dv = triton_attention_backward(dout, q, k, v, out, lse, **extra, **mask_args)
     for name, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert x.dtype == torch.float32 and x.device == q.device, f"{name}: {x.dtype} on {x.device}"
-    expected = reference(q, k, v, dout, scale=scale, softcap=softcap, **mask_args)
+    expected = reference(q, k, v, dout, **extra, **mask_args)
     for name, actual, exp in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), expected):
         assert_close(f"{case.name} {dtype} {name}", actual, exp, dtype)
     return out, lse, (dq, dk, dv), expected
@@ -256,6 +289,103 @@ def test_mla_v_head_dim_half_precision(dtype, head_dim, v_dim):
     case = Case(f"mla_d{head_dim}_dv{v_dim}", sq=37, sk=41, q_offset=11, k_offset=4, causal=True, window=(25, -1),
                 batch=1, heads=2, kv_heads=1, head_dim=head_dim, v_dim=v_dim)
     run_and_check(case, dtype)
+
+
+@pytest.mark.parametrize("case", ALIBI_CASES, ids=str)
+def test_alibi_forward_backward_fp32(case):
+    run_and_check(case, torch.float32, alibi_slopes=geometric_slopes(case.heads))
+
+
+@pytest.mark.parametrize("case", [c for c in ALIBI_CASES if c.name in (
+    "alibi_causal_ring_q32", "alibi_dense_ring_k40", "alibi_key_mask_causal_ring", "alibi_mla_causal_gqa")], ids=str)
+def test_alibi_softcap_fp32(case):
+    """The bias is added after the cap (so it is not capped) and the cap's derivative still applies to dS."""
+    run_and_check(case, torch.float32, scale=1.0, softcap=2.0, alibi_slopes=geometric_slopes(case.heads))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [c for c in ALIBI_CASES if c.name in (
+    "alibi_causal_ring_q32", "alibi_dense_ring_k40", "alibi_mla_causal_gqa")], ids=str)
+def test_alibi_half_precision(case, dtype):
+    run_and_check(replace(case, head_dim=max(case.head_dim, 32)), dtype, alibi_slopes=geometric_slopes(case.heads))
+
+
+def test_alibi_slopes_are_per_query_head():
+    """GQA: query heads sharing a kv head but with different slopes give different outputs, and a zero slope
+    is exactly no ALiBi."""
+    case = Case("alibi_heads", sq=24, sk=40, q_offset=16, causal=True, heads=4, kv_heads=1)
+    q, k, v, dout, mask_args = make_inputs(case, torch.float32)
+    q = q[:, :1].expand_as(q).contiguous()  # the same query in every head
+    slopes = torch.tensor([0.0, 0.5, 0.0, 0.125], device=DEVICE)
+    out, lse = triton_attention_forward(q, k, v, alibi_slopes=slopes, **mask_args)
+    plain, plain_lse = triton_attention_forward(q, k, v, **mask_args)
+    torch.testing.assert_close(out[:, 0], plain[:, 0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse[:, 2], plain_lse[:, 2], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(out[:, 1], plain[:, 1]) and not torch.allclose(out[:, 1], out[:, 3])
+    expected = reference(q, k, v, dout, alibi_slopes=slopes, **mask_args)
+    assert_close("per-head out", out, expected[0], torch.float32)
+    assert_close("per-head lse", lse, expected[1], torch.float32)
+
+
+def test_alibi_ring_steps_merge_to_full_attention():
+    """A query block at q_offset 32 over the keys [0, 72) split into two ring steps (k_offset 0 and 40): the
+    merged steps and the summed backward shares equal one dense ALiBi attention over all keys."""
+    heads, kv_heads, d = 4, 2, 16
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, heads, 24, d, generator=g).to(DEVICE)
+    k = torch.randn(1, kv_heads, 72, d, generator=g).to(DEVICE)
+    v = torch.randn(1, kv_heads, 72, d, generator=g).to(DEVICE)
+    dout = torch.randn(1, heads, 24, d, generator=g).to(DEVICE)
+    slopes = geometric_slopes(heads)
+    steps = [(0, 40), (40, 72)]
+    parts = [triton_attention_forward(q, k[:, :, a:b], v[:, :, a:b], q_offset=32, k_offset=a, causal=True,
+                                      alibi_slopes=slopes) for a, b in steps]
+    out, lse = triton_merge(*parts[0], *parts[1])
+    grads = [triton_attention_backward(dout, q, k[:, :, a:b], v[:, :, a:b], out, lse, q_offset=32, k_offset=a,
+                                       causal=True, alibi_slopes=slopes) for a, b in steps]
+    dq = grads[0][0] + grads[1][0]
+    dk = torch.cat([grads[0][1], grads[1][1]], 2)
+    dv = torch.cat([grads[0][2], grads[1][2]], 2)
+    expected = reference(q, k, v, dout, alibi_slopes=slopes, q_offset=32, causal=True)
+    for name, actual, exp in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), expected):
+        assert_close(f"ring alibi {name}", actual, exp, torch.float32)
+
+
+def test_alibi_autograd_function_single_block():
+    case = Case("alibi_autograd", sq=40, sk=40, q_offset=8, causal=True, key_mask="random", head_dim=32)
+    q, k, v, dout, mask_args = make_inputs(case, torch.bfloat16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    slopes = geometric_slopes(case.heads)
+    out = triton_attention(q, k, v, alibi_slopes=slopes, **mask_args)
+    out.backward(dout)
+    expected = reference(q, k, v, dout, alibi_slopes=slopes, **mask_args)
+    for name, actual, exp in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad),
+                                 expected[:1] + expected[2:]):
+        assert_close(f"alibi autograd {name}", actual, exp, torch.bfloat16)
+
+
+def test_alibi_is_a_compile_time_flag():
+    assert "HAS_ALIBI" in attn._TUNING_KEY
+
+
+@pytest.mark.parametrize("slopes", [
+    torch.ones(3), torch.ones(2, 1), torch.ones(1, 2), torch.ones(2, dtype=torch.float64),
+    torch.ones(2, dtype=torch.bfloat16), [0.5, 0.25]], ids=["len3", "2x1", "1x2", "float64", "bf16", "list"])
+def test_alibi_slopes_errors(slopes):
+    q = torch.zeros(1, 2, 8, 16, device=DEVICE)
+    if isinstance(slopes, torch.Tensor):
+        slopes = slopes.to(DEVICE)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        triton_attention_forward(q, q, q, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        triton_attention_backward(q, q, q, q, q, torch.zeros(1, 2, 8, device=DEVICE), alibi_slopes=slopes)
+
+
+@needs_gpu
+def test_alibi_slopes_on_another_device():
+    q = torch.zeros(1, 2, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        triton_attention_forward(q, q, q, alibi_slopes=torch.ones(2))
 
 
 def test_fp32_head_dim_not_power_of_two_with_scale():
@@ -528,6 +658,14 @@ def test_gpu_large_shapes(case, dtype):
 def test_gpu_softcap(dtype):
     """The soft-capped kernels compiled, at the real block sizes (Gemma2's cap of 50 on unit-scale scores)."""
     run_and_check(GPU_CASES[1], dtype, scale=1.0, softcap=50.0)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[2], GPU_CASES[4]], ids=str)
+def test_gpu_alibi(case, dtype):
+    """The ALiBi kernels compiled, at the real block sizes, on ring blocks at nonzero offsets."""
+    run_and_check(case, dtype, alibi_slopes=geometric_slopes(case.heads))
 
 
 @needs_gpu

@@ -58,6 +58,7 @@ def _cases(world: int) -> list[dict]:
             softcap=2.0 if n % 5 == 2 else 0.0,            # Gemma2's soft-capped scores, every dtype and mask
             chunk=5 if n % 7 == 3 else 0,                  # chunked local attention (Llama-4) on every strategy
             value_dim=(12 if n % 2 else 20) if n % 6 == 5 else None,  # v's head dim differs (MLA)
+            alibi=n % 8 == 6,                              # ALiBi slopes, from global positions
             seed=n))
     return cases
 
@@ -82,7 +83,12 @@ def _inputs(case: dict):
 
 def _mask_args(case: dict) -> dict:
     return {"causal": "causal" in case["mask"], "window": (5, 0) if "window" in case["mask"] else None,
-            "chunk": case["chunk"]}
+            "chunk": case["chunk"], "alibi_slopes": _slopes(case["heads"]) if case.get("alibi") else None}
+
+
+def _slopes(heads: int) -> torch.Tensor:
+    """ALiBi's slopes: 2^(-8 (i + 1) / heads)."""
+    return torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], dtype=torch.float32)
 
 
 def _reference(case: dict):
@@ -184,7 +190,7 @@ def test_matches_one_process_sdpa(runs):
 def test_triton_kernels_plug_into_the_strategies():
     """Every strategy with ``kernels="triton"`` (the Triton interpreter on CPU), at least once each; the
     causal cases with soft-capped scores, the sliding-window case chunked too, the key-mask and segment cases
-    with a value head dim (12) other than the query/key head dim (MLA)."""
+    with a value head dim (12) other than the query/key head dim (MLA), the causal ones with ALiBi."""
     pytest.importorskip("triton")
     pytest.importorskip("autoshard.kernels.attention")
     wanted = {("ring", "contiguous", "causal+window"), ("zigzag", "zigzag", "causal"),
@@ -192,7 +198,8 @@ def test_triton_kernels_plug_into_the_strategies():
               ("ulysses", "contiguous", "segments+causal"), ("hybrid", "zigzag", "causal")}
     cases = [dict(case, kernels="triton", dtype=torch.float32, tiled=False, length=20, head_dim=16,
                   softcap=2.0 if case["mask"] == "causal" else 0.0, chunk=6 if case["mask"] == "causal+window" else 0,
-                  value_dim=12 if case["mask"] in ("key_mask", "segments+causal") else None)
+                  value_dim=12 if case["mask"] in ("key_mask", "segments+causal") else None,
+                  alibi=case["mask"] in ("causal", "segments+causal"))
              for case in _cases(2) if case["dtype"] == torch.float64 and (case["heads"], case["kv_heads"]) == (8, 2)
              and (case["strategy"], case["layout"], case["mask"]) in wanted]
     assert len(cases) == len(wanted)
