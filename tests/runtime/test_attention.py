@@ -433,19 +433,20 @@ def _compiled_attention():
     group = dist.group.WORLD.group_name
 
     def fn(q, k, v):
-        out, lse = torch.ops.autoshard.attention(q, k, v, None, None, None, "zigzag", layout.encode(), group, "", True,
-                                                 -1, -1, 0, 8 ** -0.5, 0.0, "torch")
+        out, lse = torch.ops.autoshard.attention(q, k, v, None, None, None, None, "zigzag", layout.encode(), group, "",
+                                                 True, -1, -1, 0, 8 ** -0.5, 0.0, 0.0, "torch")
         return out.sum() + lse.sum().detach()
 
     torch.library.opcheck(torch.ops.autoshard.attention.default,
-                          (q, k, v, None, None, None, "zigzag", layout.encode(), group, "", True, -1, -1, 4, 8 ** -0.5,
-                           2.0, "torch"))
-    # ALiBi slopes, and a value head dim (6) other than the query/key head dim (8), laid out as q is
+                          (q, k, v, None, None, None, None, "zigzag", layout.encode(), group, "", True, -1, -1, 4,
+                           8 ** -0.5, 2.0, 0.0, "torch"))
+    # ALiBi slopes, dropout, and a value head dim (6) other than the query/key head dim (8), laid out as q is
     v_narrow = v.detach()[..., :6].clone().requires_grad_()
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     torch.library.opcheck(torch.ops.autoshard.attention.default,
-                          (q.transpose(1, 2).contiguous().transpose(1, 2), k, v_narrow, None, None, slopes, "zigzag",
-                           layout.encode(), group, "", True, -1, -1, 0, 8 ** -0.5, 0.0, "torch"))
+                          (q.transpose(1, 2).contiguous().transpose(1, 2), k, v_narrow, None, None, slopes,
+                           torch.tensor(7), "zigzag", layout.encode(), group, "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.1,
+                           "torch"))
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     compiled(q, k, v).backward()
     grads = [t.grad.clone() for t in (q, k, v)]

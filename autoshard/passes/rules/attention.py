@@ -6,11 +6,14 @@ per-key positions.
 
 Rewrite: with queries, keys and values split along one layout and a structured mask, the call becomes
 ``torch.ops.autoshard.attention`` with the strategy chosen for it (``rw.strategies``); soft-capped
-scores (``softcap``, Gemma2) and chunked local attention (``chunk``, Llama-4; its hidden blocks are
-skipped, see :mod:`autoshard.runtime.attention`) pass through to it. An attention that keeps a dense mask
-(one the mask pass could not structure) runs on gathered keys and values with this rank's rows of the mask, unless
-its scores are soft-capped; that one, an attention with dropout, and one whose keys are another
-sequence run on whole tensors. Both are recorded in the plan.
+scores (``softcap``, Gemma2), chunked local attention (``chunk``, Llama-4; its hidden blocks are
+skipped, see :mod:`autoshard.runtime.attention`) and ALiBi slopes pass through to it. Dropout on the
+probabilities does too, with a seed drawn in the graph (``autoshard::attention_seed``) and a mask hashed from
+global positions: the same for every strategy and world size, not the one-process mask (see
+:mod:`autoshard.runtime.attention.dropout`). An attention that keeps a dense mask (one the mask pass could not
+structure) runs on gathered keys and values with this rank's rows of the mask, unless its scores are
+soft-capped or dropped out; those, and one whose keys are another sequence, run on whole tensors. Both are
+recorded in the plan.
 
 Mixed precision: the distributed op gets queries, keys and values in the dtype the one-device attention
 computed in (its output's): under ``torch.autocast`` SDPA and a hand-written attention's matmuls cast
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from ...placements import REPLICATE, Shard
 from ...runtime.collectives import all_gather, all_reduce
 from ...runtime.attention import formulas
+from ...runtime.attention import dropout as _dropout  # noqa: F401 -- defines autoshard::attention_seed
 from ...runtime.attention.local import without_autocast
 from ...strategy import attention_shape
 from ..ops import shape_of, value_of
@@ -258,7 +262,7 @@ def rewrite_attention(rw, node, op):
     dense, dropout_p = op.get("dense_mask"), float(op.get("dropout_p") or 0.0)
     softcap = float(op.get("softcap") or 0.0)
     distributable = (sq is not None and sk is not None and out is not None and sq == sk and out == sq
-                     and sq.dim == 2 and not sq.factors and dense is None and dropout_p == 0.0)
+                     and sq.dim == 2 and not sq.factors and dense is None)
     if distributable:
         strategy = rw.strategies[node]
         window = op.get("window")
@@ -267,12 +271,14 @@ def rewrite_attention(rw, node, op):
         args += [rw.input(t, per_key) if t is not None else None for t in (op.get("key_mask"), op.get("segment_ids"))]
         slopes = op.get("alibi_slopes")
         args.append(rw.input(slopes, REPLICATE) if slopes is not None else None)
+        args.append(rw.call(torch.ops.autoshard.attention_seed.default, node.name, value_of(q).device)
+                    if dropout_p else None)
         # the hybrid's group is its Ulysses axis; the layout spans the whole (flattened) mesh
         groups = (rw.heads_group, rw.ring_group) if strategy == "hybrid" else (rw.group, "")
         call = rw.call(torch.ops.autoshard.attention.default, *args, strategy, sq.layout.encode(), *groups,
                        bool(op.get("causal")),
                        window[0] if window else -1, window[1] if window else -1, int(op.get("chunk") or 0),
-                       float(op["scale"]), softcap, rw.config.kernels)
+                       float(op["scale"]), softcap, dropout_p, rw.config.kernels)
         result = rw.call(operator.getitem, call, 0)
         _record_attention_bytes(rw, node, op, strategy, sq)
         empty_rows = op.get("empty_rows", "zero")
@@ -287,7 +293,7 @@ def rewrite_attention(rw, node, op):
                                     "window": window, "chunk": int(op.get("chunk") or 0),
                                     "key_mask": op.get("key_mask") is not None,
                                     "segment_ids": op.get("segment_ids") is not None, "softcap": softcap,
-                                    "alibi": slopes is not None,
+                                    "alibi": slopes is not None, "dropout": dropout_p,
                                     "dtype": str(value_of(node).dtype).removeprefix("torch.")})
         return
     structured = (op.get("causal") or op.get("window") or op.get("chunk") or op.get("key_mask")
@@ -305,7 +311,8 @@ def rewrite_attention(rw, node, op):
         rw.done(node, new, out)
         rw.report.attention.append({"node": node.name, "strategy": "gathered-kv", "reason": reason})
         return
-    reason = ("attention with dropout" if dropout_p else
+    reason = ("attention with dropout and a mask that is not causal / window / padding / segments"
+              if dense is not None and dropout_p else
               "attention with soft-capped scores and a mask that is not causal / window / padding / segments"
               if dense is not None and softcap else
               "attention whose keys are not the queries' sequence" if sq is not None and sq != sk else

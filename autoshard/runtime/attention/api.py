@@ -5,8 +5,9 @@ implementation), and its registered backward is itself a custom op, ``autoshard:
 Both dispatch by ``strategy`` name to the algorithms registered in :mod:`.base`, so every algorithm
 shares the wiring and the checks::
 
-    torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, alibi_slopes, strategy, layout, group, ring_group,
-                                  causal, window_left, window_right, chunk, scale, softcap, kernels) -> (out, lse)
+    torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, alibi_slopes, dropout_seed, strategy, layout, group,
+                                  ring_group, causal, window_left, window_right, chunk, scale, softcap, dropout_p,
+                                  kernels) -> (out, lse)
 
 ``chunk`` (0: none) is chunked local attention, query ``i`` sees key ``j`` only if ``i // chunk == j //
 chunk`` (Llama-4's local layers; see :class:`.masks.MaskSpec`).
@@ -16,6 +17,10 @@ chunk`` (Llama-4's local layers; see :class:`.masks.MaskSpec`).
 ``alibi_slopes`` (None: none) is ALiBi (Bloom, MPT): a ``[H]`` float32 tensor, the same on every rank; every score
 gets ``slope[h] * (k_pos - q_pos)`` of its global positions, after the cap and before the mask. The slopes get
 no gradient.
+
+``dropout_p`` (0: none) drops attention probabilities by a mask hashed from ``dropout_seed`` (a 0-d int64 tensor,
+the same on every rank) and the elements' global indices, the same for every strategy and world size
+(:mod:`.dropout`); the backward uses the same mask.
 
 ``out`` has ``q``'s dtype; ``lse`` is float32 (float64 for float64 inputs), natural log, and not
 differentiable. The op checks its inputs with local information only (shapes the layout implies,
@@ -121,6 +126,10 @@ def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
     if not (call.softcap >= 0.0 and math.isfinite(call.softcap)):
         raise AttentionInputError(f"autoshard.attention: softcap must be a finite number >= 0 (0: no capping), got "
                                   f"{call.softcap}")
+    if call.dropout_p and not (0.0 < call.dropout_p < 1.0 and isinstance(call.dropout_seed, torch.Tensor)
+                               and call.dropout_seed.shape == () and call.dropout_seed.dtype == torch.int64):
+        raise AttentionInputError(f"autoshard.attention: dropout needs 0 < dropout_p < 1 and a 0-d int64 dropout_seed, "
+                                  f"got dropout_p={call.dropout_p}, dropout_seed={call.dropout_seed!r}")
     strategy = STRATEGIES[call.strategy]
     seq_rank = strategy.check(q, k, v, call)
     expected = call.layout.local_length(seq_rank)
@@ -161,28 +170,29 @@ def _laid_out(*items: tuple[torch.Tensor, torch.Tensor | None, torch.dtype]) -> 
     return tuple(out)
 
 
-def _call(alibi_slopes, strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale,
-          softcap, kernels) -> Call:
+def _call(alibi_slopes, dropout_seed, strategy, layout, group, ring_group, causal, window_left, window_right, chunk,
+          scale, softcap, dropout_p, kernels) -> Call:
     return Call(strategy=strategy, layout=SequenceLayout.decode(layout), group=group, ring_group=ring_group,
                 spec=MaskSpec(causal, (window_left, window_right), chunk), scale=scale, softcap=softcap,
-                alibi_slopes=alibi_slopes, kernels=kernels)
+                alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed, kernels=kernels)
 
 
 @torch.library.custom_op("autoshard::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
-                  segment_ids: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], strategy: str,
-                  layout: list[int], group: str, ring_group: str, causal: bool, window_left: int, window_right: int,
-                  chunk: int, scale: float, softcap: float, kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
-    call = _call(alibi_slopes, strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale,
-                 softcap, kernels)
+                  segment_ids: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                  dropout_seed: Optional[torch.Tensor], strategy: str, layout: list[int], group: str, ring_group: str,
+                  causal: bool, window_left: int, window_right: int, chunk: int, scale: float, softcap: float,
+                  dropout_p: float, kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
+    call = _call(alibi_slopes, dropout_seed, strategy, layout, group, ring_group, causal, window_left, window_right,
+                 chunk, scale, softcap, dropout_p, kernels)
     with without_autocast(q):
         out, lse = _validate(q, k, v, key_mask, segment_ids, call).forward(q, k, v, key_mask, segment_ids, call)
     return _laid_out((out, _like_q(q, v.size(-1)), q.dtype), (lse, None, compute_dtype(q.dtype)))
 
 
 @_attention_op.register_fake
-def _(q, k, v, key_mask, segment_ids, alibi_slopes, strategy, layout, group, ring_group, causal, window_left,
-      window_right, chunk, scale, softcap, kernels):
+def _(q, k, v, key_mask, segment_ids, alibi_slopes, dropout_seed, strategy, layout, group, ring_group, causal,
+      window_left, window_right, chunk, scale, softcap, dropout_p, kernels):
     return (torch.empty_like(_like_q(q, v.size(-1)), device=q.device),
             q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype)))
 
@@ -190,35 +200,36 @@ def _(q, k, v, key_mask, segment_ids, alibi_slopes, strategy, layout, group, rin
 @torch.library.custom_op("autoshard::attention_backward", mutates_args=())
 def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, key_mask: Optional[torch.Tensor], segment_ids: Optional[torch.Tensor],
-                           alibi_slopes: Optional[torch.Tensor], strategy: str, layout: list[int], group: str,
-                           ring_group: str, causal: bool, window_left: int, window_right: int, chunk: int,
-                           scale: float, softcap: float, kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    call = _call(alibi_slopes, strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale,
-                 softcap, kernels)
+                           alibi_slopes: Optional[torch.Tensor], dropout_seed: Optional[torch.Tensor], strategy: str,
+                           layout: list[int], group: str, ring_group: str, causal: bool, window_left: int,
+                           window_right: int, chunk: int, scale: float, softcap: float, dropout_p: float,
+                           kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    call = _call(alibi_slopes, dropout_seed, strategy, layout, group, ring_group, causal, window_left, window_right,
+                 chunk, scale, softcap, dropout_p, kernels)
     with without_autocast(q):
         dq, dk, dv = STRATEGIES[strategy].backward(dout, q, k, v, out, lse, key_mask, segment_ids, call)
     return _laid_out((dq, q, q.dtype), (dk, k, k.dtype), (dv, v, v.dtype))
 
 
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, strategy, layout, group, ring_group, causal,
-      window_left, window_right, chunk, scale, softcap, kernels):
+def _(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, dropout_seed, strategy, layout, group, ring_group,
+      causal, window_left, window_right, chunk, scale, softcap, dropout_p, kernels):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, key_mask, segment_ids, alibi_slopes, *config = inputs
+    q, k, v, key_mask, segment_ids, alibi_slopes, dropout_seed, *config = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_mask, segment_ids, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, dropout_seed)
     ctx.config = config
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, key_mask, segment_ids, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, dropout_seed = ctx.saved_tensors
     dq, dk, dv = torch.ops.autoshard.attention_backward(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes,
-                                                        *ctx.config)
-    return (dq, dk, dv, None, None, None) + (None,) * len(ctx.config)
+                                                        dropout_seed, *ctx.config)
+    return (dq, dk, dv, None, None, None, None) + (None,) * len(ctx.config)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup)
@@ -411,8 +422,8 @@ def _autocast_input(t):
 
 
 def _run(q, k, v, key_mask, segment_ids, call: Call) -> torch.Tensor:
-    out, _ = torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, call.alibi_slopes, call.strategy,
-                                           call.layout.encode(),
-                                           call.group, call.ring_group, call.spec.causal, *call.spec.window,
-                                           call.spec.chunk, call.scale, call.softcap, call.kernels)
+    out, _ = torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, call.alibi_slopes, None, call.strategy,
+                                           call.layout.encode(), call.group, call.ring_group, call.spec.causal,
+                                           *call.spec.window, call.spec.chunk, call.scale, call.softcap, 0.0,
+                                           call.kernels)
     return out

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..groups import resolve_group
 from ..layouts import SequenceLayout
+from .dropout import AttentionDropout
 from .masks import MaskSpec
 
 __all__ = ["Call", "Strategy", "STRATEGIES", "register", "AttentionInputError"]
@@ -46,8 +47,18 @@ class Call:
     alibi_slopes: torch.Tensor | None = None
     """ALiBi: ``[H]`` float32 slopes; every score gets ``slope[h] * (k_pos - q_pos)`` of its global positions, after
     the cap and before the mask (None: none)."""
+    dropout_p: float = 0.0
+    """Dropout on the attention probabilities (0: none), by a mask hashed from ``dropout_seed`` and global positions
+    (see :mod:`.dropout`)."""
+    dropout_seed: torch.Tensor | None = None
+    """The call's dropout seed, a 0-d int64 tensor (with ``dropout_p``)."""
     kernels: str = "auto"
     """``"auto"``, ``"torch"`` or ``"triton"`` (see :mod:`.backend`)."""
+
+    @property
+    def dropout(self) -> AttentionDropout | None:
+        """The call's dropout, for tensors holding every query head."""
+        return AttentionDropout(self.dropout_p, self.dropout_seed) if self.dropout_p else None
 
     @property
     def pg(self) -> dist.ProcessGroup:

@@ -21,6 +21,11 @@ q_pos)`` from the **global** positions of the block (``q_offset + i``, ``k_offse
 before the mask. Models that add ``slope[h] * k_pos`` (Bloom) differ by ``slope[h] * q_pos``, a constant per row
 that the softmax cancels. The slopes are constants: they get no gradient.
 
+Dropout (``dropout``, an :class:`~.dropout.AttentionDropout`): the probabilities are dropped by a mask that is
+a hash of the call's seed and the elements' global indices (see :mod:`.dropout`), after the row
+normalization: ``out`` is ``sum_j p_ij z_ij v_j`` with ``z`` 0 or ``1 / (1 - p)``, ``lse`` that of the
+probabilities before dropout, so blocks merge as without it; the backward uses the same mask.
+
 Outputs: ``out`` (float32, or float64 for float64 inputs) and ``lse``, the **natural** log (base e) of
 each row's sum of ``exp(s)`` (the capped scores when capping) over its visible keys. A row with no visible key has ``out = 0``
 and ``lse = -inf``, and its gradients are 0 (``F.scaled_dot_product_attention`` in current torch also gives
@@ -52,6 +57,7 @@ import torch
 
 from .backend import use_triton
 from .flops import record_flops
+from .dropout import AttentionDropout
 from .masks import MaskSpec, Visibility
 from .merge import merge_attention_
 
@@ -106,6 +112,7 @@ def local_attention(
     scale: float | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    dropout: AttentionDropout | None = None,
     kernels: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query block against one key block at global offsets; returns ``(out, lse)``.
@@ -115,8 +122,8 @@ def local_attention(
     bool, True where the key may be attended. ``segment_ids``: the pair ``(seg_q [B, Sq], seg_k [B, Sk])``; a
     key is visible only within the query's segment. ``scale`` defaults to ``1 / sqrt(D)``. ``softcap``: when
     positive, the scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask and the softmax
-    (0: no capping). ``alibi_slopes``: ALiBi's per-head slopes (see the module docstring). See the module
-    docstring for the outputs.
+    (0: no capping). ``alibi_slopes``: ALiBi's per-head slopes; ``dropout``: the call's dropout (see the module
+    docstring, also for the outputs).
     """
     spec = MaskSpec.of(causal, window, chunk)
     _check(q, k, v, key_mask, segment_ids, softcap, alibi_slopes)
@@ -133,12 +140,13 @@ def local_attention(
         return triton_attention_forward(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=spec.causal,
                                         window=spec.window_arg, chunk=spec.chunk, key_mask=key_mask,
                                         segment_ids=segment_ids, scale=scale, softcap=softcap,
-                                        alibi_slopes=alibi_slopes)
+                                        alibi_slopes=alibi_slopes, **_triton_dropout(dropout))
     parts = _fused_parts(spec, visibility, q, v, q_offset, k_offset, Sk, key_mask, segment_ids, softcap,
-                         alibi_slopes)
+                         alibi_slopes, dropout)
     if parts is not None:
         return _fused_forward(q, k, v, parts, scale)
-    return _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap, alibi_slopes)
+    return _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap, alibi_slopes,
+                          dropout)
 
 
 def local_attention_backward(
@@ -160,12 +168,13 @@ def local_attention_backward(
     scale: float | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    dropout: AttentionDropout | None = None,
     kernels: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of one block (float32, or float64 for float64 inputs).
 
     ``out``/``lse``: the rows' final values over all key blocks; ``delta``: ``rowsum(dout * out)``
-    (``[B, H, Sq]``), computed when ``None``. Mask arguments, ``softcap`` and ``alibi_slopes`` as in
+    (``[B, H, Sq]``), computed when ``None``. Mask arguments, ``softcap``, ``alibi_slopes`` and ``dropout`` as in
     :func:`local_attention`.
     """
     spec = MaskSpec.of(causal, window, chunk)
@@ -183,13 +192,20 @@ def local_attention_backward(
         return triton_attention_backward(dout, q, k, v, out, lse, delta=delta, q_offset=q_offset,
                                          k_offset=k_offset, causal=spec.causal, window=spec.window_arg,
                                          chunk=spec.chunk, key_mask=key_mask, segment_ids=segment_ids, scale=scale,
-                                         softcap=softcap, alibi_slopes=alibi_slopes)
+                                         softcap=softcap, alibi_slopes=alibi_slopes, **_triton_dropout(dropout))
     parts = _fused_parts(spec, visibility, q, v, q_offset, k_offset, Sk, key_mask, segment_ids, softcap,
-                         alibi_slopes)
+                         alibi_slopes, dropout)
     if parts is not None:
         return _fused_backward(dout, q, k, v, out, lse, parts, scale)
     return _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale,
-                           softcap, alibi_slopes)
+                           softcap, alibi_slopes, dropout)
+
+
+def _triton_dropout(dropout: AttentionDropout | None) -> dict:
+    """The Triton kernels' dropout arguments."""
+    if dropout is None:
+        return {}
+    return {"dropout_p": dropout.p, "dropout_seed": dropout.seed, "dropout_head_offset": dropout.head_offset}
 
 
 # ---------------------------------------------------------------------------- checks
@@ -221,18 +237,18 @@ def _check(q, k, v, key_mask, segment_ids, softcap, alibi_slopes) -> None:
 
 
 def _fused_parts(spec: MaskSpec, visibility: Visibility, q: torch.Tensor, v: torch.Tensor, q_offset: int,
-                 k_offset: int, k_len: int, key_mask, segment_ids, softcap: float,
-                 alibi_slopes) -> list[tuple[int, int, bool]] | None:
+                 k_offset: int, k_len: int, key_mask, segment_ids, softcap: float, alibi_slopes,
+                 dropout) -> list[tuple[int, int, bool]] | None:
     """Key ranges ``(lo, hi, causal)`` (local indices) that torch's fused kernel computes exactly, or None.
 
     A fully visible block is one range; under a plain causal mask the keys before the queries are one
     fully visible range and the keys at the queries' own positions one aligned causal diagonal (keys
     after them are hidden). Other blocks (windows, chunks, data masks, a diagonal cut by the block's edge) and
-    soft-capped or ALiBi-biased scores (the kernel has neither) and a value head dim other than the query's are
-    left to the tiled path.
+    soft-capped or ALiBi-biased scores, dropout (the kernel has none of them) and a value head dim other than the
+    query's are left to the tiled path.
     """
     if (not FUSED_BLOCKS or q.device.type != "cpu" or key_mask is not None or segment_ids is not None
-            or softcap or alibi_slopes is not None or v.size(-1) != q.size(-1)):
+            or softcap or alibi_slopes is not None or dropout is not None or v.size(-1) != q.size(-1)):
         return None
     if visibility is Visibility.FULL:
         return [(0, k_len, False)]
@@ -323,7 +339,18 @@ def _alibi(scores: torch.Tensor, alibi_slopes, q_start: int, tq: int, k_start: i
     return scores
 
 
-def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap, alibi_slopes):
+def _drop_factor(p: torch.Tensor, dropout: AttentionDropout | None, q_start: int, tq: int, k_start: int,
+                 tk: int) -> torch.Tensor | None:
+    """The dropout factor of a tile of probabilities ``[B, Hkv, G * tq, tk]``: 0 where dropped, ``1 / (1 - p)``
+    where kept (None without dropout)."""
+    if dropout is None:
+        return None
+    B, Hkv, G = p.size(0), p.size(1), p.size(2) // tq
+    keep = dropout.keep(B, Hkv * G, q_start, tq, k_start, tk).view(B, Hkv, G * tq, tk)
+    return keep.to(p.dtype) * dropout.scale
+
+
+def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap, alibi_slopes, dropout):
     (B, H, Sq, D), (Hkv, Sk), Dv = q.shape, k.shape[1:3], v.size(-1)
     G, ct = H // Hkv, compute_dtype(q.dtype)
     out = q.new_zeros((B, Hkv, G, Sq, Dv), dtype=ct)
@@ -343,7 +370,8 @@ def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, sca
             new_max = tile_max if row_max is None else torch.maximum(row_max, tile_max)
             shift = new_max.masked_fill(new_max == _NEG_INF, 0.0)  # rows with nothing visible yet
             p = s.sub_(shift.unsqueeze(-1)).exp_()
-            pv = p @ v[:, :, j:j + tk].to(ct)
+            factor = _drop_factor(p, dropout, q_offset + i, tq, k_offset + j, tk)
+            pv = (p if factor is None else p * factor) @ v[:, :, j:j + tk].to(ct)
             if row_max is None:
                 row_sum, acc = p.sum(-1), pv
             else:
@@ -358,7 +386,7 @@ def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, sca
 
 
 def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap,
-                    alibi_slopes):
+                    alibi_slopes, dropout):
     (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
     G, ct = H // Hkv, compute_dtype(q.dtype)
     if delta is None:
@@ -381,8 +409,11 @@ def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, ke
             if mask is not None:
                 s.view(B, Hkv, G, tq, tk).masked_fill_(~mask, _NEG_INF)
             p = s.sub_(lse[:, :, :, i:i + tq].reshape(B, Hkv, G * tq, 1)).exp_()
-            dv[:, :, j:j + tk] += p.transpose(-1, -2) @ grad_rows
+            factor = _drop_factor(p, dropout, q_offset + i, tq, k_offset + j, tk)
+            dv[:, :, j:j + tk] += (p if factor is None else p * factor).transpose(-1, -2) @ grad_rows
             dp = grad_rows @ values.transpose(-1, -2)
+            if factor is not None:  # out = sum_j p_j z_j v_j: d out / d p_j = z_j v_j
+                dp.mul_(factor)
             ds = p.mul_(dp.sub_(delta[:, :, :, i:i + tq].reshape(B, Hkv, G * tq, 1)))
             if tanh is not None:  # through the cap: d(c * tanh(s / c)) / ds = 1 - tanh^2
                 ds.mul_(1.0 - tanh.square_())
