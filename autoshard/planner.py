@@ -7,12 +7,18 @@
     plan.memory_per_rank.total, plan.memory_per_rank.formula
     Plan.from_json(plan.to_json()) == plan;  plan.to_dot()
 
-How: dynamo captures the model's graphs (on meta tensors nothing is computed), the compiler's passes
+How: dynamo captures the model's graphs (meta tensors as fake ones: nothing is computed), the compiler's passes
 run for one rank of a *plan group* (a stand-in with a rank and a size; nothing communicates), every
 collective the rewrite emits is recorded with every rank's bytes and a sympy formula
 (:mod:`autoshard.passes.comms`), the per-rank graph runs forward on fake tensors under autograd's
 saved-tensor hooks to measure what it keeps for backward, and the cost model
 (:mod:`autoshard.cost`) prices every attention strategy on the given topology.
+
+A model built on the meta device plans as it runs, called as its users call it (transformers' models with
+their defaults: a ``DynamicCache`` built and returned): its meta tensors are captured as fake CPU tensors
+(:func:`_meta_as_fake` says why), so its graphs are the graphs of a run. What only values say is not guessed:
+a mask computed from a meta buffer (nanoGPT's ``bias``) is planned ``unknown`` -- as a dense mask, never as
+causal -- and its reason names the buffer; plan the model on the CPU to read it.
 
 Memory per rank = parameters + their gradients + saved activations (exactly what autograd keeps, by
 storage) + outputs held by the caller + a transient term (twice the largest saved activation: the
@@ -21,6 +27,7 @@ backward of the op that saved it holds its input gradient and output gradient at
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,9 +35,12 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 from .config import BackendConfig
 from .cost import Topology, attention_costs
+from .passes.capture import DENSE_MASK
 from .passes.graph import keep_real_values
 from .runtime.attention import formulas
 from .runtime.groups import plan_group_name
@@ -50,8 +60,11 @@ class AttentionDecision:
     layout: str
     reason: str
     mask: str
+    """What structures the mask (``causal``, ``window``, ``chunk C``, ``key_mask``, ``segment_ids``), ``dense`` (kept
+    whole), ``unknown`` (computed from buffers whose values a plan on the meta device does not have; planned
+    dense), or ``none``."""
     shape: dict
-    """B, S, H, Hkv, D, dtype."""
+    """B, S, H, Hkv, D (query/key head dim), Dv (value head dim), dtype."""
     costs: list[dict]
     """Every strategy's estimated cost (:class:`~autoshard.cost.StrategyCost` fields)."""
 
@@ -213,29 +226,73 @@ def _size(nbytes: float) -> str:
 # ============================================================================= building
 
 
+@contextlib.contextmanager
+def _meta_as_fake(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """Stand-ins for the meta tensors of a capture. Yields (the context the graphs run in, args, kwargs): inside,
+    the model's meta parameters, buffers and tensor attributes are fake tensors on the CPU (parameters still
+    parameters, a tensor two modules share still one tensor), so are the meta inputs, and the graphs run under
+    their fake mode; the originals are back in place on exit. Without meta tensors nothing changes (the
+    context does nothing: a model on the CPU computes, as it did).
+
+    Why not capture on meta: a constant the model makes from data on its inputs' device
+    (``torch.tensor([], device=x.device)``, transformers' ``DynamicCache`` before its first ``cat``; Falcon's
+    ``fused_qkv[..., [-2], :]``) is a *real* meta tensor even under dynamo's fake mode (``torch.tensor`` does
+    not lift meta data), and the next op that meets it with a fake tensor fails. On a fake CPU the constant is
+    fake, as it is when the model runs on a device; the graphs are the run's, and nothing is computed or
+    allocated. Values stay unknown, as on meta (a mask made from a fake buffer stays dense, and says why)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(t):
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return t
+        if id(t) not in fakes:
+            stand_in = mode.fake_tensor_converter.from_meta_and_device(mode, t, torch.device("cpu"))
+            fakes[id(t)] = (torch.nn.Parameter(stand_in, requires_grad=t.requires_grad)
+                            if isinstance(t, torch.nn.Parameter) else stand_in)
+        return fakes[id(t)]
+
+    swapped = []
+    for module in model.modules():
+        for state in (module._parameters, module._buffers, vars(module)):  # the last: plain tensor attributes
+            for name, value in state.items():
+                if fake(value) is not value:
+                    swapped.append((state, name, value))
+                    state[name] = fake(value)
+    args, kwargs = tree_map(fake, args), tree_map(fake, kwargs)
+    try:
+        yield mode if fakes else contextlib.nullcontext(), args, kwargs
+    finally:
+        for state, name, value in swapped:
+            state[name] = value
+
+
 def _capture(model, args: tuple, kwargs: dict) -> list[tuple[fx.GraphModule, list, list]]:
-    """Dynamo's graphs of ``model(*args, **kwargs)`` (run on the inputs as given: meta tensors compute nothing),
-    each with its example inputs and, per input, the (graph, output position) that produced it, or None: a value
-    one graph returns and the next takes (a graph break) is the same tensor object."""
+    """Dynamo's graphs of ``model(*args, **kwargs)``, each with its example inputs and, per input, the (graph,
+    output position) that produced it, or None: a value one graph returns and the next takes (a graph break)
+    is the same tensor object. Meta tensors are captured as fake CPU tensors (:func:`_meta_as_fake`): nothing
+    is computed."""
     graphs = []
     produced: dict[int, tuple[int, int]] = {}
     alive: list = []  # the outputs seen, so that their ids stay theirs during the capture
 
-    def grab(gm, example_inputs):
-        keep_real_values(gm, example_inputs)  # dynamo drops them when this returns; masks may read buffers
-        index = len(graphs)
-        graphs.append((gm, list(example_inputs), [produced.get(id(x)) for x in example_inputs]))
+    with _meta_as_fake(model, args, kwargs) as (running, args, kwargs):
+        def grab(gm, example_inputs):
+            keep_real_values(gm, example_inputs)  # dynamo drops them when this returns; masks may read buffers
+            index = len(graphs)
+            graphs.append((gm, list(example_inputs), [produced.get(id(x)) for x in example_inputs]))
 
-        def run(*inputs):
-            out = gm.forward(*inputs)
-            for position, value in enumerate(out):
-                if isinstance(value, torch.Tensor):
-                    produced[id(value)] = (index, position)
-                    alive.append(value)
-            return out
-        return run
+            def run(*inputs):
+                with running:  # on fake inputs, the tensors the graph makes are fake too
+                    out = gm.forward(*inputs)
+                for position, value in enumerate(out):
+                    if isinstance(value, torch.Tensor):
+                        produced[id(value)] = (index, position)
+                        alive.append(value)
+                return out
+            return run
 
-    torch.compile(model, backend=grab, dynamic=False)(*args, **kwargs)
+        torch.compile(model, backend=grab, dynamic=False)(*args, **kwargs)
     return graphs
 
 
@@ -290,15 +347,19 @@ def _decisions(compiled, index: int, world: int, config: BackendConfig, topology
             costs = attention_costs(shape, world, topology, hybrid_possible=True, memory_budget=config.memory_budget)
             decided = by_node.get(node.name, {})
             strategy = decided.get("strategy", compiled.strategies.get(node, "?"))
-            reason = compiled.reasons.get(node, decided.get("reason", ""))
-            mask = ", ".join(k if k != "chunk" else f"chunk {decided[k]}"
-                             for k in ("causal", "window", "chunk", "key_mask", "segment_ids")
-                             if decided.get(k)) or "none"
+            dense = node.meta.get(DENSE_MASK)
+            # the rewrite's reason where it did not distribute the attention as the strategy pass chose
+            reason = decided.get("reason") or compiled.reasons.get(node, "")
+            if dense is not None:  # an unknown mask is not one that is "not causal / window / ...": its own reason
+                reason = dense.reason if dense.unknown_buffers or not reason else f"{reason}: {dense.reason}"
+            mask = ", ".join([k if k != "chunk" else f"chunk {decided[k]}"
+                              for k in ("causal", "window", "chunk", "key_mask", "segment_ids") if decided.get(k)]
+                             + ([] if dense is None else ["unknown" if dense.unknown_buffers else "dense"])) or "none"
             out.append(AttentionDecision(
                 node=f"g{index}.{node.name}", layer=layer, strategy=strategy, layout=decided.get("layout", "-"),
                 reason=reason, mask=mask,
                 shape={"B": shape.batch, "S": shape.seq, "H": shape.heads, "Hkv": shape.kv_heads, "D": shape.head_dim,
-                       "dtype": str(shape.dtype).replace("torch.", "")},
+                       "Dv": shape.dv, "dtype": str(shape.dtype).replace("torch.", "")},
                 costs=[{k: v for k, v in asdict(c).items() if k != "mesh"} | {"mesh": list(c.mesh) if c.mesh else None}
                        for c in costs]))
             layer += 1

@@ -321,8 +321,8 @@ def _handwritten(graph: fx.Graph, node: fx.Node):
 
 
 def _unknown_buffers(mask) -> tuple[str, ...]:
-    """Where the module buffers that ``mask`` is computed from live (dynamo's source names), those whose values
-    are unknown: fake or meta tensors, or values no longer kept."""
+    """The module buffers ``mask`` is computed from whose values are unknown (fake or meta tensors, or values no
+    longer kept), by dynamo's source name while it is known, else by their node's name."""
     names, seen, todo = [], set(), [mask]
     while todo:
         node = todo.pop()
