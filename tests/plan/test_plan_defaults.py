@@ -43,6 +43,7 @@ def _e2e(name: str):
 
 hf, hf_more = _e2e("test_hf_models"), _e2e("test_hf_more_models")
 constructs, chunked, conv = _e2e("test_constructs"), _e2e("test_chunked_attention"), _e2e("test_conv_frontend")
+dropout = _e2e("test_attention_dropout")
 
 
 def _on(device: str, make, inputs: tuple, kwargs: dict):
@@ -126,6 +127,9 @@ MODELS = {  # name: (model factory, inputs)
     "chunked_additive_padded": (lambda: chunked.ChunkedLM("additive"), lambda: chunked._inputs(True)),
     "chunked_masked_fill": (lambda: chunked.ChunkedLM("masked_fill"), lambda: chunked._inputs(False)),
     "audio_encoder": (conv.AudioEncoder, lambda: (torch.randn(2, conv.FEATURES, conv.FRAMES),)),
+    "latent_attention": (constructs.LatentLM, constructs._tokens),
+    "alibi": (constructs.AlibiLM, constructs._tokens),
+    "attention_dropout": (dropout.DropLM, lambda: constructs._tokens(dropout.SEQ)),
 }
 NEEDS_VALUES = {"buffer_mask"}
 """Models whose run reads values a model on meta does not have (nanoGPT's mask: a buffer's values)."""
