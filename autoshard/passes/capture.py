@@ -82,21 +82,22 @@ def dense_mask_of(q_len: int, k_len: int, causal: bool, window, key_mask, segmen
 
 
 def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None,
-                       chunk=0, scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero", alibi_slopes=None):
+                       chunk=0, scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero", alibi_slopes=None,
+                       position_bias=None):
     """Attention with a structured mask, on whole tensors (what one device computes). ``empty_rows``: what
     a row with no visible key gets (see :class:`~autoshard.passes.masks.StructuredMask`). ``chunk``: chunked
     local attention (query i sees key j only if i // chunk == j // chunk; 0: none). ``softcap``: see the
     module docstring. ``alibi_slopes``: ALiBi, ``[H]`` slopes; every visible score gets ``slope[h] * (k - q)``
-    after the cap."""
+    after the cap. ``position_bias``: ``[H, 2R + 1]``, every visible score gets ``position_bias[h, k - q + R]``."""
     structured = causal or window is not None or chunk or key_mask is not None or segment_ids is not None
     mask = (dense_mask_of(q.size(-2), k.size(-2), causal, window, key_mask, segment_ids, q.device, chunk)
             if structured else None)
     if dense_mask is not None:
         mask = dense_mask if mask is None else (mask & dense_mask if dense_mask.dtype == torch.bool
                                                 else dense_mask.masked_fill(~mask, float("-inf")))
-    if alibi_slopes is not None:
-        return _with_alibi(q, k, v, mask, alibi_slopes, scale=scale, softcap=softcap, dropout_p=dropout_p,
-                           empty_rows=empty_rows)
+    if alibi_slopes is not None or position_bias is not None:
+        return _with_bias(q, k, v, mask, alibi_slopes, position_bias, scale=scale, softcap=softcap,
+                          dropout_p=dropout_p, empty_rows=empty_rows)
     if softcap:
         from .rules.attention import soft_capped_attention
 
@@ -115,16 +116,20 @@ def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None
     return out
 
 
-def _with_alibi(q, k, v, mask, alibi_slopes, *, scale, softcap, dropout_p, empty_rows):
-    """:func:`captured_attention` with ALiBi: the bias in an additive mask. A hidden score gets finfo.min, not -inf
-    (a row that sees no key then stays finite), and such a row gets what ``empty_rows`` says: 0, or the uniform
-    attention finfo.min gives."""
+def _with_bias(q, k, v, mask, alibi_slopes, position_bias, *, scale, softcap, dropout_p, empty_rows):
+    """:func:`captured_attention` with ALiBi or a relative-position bias: the bias in an additive mask. A hidden
+    score gets finfo.min, not -inf (a row that sees no key then stays finite), and such a row gets what
+    ``empty_rows`` says: 0, or the uniform attention finfo.min gives."""
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     distance = (torch.arange(k.size(-2), device=q.device) - torch.arange(q.size(-2), device=q.device)[:, None])
-    additive = (alibi_slopes.view(-1, 1, 1) * distance.to(alibi_slopes.dtype)).to(q.dtype)
+    additive = torch.zeros((), dtype=q.dtype, device=q.device)
+    if alibi_slopes is not None:
+        additive = additive + (alibi_slopes.view(-1, 1, 1) * distance.to(alibi_slopes.dtype)).to(q.dtype)
+    if position_bias is not None:
+        additive = additive + position_bias[:, distance + (position_bias.size(1) - 1) // 2].to(q.dtype)
     empty = None
     if mask is not None and mask.dtype == torch.bool:
-        additive = additive.masked_fill(~mask, torch.finfo(q.dtype).min)
+        additive = torch.where(mask, additive, torch.finfo(q.dtype).min)
         empty = ~mask.any(-1, keepdim=True)
     elif mask is not None:
         additive = additive + mask
@@ -135,15 +140,16 @@ def _with_alibi(q, k, v, mask, alibi_slopes, *, scale, softcap, dropout_p, empty
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout_p, scale=scale,
                                              enable_gqa=k.size(-3) != q.size(-3))
-    return out.masked_fill(empty, 0.0) if empty is not None and empty_rows == "zero" else out
+    return torch.where(empty, 0.0, out) if empty is not None and empty_rows == "zero" else out
 
 
 @register_canonical("attention", functions=[captured_attention])
 def _bind_captured(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None, chunk=0,
-                   scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero", alibi_slopes=None):
+                   scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero", alibi_slopes=None, position_bias=None):
     return {"q": q, "k": k, "v": v, "key_mask": key_mask, "segment_ids": segment_ids, "dense_mask": dense_mask,
             "causal": causal, "window": window, "chunk": chunk, "scale": scale, "softcap": softcap,
-            "dropout_p": dropout_p, "empty_rows": empty_rows, "alibi_slopes": alibi_slopes, "captured": True}
+            "dropout_p": dropout_p, "empty_rows": empty_rows, "alibi_slopes": alibi_slopes,
+            "position_bias": position_bias, "captured": True}
 
 
 # ----------------------------------------------------------------------------- pattern helpers
@@ -397,6 +403,8 @@ def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> li
                   "empty_rows": empty_rows_of(fill) if fill is not None else spec.empty_rows}
         if spec.alibi_slopes is not None:
             kwargs["alibi_slopes"] = spec.alibi_slopes
+        if spec.position_bias is not None:
+            kwargs["position_bias"] = spec.position_bias
         with graph.inserting_before(node):
             new = new_node(graph, captured_attention, (q, k, v, spec.key_mask, spec.segment_ids, dense), kwargs,
                            example_value=value_of(node))

@@ -52,6 +52,7 @@ from ..runtime.sequence_ops import Band, constant_band
 from .graph import new_node as _new
 from .graph import real_value
 from .ops import canonical, is_tensor_node, shape_of, value_of
+from .rules.views import permutation
 
 __all__ = ["StructuredMask", "structure_mask", "Unstructurable", "empty_rows_of"]
 
@@ -79,6 +80,9 @@ class StructuredMask:
     """[B, S] int: attend within equal ids only."""
     alibi_slopes: fx.Node | None = None
     """[H] float32: ALiBi, every visible score gets ``slope[h] * (k - q)`` (see :func:`structure_mask`)."""
+    position_bias: fx.Node | None = None
+    """[H, q_len + k_len - 1]: a relative-position table, every visible score gets ``position_bias[h, k - q + q_len -
+    1]`` (T5's learned buckets; see :func:`structure_mask`)."""
     empty_rows: str = "zero"
     """What a query row that sees no key gets: ``"zero"`` (boolean masks, as SDPA), ``"uniform"`` (an
     additive mask filled with ~finfo.min: every score rounds to the fill, so softmax is uniform over all
@@ -184,6 +188,9 @@ class _Evaluator:
             return _unit_reshape(self(op["input"]), shape)
         if name == "expand":
             return _broadcast_to(self(op["input"]), shape)
+        if name == "permute":
+            perm = permutation(node)
+            return _reindex(self(op["input"]), {p: _sym(d) for d, p in enumerate(perm)}, shape)
         if name == "getitem":
             return self._index(node, op, shape)
         if target in ("triu", "tril") and len(shape) >= 2:
@@ -497,9 +504,15 @@ def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bo
     """The structured form of ``attn_mask`` (and ``is_causal``) for the attention ``attention``; materialized
     key masks / segment ids / ALiBi slopes are inserted before it. Raises :class:`Unstructurable`.
 
-    A float mask may add a position bias where it holds. One of the form ``A(h) * k + C(b, h, q)`` is ALiBi:
-    ``C`` is the same for every key of a row, which softmax cancels, so it is ``A(h) * (k - q)`` (Bloom adds
-    ``slope * k``, the ALiBi paper ``-slope * (q - k)``), and ``A`` is materialized as the ``[H]`` slopes."""
+    A float mask may add a position bias where it holds, a sum of two kinds of terms:
+
+    * ``A(h) * k + C(b, h, q)``: ALiBi. ``C`` is the same for every key of a row, which softmax cancels, so it
+      is ``A(h) * (k - q)`` (Bloom adds ``slope * k``, the ALiBi paper ``-slope * (q - k)``), and ``A`` is
+      materialized as the ``[H]`` slopes;
+    * ``E(q, k, h)``, an embedding table looked up at indices computed elementwise from ``k - q`` alone (T5's
+      learned relative-position buckets, ``table[bucket(k - q), h]``): the index computation is emitted again
+      on the vector of every distance, ``-(q_len - 1) .. k_len - 1``, and the table looked up there, so the bias
+      is a ``[H, q_len + k_len - 1]`` value (``position_bias``) that carries the table's gradient."""
     spec = StructuredMask()
     atoms = []
     if is_causal:
@@ -517,7 +530,11 @@ def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bo
         expr = sympy.sympify(full.expr).xreplace(renamed)
         if full.shape[-2] not in (1, q_len) or full.shape[-1] not in (1, k_len):
             raise Unstructurable("mask shape does not match the attention")
-        slopes = _alibi_slopes(sympy.sympify(full.bias).xreplace(renamed), evaluator.leaves)
+        bias, table = _relative_table(sympy.sympify(full.bias).xreplace(renamed), evaluator.leaves)
+        if table is not None:
+            with graph.inserting_before(attention):
+                spec.position_bias = _tabulate(graph, table, evaluator.leaves, q_len, k_len)
+        slopes = _alibi_slopes(bias, evaluator.leaves)
         if slopes is not None:
             if spec.empty_rows == "scores":
                 raise Unstructurable("ALiBi with a mild fill (rows that see no key attend by their scores)")
@@ -591,6 +608,75 @@ def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bo
             _new(graph, torch.ops.autoshard.check_band.default,
                  (buffer, band.inside, band.outside, band.lo, band.hi, _buffer_name(buffer)))
     return spec
+
+
+def _relative_table(bias, leaves: dict[str, fx.Node]):
+    """``(rest, E(...))``: ``bias`` split into the one term that is an embedding lookup ``E(q, k, h)`` (None when
+    there is none) and the rest."""
+    bias = sympy.expand(bias)
+    lookups = [term for term in sympy.Add.make_args(bias) if isinstance(term, AppliedUndef) and K in term.free_symbols
+               and canonical(leaves[str(term.func)]) is not None
+               and canonical(leaves[str(term.func)]).name == "embedding"]
+    if len(lookups) != 1:
+        return bias, None
+    table = lookups[0]
+    if len(table.args) != 3 or table.args[2] != H or set(table.args[:2]) != {Q, K}:
+        raise Unstructurable(f"a position table {table} not read at (query, key, head)")
+    return bias - table, table
+
+
+def _tabulate(graph: fx.Graph, table, leaves: dict[str, fx.Node], q_len: int, k_len: int) -> fx.Node:
+    """The ``[H, q_len + k_len - 1]`` values of the lookup ``table`` (``E(q, k, h)``) at every distance ``k - q``
+    (see :func:`structure_mask`), as graph nodes."""
+    lookup = leaves[str(table.func)]
+    op = canonical(lookup)
+    index = op["input"]
+    first, second = _sym(0), _sym(1)
+    distance = second - first if table.args[0] == Q else first - second  # k - q in the index's own dims
+    roots, chain = {}, []
+    evaluator = _Evaluator()
+
+    def visit(node):
+        if not isinstance(node, fx.Node) or node in roots or node in chain:
+            return
+        if is_tensor_node(node) and not value_of(node).dtype.is_floating_point:
+            shift = _distance_shift(evaluator, node, distance, shape_of(index))
+            if shift is not None:
+                roots[node] = shift
+                return
+        node_op = canonical(node)
+        elementwise = node_op is not None and (node_op.name in ("pointwise", "to", "identity") or (
+            node_op.name == "factory" and getattr(node.target, "__name__", str(node.target)).endswith("_like")))
+        if not elementwise or shape_of(node) not in (shape_of(index), ()):
+            raise Unstructurable(f"a position table's indices computed by {node.format_node()}, not elementwise "
+                                 f"from k - q")
+        for arg in node.all_input_nodes:
+            if is_tensor_node(arg) and shape_of(arg) not in ((), (1,)):
+                visit(arg)
+        chain.append(node)
+
+    visit(index)
+    device = value_of(index).device
+    vector = _new(graph, torch.arange, (-(q_len - 1), k_len), {"device": device})
+    values: dict[fx.Node, fx.Node] = {}
+    for root, shift in roots.items():
+        shifted = _new(graph, operator.add, (vector, shift)) if shift else vector
+        values[root] = _new(graph, torch.Tensor.to, (shifted, value_of(root).dtype))
+    for node in sorted(chain, key=list(graph.nodes).index):
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: values.get(n, n))
+        values[node] = _new(graph, node.target, args, kwargs, op=node.op)
+    args, kwargs = fx.node.map_arg((lookup.args, lookup.kwargs), lambda n: values[index] if n is index else n)
+    rows = _new(graph, lookup.target, args, kwargs, op=lookup.op)  # [q_len + k_len - 1, H]
+    return _new(graph, torch.Tensor.t, (rows,))
+
+
+def _distance_shift(evaluator: "_Evaluator", node: fx.Node, distance, shape) -> int | None:
+    """``c`` when ``node`` (broadcast to the index's ``shape``) is ``k - q + c``, else None."""
+    try:
+        rest = sympy.expand(sympy.sympify(_broadcast_to(evaluator(node), tuple(shape)).expr) - distance)
+    except (Unstructurable, TypeError):  # not an integer expression the evaluator reads
+        return None
+    return int(rest) if rest.is_Integer else None
 
 
 def _alibi_slopes(bias, leaves: dict[str, fx.Node]):

@@ -15,6 +15,10 @@
 * ``alibi`` -- ALiBi as the paper writes it (``-slope * (q - k)`` added to hand-written scores, then a causal
   ``masked_fill``) and as Bloom does (``slope * k`` plus an additive causal mask, through SDPA): the slopes
   are found from the graph and carried to the distributed op, which adds the bias from global positions;
+* ``relative_bias`` -- T5's learned relative-position buckets (``relative_attention_bias(bucket(k - q))``, the
+  bucketing with ``log``, ``where``, ``min``), in an encoder layer and a causal decoder layer: the bucket
+  computation is emitted again on the vector of every distance, the table looked up there (a ``[H, 2S - 1]``
+  bias, not S x S) and carried to the distributed op; the table's gradient is the sum of the ranks' shares;
 * ``scan_vmap`` -- a state-space model with no attention (an ``associative_scan`` layer, a ``torch.vmap``
   layer): it runs whole, with the warning, and gives the one-process results (the ``_vmap_*_nesting``
   calls dynamo emits, unused values, stay in the graph).
@@ -245,6 +249,65 @@ class AlibiLM(nn.Module):
         return F.cross_entropy(self.head(self.norm(x)).view(-1, VOCAB), labels.view(-1))
 
 
+def relative_position_bucket(relative_position, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128):
+    """T5's bucketing of ``k - q`` (transformers' ``T5Attention._relative_position_bucket``): exact for small
+    distances, logarithmic up to ``max_distance``, one bucket beyond."""
+    relative_buckets = 0
+    if bidirectional:
+        num_buckets //= 2
+        relative_buckets += (relative_position > 0).to(torch.long) * num_buckets
+        relative_position = torch.abs(relative_position)
+    else:
+        relative_position = -torch.min(relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+    if_large = max_exact + (torch.log(relative_position.float() / max_exact) / math.log(max_distance / max_exact)
+                            * (num_buckets - max_exact)).to(torch.long)
+    if_large = torch.min(if_large, torch.full_like(if_large, num_buckets - 1))
+    return relative_buckets + torch.where(is_small, relative_position, if_large)
+
+
+class RelativeAttention(nn.Module):
+    """T5's self-attention: unscaled scores plus a learned bias per head and distance bucket
+    (``relative_attention_bias(bucket(k - q))``), bidirectional (an encoder) or causal (a decoder, the bias plus
+    an additive ``finfo.min`` mask)."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+        self.qkv, self.o = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False), nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.relative_attention_bias = nn.Embedding(32, HEADS)
+
+    def compute_bias(self, length: int, device):
+        context_position = torch.arange(length, dtype=torch.long, device=device)[:, None]
+        memory_position = torch.arange(length, dtype=torch.long, device=device)[None, :]
+        bucket = relative_position_bucket(memory_position - context_position, bidirectional=not self.causal)
+        return self.relative_attention_bias(bucket).permute([2, 0, 1]).unsqueeze(0)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, HEADS, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        bias = self.compute_bias(s, x.device)
+        if self.causal:
+            bias = bias + torch.full((s, s), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device).triu(1)
+        weights = F.softmax(q @ k.transpose(3, 2) + bias, dim=-1)  # T5 upcasts half precision; this runs float64
+        return x + self.o((weights @ v).transpose(1, 2).reshape(b, s, HIDDEN))
+
+
+class RelativeLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList([RelativeAttention(causal=False), RelativeAttention(causal=True)])
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).view(-1, VOCAB), labels.view(-1))
+
+
 def _combine(a, b):
     (gate_a, value_a), (gate_b, value_b) = a, b
     return gate_a * gate_b, value_a * gate_b + value_b
@@ -306,6 +369,7 @@ CASES = {  # name: (model, inputs, strategy; None: no attention)
     "eos_pooling": (ClipText, _clip_inputs, "zigzag"),
     "latent_attention": (LatentLM, _tokens, "ulysses"),
     "alibi": (AlibiLM, _tokens, "zigzag"),
+    "relative_bias": (RelativeLM, _tokens, "ring"),
     "scan_vmap": (ScanLM, functools.partial(_tokens, 13), None),  # short: dynamo traces the scan slowly
 }
 WORLDS = (2, 4)
@@ -350,10 +414,13 @@ def test_construct_matches_one_process(name, world):
             assert any("runs whole on every rank" in w for w in r["warnings"]), f"{where}: {r['warnings']}"
             continue
         attention = r["attention"]
-        assert len(attention) == LAYERS and all(a["strategy"] == strategy and a["causal"] for a in attention), \
+        assert len(attention) == LAYERS and all(a["strategy"] == strategy for a in attention), f"{where}: {attention}"
+        assert [a["causal"] for a in attention] == ([False, True] if name == "relative_bias" else [True] * LAYERS), \
             f"{where}: {attention}"
         if name == "alibi":  # both forms: the slopes carried to the distributed op
             assert all(a["alibi"] for a in attention), f"{where}: {attention}"
+        if name == "relative_bias":  # the learned table tabulated per distance, its gradient summed over ranks
+            assert all(a["position_bias"] for a in attention), f"{where}: {attention}"
         if name == "rope_complex":  # the angles of the local positions only
             assert r["placements"]["freqs_cis"].startswith("S(0"), f"{where}: {r['placements']}"
         if name == "eos_pooling":  # small collectives: candidates all-gathered, the pooled rows all-reduced

@@ -129,6 +129,7 @@ MODELS = {  # name: (model factory, inputs)
     "audio_encoder": (conv.AudioEncoder, lambda: (torch.randn(2, conv.FEATURES, conv.FRAMES),)),
     "latent_attention": (constructs.LatentLM, constructs._tokens),
     "alibi": (constructs.AlibiLM, constructs._tokens),
+    "relative_bias": (constructs.RelativeLM, constructs._tokens),
     "attention_dropout": (dropout.DropLM, lambda: constructs._tokens(dropout.SEQ)),
 }
 NEEDS_VALUES = {"buffer_mask"}

@@ -23,6 +23,7 @@ from autoshard.runtime.attention import local as local_impl
 from autoshard.runtime import SequenceLayout, attention, comm_counter
 from autoshard.runtime.attention import attention_flops, hybrid_layout, hybrid_sequence_rank
 from autoshard.runtime.attention.formulas import bytes_sent, bytes_sent_by_rank, values
+from autoshard.runtime.accounting import all_reduce_bytes
 from autoshard.testing import run_on_ranks
 
 MASKS = ["none", "causal", "causal+window", "key_mask", "segments+causal"]
@@ -59,6 +60,7 @@ def _cases(world: int) -> list[dict]:
             chunk=5 if n % 7 == 3 else 0,                  # chunked local attention (Llama-4) on every strategy
             value_dim=(12 if n % 2 else 20) if n % 6 == 5 else None,  # v's head dim differs (MLA)
             alibi=n % 8 == 6,                              # ALiBi slopes, from global positions
+            position_bias=n % 9 == 4,                      # a learned relative-position bias (T5), and its gradient
             seed=n))
     return cases
 
@@ -91,13 +93,24 @@ def _slopes(heads: int) -> torch.Tensor:
     return torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], dtype=torch.float32)
 
 
+def _position_bias(case: dict) -> torch.Tensor | None:
+    """The case's relative-position bias ``[H, 2S - 1]`` (float32), or None."""
+    if not case.get("position_bias"):
+        return None
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    return torch.randn(case["heads"], 2 * case["length"] - 1, generator=g)
+
+
 def _reference(case: dict):
     q, k, v, dout, key_mask, segments = _inputs(case)
     leaves = [t.to(torch.float64).requires_grad_() for t in (q, k, v)]
+    bias = _position_bias(case)
+    bias = bias.requires_grad_() if bias is not None else None
     # the one-device meaning of a captured attention (dense mask, SDPA or the soft-capped scores)
-    out = captured_attention(*leaves, key_mask, segments, **_mask_args(case), softcap=case.get("softcap", 0.0))
+    out = captured_attention(*leaves, key_mask, segments, **_mask_args(case), softcap=case.get("softcap", 0.0),
+                             position_bias=bias)
     out.backward(dout.to(torch.float64))
-    return [out.detach()] + [t.grad for t in leaves]
+    return [out.detach()] + [t.grad for t in leaves] + [bias.grad if bias is not None else None]
 
 
 def _layout(case: dict, world: int) -> SequenceLayout:
@@ -123,14 +136,19 @@ def _run_case(case: dict, mesh) -> dict:
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
     shard = (lambda m: None if m is None else m[:, pos])  # noqa: E731
     group = mesh if mesh is not None else None
+    bias = _position_bias(case)
+    bias = bias.requires_grad_() if bias is not None else None
     with comm_counter() as fwd:
         out = attention(ql, kl, vl, group=group, strategy=case["strategy"], layout=given_layout,
                         key_mask=shard(key_mask), segment_ids=shard(segments), seq_len=case["length"],
-                        softcap=case.get("softcap", 0.0), kernels=case.get("kernels", "auto"), **_mask_args(case))
+                        softcap=case.get("softcap", 0.0), kernels=case.get("kernels", "auto"), position_bias=bias,
+                        **_mask_args(case))
     with comm_counter() as bwd:
         out.backward(dout[:, :, pos])
-    return dict(out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad, fwd_bytes=fwd.payload_bytes_sent,
-                bwd_bytes=bwd.payload_bytes_sent, seq_rank=seq_rank)
+    sync = 0 if bias is None else sum(all_reduce_bytes(bias.numel(), bias.element_size(), size)  # its grad_sync
+                                      for size in _mesh_sizes(case, dist.get_world_size()))
+    return dict(out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad, dbias=None if bias is None else bias.grad,
+                fwd_bytes=fwd.payload_bytes_sent, bwd_bytes=bwd.payload_bytes_sent - sync, seq_rank=seq_rank)
 
 
 def _run_cases(cases: list[dict]) -> list[dict]:
@@ -180,6 +198,10 @@ def _check_against_sdpa(world: int, cases: list[dict], results: list[list[dict]]
                 err = _relative_error(got[name], ref[:, :, pos])
                 if not err <= TOLERANCE[case["dtype"]]:
                     failures.append(f"{case} rank {rank} {name}: relative error {err:.2e}")
+            if reference[4] is not None:  # the bias's gradient, summed over the ranks: whole on every rank
+                err = _relative_error(got["dbias"], reference[4])
+                if not err <= max(TOLERANCE[case["dtype"]], 1e-5):  # the bias and its gradient are float32
+                    failures.append(f"{case} rank {rank} dbias: relative error {err:.2e}")
     assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} failures)"
 
 
@@ -433,20 +455,21 @@ def _compiled_attention():
     group = dist.group.WORLD.group_name
 
     def fn(q, k, v):
-        out, lse = torch.ops.autoshard.attention(q, k, v, None, None, None, None, "zigzag", layout.encode(), group, "",
-                                                 True, -1, -1, 0, 8 ** -0.5, 0.0, 0.0, "torch")
+        out, lse = torch.ops.autoshard.attention(q, k, v, None, None, None, None, None, "zigzag", layout.encode(),
+                                                 group, "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.0, "torch")
         return out.sum() + lse.sum().detach()
 
     torch.library.opcheck(torch.ops.autoshard.attention.default,
-                          (q, k, v, None, None, None, None, "zigzag", layout.encode(), group, "", True, -1, -1, 4,
-                           8 ** -0.5, 2.0, 0.0, "torch"))
-    # ALiBi slopes, dropout, and a value head dim (6) other than the query/key head dim (8), laid out as q is
+                          (q, k, v, None, None, None, None, None, "zigzag", layout.encode(), group, "", True, -1, -1,
+                           4, 8 ** -0.5, 2.0, 0.0, "torch"))
+    # ALiBi slopes, a relative-position bias, dropout, a value head dim (6) other than the query/key head dim (8),
+    # laid out as q is
     v_narrow = v.detach()[..., :6].clone().requires_grad_()
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     torch.library.opcheck(torch.ops.autoshard.attention.default,
                           (q.transpose(1, 2).contiguous().transpose(1, 2), k, v_narrow, None, None, slopes,
-                           torch.tensor(7), "zigzag", layout.encode(), group, "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.1,
-                           "torch"))
+                           torch.randn(4, 31, requires_grad=True), torch.tensor(7), "zigzag", layout.encode(), group,
+                           "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.1, "torch"))
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     compiled(q, k, v).backward()
     grads = [t.grad.clone() for t in (q, k, v)]

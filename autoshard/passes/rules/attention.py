@@ -269,8 +269,9 @@ def rewrite_attention(rw, node, op):
         args = [rw.in_dtype_of(node, t, rw.input(t, s)) for t, s in ((q, sq), (k, sk), (v, sk))]
         per_key = Shard(1, sk.layout)
         args += [rw.input(t, per_key) if t is not None else None for t in (op.get("key_mask"), op.get("segment_ids"))]
-        slopes = op.get("alibi_slopes")
+        slopes, bias = op.get("alibi_slopes"), op.get("position_bias")
         args.append(rw.input(slopes, REPLICATE) if slopes is not None else None)
+        args.append(rw.input(bias, REPLICATE, partial_grad=True) if bias is not None else None)  # a rank's share
         args.append(rw.call(torch.ops.autoshard.attention_seed.default, node.name, value_of(q).device)
                     if dropout_p else None)
         # the hybrid's group is its Ulysses axis; the layout spans the whole (flattened) mesh
@@ -293,7 +294,8 @@ def rewrite_attention(rw, node, op):
                                     "window": window, "chunk": int(op.get("chunk") or 0),
                                     "key_mask": op.get("key_mask") is not None,
                                     "segment_ids": op.get("segment_ids") is not None, "softcap": softcap,
-                                    "alibi": slopes is not None, "dropout": dropout_p,
+                                    "alibi": slopes is not None, "position_bias": bias is not None,
+                                    "dropout": dropout_p,
                                     "dtype": str(value_of(node).dtype).removeprefix("torch.")})
         return
     structured = (op.get("causal") or op.get("window") or op.get("chunk") or op.get("key_mask")

@@ -43,7 +43,7 @@ def _forward(q, k, v, key_mask, segment_ids, call: Call):
     attend(out, lse, q, all_k, all_v, pieces(layout, [rank]), pieces(layout, range(layout.world_size)),
            heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, key_mask=all_keys_mask,
            seg_q=segment_ids, seg_k=all_segments, scale=call.scale, softcap=call.softcap,
-           alibi_slopes=call.alibi_slopes, dropout=call.dropout, kernels=call.kernels)
+           terms=call.terms, kernels=call.kernels)
     return out, lse
 
 
@@ -57,8 +57,7 @@ def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
     attend_backward(dq, dk, dv, dout, q, all_k, all_v, out, lse, delta, pieces(layout, [rank]),
                     pieces(layout, range(layout.world_size)), heads=HeadSegment.all(q.size(1), k.size(1)),
                     spec=call.spec, key_mask=all_keys_mask, seg_q=segment_ids, seg_k=all_segments,
-                    scale=call.scale, softcap=call.softcap, alibi_slopes=call.alibi_slopes, dropout=call.dropout,
-                    kernels=call.kernels)
+                    scale=call.scale, softcap=call.softcap, terms=call.terms, kernels=call.kernels)
     del all_k, all_v
     sizes = list(layout.local_lengths)
     return dq, reduce_scatter_impl(dk, 2, sizes, call.pg), reduce_scatter_impl(dv, 2, sizes, call.pg)

@@ -5,9 +5,9 @@ implementation), and its registered backward is itself a custom op, ``autoshard:
 Both dispatch by ``strategy`` name to the algorithms registered in :mod:`.base`, so every algorithm
 shares the wiring and the checks::
 
-    torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, alibi_slopes, dropout_seed, strategy, layout, group,
-                                  ring_group, causal, window_left, window_right, chunk, scale, softcap, dropout_p,
-                                  kernels) -> (out, lse)
+    torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed, strategy,
+                                  layout, group, ring_group, causal, window_left, window_right, chunk, scale, softcap,
+                                  dropout_p, kernels) -> (out, lse)
 
 ``chunk`` (0: none) is chunked local attention, query ``i`` sees key ``j`` only if ``i // chunk == j //
 chunk`` (Llama-4's local layers; see :class:`.masks.MaskSpec`).
@@ -17,6 +17,10 @@ chunk`` (Llama-4's local layers; see :class:`.masks.MaskSpec`).
 ``alibi_slopes`` (None: none) is ALiBi (Bloom, MPT): a ``[H]`` float32 tensor, the same on every rank; every score
 gets ``slope[h] * (k_pos - q_pos)`` of its global positions, after the cap and before the mask. The slopes get
 no gradient.
+
+``position_bias`` (None: none) is a relative-position bias ``[H, 2R + 1]`` (T5's learned buckets, tabulated per
+distance), the same on every rank: every score gets ``position_bias[h, k_pos - q_pos + R]``. Its gradient is this
+rank's share (the gradients of its queries' scores), so its callers sum it over the ranks.
 
 ``dropout_p`` (0: none) drops attention probabilities by a mask hashed from ``dropout_seed`` (a 0-d int64 tensor,
 the same on every rank) and the elements' global indices, the same for every strategy and world size
@@ -51,6 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..collectives import gather_table
 from ..groups import GroupLike, metadata_device, resolve_group
+from ..redistribute import grad_sync
 from ..layouts import LAYOUTS, SequenceLayout
 from .backend import KERNELS, check_triton_dtype
 from .base import STRATEGIES, AttentionInputError, Call, Strategy
@@ -115,6 +120,20 @@ def _check_slopes(alibi_slopes, q: torch.Tensor) -> None:
                                   f"{q.device} (one slope per query head), got {got}")
 
 
+def _check_position_bias(position_bias, q: torch.Tensor, length: int) -> None:
+    """A relative-position bias must be ``[H, 2R + 1]``, floating, on q's device, reaching every distance."""
+    if position_bias is None:
+        return
+    if (not isinstance(position_bias, torch.Tensor) or position_bias.dim() != 2 or position_bias.size(0) != q.size(1)
+            or position_bias.size(1) % 2 == 0 or position_bias.size(1) < 2 * length - 1
+            or not position_bias.is_floating_point() or position_bias.device != q.device):
+        got = (f"{list(position_bias.shape)} {position_bias.dtype} on {position_bias.device}"
+               if isinstance(position_bias, torch.Tensor) else type(position_bias).__name__)
+        raise AttentionInputError(f"autoshard.attention: position_bias must be a floating [H, 2R + 1] tensor on "
+                                  f"{q.device} with H = {q.size(1)} and R >= {length - 1} (the farthest distance), "
+                                  f"got {got}")
+
+
 def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
     """Every check that needs only this rank's information; returns the strategy."""
     if call.strategy not in STRATEGIES:
@@ -122,6 +141,7 @@ def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
                                   f"{tuple(STRATEGIES)}")
     _check_tensors(q, k, v, key_mask, segment_ids)
     _check_slopes(call.alibi_slopes, q)
+    _check_position_bias(call.position_bias, q, call.layout.length)
     check_triton_dtype(call.kernels, q)
     if not (call.softcap >= 0.0 and math.isfinite(call.softcap)):
         raise AttentionInputError(f"autoshard.attention: softcap must be a finite number >= 0 (0: no capping), got "
@@ -170,29 +190,35 @@ def _laid_out(*items: tuple[torch.Tensor, torch.Tensor | None, torch.dtype]) -> 
     return tuple(out)
 
 
-def _call(alibi_slopes, dropout_seed, strategy, layout, group, ring_group, causal, window_left, window_right, chunk,
-          scale, softcap, dropout_p, kernels) -> Call:
+_TERMS = 3
+"""The op's optional tensors after the masks: ``alibi_slopes``, ``position_bias``, ``dropout_seed``."""
+
+
+def _call(terms, strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale, softcap,
+          dropout_p, kernels, position_bias_grad=None) -> Call:
+    alibi_slopes, position_bias, dropout_seed = terms
     return Call(strategy=strategy, layout=SequenceLayout.decode(layout), group=group, ring_group=ring_group,
                 spec=MaskSpec(causal, (window_left, window_right), chunk), scale=scale, softcap=softcap,
-                alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed, kernels=kernels)
+                alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed, position_bias=position_bias,
+                position_bias_grad=position_bias_grad, kernels=kernels)
 
 
 @torch.library.custom_op("autoshard::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
                   segment_ids: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                  dropout_seed: Optional[torch.Tensor], strategy: str, layout: list[int], group: str, ring_group: str,
-                  causal: bool, window_left: int, window_right: int, chunk: int, scale: float, softcap: float,
-                  dropout_p: float, kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
-    call = _call(alibi_slopes, dropout_seed, strategy, layout, group, ring_group, causal, window_left, window_right,
-                 chunk, scale, softcap, dropout_p, kernels)
+                  position_bias: Optional[torch.Tensor], dropout_seed: Optional[torch.Tensor], strategy: str,
+                  layout: list[int], group: str, ring_group: str, causal: bool, window_left: int, window_right: int,
+                  chunk: int, scale: float, softcap: float, dropout_p: float,
+                  kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
+    call = _call((alibi_slopes, position_bias, dropout_seed), strategy, layout, group, ring_group, causal,
+                 window_left, window_right, chunk, scale, softcap, dropout_p, kernels)
     with without_autocast(q):
         out, lse = _validate(q, k, v, key_mask, segment_ids, call).forward(q, k, v, key_mask, segment_ids, call)
     return _laid_out((out, _like_q(q, v.size(-1)), q.dtype), (lse, None, compute_dtype(q.dtype)))
 
 
 @_attention_op.register_fake
-def _(q, k, v, key_mask, segment_ids, alibi_slopes, dropout_seed, strategy, layout, group, ring_group, causal,
-      window_left, window_right, chunk, scale, softcap, dropout_p, kernels):
+def _(q, k, v, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed, *config):
     return (torch.empty_like(_like_q(q, v.size(-1)), device=q.device),
             q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype)))
 
@@ -200,36 +226,51 @@ def _(q, k, v, key_mask, segment_ids, alibi_slopes, dropout_seed, strategy, layo
 @torch.library.custom_op("autoshard::attention_backward", mutates_args=())
 def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, key_mask: Optional[torch.Tensor], segment_ids: Optional[torch.Tensor],
-                           alibi_slopes: Optional[torch.Tensor], dropout_seed: Optional[torch.Tensor], strategy: str,
-                           layout: list[int], group: str, ring_group: str, causal: bool, window_left: int,
-                           window_right: int, chunk: int, scale: float, softcap: float, dropout_p: float,
-                           kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    call = _call(alibi_slopes, dropout_seed, strategy, layout, group, ring_group, causal, window_left, window_right,
-                 chunk, scale, softcap, dropout_p, kernels)
+                           alibi_slopes: Optional[torch.Tensor], position_bias: Optional[torch.Tensor],
+                           dropout_seed: Optional[torch.Tensor], strategy: str, layout: list[int], group: str,
+                           ring_group: str, causal: bool, window_left: int, window_right: int, chunk: int,
+                           scale: float, softcap: float, dropout_p: float,
+                           kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, d_position_bias)``; the last is this rank's share of the bias's gradient (its queries' scores),
+    empty without a bias."""
+    bias_grad = _bias_grad_like(position_bias, q)
+    call = _call((alibi_slopes, position_bias, dropout_seed), strategy, layout, group, ring_group, causal,
+                 window_left, window_right, chunk, scale, softcap, dropout_p, kernels,
+                 bias_grad if position_bias is not None else None)
     with without_autocast(q):
         dq, dk, dv = STRATEGIES[strategy].backward(dout, q, k, v, out, lse, key_mask, segment_ids, call)
-    return _laid_out((dq, q, q.dtype), (dk, k, k.dtype), (dv, v, v.dtype))
+    like = position_bias if position_bias is not None else bias_grad
+    return _laid_out((dq, q, q.dtype), (dk, k, k.dtype), (dv, v, v.dtype), (bias_grad, like, like.dtype))
+
+
+def _bias_grad_like(position_bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The accumulator of the bias's gradient (compute dtype), or an empty tensor without a bias."""
+    if position_bias is None:
+        return q.new_zeros(0, dtype=compute_dtype(q.dtype))
+    return torch.zeros_like(position_bias, dtype=compute_dtype(q.dtype))
 
 
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, dropout_seed, strategy, layout, group, ring_group,
-      causal, window_left, window_right, chunk, scale, softcap, dropout_p, kernels):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed, *config):
+    like = position_bias if position_bias is not None else q.new_empty(0, dtype=compute_dtype(q.dtype))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(like)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, key_mask, segment_ids, alibi_slopes, dropout_seed, *config = inputs
+    q, k, v, key_mask, segment_ids, *rest = inputs
+    terms, config = rest[:_TERMS], rest[_TERMS:]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, dropout_seed)
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, segment_ids, *terms)
     ctx.config = config
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, dropout_seed = ctx.saved_tensors
-    dq, dk, dv = torch.ops.autoshard.attention_backward(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes,
-                                                        dropout_seed, *ctx.config)
-    return (dq, dk, dv, None, None, None, None) + (None,) * len(ctx.config)
+    q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed = ctx.saved_tensors
+    dq, dk, dv, d_bias = torch.ops.autoshard.attention_backward(dout, q, k, v, out, lse, key_mask, segment_ids,
+                                                                alibi_slopes, position_bias, dropout_seed, *ctx.config)
+    return ((dq, dk, dv, None, None, None, d_bias if position_bias is not None else None, None)
+            + (None,) * len(ctx.config))
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup)
@@ -238,7 +279,7 @@ _attention_op.register_autograd(_backward, setup_context=_setup)
 # ---------------------------------------------------------------------------- cross-rank agreement
 
 _SIGNATURE = ("B", "H", "Hkv", "D", "Dv", "dtype", "device", "strategy", "layout", "seq_len", "causal", "window_left",
-              "window_right", "chunk", "key_mask", "segment_ids", "scale", "softcap", "alibi_slopes", "kernels")
+              "window_right", "chunk", "key_mask", "segment_ids", "scale", "softcap", "terms", "kernels")
 _agreed: set = set()
 
 
@@ -253,7 +294,7 @@ def _code(x) -> int:
     return hash(tuple(str(x).encode()))
 
 
-def _signature(q, k, v, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, softcap, alibi: bool,
+def _signature(q, k, v, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, softcap, terms: int,
                kernels) -> tuple[int, ...]:
     shapes = (q.size(0), q.size(1), k.size(1), q.size(3), v.size(3)) if _is4d(q) and _is4d(k) and _is4d(v) else (
         0, 0, 0, 0, 0)
@@ -262,7 +303,7 @@ def _signature(q, k, v, key_mask, segment_ids, strategy, layout, seq_len, spec, 
         q.device.type if isinstance(q, torch.Tensor) else "", strategy, layout,
         -1 if seq_len is None else seq_len, spec.causal, *spec.window, spec.chunk, key_mask is not None,
         segment_ids.dtype if isinstance(segment_ids, torch.Tensor) else None, float(scale or 0.0),
-        float(softcap), alibi, kernels))
+        float(softcap), terms, kernels))
 
 
 def _is4d(t) -> bool:
@@ -326,6 +367,7 @@ def attention(
     scale: float | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    position_bias: torch.Tensor | None = None,
     kernels: str = "auto",
     seq_len: int | None = None,
     dropout_p: float = 0.0,
@@ -346,7 +388,10 @@ def attention(
     structured masks, never an S x S tensor. ``scale``: default ``1/sqrt(D)``. ``softcap``: when positive, the
     scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask (Gemma2's attention logit
     soft-capping; 0, the default, leaves them). ``alibi_slopes``: ALiBi's ``[H]`` float32 slopes, whole on every
-    rank: every score gets ``slope[h] * (k_pos - q_pos)`` (global positions). ``kernels``: ``"auto"``,
+    rank: every score gets ``slope[h] * (k_pos - q_pos)`` (global positions). ``position_bias``: a relative-position
+    bias ``[H, 2R + 1]``, whole on every rank (``R`` at least the global length - 1): every score gets
+    ``position_bias[h, k_pos - q_pos + R]``; its gradient is summed over the ranks (torch path only). ``kernels``:
+    ``"auto"``,
     ``"torch"`` or ``"triton"``. ``seq_len``: the global length (default: the sum of the shards, found by
     a small exchange on every call). ``dropout_p`` must be 0. Under ``torch.autocast`` ``q``, ``k``, ``v`` are
     cast as SDPA casts them: to the autocast dtype, float64 excepted.
@@ -373,11 +418,15 @@ def attention(
     pgs = _groups(group, strategy)
     world = math.prod(pg.size() for pg in pgs)
     names = [pg.group_name for pg in pgs] + [""]
+    if isinstance(position_bias, torch.Tensor):  # every rank's queries add to its gradient: the sum is whole
+        for pg in pgs:
+            position_bias = grad_sync(position_bias, pg.group_name)
 
     def make_call(length: int) -> Call:
         lay = layout if isinstance(layout, SequenceLayout) else SequenceLayout.of(layout, length, world)
         return Call(strategy=strategy, layout=lay, group=names[0], ring_group=names[1], spec=spec,
-                    scale=float(scale), softcap=float(softcap), alibi_slopes=alibi_slopes, kernels=kernels)
+                    scale=float(scale), softcap=float(softcap), alibi_slopes=alibi_slopes, position_bias=position_bias,
+                    kernels=kernels)
 
     error, call = None, None
     try:
@@ -390,7 +439,7 @@ def attention(
     except ValueError as e:  # AttentionInputError, or a layout the world size cannot serve
         error = e
     signature = _signature(q, k, v, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, softcap,
-                           alibi_slopes is not None, kernels)
+                           (alibi_slopes is not None) + 2 * (position_bias is not None), kernels)
     key = (tuple(names), signature, q.size(2) if _is4d(q) else -1)
     if error is None and call is not None and key in _agreed:
         return _run(q, k, v, key_mask, segment_ids, call)
@@ -422,8 +471,8 @@ def _autocast_input(t):
 
 
 def _run(q, k, v, key_mask, segment_ids, call: Call) -> torch.Tensor:
-    out, _ = torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, call.alibi_slopes, None, call.strategy,
-                                           call.layout.encode(), call.group, call.ring_group, call.spec.causal,
-                                           *call.spec.window, call.spec.chunk, call.scale, call.softcap, 0.0,
-                                           call.kernels)
+    out, _ = torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, call.alibi_slopes, call.position_bias, None,
+                                           call.strategy, call.layout.encode(), call.group, call.ring_group,
+                                           call.spec.causal, *call.spec.window, call.spec.chunk, call.scale,
+                                           call.softcap, 0.0, call.kernels)
     return out

@@ -18,6 +18,7 @@ from ..groups import resolve_group
 from ..layouts import SequenceLayout
 from .dropout import AttentionDropout
 from .masks import MaskSpec
+from .terms import ScoreTerms
 
 __all__ = ["Call", "Strategy", "STRATEGIES", "register", "AttentionInputError"]
 
@@ -52,13 +53,19 @@ class Call:
     (see :mod:`.dropout`)."""
     dropout_seed: torch.Tensor | None = None
     """The call's dropout seed, a 0-d int64 tensor (with ``dropout_p``)."""
+    position_bias: torch.Tensor | None = None
+    """A relative-position bias ``[H, 2R + 1]``: every score gets ``position_bias[h, k_pos - q_pos + R]`` (None:
+    none)."""
+    position_bias_grad: torch.Tensor | None = None
+    """In the backward: the accumulator of ``position_bias``'s gradient."""
     kernels: str = "auto"
     """``"auto"``, ``"torch"`` or ``"triton"`` (see :mod:`.backend`)."""
 
     @property
-    def dropout(self) -> AttentionDropout | None:
-        """The call's dropout, for tensors holding every query head."""
-        return AttentionDropout(self.dropout_p, self.dropout_seed) if self.dropout_p else None
+    def terms(self) -> ScoreTerms:
+        """The call's score terms, for tensors holding every query head."""
+        return ScoreTerms(self.alibi_slopes, self.position_bias, self.position_bias_grad,
+                          AttentionDropout(self.dropout_p, self.dropout_seed) if self.dropout_p else None)
 
     @property
     def pg(self) -> dist.ProcessGroup:

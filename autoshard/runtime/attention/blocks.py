@@ -19,10 +19,10 @@ from typing import Sequence
 import torch
 
 from ..layouts import SequenceLayout
-from .dropout import AttentionDropout
 from .local import compute_dtype, local_attention, local_attention_backward
 from .masks import MaskSpec, Visibility
 from .merge import merge_attention_
+from .terms import ScoreTerms
 
 __all__ = ["Piece", "HeadSegment", "pieces", "attend", "attend_backward", "empty_result"]
 
@@ -89,12 +89,8 @@ def empty_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.
     return q.new_zeros((*q.shape[:-1], v.size(-1)), dtype=ct), q.new_full(q.shape[:-1], float("-inf"), dtype=ct)
 
 
-def _dropout_of(dropout: AttentionDropout | None, heads: HeadSegment) -> AttentionDropout | None:
-    return None if dropout is None else dropout.heads_from(heads.q_lo)
-
-
-def _heads(alibi_slopes: torch.Tensor | None, heads: HeadSegment) -> torch.Tensor | None:
-    return None if alibi_slopes is None else alibi_slopes[heads.q]
+def _backward_kwargs(terms: ScoreTerms) -> dict:
+    return {**terms.local_kwargs(), "position_bias_grad": terms.position_bias_grad}
 
 
 def _mask_args(q_piece: Piece, k_piece: Piece, key_mask, seg_q, seg_k) -> dict:
@@ -104,10 +100,10 @@ def _mask_args(q_piece: Piece, k_piece: Piece, key_mask, seg_q, seg_k) -> dict:
     }
 
 
-def _visible_pairs(q_pieces, k_pieces, spec: MaskSpec, alibi_slopes, dropout):
-    """The (query piece, key piece) pairs with a visible position. Without a position mask, ALiBi or dropout,
+def _visible_pairs(q_pieces, k_pieces, spec: MaskSpec, terms: ScoreTerms):
+    """The (query piece, key piece) pairs with a visible position. Without a position mask or positional terms,
     positions do not matter: the whole local tensors form one pair (one call instead of one per piece pair)."""
-    if not spec.is_positional and alibi_slopes is None and dropout is None:
+    if not spec.is_positional and not terms.positional:
         yield _whole(q_pieces), _whole(k_pieces)
         return
     for qp in q_pieces:
@@ -137,24 +133,22 @@ def attend(
     seg_k: torch.Tensor | None,
     scale: float,
     softcap: float,
-    alibi_slopes: torch.Tensor | None,
-    dropout: AttentionDropout | None,
+    terms: ScoreTerms,
     kernels: str,
 ) -> None:
     """Merge the attention of ``q`` (``q_pieces``) to ``k``/``v`` (``k_pieces``) into ``out``/``lse`` in place.
 
     ``key_mask``/``seg_k`` are per key of ``k``; ``seg_q`` per query of ``q``. ``softcap`` (0: none) caps every
-    block's scores alike: it is elementwise, so the LSE merge of the blocks is unchanged. ``alibi_slopes``: the
-    slopes of ``q``'s heads; ``dropout``: the call's dropout for ``q``'s heads (see :mod:`.local`).
+    block's scores alike: it is elementwise, so the LSE merge of the blocks is unchanged. ``terms``: the call's
+    score terms for ``q``'s heads (:mod:`.terms`).
     """
-    for qp, kp in _visible_pairs(q_pieces, k_pieces, spec, alibi_slopes, dropout):
+    for qp, kp in _visible_pairs(q_pieces, k_pieces, spec, terms):
         masks = _mask_args(qp, kp, key_mask, seg_q, seg_k)
         for hs in heads:
             block_out, block_lse = local_attention(
                 q[:, hs.q, qp.rows], k[:, hs.kv, kp.rows], v[:, hs.kv, kp.rows], q_offset=qp.start,
                 k_offset=kp.start, causal=spec.causal, window=spec.window_arg, chunk=spec.chunk, scale=scale,
-                softcap=softcap, alibi_slopes=_heads(alibi_slopes, hs), dropout=_dropout_of(dropout, hs),
-                kernels=kernels, **masks)
+                softcap=softcap, kernels=kernels, **terms.heads(hs.q_lo, hs.q_hi).local_kwargs(), **masks)
             merge_attention_(out[:, hs.q, qp.rows], lse[:, hs.q, qp.rows], block_out, block_lse, kernels=kernels)
 
 
@@ -179,23 +173,22 @@ def attend_backward(
     seg_k: torch.Tensor | None,
     scale: float,
     softcap: float,
-    alibi_slopes: torch.Tensor | None,
-    dropout: AttentionDropout | None,
+    terms: ScoreTerms,
     kernels: str,
 ) -> None:
     """Add the gradients of :func:`attend`'s blocks into ``dq`` (per query) and ``dk``/``dv`` (per key).
 
     ``out``/``lse`` are the rows' final values, ``delta = rowsum(dout * out)``.
     """
-    for qp, kp in _visible_pairs(q_pieces, k_pieces, spec, alibi_slopes, dropout):
+    for qp, kp in _visible_pairs(q_pieces, k_pieces, spec, terms):
         masks = _mask_args(qp, kp, key_mask, seg_q, seg_k)
         for hs in heads:
             rows, keys = (slice(None), hs.q, qp.rows), (slice(None), hs.kv, kp.rows)
             gq, gk, gv = local_attention_backward(
                 dout[rows], q[rows], k[keys], v[keys], out[rows], lse[rows], delta=delta[rows],
                 q_offset=qp.start, k_offset=kp.start, causal=spec.causal, window=spec.window_arg, chunk=spec.chunk,
-                scale=scale, softcap=softcap, alibi_slopes=_heads(alibi_slopes, hs),
-                dropout=_dropout_of(dropout, hs), kernels=kernels, **masks)
+                scale=scale, softcap=softcap, kernels=kernels, **_backward_kwargs(terms.heads(hs.q_lo, hs.q_hi)),
+                **masks)
             dq[rows] += gq
             dk[keys] += gk
             dv[keys] += gv

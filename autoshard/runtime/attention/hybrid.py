@@ -77,14 +77,14 @@ def _check(q, k, v, call: Call) -> int:
 
 def _forward(q, k, v, key_mask, segment_ids, call: Call):
     return ulysses_forward(q, k, v, key_mask, segment_ids, pg=call.pg, ring_pg=call.ring_pg, layout=call.layout,
-                           spec=call.spec, scale=call.scale, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
-                           dropout=call.dropout, kernels=call.kernels)
+                           spec=call.spec, scale=call.scale, softcap=call.softcap, terms=call.terms,
+                           kernels=call.kernels)
 
 
 def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
     return ulysses_backward(dout, q, k, v, out, lse, key_mask, segment_ids, pg=call.pg, ring_pg=call.ring_pg,
                             layout=call.layout, spec=call.spec, scale=call.scale, softcap=call.softcap,
-                            alibi_slopes=call.alibi_slopes, dropout=call.dropout, kernels=call.kernels)
+                            terms=call.terms, kernels=call.kernels)
 
 
 register(Strategy("hybrid", _check, _forward, _backward))

@@ -21,6 +21,11 @@ q_pos)`` from the **global** positions of the block (``q_offset + i``, ``k_offse
 before the mask. Models that add ``slope[h] * k_pos`` (Bloom) differ by ``slope[h] * q_pos``, a constant per row
 that the softmax cancels. The slopes are constants: they get no gradient.
 
+A relative-position bias (``position_bias``, ``[H, 2R + 1]``, T5's learned buckets tabulated per distance): every
+score gets ``position_bias[h, k_pos - q_pos + R]`` after the cap. It is learned: the backward adds the sum of the
+scores' gradients along each distance into ``position_bias_grad`` (an accumulator the caller owns). The torch
+path computes it; the Triton kernels do not take it.
+
 Dropout (``dropout``, an :class:`~.dropout.AttentionDropout`): the probabilities are dropped by a mask that is
 a hash of the call's seed and the elements' global indices (see :mod:`.dropout`), after the row
 normalization: ``out`` is ``sum_j p_ij z_ij v_j`` with ``z`` 0 or ``1 / (1 - p)``, ``lse`` that of the
@@ -59,6 +64,7 @@ from .backend import use_triton
 from .flops import record_flops
 from .dropout import AttentionDropout
 from .masks import MaskSpec, Visibility
+from .terms import ScoreTerms
 from .merge import merge_attention_
 
 __all__ = [
@@ -112,6 +118,7 @@ def local_attention(
     scale: float | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    position_bias: torch.Tensor | None = None,
     dropout: AttentionDropout | None = None,
     kernels: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,11 +129,12 @@ def local_attention(
     bool, True where the key may be attended. ``segment_ids``: the pair ``(seg_q [B, Sq], seg_k [B, Sk])``; a
     key is visible only within the query's segment. ``scale`` defaults to ``1 / sqrt(D)``. ``softcap``: when
     positive, the scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask and the softmax
-    (0: no capping). ``alibi_slopes``: ALiBi's per-head slopes; ``dropout``: the call's dropout (see the module
-    docstring, also for the outputs).
+    (0: no capping). ``alibi_slopes``: ALiBi's per-head slopes; ``position_bias``: a relative-position bias;
+    ``dropout``: the call's dropout (see the module docstring, also for the outputs).
     """
     spec = MaskSpec.of(causal, window, chunk)
-    _check(q, k, v, key_mask, segment_ids, softcap, alibi_slopes)
+    terms = ScoreTerms(alibi_slopes, position_bias, None, dropout)
+    _check(q, k, v, key_mask, segment_ids, softcap, terms, q_offset, k_offset)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     (B, H, Sq, D), Sk = q.shape, k.size(2)
     visibility = spec.classify(q_offset, Sq, k_offset, Sk)
@@ -134,19 +142,17 @@ def local_attention(
         ct = compute_dtype(q.dtype)
         return q.new_zeros((B, H, Sq, v.size(-1)), dtype=ct), q.new_full(q.shape[:-1], _NEG_INF, dtype=ct)
     record_flops("forward", spec.visible_pairs(q_offset, Sq, k_offset, Sk), B * H, D, v.size(-1))
-    if use_triton(kernels, q):
+    if _triton(kernels, q, terms):
         from autoshard.kernels.attention import triton_attention_forward
 
         return triton_attention_forward(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=spec.causal,
                                         window=spec.window_arg, chunk=spec.chunk, key_mask=key_mask,
                                         segment_ids=segment_ids, scale=scale, softcap=softcap,
                                         alibi_slopes=alibi_slopes, **_triton_dropout(dropout))
-    parts = _fused_parts(spec, visibility, q, v, q_offset, k_offset, Sk, key_mask, segment_ids, softcap,
-                         alibi_slopes, dropout)
+    parts = _fused_parts(spec, visibility, q, v, q_offset, k_offset, Sk, key_mask, segment_ids, softcap, terms)
     if parts is not None:
         return _fused_forward(q, k, v, parts, scale)
-    return _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap, alibi_slopes,
-                          dropout)
+    return _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap, terms)
 
 
 def local_attention_backward(
@@ -168,17 +174,20 @@ def local_attention_backward(
     scale: float | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    position_bias: torch.Tensor | None = None,
+    position_bias_grad: torch.Tensor | None = None,
     dropout: AttentionDropout | None = None,
     kernels: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of one block (float32, or float64 for float64 inputs).
 
     ``out``/``lse``: the rows' final values over all key blocks; ``delta``: ``rowsum(dout * out)``
-    (``[B, H, Sq]``), computed when ``None``. Mask arguments, ``softcap``, ``alibi_slopes`` and ``dropout`` as in
-    :func:`local_attention`.
+    (``[B, H, Sq]``), computed when ``None``. Mask arguments, ``softcap``, ``alibi_slopes``, ``position_bias`` and
+    ``dropout`` as in :func:`local_attention`; ``position_bias_grad``: where the bias's gradient is added.
     """
     spec = MaskSpec.of(causal, window, chunk)
-    _check(q, k, v, key_mask, segment_ids, softcap, alibi_slopes)
+    terms = ScoreTerms(alibi_slopes, position_bias, position_bias_grad, dropout)
+    _check(q, k, v, key_mask, segment_ids, softcap, terms, q_offset, k_offset)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     (B, H, Sq, D), Sk = q.shape, k.size(2)
     visibility = spec.classify(q_offset, Sq, k_offset, Sk)
@@ -186,19 +195,28 @@ def local_attention_backward(
         ct = compute_dtype(q.dtype)
         return (q.new_zeros(q.shape, dtype=ct), k.new_zeros(k.shape, dtype=ct), v.new_zeros(v.shape, dtype=ct))
     record_flops("backward", spec.visible_pairs(q_offset, Sq, k_offset, Sk), B * H, D, v.size(-1))
-    if use_triton(kernels, q):
+    if _triton(kernels, q, terms):
         from autoshard.kernels.attention import triton_attention_backward
 
         return triton_attention_backward(dout, q, k, v, out, lse, delta=delta, q_offset=q_offset,
                                          k_offset=k_offset, causal=spec.causal, window=spec.window_arg,
                                          chunk=spec.chunk, key_mask=key_mask, segment_ids=segment_ids, scale=scale,
                                          softcap=softcap, alibi_slopes=alibi_slopes, **_triton_dropout(dropout))
-    parts = _fused_parts(spec, visibility, q, v, q_offset, k_offset, Sk, key_mask, segment_ids, softcap,
-                         alibi_slopes, dropout)
+    parts = _fused_parts(spec, visibility, q, v, q_offset, k_offset, Sk, key_mask, segment_ids, softcap, terms)
     if parts is not None:
         return _fused_backward(dout, q, k, v, out, lse, parts, scale)
     return _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale,
-                           softcap, alibi_slopes, dropout)
+                           softcap, terms)
+
+
+def _triton(kernels: str, q: torch.Tensor, terms: ScoreTerms) -> bool:
+    """Whether the Triton kernels compute this block (they do not take a relative-position bias)."""
+    if terms.position_bias is not None:
+        if kernels == "triton":
+            raise ValueError("local_attention: the Triton kernels do not take a relative-position bias; use "
+                             "kernels='auto' or 'torch'")
+        return False
+    return use_triton(kernels, q)
 
 
 def _triton_dropout(dropout: AttentionDropout | None) -> dict:
@@ -211,7 +229,7 @@ def _triton_dropout(dropout: AttentionDropout | None) -> dict:
 # ---------------------------------------------------------------------------- checks
 
 
-def _check(q, k, v, key_mask, segment_ids, softcap, alibi_slopes) -> None:
+def _check(q, k, v, key_mask, segment_ids, softcap, terms: ScoreTerms, q_offset: int, k_offset: int) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"local_attention: q, k, v must be [B, H, S, D], got shapes {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -228,27 +246,34 @@ def _check(q, k, v, key_mask, segment_ids, softcap, alibi_slopes) -> None:
                          f"[{B}, {Sk}]), got {tuple(segment_ids[0].shape)}, {tuple(segment_ids[1].shape)}")
     if not (softcap >= 0.0 and math.isfinite(softcap)):
         raise ValueError(f"local_attention: softcap must be a finite number >= 0 (0: no capping), got {softcap}")
-    if alibi_slopes is not None and (alibi_slopes.shape != (q.size(1),) or alibi_slopes.dtype != torch.float32):
+    slopes, bias = terms.alibi_slopes, terms.position_bias
+    if slopes is not None and (slopes.shape != (q.size(1),) or slopes.dtype != torch.float32):
         raise ValueError(f"local_attention: alibi_slopes must be a [H] = [{q.size(1)}] float32 tensor, got "
-                         f"{tuple(alibi_slopes.shape)} {alibi_slopes.dtype}")
+                         f"{tuple(slopes.shape)} {slopes.dtype}")
+    if bias is not None:
+        reach = (bias.size(-1) - 1) // 2 if bias.dim() == 2 else -1
+        farthest = max(k_offset + k.size(2) - 1 - q_offset, q_offset + Sq - 1 - k_offset)
+        if bias.dim() != 2 or bias.size(0) != q.size(1) or bias.size(1) % 2 == 0 or farthest > reach:
+            raise ValueError(f"local_attention: position_bias must be [H, 2R + 1] with H = {q.size(1)} and R at least "
+                             f"the block's farthest distance {farthest}, got {tuple(bias.shape)}")
 
 
 # ---------------------------------------------------------------------------- fused CPU kernel
 
 
 def _fused_parts(spec: MaskSpec, visibility: Visibility, q: torch.Tensor, v: torch.Tensor, q_offset: int,
-                 k_offset: int, k_len: int, key_mask, segment_ids, softcap: float, alibi_slopes,
-                 dropout) -> list[tuple[int, int, bool]] | None:
+                 k_offset: int, k_len: int, key_mask, segment_ids, softcap: float,
+                 terms: ScoreTerms) -> list[tuple[int, int, bool]] | None:
     """Key ranges ``(lo, hi, causal)`` (local indices) that torch's fused kernel computes exactly, or None.
 
     A fully visible block is one range; under a plain causal mask the keys before the queries are one
     fully visible range and the keys at the queries' own positions one aligned causal diagonal (keys
     after them are hidden). Other blocks (windows, chunks, data masks, a diagonal cut by the block's edge) and
-    soft-capped or ALiBi-biased scores, dropout (the kernel has none of them) and a value head dim other than the
-    query's are left to the tiled path.
+    soft-capped scores, score terms (the kernel has none of them) and a value head dim other than the query's are
+    left to the tiled path.
     """
     if (not FUSED_BLOCKS or q.device.type != "cpu" or key_mask is not None or segment_ids is not None
-            or softcap or alibi_slopes is not None or dropout is not None or v.size(-1) != q.size(-1)):
+            or softcap or terms.positional or v.size(-1) != q.size(-1)):
         return None
     if visibility is Visibility.FULL:
         return [(0, k_len, False)]
@@ -328,15 +353,36 @@ def _soft_cap(s: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tens
     return t * softcap, t
 
 
-def _alibi(scores: torch.Tensor, alibi_slopes, q_start: int, tq: int, k_start: int, tk: int) -> torch.Tensor:
-    """Add ALiBi's ``slope[h] * (k_pos - q_pos)`` in place to a tile's scores, viewed ``[B, Hkv, G, tq, tk]``."""
-    if alibi_slopes is None:
+def _distance(q_start: int, tq: int, k_start: int, tk: int, device) -> torch.Tensor:
+    """``k_pos - q_pos`` of a tile, ``[tq, tk]`` int64."""
+    return (torch.arange(k_start, k_start + tk, device=device)
+            - torch.arange(q_start, q_start + tq, device=device)[:, None])
+
+
+def _biased(scores: torch.Tensor, terms: ScoreTerms, q_start: int, tq: int, k_start: int, tk: int) -> torch.Tensor:
+    """Add ALiBi's ``slope[h] * (k_pos - q_pos)`` and the relative-position bias in place to a tile's scores
+    ``[B, Hkv, G * tq, tk]``."""
+    if terms.alibi_slopes is None and terms.position_bias is None:
         return scores
     B, Hkv, G = scores.size(0), scores.size(1), scores.size(2) // tq
-    distance = (torch.arange(k_start, k_start + tk, device=scores.device)
-                - torch.arange(q_start, q_start + tq, device=scores.device)[:, None]).to(scores.dtype)
-    scores.view(B, Hkv, G, tq, tk).add_(alibi_slopes.to(scores.dtype).view(1, Hkv, G, 1, 1) * distance)
+    grouped = scores.view(B, Hkv, G, tq, tk)
+    distance = _distance(q_start, tq, k_start, tk, scores.device)
+    if terms.alibi_slopes is not None:
+        grouped.add_(terms.alibi_slopes.to(scores.dtype).view(1, Hkv, G, 1, 1) * distance.to(scores.dtype))
+    if terms.position_bias is not None:
+        reach = (terms.position_bias.size(1) - 1) // 2
+        grouped.add_(terms.position_bias[:, distance + reach].to(scores.dtype).view(1, Hkv, G, tq, tk))
     return scores
+
+
+def _add_bias_grad(ds: torch.Tensor, terms: ScoreTerms, q_start: int, tq: int, k_start: int, tk: int) -> None:
+    """Add a tile's score gradients ``[B, Hkv, G * tq, tk]`` into the bias gradient, by distance."""
+    grad = terms.position_bias_grad
+    if grad is None:
+        return
+    heads = grad.size(0)
+    index = _distance(q_start, tq, k_start, tk, ds.device) + (grad.size(1) - 1) // 2
+    grad.index_add_(1, index.reshape(-1), ds.sum(0).reshape(heads, tq * tk).to(grad.dtype))
 
 
 def _drop_factor(p: torch.Tensor, dropout: AttentionDropout | None, q_start: int, tq: int, k_start: int,
@@ -350,7 +396,7 @@ def _drop_factor(p: torch.Tensor, dropout: AttentionDropout | None, q_start: int
     return keep.to(p.dtype) * dropout.scale
 
 
-def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap, alibi_slopes, dropout):
+def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap, terms: ScoreTerms):
     (B, H, Sq, D), (Hkv, Sk), Dv = q.shape, k.shape[1:3], v.size(-1)
     G, ct = H // Hkv, compute_dtype(q.dtype)
     out = q.new_zeros((B, Hkv, G, Sq, Dv), dtype=ct)
@@ -362,7 +408,7 @@ def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, sca
         row_max = row_sum = acc = None
         for _, _, j, tk, visibility in tiles:
             s, _ = _soft_cap(rows @ k[:, :, j:j + tk].to(ct).transpose(-1, -2), softcap)
-            s = _alibi(s, alibi_slopes, q_offset + i, tq, k_offset + j, tk)
+            s = _biased(s, terms, q_offset + i, tq, k_offset + j, tk)
             mask = _tile_mask(spec, visibility, q_offset, i, tq, k_offset, j, tk, key_mask, segment_ids, q.device)
             if mask is not None:
                 s.view(B, Hkv, G, tq, tk).masked_fill_(~mask, _NEG_INF)
@@ -370,7 +416,7 @@ def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, sca
             new_max = tile_max if row_max is None else torch.maximum(row_max, tile_max)
             shift = new_max.masked_fill(new_max == _NEG_INF, 0.0)  # rows with nothing visible yet
             p = s.sub_(shift.unsqueeze(-1)).exp_()
-            factor = _drop_factor(p, dropout, q_offset + i, tq, k_offset + j, tk)
+            factor = _drop_factor(p, terms.dropout, q_offset + i, tq, k_offset + j, tk)
             pv = (p if factor is None else p * factor) @ v[:, :, j:j + tk].to(ct)
             if row_max is None:
                 row_sum, acc = p.sum(-1), pv
@@ -386,7 +432,7 @@ def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, sca
 
 
 def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap,
-                    alibi_slopes, dropout):
+                    terms: ScoreTerms):
     (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
     G, ct = H // Hkv, compute_dtype(q.dtype)
     if delta is None:
@@ -404,17 +450,18 @@ def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, ke
             rows = (q_grouped[:, :, :, i:i + tq].to(ct) * scale).reshape(B, Hkv, G * tq, D)
             grad_rows = dout_grouped[:, :, :, i:i + tq].to(ct).reshape(B, Hkv, G * tq, Dv)
             s, tanh = _soft_cap(rows @ keys.transpose(-1, -2), softcap)
-            s = _alibi(s, alibi_slopes, q_offset + i, tq, k_offset + j, tk)
+            s = _biased(s, terms, q_offset + i, tq, k_offset + j, tk)
             mask = _tile_mask(spec, visibility, q_offset, i, tq, k_offset, j, tk, key_mask, segment_ids, q.device)
             if mask is not None:
                 s.view(B, Hkv, G, tq, tk).masked_fill_(~mask, _NEG_INF)
             p = s.sub_(lse[:, :, :, i:i + tq].reshape(B, Hkv, G * tq, 1)).exp_()
-            factor = _drop_factor(p, dropout, q_offset + i, tq, k_offset + j, tk)
+            factor = _drop_factor(p, terms.dropout, q_offset + i, tq, k_offset + j, tk)
             dv[:, :, j:j + tk] += (p if factor is None else p * factor).transpose(-1, -2) @ grad_rows
             dp = grad_rows @ values.transpose(-1, -2)
             if factor is not None:  # out = sum_j p_j z_j v_j: d out / d p_j = z_j v_j
                 dp.mul_(factor)
             ds = p.mul_(dp.sub_(delta[:, :, :, i:i + tq].reshape(B, Hkv, G * tq, 1)))
+            _add_bias_grad(ds, terms, q_offset + i, tq, k_offset + j, tk)  # the bias is added after the cap
             if tanh is not None:  # through the cap: d(c * tanh(s / c)) / ds = 1 - tanh^2
                 ds.mul_(1.0 - tanh.square_())
             dq[:, :, :, i:i + tq] += (ds @ keys).mul_(scale).view(B, Hkv, G, tq, D)

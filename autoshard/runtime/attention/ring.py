@@ -32,9 +32,9 @@ import torch.distributed as dist
 from ..collectives import RingCommunicator
 from .base import AttentionInputError, Call, Strategy, register
 from .blocks import HeadSegment, Piece, attend, attend_backward, empty_result, pieces
-from .dropout import AttentionDropout
 from .local import compute_dtype, row_delta
 from .masks import MaskSpec
+from .terms import ScoreTerms
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward", "block_source"]
 
@@ -83,8 +83,7 @@ def ring_forward(
     spec: MaskSpec,
     scale: float,
     softcap: float,
-    alibi_slopes: torch.Tensor | None,
-    dropout: AttentionDropout | None,
+    terms: ScoreTerms,
     kernels: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of this rank's queries over every ring rank's K/V (compute dtype).
@@ -103,7 +102,7 @@ def ring_forward(
         kb, vb, kmb, segb = _unpack(block, key_mask, segment_ids)
         attend(out, lse, q, kb, vb, block_pieces[rank], block_pieces[source], heads=heads, spec=spec,
                key_mask=kmb, seg_q=segment_ids, seg_k=segb, scale=scale, softcap=softcap,
-               alibi_slopes=alibi_slopes, dropout=dropout, kernels=kernels)
+               terms=terms, kernels=kernels)
         if step < world - 1:
             block = comm.wait()
     return out, lse
@@ -125,8 +124,7 @@ def ring_backward(
     spec: MaskSpec,
     scale: float,
     softcap: float,
-    alibi_slopes: torch.Tensor | None,
-    dropout: AttentionDropout | None,
+    terms: ScoreTerms,
     kernels: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` (compute dtype) of :func:`ring_forward`, given its final ``out`` and ``lse``."""
@@ -147,7 +145,7 @@ def ring_backward(
         dk, dv = kb.new_zeros(kb.shape, dtype=ct), vb.new_zeros(vb.shape, dtype=ct)
         attend_backward(dq, dk, dv, dout, q, kb, vb, out, lse, delta, block_pieces[rank], block_pieces[source],
                         heads=heads, spec=spec, key_mask=kmb, seg_q=segment_ids, seg_k=segb, scale=scale,
-                        softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout, kernels=kernels)
+                        softcap=softcap, terms=terms, kernels=kernels)
         if step == 0:
             own = dk, dv
         else:
@@ -185,14 +183,14 @@ def _shards(call: Call) -> list[tuple[Piece, ...]]:
 def _forward(q, k, v, key_mask, segment_ids, call: Call):
     return ring_forward(q, k, v, key_mask, segment_ids, pg=call.pg, block_pieces=_shards(call),
                         heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, scale=call.scale,
-                        softcap=call.softcap, alibi_slopes=call.alibi_slopes, dropout=call.dropout,
+                        softcap=call.softcap, terms=call.terms,
                         kernels=call.kernels)
 
 
 def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
     return ring_backward(dout, q, k, v, out, lse, key_mask, segment_ids, pg=call.pg, block_pieces=_shards(call),
                          heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, scale=call.scale,
-                         softcap=call.softcap, alibi_slopes=call.alibi_slopes, dropout=call.dropout,
+                         softcap=call.softcap, terms=call.terms,
                         kernels=call.kernels)
 
 

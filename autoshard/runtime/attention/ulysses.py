@@ -35,9 +35,9 @@ from ..layouts import SequenceLayout, split_sizes
 from . import ring
 from .base import AttentionInputError, Call, Strategy, register
 from .blocks import HeadSegment, pieces
-from .dropout import AttentionDropout
 from .local import compute_dtype
 from .masks import MaskSpec
+from .terms import ScoreTerms
 
 __all__ = ["ulysses_attention", "HeadShare", "head_plan", "group_members", "ulysses_forward", "ulysses_backward"]
 
@@ -154,23 +154,12 @@ def _kv_to_sequence(x: torch.Tensor, plan: _Plan, like: torch.Tensor) -> torch.T
     return summed.index_add_(1, plan.kv_index.to(x.device), x.to(summed.dtype))
 
 
-def _own_heads(alibi_slopes: torch.Tensor | None, plan: _Plan) -> torch.Tensor | None:
-    """The ALiBi slopes of the query heads this rank attends with once head-split."""
-    return None if alibi_slopes is None else alibi_slopes[plan.share.q[0]:plan.share.q[1]]
-
-
-def _own_dropout(dropout: AttentionDropout | None, plan: _Plan) -> AttentionDropout | None:
-    """The dropout of the query heads this rank attends with once head-split."""
-    return None if dropout is None else dropout.heads_from(plan.share.q[0])
-
-
 def _gather_masks(key_mask, segment_ids, plan: _Plan):
     return [None if m is None else all_gather_impl(m, 1, list(plan.lengths), plan.pg) for m in (key_mask, segment_ids)]
 
 
 def ulysses_forward(q, k, v, key_mask, segment_ids, *, pg, ring_pg, layout: SequenceLayout, spec: MaskSpec,
-                    scale: float, softcap: float, alibi_slopes: torch.Tensor | None,
-                    dropout: AttentionDropout | None, kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, softcap: float, terms: ScoreTerms, kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of this rank's shard: all-to-all to head-split, attention over the gathered sequence
     (a ring across ``ring_pg`` when given), all-to-all back. ``out`` has ``q``'s dtype."""
     plan = _plan(q.size(1), k.size(1), pg, ring_pg, layout)
@@ -180,16 +169,15 @@ def ulysses_forward(q, k, v, key_mask, segment_ids, *, pg, ring_pg, layout: Sequ
     out_h, lse_h = ring.ring_forward(qh, kh, vh, all_keys_mask, all_segments, pg=ring_pg,
                                      block_pieces=plan.block_pieces, heads=plan.share.segments(q.size(1) // k.size(1)),
                                      spec=spec, scale=scale, softcap=softcap,
-                                     alibi_slopes=_own_heads(alibi_slopes, plan),
-                                     dropout=_own_dropout(dropout, plan), kernels=kernels)
+                                     terms=terms.heads(*plan.share.q), kernels=kernels)
     out = _move(out_h.to(q.dtype), False, plan.q_sizes, plan.lengths, pg)
     lse = _move(lse_h, False, plan.q_sizes, plan.lengths, pg)
     return out, lse
 
 
 def ulysses_backward(dout, q, k, v, out, lse, key_mask, segment_ids, *, pg, ring_pg, layout: SequenceLayout,
-                     spec: MaskSpec, scale: float, softcap: float, alibi_slopes: torch.Tensor | None,
-                     dropout: AttentionDropout | None, kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     spec: MaskSpec, scale: float, softcap: float, terms: ScoreTerms,
+                     kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`ulysses_forward` (``dq`` in ``q``'s dtype, ``dk``/``dv`` in the compute dtype)."""
     plan = _plan(q.size(1), k.size(1), pg, ring_pg, layout)
     # one tensor per all-to-all: each holds a few transient copies of its input, so moving them one by one
@@ -201,8 +189,7 @@ def ulysses_backward(dout, q, k, v, out, lse, key_mask, segment_ids, *, pg, ring
     dqh, dkh, dvh = ring.ring_backward(dout_h, qh, kh, vh, out_h, lse_h, all_keys_mask, all_segments,
                                        pg=ring_pg, block_pieces=plan.block_pieces,
                                        heads=plan.share.segments(q.size(1) // k.size(1)), spec=spec, scale=scale,
-                                       softcap=softcap, alibi_slopes=_own_heads(alibi_slopes, plan),
-                                       dropout=_own_dropout(dropout, plan), kernels=kernels)
+                                       softcap=softcap, terms=terms.heads(*plan.share.q), kernels=kernels)
     del qh, out_h, dout_h, lse_h, kh, vh  # free the head-split copies before the all-to-alls back
     dq = _move(dqh.to(q.dtype), False, plan.q_sizes, plan.lengths, pg)
     return dq, _kv_to_sequence(dkh, plan, k), _kv_to_sequence(dvh, plan, v)
@@ -219,14 +206,14 @@ def _check(q, k, v, call: Call) -> int:
 
 def _forward(q, k, v, key_mask, segment_ids, call: Call):
     return ulysses_forward(q, k, v, key_mask, segment_ids, pg=call.pg, ring_pg=None, layout=call.layout,
-                           spec=call.spec, scale=call.scale, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
-                           dropout=call.dropout, kernels=call.kernels)
+                           spec=call.spec, scale=call.scale, softcap=call.softcap, terms=call.terms,
+                           kernels=call.kernels)
 
 
 def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
     return ulysses_backward(dout, q, k, v, out, lse, key_mask, segment_ids, pg=call.pg, ring_pg=None,
                             layout=call.layout, spec=call.spec, scale=call.scale, softcap=call.softcap,
-                            alibi_slopes=call.alibi_slopes, dropout=call.dropout, kernels=call.kernels)
+                            terms=call.terms, kernels=call.kernels)
 
 
 register(Strategy("ulysses", _check, _forward, _backward))
