@@ -29,6 +29,16 @@ need nothing but their offsets; lse includes the bias. In the kernels' base-2 do
 gradient for the slopes, dS unchanged). ``HAS_ALIBI`` is a compile-time flag: kernels without it are the
 same code as before. (Nor is the bias tile in the autotuner's register estimates.)
 
+Dropout (``dropout_p > 0`` with ``dropout_seed``, a 0-d int64 tensor on q's device read in the kernels, and
+``dropout_head_offset``): the probabilities are dropped by the counter-based hash of
+:mod:`autoshard.runtime.attention.dropout` (seed, ``b * 2**16 + dropout_head_offset + h``, ``q_offset + i``,
+``k_offset + j``), the same mask bit for bit as the torch path's ``AttentionDropout.keep``; it is computed in
+uint32 arithmetic by one shared helper (``_dropout_row_hash`` once per query row, ``_dropout_keep`` per tile) in the
+forward, the dk/dv and the dq kernels. The row normalization and lse are of the probabilities before dropout:
+``out = sum_j p_ij z_ij v_j`` with ``z`` 0 or ``1 / (1 - p)``; the backward takes ``dv += (p z)^T dout``,
+``dP = (dout v^T) z`` and ``dS = P (dP - delta)`` as before. ``HAS_DROPOUT`` is a compile-time flag: kernels
+without it are the same code as before (the autotuner counts the hash tile like a data mask).
+
 Kernels (``@triton.jit`` functions below; ``_forward`` / ``_backward`` / ``triton_merge`` launch them
 on a grid of (tile, head, batch) programs):
 
@@ -57,12 +67,12 @@ dv are [.., Dv], dq and dk [.., D]. Tiles of q / k / dq / dk have ``BLOCK_D`` co
 dout / dv ``BLOCK_DV``; when Dv == D the two are one constant and the kernels are the same code.
 
 Specialization: both head dims (each padded to a power of two >= 16; any head dim up to 256 works, columns past
-it are masked), the band and chunk flags, key_mask / segment presence, soft-capping, ALiBi and the input dtype are
-compile-time constants. Offsets, band widths and sequence lengths are runtime values excluded from Triton's
-integer specialization, so ring steps reuse one compiled kernel. Block sizes / warps / stages are
-autotuned per (head dims, bucketed sequence lengths, mask kind, dtype), pruned to configurations whose
-shared memory and register estimates fit the device. Under ``TRITON_INTERPRET=1`` a single 16x16
-configuration is used. ``AUTOSHARD_TRITON_AUTOTUNE=0`` keeps only the first fitting configuration
+it are masked), the band and chunk flags, key_mask / segment presence, soft-capping, ALiBi, dropout and the input
+dtype are compile-time constants. Offsets, band widths, sequence lengths and the dropout's head offset and threshold
+are runtime values excluded from Triton's integer specialization, so ring steps reuse one compiled kernel. Block
+sizes / warps / stages are autotuned per (head dims, bucketed sequence lengths, mask kind, dtype), pruned to
+configurations whose shared memory and register estimates fit the device. Under ``TRITON_INTERPRET=1`` a single
+16x16 configuration is used. ``AUTOSHARD_TRITON_AUTOTUNE=0`` keeps only the first fitting configuration
 (no benchmarking; used by the GPU test run).
 
 Precision: fp16 / bf16 inputs use tensor-core dots (wgmma on Hopper) with fp32 accumulation; fp32
@@ -179,7 +189,8 @@ def _fitting_configs(kernel: str, configs, args, smem_limit: int):
         return [c for c in configs if _shape(c) in _FP32_CANDIDATES]
     configs = [c for c in configs if _shape(c) in _CANDIDATES[kernel]]
     block_d, block_dv, itemsize = args["BLOCK_D"], args["BLOCK_DV"], args["Q"].element_size()
-    masked = args["HAS_KEY_MASK"] or args["HAS_SEG"]  # per-key loads and compares in every tile
+    # per-key loads and compares (or the dropout hash) in every tile
+    masked = args["HAS_KEY_MASK"] or args["HAS_SEG"] or args.get("HAS_DROPOUT", False)
     fitting = []
     for config in configs:
         m, n, warps, stages = _shape(config)
@@ -210,9 +221,10 @@ def _seq_bucket(n: int) -> int:
 
 
 _TUNING_KEY = ["BLOCK_D", "BLOCK_DV", "SQ_BUCKET", "SK_BUCKET", "HAS_LEFT", "HAS_RIGHT", "HAS_CHUNK", "HAS_KEY_MASK",
-               "HAS_SEG", "SOFTCAP", "HAS_ALIBI"]
+               "HAS_SEG", "SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT"]
 # Runtime integers that change between calls (ring steps, uneven shards): never specialize on them.
-_RUNTIME_INTS = ["Sq", "Sk", "q_offset", "k_offset", "left", "right", "chunk", "SQ_BUCKET", "SK_BUCKET"]
+_RUNTIME_INTS = ["Sq", "Sk", "q_offset", "k_offset", "left", "right", "chunk", "SQ_BUCKET", "SK_BUCKET",
+                 "drop_head_offset", "drop_threshold"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -309,6 +321,38 @@ def _alibi_bias(slope2, q_idx, k_idx, q_offset, k_offset, Q_AXIS: tl.constexpr):
 
 
 @triton.jit
+def _fmix32(x):
+    """MurmurHash3's 32-bit finalizer of a uint32 tensor: logical shifts, multiplication modulo 2**32 (the
+    constants are >= 2**31, so Triton types them uint32: nothing is promoted to int64)."""
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _dropout_row_hash(seed, batch_head, q_pos):
+    """The first two rounds of the dropout hash (:mod:`autoshard.runtime.attention.dropout`), uint32 per query:
+    ``fmix32(fmix32(seed + batch_head * 0x9E3779B9) ^ (q_pos * 0x85EBCA77))``, ``batch_head = b * 2**16 + h``
+    (``h`` the global query head), ``q_pos`` the global query positions; all modulo 2**32 (int casts to uint32
+    keep the low 32 bits, as the torch reference's ``& 0xFFFFFFFF``)."""
+    x = _fmix32(seed.to(tl.uint32) + batch_head.to(tl.uint32) * 0x9E3779B9)
+    return _fmix32(x ^ (q_pos.to(tl.uint32) * 0x85EBCA77))
+
+
+@triton.jit
+def _dropout_keep(row_hash, k_pos, threshold, Q_AXIS: tl.constexpr):
+    """Keep mask (True = kept) of a tile from its queries' ``_dropout_row_hash`` and the keys' global positions:
+    ``(fmix32(row_hash ^ (k_pos * 0xC2B2AE3D)) >> 8) >= threshold`` with ``threshold = round(p * 2**24)``.
+    Queries along axis Q_AXIS, as in ``_tile_visibility``. The one shared definition of the mask: the forward,
+    the dk/dv and the dq kernels all call it, so the backward drops exactly what the forward dropped."""
+    k_hash = k_pos.to(tl.uint32) * 0xC2B2AE3D
+    x = _fmix32(tl.expand_dims(row_hash, 1 - Q_AXIS) ^ tl.expand_dims(k_hash, Q_AXIS))
+    return (x >> 8).to(tl.int32) >= threshold
+
+
+@triton.jit
 def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
     """tl.dot with fp32 accumulation. DOT_PRECISION "ieee" (fp32 inputs), "tf32" (ignored for 16-bit
     inputs), or "upcast": bf16 under TRITON_INTERPRET, whose dot multiplies bf16 bit patterns as
@@ -365,12 +409,16 @@ def _load_row_stats(Lse, Delta, rows, n_rows, CHECK_ROWS: tl.constexpr):
 @triton.jit
 def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK, k_offsets, v_offsets,
                    start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                   slope2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
-                   HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                   SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   slope2, row_hash, drop_threshold, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+                   HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) over the key tiles starting in [start, end). With HAS_ALIBI,
-    ``slope2`` (this head's slope times log2(e)) biases the base-2 scores after the cap, before the mask."""
+    ``slope2`` (this head's slope times log2(e)) biases the base-2 scores after the cap, before the mask. With
+    HAS_DROPOUT, the dropped probabilities (``_dropout_keep`` of the rows' ``row_hash``) are left out of acc but
+    not of l_i: the row normalization (and lse) is of the probabilities before dropout; the caller scales out by
+    ``1 / (1 - p)``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -403,6 +451,8 @@ def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK
             p = tl.exp2(qk * qk_scale - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:  # after the row sum: lse is of the probabilities before dropout
+            p = tl.where(_dropout_keep(row_hash, k_offset + k_idx, drop_threshold, 0), p, 0.0)
         v = _load_tile(V_head + tl.cast(start_n, tl.int64) * stride_vs + v_offsets, k_idx, Sk, offs_dv,
                        V_DIM, BLOCK_DV, PARTIAL)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
@@ -414,14 +464,15 @@ def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK
                  prune_configs_by={"early_config_prune": _pruner("fwd")})
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, KeyMask, SegQ, SegK, Alibi,
+    Q, K, V, Out, Lse, KeyMask, SegQ, SegK, Alibi, Seed,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
     num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
+    drop_head_offset, drop_threshold, drop_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Last query tiles first: under causal masks they see the most keys, so the long programs start early.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -451,6 +502,9 @@ def _attn_fwd_kernel(
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(Alibi + h) * _LOG2E  # this query head's ALiBi slope, base 2
+    row_hash = q_idx
+    if HAS_DROPOUT:  # the query rows' part of the dropout hash, once per program
+        row_hash = _dropout_row_hash(tl.load(Seed), b * 65536 + drop_head_offset + h, q_offset + q_idx)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -460,23 +514,25 @@ def _attn_fwd_kernel(
                                            HAS_CHUNK)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, lo, full_lo, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, chunk, qk_scale, qk_cap, slope2, HEAD_DIM, BLOCK_D, V_DIM,
-                                   BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
-                                   SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                                   k_offset, left, right, chunk, qk_scale, qk_cap, slope2, row_hash, drop_threshold,
+                                   HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                   HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, chunk, qk_scale, qk_cap, slope2, HEAD_DIM, BLOCK_D, V_DIM,
-                                   BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
-                                   SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                                   k_offset, left, right, chunk, qk_scale, qk_cap, slope2, row_hash, drop_threshold,
+                                   HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                   HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, full_hi, hi, stride_ks, stride_vs, Sk, q_offset,
-                                   k_offset, left, right, chunk, qk_scale, qk_cap, slope2, HEAD_DIM, BLOCK_D, V_DIM,
-                                   BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG,
-                                   SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                                   k_offset, left, right, chunk, qk_scale, qk_cap, slope2, row_hash, drop_threshold,
+                                   HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                   HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
 
     has_keys = l_i > 0.0
     l_ref = tl.where(has_keys, l_i, 1.0)
     out = acc / l_ref[:, None]  # acc is 0 where nothing was visible
+    if HAS_DROPOUT:  # the kept probabilities times 1 / (1 - p)
+        out = out * drop_scale
     lse = tl.where(has_keys, (m_i + tl.log2(l_ref)) * _LN2, float("-inf"))
     O_head = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     _store_tile(O_head + q_idx[:, None].to(tl.int64) * stride_os + offs_dv[None, :], out, q_idx, Sq, offs_dv, V_DIM)
@@ -508,14 +564,18 @@ def _attn_bwd_delta_kernel(Out, DO, Delta, stride_ob, stride_oh, stride_os, stri
 def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask, SegK,
                       q_offsets, do_offsets, start, end, first_head, kv_group, stride_qh, stride_qs, stride_doh,
                       stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap, Alibi,
+                      seed, drop_bh, drop_threshold, drop_scale,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
                       BLOCK_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                       HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                      SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     """Accumulate dk (unscaled) and dv of one key tile over the query tiles starting in [start, end) of
     every query head of the kv head's group. Heads and tiles form one flat loop (not two nested ones),
     which keeps the loop-carried state, and so the register pressure, that of a single loop. With
-    HAS_ALIBI, Alibi holds the slopes per QUERY head (loaded per head of the group)."""
+    HAS_ALIBI, Alibi holds the slopes per QUERY head (loaded per head of the group). With HAS_DROPOUT, the
+    kept probabilities (``drop_bh + h`` the hash's ``b * 2**16 + h``) enter dv (scaled by ``1 / (1 - p)`` by the
+    caller) and dP is ``(v . dout) * z``."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -549,8 +609,15 @@ def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, Ke
             p_t = tl.exp2(s_t - lse2[None, :])
         else:
             p_t = tl.exp2(qk_t * qk_scale - lse2[None, :])
-        dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep_t = _dropout_keep(_dropout_row_hash(seed, drop_bh + h, q_offset + q_idx), k_offset + k_idx,
+                                   drop_threshold, 1)
+            dv = _dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, DOT_PRECISION)
+        else:
+            dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION)
         dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION)
+        if HAS_DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * drop_scale, 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:  # through the cap: d(c * tanh(x / c)) / dx = 1 - tanh^2
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
@@ -562,14 +629,15 @@ def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, Ke
                  prune_configs_by={"early_config_prune": _pruner("dkdv")})
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, KeyMask, SegQ, SegK, Alibi,
+    Q, K, V, DO, Lse, Delta, DK, DV, KeyMask, SegQ, SegK, Alibi, Seed,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
     num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
+    drop_head_offset, drop_threshold, drop_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)  # kv head
@@ -604,24 +672,33 @@ def _attn_bwd_dkdv_kernel(
     Lse_b = Lse + b.to(tl.int64) * num_heads * Sq
     Delta_b = Delta + b.to(tl.int64) * num_heads * Sq
     first_head = hk * kv_group
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+    drop_bh = b * 65536 + drop_head_offset  # the dropout hash's b * 2**16 + h is drop_bh + (query head)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, lo, full_lo, first_head, kv_group, stride_qh, stride_qs,
                                stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                               Alibi, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
-                               HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                               Alibi, seed, drop_bh, drop_threshold, drop_scale, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                               BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI,
+                               HAS_DROPOUT, DOT_PRECISION)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, full_lo, full_hi, first_head, kv_group, stride_qh, stride_qs,
                                stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                               Alibi, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_M, False, HAS_LEFT, HAS_RIGHT,
-                               HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                               Alibi, seed, drop_bh, drop_threshold, drop_scale, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                               BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP,
+                               HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, KeyMask_b, SegK_b,
                                q_offsets, do_offsets, full_hi, hi, first_head, kv_group, stride_qh, stride_qs,
                                stride_doh, stride_dos, Sq, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                               Alibi, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
-                               HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                               Alibi, seed, drop_bh, drop_threshold, drop_scale, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                               BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI,
+                               HAS_DROPOUT, DOT_PRECISION)
 
     _store_tile(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
                 + k_idx[:, None].to(tl.int64) * stride_dks + offs_d[None, :], dk * scale, k_idx, Sk, offs_d, HEAD_DIM)
+    if HAS_DROPOUT:  # the kept probabilities times 1 / (1 - p)
+        dv = dv * drop_scale
     _store_tile(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
                 + k_idx[:, None].to(tl.int64) * stride_dvs + offs_dv[None, :], dv, k_idx, Sk, offs_dv, V_DIM)
 
@@ -629,12 +706,14 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask, SegK, k_offsets, v_offsets,
                   start, end, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                  slope2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr,
-                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
-                  HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                  SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  slope2, row_hash, drop_threshold, drop_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+                  HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
     """Accumulate dq (unscaled) of one query tile over the key tiles starting in [start, end). The ALiBi
-    bias (``slope2``, as in ``_fwd_key_tiles``) is a constant of the scores: it only enters p."""
+    bias (``slope2``, as in ``_fwd_key_tiles``) is a constant of the scores: it only enters p. With dropout,
+    ``out = sum_j p_j z_j v_j`` (z 0 or ``drop_scale``), so dP is ``(dout . v_j) * z_j``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -660,6 +739,8 @@ def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask,
         else:
             p = tl.exp2(qk * qk_scale - lse2[:, None])
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION)
+        if HAS_DROPOUT:
+            dp = tl.where(_dropout_keep(row_hash, k_offset + k_idx, drop_threshold, 0), dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - tanh * tanh)
@@ -671,14 +752,15 @@ def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask,
                  prune_configs_by={"early_config_prune": _pruner("dq")})
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, KeyMask, SegQ, SegK, Alibi,
+    Q, K, V, DO, Lse, Delta, DQ, KeyMask, SegQ, SegK, Alibi, Seed,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
+    drop_head_offset, drop_threshold, drop_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (causal) query tiles first
     h = tl.program_id(1)
@@ -710,6 +792,9 @@ def _attn_bwd_dq_kernel(
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(Alibi + h) * _LOG2E  # this query head's ALiBi slope, base 2
+    row_hash = q_idx
+    if HAS_DROPOUT:  # the query rows' part of the dropout hash, once per program
+        row_hash = _dropout_row_hash(tl.load(Seed), b * 65536 + drop_head_offset + h, q_offset + q_idx)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
@@ -717,16 +802,19 @@ def _attn_bwd_dq_kernel(
                                            HAS_CHUNK)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
                        lo, full_lo, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                       slope2, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                       HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                       slope2, row_hash, drop_threshold, drop_scale, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                       BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI,
+                       HAS_DROPOUT, DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
                        full_lo, full_hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale,
-                       qk_cap, slope2, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                       HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                       qk_cap, slope2, row_hash, drop_threshold, drop_scale, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                       BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI,
+                       HAS_DROPOUT, DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
                        full_hi, hi, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
-                       slope2, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
-                       HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                       slope2, row_hash, drop_threshold, drop_scale, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                       BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI,
+                       HAS_DROPOUT, DOT_PRECISION)
     _store_tile(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
                 + q_idx[:, None].to(tl.int64) * stride_dqs + offs_d[None, :], dq * scale, q_idx, Sq, offs_d, HEAD_DIM)
 
@@ -804,6 +892,9 @@ class _Problem:
     scale: float
     softcap: float  # scaled scores s become softcap * tanh(s / softcap); 0: no capping
     alibi: Optional[torch.Tensor] = None  # float32 [H], contiguous: ALiBi slope per query head
+    dropout_p: float = 0.0  # probability of dropping an attention probability; 0: no dropout
+    dropout_seed: Optional[torch.Tensor] = None  # 0-d int64 on q's device (when dropout_p > 0)
+    dropout_head_offset: int = 0  # global index of q's first head in the dropout hash
 
     @property
     def shape(self):
@@ -900,8 +991,26 @@ def _alibi_slopes(alibi_slopes, heads: int, device):
     return alibi_slopes.detach().contiguous()
 
 
+def _dropout(dropout_p, dropout_seed, dropout_head_offset, device):
+    """(p, seed, head_offset) of the dropout, validated; p 0 turns it off (the seed is then ignored)."""
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1) (0: no dropout), got {dropout_p}")
+    if p == 0.0:
+        return 0.0, None, 0
+    if (not isinstance(dropout_seed, torch.Tensor) or dropout_seed.dtype != torch.int64 or dropout_seed.dim() != 0
+            or dropout_seed.device != device):
+        got = (f"{dropout_seed.dtype} {tuple(dropout_seed.shape)} on {dropout_seed.device}"
+               if isinstance(dropout_seed, torch.Tensor) else type(dropout_seed).__name__)
+        raise ValueError(f"dropout_seed must be a 0-d int64 tensor on {device} when dropout_p > 0, got {got}")
+    head_offset = _check_int("dropout_head_offset", dropout_head_offset)
+    if head_offset < 0:
+        raise ValueError(f"dropout_head_offset must be >= 0, got {head_offset}")
+    return p, dropout_seed.detach(), head_offset
+
+
 def _prepare(q, k, v, *, q_offset, k_offset, causal, window, chunk, key_mask, segment_ids, scale,
-             softcap, alibi_slopes=None) -> _Problem:
+             softcap, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_head_offset=0) -> _Problem:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, heads, S, D], got "
@@ -940,11 +1049,13 @@ def _prepare(q, k, v, *, q_offset, k_offset, causal, window, chunk, key_mask, se
         raise ValueError(f"softcap must be a finite number >= 0 (0: no capping), got {softcap}")
     seg_q, seg_k = _segments(segment_ids, batch, sq, sk, q.device)
     alibi = _alibi_slopes(alibi_slopes, heads, q.device)
+    dropout_p, dropout_seed, dropout_head_offset = _dropout(dropout_p, dropout_seed, dropout_head_offset, q.device)
     return _Problem(q=_last_dim_contiguous(q), k=_last_dim_contiguous(k), v=_last_dim_contiguous(v),
                     key_mask=_key_mask(key_mask, batch, sk, q.device), seg_q=seg_q, seg_k=seg_k,
                     q_offset=q_offset, k_offset=k_offset, left=left, right=right, has_left=has_left,
                     has_right=has_right, chunk=chunk, has_chunk=has_chunk, hidden=hidden or chunks_hidden,
-                    scale=scale, softcap=softcap, alibi=alibi)
+                    scale=scale, softcap=softcap, alibi=alibi, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                    dropout_head_offset=dropout_head_offset)
 
 
 def _kernel_args(p: _Problem):
@@ -957,12 +1068,16 @@ def _kernel_args(p: _Problem):
         SegQ=p.seg_q if p.seg_q is not None else placeholder,
         SegK=p.seg_k if p.seg_k is not None else placeholder,
         Alibi=p.alibi if p.alibi is not None else placeholder,
+        Seed=p.dropout_seed if p.dropout_seed is not None else placeholder,
         num_heads=heads, kv_group=heads // kv_heads, Sq=sq, Sk=sk, q_offset=p.q_offset, k_offset=p.k_offset,
         left=p.left, right=p.right, chunk=p.chunk, scale=p.scale, qk_cap=p.softcap / p.scale if p.softcap else 1.0,
-        SQ_BUCKET=_seq_bucket(sq), SK_BUCKET=_seq_bucket(sk), HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        SQ_BUCKET=_seq_bucket(sq), SK_BUCKET=_seq_bucket(sk),
+        drop_head_offset=p.dropout_head_offset, drop_threshold=round(p.dropout_p * 2**24),
+        drop_scale=1.0 / (1.0 - p.dropout_p), HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         V_DIM=v_dim, BLOCK_DV=_block_d(v_dim),
         HAS_LEFT=p.has_left, HAS_RIGHT=p.has_right, HAS_CHUNK=p.has_chunk, HAS_KEY_MASK=p.key_mask is not None,
         HAS_SEG=p.seg_q is not None, SOFTCAP=p.softcap > 0.0, HAS_ALIBI=p.alibi is not None,
+        HAS_DROPOUT=p.dropout_p > 0.0,
         DOT_PRECISION=_dot_precision(p.q.dtype),
     )
 
@@ -1052,7 +1167,8 @@ def _backward(p: _Problem, dout, out, lse, delta, grad_dtype: torch.dtype):
 
 
 def triton_attention_forward(q, k, v, *, q_offset=0, k_offset=0, causal=False, window=None, chunk=0, key_mask=None,
-                             segment_ids=None, scale=None, softcap=0.0, alibi_slopes=None):
+                             segment_ids=None, scale=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                             dropout_seed=None, dropout_head_offset=0):
     """Attention of one query block over one key block at global offsets.
 
     q [B, H, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (fp16 / bf16 / fp32, H % Hkv == 0; Dv may differ
@@ -1062,24 +1178,31 @@ def triton_attention_forward(q, k, v, *, q_offset=0, k_offset=0, causal=False, w
     only the pairs with i_pos // chunk == j_pos // chunk.
     alibi_slopes (float32 [H] on q's device, one slope per QUERY head) adds the ALiBi bias
     slope[h] * (j_pos - i_pos) from global positions to the (capped) scores before the mask; lse includes it.
+    dropout_p > 0 drops the probabilities by the hashed mask of :mod:`autoshard.runtime.attention.dropout`
+    (``dropout_seed``: the call's 0-d int64 seed on q's device, read in the kernels; ``dropout_head_offset``: the
+    global index of q's first head) and scales the kept ones by 1 / (1 - dropout_p); lse is of the
+    probabilities before dropout.
     """
     p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, chunk=chunk,
-                 key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes)
+                 key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
+                 dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_head_offset=dropout_head_offset)
     return _forward(p, torch.float32)
 
 
 def triton_attention_backward(dout, q, k, v, out, lse, *, delta=None, q_offset=0, k_offset=0, causal=False,
                               window=None, chunk=0, key_mask=None, segment_ids=None, scale=None, softcap=0.0,
-                              alibi_slopes=None):
+                              alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_head_offset=0):
     """Gradients (dq [B, H, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, Dv]), float32, of one key block's
     share of attention; dout and out are [B, H, Sq, Dv].
 
     out / lse are the FINAL values over all key blocks (so ring steps can sum the results); delta =
     rowsum(dout * out) float32 [B, H, Sq] is computed from out when None. Rows with lse -inf contribute
     nothing. alibi_slopes must be those of the forward; the bias is a constant (no gradient for the slopes).
+    dropout_p / dropout_seed / dropout_head_offset must be those of the forward: the same mask is recomputed.
     """
     p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, chunk=chunk,
-                 key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes)
+                 key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
+                 dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_head_offset=dropout_head_offset)
     return _backward(p, dout, out, lse, delta, torch.float32)
 
 
@@ -1113,33 +1236,37 @@ def triton_merge(out_a, lse_a, out_b, lse_b):
 
 class TritonAttentionFunction(torch.autograd.Function):
     """Differentiable single-block attention: ``apply(q, k, v, q_offset, k_offset, causal, window, key_mask,
-    segment_ids, scale, softcap, chunk, alibi_slopes=None)`` returns out in q's dtype; gradients are written in the
-    input dtypes (none for the ALiBi slopes)."""
+    segment_ids, scale, softcap, chunk, alibi_slopes=None, dropout_p=0.0, dropout_seed=None,
+    dropout_head_offset=0)`` returns out in q's dtype; gradients are written in the input dtypes (none for the
+    ALiBi slopes or the dropout seed). The backward recomputes the forward's dropout mask from the seed."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale, softcap, chunk,
-                alibi_slopes=None):
+                alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_head_offset=0):
         p = _prepare(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, chunk=chunk,
                      key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap,
-                     alibi_slopes=alibi_slopes)
+                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                     dropout_head_offset=dropout_head_offset)
         out, lse = _forward(p, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, key_mask,
-                              *(segment_ids if segment_ids is not None else (None, None)), p.alibi)
+                              *(segment_ids if segment_ids is not None else (None, None)), p.alibi, p.dropout_seed)
         ctx.mask_args = dict(q_offset=q_offset, k_offset=k_offset, causal=causal, window=window, chunk=chunk,
-                             scale=scale, softcap=softcap)
+                             scale=scale, softcap=softcap, dropout_p=p.dropout_p,
+                             dropout_head_offset=p.dropout_head_offset)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, key_mask, seg_q, seg_k, alibi = ctx.saved_tensors
+        q, k, v, out, lse, key_mask, seg_q, seg_k, alibi, seed = ctx.saved_tensors
         p = _prepare(q, k, v, key_mask=key_mask, segment_ids=None if seg_q is None else (seg_q, seg_k),
-                     alibi_slopes=alibi, **ctx.mask_args)
+                     alibi_slopes=alibi, dropout_seed=seed, **ctx.mask_args)
         dq, dk, dv = _backward(p, dout, out, lse, None, q.dtype)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def triton_attention(q, k, v, *, q_offset=0, k_offset=0, causal=False, window=None, chunk=0, key_mask=None,
-                     segment_ids=None, scale=None, softcap=0.0, alibi_slopes=None):
+                     segment_ids=None, scale=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None,
+                     dropout_head_offset=0):
     """Differentiable attention through the Triton kernels; out in q's dtype (see TritonAttentionFunction)."""
     return TritonAttentionFunction.apply(q, k, v, q_offset, k_offset, causal, window, key_mask, segment_ids, scale,
-                                         softcap, chunk, alibi_slopes)
+                                         softcap, chunk, alibi_slopes, dropout_p, dropout_seed, dropout_head_offset)

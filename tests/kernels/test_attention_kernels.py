@@ -28,6 +28,9 @@ from autoshard.kernels.attention import (
     triton_available,
     triton_merge,
 )
+from autoshard.runtime.attention import local as local_module
+from autoshard.runtime.attention.dropout import AttentionDropout
+from autoshard.runtime.attention.local import local_attention, local_attention_backward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -78,10 +81,12 @@ def geometric_slopes(heads, device=DEVICE):
     return torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], dtype=torch.float32, device=device)
 
 
-def reference(q, k, v, dout, *, scale=None, softcap=0.0, alibi_slopes=None, **mask_args):
+def reference(q, k, v, dout, *, scale=None, softcap=0.0, alibi_slopes=None, dropout=None, **mask_args):
     """Dense float64 attention: (out, lse, dq, dk, dv); rows with no visible key give out 0, lse -inf.
     ``softcap``: the scaled scores become ``softcap * tanh(s / softcap)`` before the mask. ``alibi_slopes``
-    [H]: the dense bias ``slope[h] * (j_pos - i_pos)`` (global positions) is added after the cap, before the mask."""
+    [H]: the dense bias ``slope[h] * (j_pos - i_pos)`` (global positions) is added after the cap, before the mask.
+    ``dropout`` (an :class:`AttentionDropout`): the normalized probabilities are multiplied by exactly the mask of
+    ``dropout.keep`` (the torch path's definition) times ``1 / (1 - p)``; lse stays that of the scores."""
     q, k, v = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     mask = visible_mask(q.shape[0], q.shape[2], k.shape[2], **mask_args)
@@ -95,6 +100,10 @@ def reference(q, k, v, dout, *, scale=None, softcap=0.0, alibi_slopes=None, **ma
     s = s.masked_fill(~mask, float("-inf"))
     any_visible = mask.any(-1, keepdim=True)
     p = torch.softmax(torch.where(any_visible, s, 0.0), dim=-1) * mask
+    if dropout is not None:
+        keep = dropout.keep(q.shape[0], q.shape[1], mask_args.get("q_offset", 0), q.shape[2],
+                            mask_args.get("k_offset", 0), k.shape[2])
+        p = p * (keep.cpu().double() * dropout.scale)
     out = p @ v.repeat_interleave(group, 1)
     out.backward(dout.detach().cpu().double())
     return out.detach(), torch.logsumexp(s.detach(), dim=-1), q.grad, k.grad, v.grad
@@ -221,14 +230,25 @@ ALIBI_CASES = [
 ]
 
 
-def run_and_check(case: Case, dtype, device=DEVICE, scale=None, softcap=0.0, alibi_slopes=None):
+def dropout_kwargs(dropout: Optional[AttentionDropout]) -> dict:
+    """The Triton functions' dropout arguments for ``dropout`` (what local.py passes them)."""
+    if dropout is None:
+        return {}
+    return dict(dropout_p=dropout.p, dropout_seed=dropout.seed, dropout_head_offset=dropout.head_offset)
+
+
+def make_dropout(p, head_offset=0, seed=1234567, device=DEVICE) -> AttentionDropout:
+    return AttentionDropout(p, torch.tensor(seed, dtype=torch.int64, device=device), head_offset)
+
+
+def run_and_check(case: Case, dtype, device=DEVICE, scale=None, softcap=0.0, alibi_slopes=None, dropout=None):
     q, k, v, dout, mask_args = make_inputs(case, dtype, device)
     extra = dict(scale=scale, softcap=softcap, alibi_slopes=alibi_slopes)
-    out, lse = triton_attention_forward(q, k, v, **extra, **mask_args)
-    dq, dk, dv = triton_attention_backward(dout, q, k, v, out, lse, **extra, **mask_args)
+    out, lse = triton_attention_forward(q, k, v, **extra, **dropout_kwargs(dropout), **mask_args)
+    dq, dk, dv = triton_attention_backward(dout, q, k, v, out, lse, **extra, **dropout_kwargs(dropout), **mask_args)
     for name, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert x.dtype == torch.float32 and x.device == q.device, f"{name}: {x.dtype} on {x.device}"
-    expected = reference(q, k, v, dout, **extra, **mask_args)
+    expected = reference(q, k, v, dout, **extra, dropout=dropout, **mask_args)
     for name, actual, exp in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), expected):
         assert_close(f"{case.name} {dtype} {name}", actual, exp, dtype)
     return out, lse, (dq, dk, dv), expected
@@ -386,6 +406,210 @@ def test_alibi_slopes_on_another_device():
     q = torch.zeros(1, 2, 8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="alibi_slopes"):
         triton_attention_forward(q, q, q, alibi_slopes=torch.ones(2))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dropout on the attention probabilities: the hashed mask of autoshard.runtime.attention.dropout, bit for bit.
+# ----------------------------------------------------------------------------------------------------
+
+# (case, head_offset): full, band-edge, ragged and masked tiles; GQA / MQA / MHA; ring blocks at nonzero offsets,
+# positions past 2**16 (the high bits of the hash's inputs); the heads of a Ulysses rank (head_offset); MLA.
+DROPOUT_CASES = [
+    pytest.param(Case("drop_dense_ragged", sq=33, sk=45), 0, id="drop_dense_ragged"),
+    pytest.param(Case("drop_causal_ring_gqa", sq=37, sk=45, q_offset=20, k_offset=7, causal=True), 6,
+                 id="drop_causal_ring_gqa"),
+    pytest.param(Case("drop_causal_aligned_mha", sq=48, sk=48, causal=True, heads=2, kv_heads=2), 0,
+                 id="drop_causal_aligned_mha"),
+    pytest.param(Case("drop_key_mask_mqa_far", sq=33, sk=40, q_offset=70000, k_offset=69990, key_mask="random",
+                      heads=4, kv_heads=1), 3, id="drop_key_mask_mqa_far"),
+    pytest.param(Case("drop_everything", sq=45, sk=41, q_offset=19, k_offset=2, causal=True, window=(17, -1),
+                      key_mask="random", segments=True), 1, id="drop_everything"),
+    pytest.param(Case("drop_fully_masked_rows", sq=40, sk=40, q_offset=16, k_offset=30, window=(6, 2),
+                      key_mask="batch0_empty"), 0, id="drop_fully_masked_rows"),
+    pytest.param(Case("drop_mla_causal_gqa", sq=40, sk=45, q_offset=5, causal=True, head_dim=24, v_dim=12), 2,
+                 id="drop_mla_causal_gqa"),
+    pytest.param(Case("drop_mla_wide_v_ring", sq=33, sk=45, k_offset=40, head_dim=16, v_dim=40), 0,
+                 id="drop_mla_wide_v_ring"),
+]
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("case, head_offset", DROPOUT_CASES)
+def test_dropout_forward_backward_fp32(case, head_offset, p):
+    """out, lse, dq, dk, dv against the float64 reference that applies ``AttentionDropout.keep``'s mask; fp32
+    tolerance (1e-5), far below what one element kept or dropped differently changes."""
+    run_and_check(case, torch.float32, dropout=make_dropout(p, head_offset))
+
+
+def score_terms(kind: str, heads: int) -> dict:
+    """Soft-capping (scale 1, cap 2: most scores bent) and / or ALiBi slopes, by name ("" for neither)."""
+    extra = dict(scale=1.0, softcap=2.0) if "softcap" in kind else {}
+    if "alibi" in kind:
+        extra["alibi_slopes"] = geometric_slopes(heads)
+    return extra
+
+
+@pytest.mark.parametrize("kind, case, p", [
+    ("softcap", Case("drop_softcap_ring", sq=37, sk=45, q_offset=20, k_offset=7, causal=True), 0.1),
+    ("alibi", Case("drop_alibi_ring", sq=40, sk=40, q_offset=32, causal=True, key_mask="random"), 0.5),
+    ("softcap_alibi", Case("drop_softcap_alibi_mla", sq=40, sk=45, q_offset=5, causal=True, head_dim=24, v_dim=12),
+     0.5),
+], ids=["softcap", "alibi", "softcap_alibi_mla"])
+def test_dropout_with_softcap_and_alibi_fp32(kind, case, p):
+    run_and_check(case, torch.float32, dropout=make_dropout(p, head_offset=4), **score_terms(kind, case.heads))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_dropout_mask_is_bit_exact(causal, p):
+    """The kernels' mask read back exactly and compared with ``AttentionDropout.keep`` (& the visibility mask),
+    element by element: q = 0 makes every visible probability 1 / n_i (n_i the row's visible keys), k and v
+    are unit vectors (``k_j = v_j = e_j``, so D = Dv = 64 >= Sk), and
+
+    * forward: ``out[i, j] = p z_ij`` -- kept where > 0;
+    * dk/dv kernel, ``dout[h, i] = e_(g Sq + i)`` (g the head's place in its GQA group): ``dv[j, g Sq + i] = p z_ij``;
+    * dq kernel, ``dout = 1``: ``dP = z``, so ``z_ij = n_i dq[i, j] / scale + delta_i`` -- kept where > 0.5 / (1 - p).
+    Positions past 2**16, a seed near 2**31 and a head offset exercise the high bits of the hash."""
+    batch, heads, kv_heads, sq, sk, d = 2, 4, 2, 24, 40, 64
+    group = heads // kv_heads
+    q_offset, k_offset = (70016, 70000) if causal else (70000, 69990)
+    dropout = make_dropout(p, head_offset=5, seed=2**31 - 2)
+    q = torch.zeros(batch, heads, sq, d, device=DEVICE)
+    unit = torch.eye(sk, d, device=DEVICE).expand(batch, kv_heads, sk, d).contiguous()
+    kw = dict(q_offset=q_offset, k_offset=k_offset, causal=causal, scale=0.25, **dropout_kwargs(dropout))
+    visible = visible_mask(batch, sq, sk, q_offset=q_offset, k_offset=k_offset, causal=causal)  # [B, 1, Sq, Sk]
+    expected = dropout.keep(batch, heads, q_offset, sq, k_offset, sk).cpu() & visible
+    n_visible = visible.sum(-1, keepdim=True).double()  # [B, 1, Sq, 1]
+    assert (n_visible > 0).all()
+
+    out, lse = triton_attention_forward(q, unit, unit, **kw)
+    assert (out[..., sk:] == 0).all()
+    assert torch.equal(out[..., :sk].cpu() > 0, expected), "forward mask"
+    kept = out[..., :sk].cpu().double() * n_visible
+    torch.testing.assert_close(kept, expected.double() * dropout.scale, atol=1e-6, rtol=1e-6)
+    _, plain_lse = triton_attention_forward(q, unit, unit, q_offset=q_offset, k_offset=k_offset, causal=causal,
+                                            scale=0.25)
+    torch.testing.assert_close(lse, plain_lse, atol=1e-6, rtol=1e-6)  # lse: before dropout
+
+    rows = torch.eye(group * sq, d, device=DEVICE).view(group, sq, d)  # head g's row i -> e_(g Sq + i)
+    dout = rows.repeat(heads // group, 1, 1).expand(batch, heads, sq, d).contiguous()
+    _, _, dv = triton_attention_backward(dout, q, unit, unit, out, lse, **kw)
+    dv_keep = dv[..., :group * sq].cpu().view(batch, kv_heads, sk, group, sq).permute(0, 1, 3, 4, 2)
+    assert torch.equal(dv_keep.reshape(batch, heads, sq, sk) > 0, expected), "dk/dv kernel mask"
+
+    ones = torch.ones(batch, heads, sq, d, device=DEVICE)
+    delta = out.sum(-1)  # rowsum(dout * out)
+    dq, _, _ = triton_attention_backward(ones, q, unit, unit, out, lse, delta=delta, **kw)
+    z = dq[..., :sk].cpu().double() * n_visible / 0.25 + delta.cpu().double()[..., None]
+    assert torch.equal((z > 0.5 * dropout.scale) & visible, expected), "dq kernel mask"
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_half_precision(p):
+    """bf16 inputs with dropout, against the float64 reference at the bf16 tolerance (2e-2 absolute relative to
+    the largest reference value, 2e-2 relative)."""
+    case = Case("drop_bf16", sq=37, sk=41, q_offset=11, k_offset=4, causal=True, window=(25, -1), key_mask="random",
+                batch=1, heads=4, kv_heads=2, head_dim=32)
+    run_and_check(case, torch.bfloat16, dropout=make_dropout(p, head_offset=2))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("case, kind", [
+    (Case("torch_path_ring_gqa", sq=37, sk=45, q_offset=20, k_offset=7, causal=True), ""),
+    (Case("torch_path_key_mask_mqa_far", sq=33, sk=40, q_offset=70000, k_offset=69990, key_mask="random", heads=4,
+          kv_heads=1), "alibi"),
+    (Case("torch_path_mla_softcap", sq=40, sk=45, q_offset=5, causal=True, window=(20, -1), head_dim=24, v_dim=12),
+     "softcap"),
+    (Case("torch_path_fully_masked_rows", sq=40, sk=40, q_offset=16, k_offset=30, window=(6, 2),
+          key_mask="batch0_empty"), ""),
+], ids=["ring_gqa", "key_mask_mqa_far_alibi", "mla_softcap", "fully_masked_rows"])
+def test_dropout_matches_the_torch_path(case, kind, p, monkeypatch):
+    """``local_attention`` / ``local_attention_backward`` with ``kernels="triton"`` (these kernels, through
+    local.py's arguments) against ``kernels="torch"`` (the tiled torch path, with tiles of 24 x 20 so its tiles
+    and the kernels' differ), forward and backward, with the same ``AttentionDropout``."""
+    monkeypatch.setattr(local_module, "TILE_Q", 24)
+    monkeypatch.setattr(local_module, "TILE_K", 20)
+    extra = score_terms(kind, case.heads)
+    q, k, v, dout, mask_args = make_inputs(case, torch.float32)
+    dropout = make_dropout(p, head_offset=3, seed=987654321)
+    results = {}
+    for kernels in ("triton", "torch"):
+        kw = dict(**mask_args, **extra, dropout=dropout, kernels=kernels)
+        out, lse = local_attention(q, k, v, **kw)
+        results[kernels] = (out, lse, *local_attention_backward(dout, q, k, v, out, lse, **kw))
+    for name, actual, expected in zip(("out", "lse", "dq", "dk", "dv"), results["triton"], results["torch"]):
+        assert_close(f"{case.name} p={p} {name} vs torch path", actual, expected.double(), torch.float32)
+    expected = reference(q, k, v, dout, dropout=dropout, **extra, **mask_args)
+    assert_close(f"{case.name} p={p} torch path out vs reference", results["torch"][0], expected[0], torch.float32)
+
+
+def test_dropout_ring_steps_merge_to_full_attention():
+    """Two ring steps (keys [0, 40) and [40, 72) at their global offsets) merged through the pre-dropout lse, and
+    their backward shares summed, equal one dense attention with the mask over all keys."""
+    heads, kv_heads, d = 4, 2, 16
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, heads, 24, d, generator=g).to(DEVICE)
+    k = torch.randn(1, kv_heads, 72, d, generator=g).to(DEVICE)
+    v = torch.randn(1, kv_heads, 72, d, generator=g).to(DEVICE)
+    dout = torch.randn(1, heads, 24, d, generator=g).to(DEVICE)
+    dropout = make_dropout(0.3, head_offset=8)
+    steps = [(0, 40), (40, 72)]
+    parts = [triton_attention_forward(q, k[:, :, a:b], v[:, :, a:b], q_offset=32, k_offset=a, causal=True,
+                                      **dropout_kwargs(dropout)) for a, b in steps]
+    out, lse = triton_merge(*parts[0], *parts[1])
+    grads = [triton_attention_backward(dout, q, k[:, :, a:b], v[:, :, a:b], out, lse, q_offset=32, k_offset=a,
+                                       causal=True, **dropout_kwargs(dropout)) for a, b in steps]
+    dq = grads[0][0] + grads[1][0]
+    dk = torch.cat([grads[0][1], grads[1][1]], 2)
+    dv = torch.cat([grads[0][2], grads[1][2]], 2)
+    expected = reference(q, k, v, dout, dropout=dropout, q_offset=32, causal=True)
+    for name, actual, exp in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), expected):
+        assert_close(f"ring dropout {name}", actual, exp, torch.float32)
+
+
+def test_dropout_autograd_function_single_block():
+    case = Case("drop_autograd", sq=40, sk=40, q_offset=8, causal=True, key_mask="random", head_dim=32)
+    q, k, v, dout, mask_args = make_inputs(case, torch.bfloat16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    dropout = make_dropout(0.2, head_offset=1)
+    out = triton_attention(q, k, v, **dropout_kwargs(dropout), **mask_args)
+    out.backward(dout)
+    expected = reference(q, k, v, dout, dropout=dropout, **mask_args)
+    for name, actual, exp in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad),
+                                 expected[:1] + expected[2:]):
+        assert_close(f"dropout autograd {name}", actual, exp, torch.bfloat16)
+
+
+def test_dropout_is_a_compile_time_flag_and_p_zero_is_off():
+    assert "HAS_DROPOUT" in attn._TUNING_KEY
+    case = Case("drop_zero", sq=33, sk=40, q_offset=7, causal=True)
+    q, k, v, dout, mask_args = make_inputs(case, torch.float32)
+    out, lse = triton_attention_forward(q, k, v, **mask_args)
+    off_out, off_lse = triton_attention_forward(q, k, v, dropout_p=0.0, dropout_seed=torch.tensor(5), **mask_args)
+    assert torch.equal(out, off_out) and torch.equal(lse, off_lse)
+    on_out, on_lse = triton_attention_forward(q, k, v, **dropout_kwargs(make_dropout(0.5)), **mask_args)
+    assert not torch.allclose(on_out, out)
+    torch.testing.assert_close(on_lse, lse, atol=1e-6, rtol=1e-6)
+    # different seeds and head offsets give different masks
+    other_seed, _ = triton_attention_forward(q, k, v, **dropout_kwargs(make_dropout(0.5, seed=7)), **mask_args)
+    other_heads, _ = triton_attention_forward(q, k, v, **dropout_kwargs(make_dropout(0.5, head_offset=1)),
+                                              **mask_args)
+    assert not torch.allclose(other_seed, on_out) and not torch.allclose(other_heads, on_out)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(dropout_p=1.0, dropout_seed=torch.tensor(1)), dict(dropout_p=-0.1, dropout_seed=torch.tensor(1)),
+    dict(dropout_p=0.1), dict(dropout_p=0.1, dropout_seed=torch.tensor(1, dtype=torch.int32)),
+    dict(dropout_p=0.1, dropout_seed=torch.tensor([1])), dict(dropout_p=0.1, dropout_seed=3),
+    dict(dropout_p=0.1, dropout_seed=torch.tensor(1), dropout_head_offset=-1),
+], ids=["p1", "p_negative", "no_seed", "int32_seed", "1d_seed", "int_seed", "negative_head_offset"])
+def test_dropout_errors(bad):
+    q = torch.zeros(1, 2, 8, 16, device=DEVICE)
+    bad = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in bad.items()}
+    with pytest.raises(ValueError, match="dropout"):
+        triton_attention_forward(q, q, q, **bad)
+    with pytest.raises(ValueError, match="dropout"):
+        triton_attention_backward(q, q, q, q, q, torch.zeros(1, 2, 8, device=DEVICE), **bad)
 
 
 def test_fp32_head_dim_not_power_of_two_with_scale():
@@ -666,6 +890,14 @@ def test_gpu_softcap(dtype):
 def test_gpu_alibi(case, dtype):
     """The ALiBi kernels compiled, at the real block sizes, on ring blocks at nonzero offsets."""
     run_and_check(case, dtype, alibi_slopes=geometric_slopes(case.heads))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[2], GPU_CASES[4]], ids=str)
+def test_gpu_dropout(case, dtype):
+    """The dropout kernels compiled (uint32 hash on the GPU), at the real block sizes, on ring blocks."""
+    run_and_check(case, dtype, dropout=make_dropout(0.25, head_offset=3, seed=2**31 - 2))
 
 
 @needs_gpu
