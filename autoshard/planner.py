@@ -50,6 +50,10 @@ __all__ = ["Plan", "AttentionDecision", "Collective", "MemoryEstimate", "PlanFal
            "plan_graphs"]
 
 
+MASK_TERMS = ("causal", "window", "chunk", "key_mask", "segment_ids", "alibi", "position_bias", "dropout")
+"""The keys of an attention report that the plan's mask column names, in order."""
+
+
 @dataclass
 class AttentionDecision:
     """How one attention call is distributed, and why."""
@@ -60,8 +64,8 @@ class AttentionDecision:
     layout: str
     reason: str
     mask: str
-    """What structures the mask (``causal``, ``window``, ``chunk C``, ``key_mask``, ``segment_ids``), ``dense`` (kept
-    whole), ``unknown`` (computed from buffers whose values a plan on the meta device does not have; planned
+    """What structures the mask (``causal``, ``window``, ``chunk C``, ``key_mask``, ``segment_ids``) and the score
+    terms the distributed op adds (``alibi``, ``position_bias``, ``dropout``), ``dense`` (kept whole), ``unknown`` (computed from buffers whose values a plan on the meta device does not have; planned
     dense), or ``none``."""
     shape: dict
     """B, S, H, Hkv, D (query/key head dim), Dv (value head dim), dtype."""
@@ -353,7 +357,7 @@ def _decisions(compiled, index: int, world: int, config: BackendConfig, topology
             if dense is not None:  # an unknown mask is not one that is "not causal / window / ...": its own reason
                 reason = dense.reason if dense.unknown_buffers or not reason else f"{reason}: {dense.reason}"
             mask = ", ".join([k if k != "chunk" else f"chunk {decided[k]}"
-                              for k in ("causal", "window", "chunk", "key_mask", "segment_ids") if decided.get(k)]
+                              for k in MASK_TERMS if decided.get(k)]
                              + ([] if dense is None else ["unknown" if dense.unknown_buffers else "dense"])) or "none"
             out.append(AttentionDecision(
                 node=f"g{index}.{node.name}", layer=layer, strategy=strategy, layout=decided.get("layout", "-"),

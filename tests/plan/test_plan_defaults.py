@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 import autoshard
+from autoshard.planner import MASK_TERMS
 from autoshard.testing import run_on_ranks
 
 transformers = pytest.importorskip("transformers")
 
 WORLD = 2
-MASK_FLAGS = ("causal", "window", "chunk", "key_mask", "segment_ids")
+MASK_FLAGS = MASK_TERMS
 
 
 def _e2e(name: str):
