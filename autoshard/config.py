@@ -67,6 +67,18 @@ class BackendConfig:
     memory_budget: int | None = None
     """Per-rank memory budget in bytes the strategy choice must respect, if any."""
 
+    chunk_loss: int | None = 1024
+    """Tokens per chunk of the chunked LM head + loss, or None to leave the head and its loss as they are. A
+    ``linear -> [.float()] -> [view/reshape, slices of the tokens] -> cross_entropy`` whose logits have no other
+    use becomes ``autoshard::linear_cross_entropy`` (:mod:`autoshard.runtime.chunked_loss`): forward and
+    backward run over this rank's tokens a chunk at a time and never hold the ``[tokens, vocab]`` logits,
+    their softmax or their gradient whole -- only the per-token log-sum-exp is kept for backward, which
+    recomputes each chunk's logits (one more head matmul). On by default: at long context the logits are
+    the largest values of a step (16k tokens x 128k vocab in float32 is 8 GiB). (A group of one rank runs the
+    model as it is, unchunked.) The default 1024 keeps a chunk's float32 logits at 125 MiB for a 32k vocabulary
+    and 500 MiB for 128k, while a chunk's matmul (1024 x hidden x vocab) stays large enough to run at full
+    speed. Every rank runs the same number of chunks, derived from the largest rank's share of the tokens."""
+
     def __post_init__(self):
         def check(name, value, allowed):
             if value not in allowed:
@@ -88,3 +100,7 @@ class BackendConfig:
                     raise ValueError(f"autoshard.backend: seq_dims maps input names or positions to ints, got {key!r}: {dim!r}")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError("autoshard.backend: memory_budget must be a positive number of bytes")
+        if self.chunk_loss is not None and (isinstance(self.chunk_loss, bool) or not isinstance(self.chunk_loss, int)
+                                            or self.chunk_loss <= 0):
+            raise ValueError("autoshard.backend: chunk_loss is a positive number of tokens or None, "
+                             f"got {self.chunk_loss!r}")

@@ -6,6 +6,7 @@
 ``functionalize``  in-place writes into fresh tensors become out-of-place ops (:mod:`.functionalize`)
 ``capture``        attention calls become ``captured_attention`` with a structured mask (:mod:`.capture`)
 ``decompose``      composites (``diff``) become ops that have rules (:mod:`.normalize`)
+``chunking``       the LM head and its cross-entropy become one chunked op (:mod:`.chunking`)
 ``link``           every node's rule links its dims to its inputs' dims; annotations seed (:mod:`.infer`)
 ``families``       linked dims joined into sequence families (:mod:`.infer`)
 ``strategy``       an attention algorithm per attention, a layout per family (:mod:`autoshard.strategy`)
@@ -35,6 +36,7 @@ from ..config import BackendConfig
 from ..runtime.groups import plan_group_name
 from ..strategy import choose
 from .capture import capture_attention
+from .chunking import chunk_losses
 from .functionalize import functionalize
 from .infer import Families, LinkContext, find_families, link_graph
 from .normalize import annotate, decompose
@@ -137,6 +139,10 @@ def _decompose(state: PipelineState) -> dict[str, int]:
     return {"nodes_added": len(state.gm.graph.nodes) - before}
 
 
+def _chunking(state: PipelineState) -> dict[str, int]:
+    return chunk_losses(state.gm, state.config.chunk_loss)
+
+
 def _link(state: PipelineState) -> dict[str, int]:
     state.links = link_graph(state.gm)
     for node, dim in state.seeds:
@@ -204,6 +210,7 @@ PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[Pi
     ("functionalize", _functionalize, _graph_code),
     ("capture", _capture, _graph_code),
     ("decompose", _decompose, _graph_code),
+    ("chunking", _chunking, _graph_code),
     ("link", _link, lambda state: f"{len(state.links.factors)} nodes with linked dims\n"),
     ("families", _families, _families_text),
     ("strategy", _strategy, _decisions_text),

@@ -25,10 +25,10 @@ def test_every_pass_runs_in_order_counts_and_dumps(tmp_path, monkeypatch):
     assert "captured_attention" in capture
     assert files["00-inline.txt"].startswith("# inline: {'checkpointed': 0, 'nodes_added': 0}")
     assert files["02-functionalize.txt"].startswith("# functionalize: {'functionalized': 0, 'kept_in_place': 0}")
-    assert files["06-families.txt"].count("family ") == 1
-    assert files["07-strategy.txt"].count(": ring (") == 2
-    assert "autoshard.attention" in files["08-rewrite.txt"] and "captured_attention" not in files["08-rewrite.txt"]
-    assert files["09-outline.txt"].startswith("# outline: {'outlined': 0}")
+    assert files["07-families.txt"].count("family ") == 1
+    assert files["08-strategy.txt"].count(": ring (") == 2
+    assert "autoshard.attention" in files["09-rewrite.txt"] and "captured_attention" not in files["09-rewrite.txt"]
+    assert files["10-outline.txt"].startswith("# outline: {'outlined': 0}")
 
 
 def test_handwritten_attention_is_captured_and_counted(tmp_path, monkeypatch):

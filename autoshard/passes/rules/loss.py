@@ -12,6 +12,11 @@ they were given: scalars (``beta``, ``delta``) as they are, tensors (``weight``,
 like the input where they span the sequence, whole where they broadcast along it. Their mean divides by
 the global element count -- or, for a weighted ``mse_loss`` / ``l1_loss``, by the all-reduced summed
 weights. A split input broadcast to a larger loss runs whole (a fallback in the plan).
+
+The chunked LM head + loss (``linear_cross_entropy``, made by :mod:`autoshard.passes.chunking`) is a
+cross-entropy whose input is the head's input ``h [N, H]``: its tokens are the targets' tokens. Each rank
+runs it on its own tokens in the same number of chunks (from the largest rank's share), and its ``"mean"``
+is the same exact quotient of all-reduced sums and denominators.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ...placements import REPLICATE, Partial
+from ...runtime.chunked_loss import chunks_for
 from ...runtime.redistribute import reduce_partial
 from ..ops import is_tensor_node, numel, shape_of, value_of
 from . import register
@@ -99,6 +105,53 @@ def rewrite_cross_entropy(rw, node, op):
 
 
 register("cross_entropy", link=link_cross_entropy, rewrite=rewrite_cross_entropy)
+
+
+def link_linear_cross_entropy(ctx, node, op):
+    h, tgt = op["input"], op["target"]
+    for d in range(len(shape_of(tgt))):
+        ctx.link_dims(tgt, d, h, d)
+    if op["reduction"] == "none":
+        ctx.set_factorization(node, [list(f) for f in ctx.factorization(tgt)])
+        for d in range(len(shape_of(tgt))):
+            ctx.link_dims(node, d, tgt, d)
+
+
+def rewrite_linear_cross_entropy(rw, node, op):
+    """This rank's tokens through the chunked head + loss: ``"none"`` split like the targets, ``"sum"`` a
+    partial sum, ``"mean"`` the all-reduced sums over the all-reduced denominators."""
+    h, tgt = op["input"], op["target"]
+    s_h, s_t = rw.out_shard(h), rw.out_shard(tgt)
+    if s_h is None and s_t is None:
+        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        return
+    want = s_h if s_h is not None else s_t
+    if want.dim >= len(shape_of(tgt)):
+        rw.fallback(node, "linear_cross_entropy with the hidden dim split")
+        return
+    x, t = rw.input(h, want), rw.input(tgt, want)
+    weight, bias, class_weight = (rw.input(op[k], REPLICATE, partial_grad=True) if op[k] is not None else None
+                                  for k in ("weight", "bias", "class_weight"))
+    rows = numel(shape_of(tgt))
+    chunks = chunks_for(-(-rows // rw.world), rw.config.chunk_loss) if rw.config.chunk_loss else op["chunks"]
+    kwargs = {"class_weight": class_weight, "ignore_index": op["ignore_index"],
+              "label_smoothing": op["label_smoothing"], "chunks": chunks, "out_dtype": op["out_dtype"]}
+    reduction = op["reduction"]
+    if reduction == "none":
+        rw.done(node, rw.call(node.target, x, weight, t, bias, reduction="none", **kwargs), want)
+        return
+    total = rw.call(node.target, x, weight, t, bias, reduction="sum", **kwargs)
+    if reduction == "sum":
+        rw.done(node, total, Partial())
+        return
+    denom = rw.call(loss_denominator, t, class_weight, op["ignore_index"])
+    rw.done(node, rw.call(mean_of_sums, total, denom, rw.group), REPLICATE)
+    rw.book.all_reduce(node.name, 1, value_of(node).element_size(), "forward", reason="loss sum")
+    rw.book.all_reduce(node.name, 1, 4 if class_weight is None else value_of(op["class_weight"]).element_size(),
+                       "forward", reason="loss denominator")
+
+
+register("linear_cross_entropy", link=link_linear_cross_entropy, rewrite=rewrite_linear_cross_entropy)
 
 
 _MEAN_OVER_WEIGHTS = (F.mse_loss, F.l1_loss)

@@ -1,0 +1,120 @@
+"""Per-rank peak memory of the LM head + loss: one process vs P=2, with and without the chunked loss.
+
+    python benchmarks/memory.py                  # S = 8192 and 16384
+    python benchmarks/memory.py --seq 4096       # what a small machine can run
+
+A transformers Llama from a config (vocabulary 32000, hidden 256, 4 layers, 8 query / 2 key-value heads,
+float32, CPU): forward + backward of the loss at S tokens, batch 1. The step is the base model, the
+``lm_head`` and transformers' own ``ForCausalLMLoss`` (``logits.float()``, labels padded and shifted,
+``cross_entropy``) returning the loss only: ``LlamaForCausalLM.forward`` also returns the logits, and a
+value the caller gets cannot be chunked away.
+
+* ``one process``: the plain model, uncompiled (autoshard compiles nothing on one rank);
+* ``P=2, whole loss``: compiled over 2 gloo ranks with ``chunk_loss=None``: each rank holds its
+  ``[S/2, 32000]`` logits, their float32 log-softmax (saved for backward) and their gradient;
+* ``P=2, chunked``: the default ``chunk_loss`` (1024 tokens per chunk).
+
+Memory is the operating system's: the peak resident set of each rank's process during the step, above
+what was resident before it (``autoshard.testing.memory.peak_memory``: ``VmHWM`` reset through
+``/proc/self/clear_refs``), in workers started with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors
+leave the resident set at once. It counts every byte torch allocates (tracemalloc would see none of
+them); the step runs once first (compiling, warming up), then the parameters' gradients are
+cleared, so the figure is the step's activations, gradients and temporaries. ``logits`` is the size of
+one rank's float32 ``[tokens, V]`` logits, for scale. Times are printed for information only.
+
+Measured (2 shared CPU cores, torch 2.13 CPU, transformers 5.24)::
+
+         S  run               peak/rank  logits/rank  step s
+      8192  one process          3811 MiB     1000 MiB    25.6
+      8192  P=2, whole loss      1906 MiB      500 MiB     6.4
+      8192  P=2, chunked          655 MiB      500 MiB     6.9
+     16384  one process          7623 MiB     2000 MiB    46.7
+     16384  P=2, whole loss      3811 MiB     1000 MiB    25.4
+     16384  P=2, chunked         1060 MiB     1000 MiB    17.7
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn as nn
+
+import autoshard
+from autoshard.testing import run_on_ranks
+from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 32000, 256, 4, 8, 2
+
+
+class LossOnly(nn.Module):
+    """``LlamaForCausalLM`` up to its loss, returning the loss alone."""
+
+    def __init__(self, llama):
+        super().__init__()
+        self.llama = llama
+
+    def forward(self, ids, labels):
+        h = self.llama.model(input_ids=ids).last_hidden_state
+        logits = self.llama.lm_head(h)
+        return self.llama.loss_function(logits, labels, self.llama.config.vocab_size)
+
+
+def _model() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=65536,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LossOnly(LlamaForCausalLM(cfg)).float()
+
+
+def step(seq: int, chunk_loss, compiled: bool) -> dict:
+    """This rank's peak extra resident bytes and seconds of one forward + backward at ``seq`` tokens."""
+    model = _model()
+    ids = torch.randint(0, VOCAB, (1, seq))
+    run = model
+    backend = None
+    if compiled:
+        backend = autoshard.backend(chunk_loss=chunk_loss)
+        run = torch.compile(model, backend=backend, dynamic=False)
+    run(ids, ids).backward()  # compile and warm up at this length: the measured step is the second
+    model.zero_grad(set_to_none=True)
+    with peak_memory() as measured:
+        start = time.perf_counter()
+        loss = run(ids, ids)
+        loss.backward()
+        seconds = time.perf_counter() - start
+    chunked = sum(g.report.passes["chunking"].counts["chunked_losses"] for g in backend.compiled) if backend else 0
+    return {"peak": measured.peak_bytes, "seconds": seconds, "loss": float(loss.detach()), "chunked": chunked}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, nargs="*", default=[8192, 16384], help="sequence lengths")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    args = parser.parse_args()
+    rows = []
+    for seq in args.seq:
+        runs = {"one process": run_on_ranks(step, 1, seq, None, False, timeout=args.timeout,
+                                            env=LOW_MMAP_THRESHOLD_ENV),
+                "P=2, whole loss": run_on_ranks(step, 2, seq, None, True, timeout=args.timeout,
+                                                env=LOW_MMAP_THRESHOLD_ENV),
+                "P=2, chunked": run_on_ranks(step, 2, seq, 1024, True, timeout=args.timeout,
+                                             env=LOW_MMAP_THRESHOLD_ENV)}
+        for name, ranks in runs.items():
+            logits = (seq // len(ranks)) * VOCAB * 4
+            rows.append((seq, name, max(r["peak"] for r in ranks), logits, max(r["seconds"] for r in ranks),
+                         ranks[0]["loss"], ranks[0]["chunked"]))
+    header = f"{'S':>6}  {'run':<16} {'peak/rank':>10} {'logits/rank':>12} {'step s':>7} {'loss':>8} chunked"
+    print(header)
+    print("-" * len(header))
+    for seq, name, peak, logits, seconds, loss, chunked in rows:
+        print(f"{seq:>6}  {name:<16} {peak / 2**20:>8.0f} MiB {logits / 2**20:>8.0f} MiB {seconds:>7.1f} {loss:>8.4f} "
+              f"{chunked}")
+
+
+if __name__ == "__main__":
+    main()
