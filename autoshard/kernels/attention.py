@@ -342,6 +342,21 @@ def _dropout_row_hash(seed, batch_head, q_pos):
 
 
 @triton.jit
+def _query_terms(Alibi, Seed, b, h, drop_head_offset, q_offset, q_idx, HAS_ALIBI: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr):
+    """``(slope2, row_hash)`` of a program's query rows (one query head): the head's ALiBi slope in base 2 (0.0
+    without ALiBi) and the rows' part of the dropout hash (the rows themselves without dropout), once per
+    program of the forward and the dq kernels."""
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(Alibi + h) * _LOG2E
+    row_hash = q_idx
+    if HAS_DROPOUT:
+        row_hash = _dropout_row_hash(tl.load(Seed), b * 65536 + drop_head_offset + h, q_offset + q_idx)
+    return slope2, row_hash
+
+
+@triton.jit
 def _dropout_keep(row_hash, k_pos, threshold, Q_AXIS: tl.constexpr):
     """Keep mask (True = kept) of a tile from its queries' ``_dropout_row_hash`` and the keys' global positions:
     ``(fmix32(row_hash ^ (k_pos * 0xC2B2AE3D)) >> 8) >= threshold`` with ``threshold = round(p * 2**24)``.
@@ -499,12 +514,7 @@ def _attn_fwd_kernel(
     k_offsets = offs_n[:, None] * stride_ks + offs_d[None, :]
     v_offsets = offs_n[:, None] * stride_vs + offs_dv[None, :]
     qk_scale = scale * _LOG2E
-    slope2 = 0.0
-    if HAS_ALIBI:
-        slope2 = tl.load(Alibi + h) * _LOG2E  # this query head's ALiBi slope, base 2
-    row_hash = q_idx
-    if HAS_DROPOUT:  # the query rows' part of the dropout hash, once per program
-        row_hash = _dropout_row_hash(tl.load(Seed), b * 65536 + drop_head_offset + h, q_offset + q_idx)
+    slope2, row_hash = _query_terms(Alibi, Seed, b, h, drop_head_offset, q_offset, q_idx, HAS_ALIBI, HAS_DROPOUT)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -789,12 +799,7 @@ def _attn_bwd_dq_kernel(
     k_offsets = offs_n[:, None] * stride_ks + offs_d[None, :]
     v_offsets = offs_n[:, None] * stride_vs + offs_dv[None, :]
     qk_scale = scale * _LOG2E
-    slope2 = 0.0
-    if HAS_ALIBI:
-        slope2 = tl.load(Alibi + h) * _LOG2E  # this query head's ALiBi slope, base 2
-    row_hash = q_idx
-    if HAS_DROPOUT:  # the query rows' part of the dropout hash, once per program
-        row_hash = _dropout_row_hash(tl.load(Seed), b * 65536 + drop_head_offset + h, q_offset + q_idx)
+    slope2, row_hash = _query_terms(Alibi, Seed, b, h, drop_head_offset, q_offset, q_idx, HAS_ALIBI, HAS_DROPOUT)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
