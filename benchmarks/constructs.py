@@ -52,12 +52,12 @@ def _cases(seq: int) -> dict:
     return {
         "1 buffer causal mask (nanoGPT)": (nanogpt, tokens),
         "2 attention-prob dropout": (d.DropLM, tokens),
-        "3 MLA (Dv != D, in-place keys)": (c.LatentLM, tokens),
+        "3 MLA (Dv != D, in-place keys)": (c.latent_lm, tokens),
         "4 complex RoPE (Llama-1)": (c.LlamaOne, tokens),
         "5 chunked local attention": (lambda: k.ChunkedLM("masked_fill"), (ids,)),
         "6 eos pooling (CLIP text)": (clip, (ids, torch.randn(1, 16))),
-        "9 ALiBi (paper, Bloom)": (c.AlibiLM, tokens),
-        "9 T5 relative buckets": (c.RelativeLM, tokens),
+        "9 ALiBi (paper, Bloom)": (c.alibi_lm, tokens),
+        "9 T5 relative buckets": (c.relative_lm, tokens),
     }
 
 

@@ -189,20 +189,6 @@ class LatentAttention(nn.Module):
         return x + self.wo(o.transpose(1, 2).reshape(b, s, HEADS * VDIM)) * (1 + gate @ self.expert_scale)
 
 
-class LatentLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.ModuleList(LatentAttention() for _ in range(LAYERS))
-        self.norm, self.head = nn.RMSNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
-
-    def forward(self, ids, labels):
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return F.cross_entropy(self.head(self.norm(x)).view(-1, VOCAB), labels.view(-1))
-
-
 def alibi_slopes(heads: int) -> torch.Tensor:
     """The ALiBi paper's slopes (a power-of-two head count): a geometric sequence from 2^(-8 / heads)."""
     start = 2 ** (-8 / heads)
@@ -233,20 +219,6 @@ class AlibiAttention(nn.Module):
             causal = torch.full((s, s), float("-inf"), device=x.device).triu(1)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=alibi + causal)
         return x + self.out(y.transpose(1, 2).reshape(b, s, HIDDEN))
-
-
-class AlibiLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.ModuleList([AlibiAttention("paper"), AlibiAttention("bloom")])
-        self.norm, self.head = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
-
-    def forward(self, ids, labels):
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return F.cross_entropy(self.head(self.norm(x)).view(-1, VOCAB), labels.view(-1))
 
 
 def relative_position_bucket(relative_position, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128):
@@ -294,20 +266,6 @@ class RelativeAttention(nn.Module):
         return x + self.o((weights @ v).transpose(1, 2).reshape(b, s, HIDDEN))
 
 
-class RelativeLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.ModuleList([RelativeAttention(causal=False), RelativeAttention(causal=True)])
-        self.head = nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, ids, labels):
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return F.cross_entropy(self.head(x).view(-1, VOCAB), labels.view(-1))
-
-
 def _combine(a, b):
     (gate_a, value_a), (gate_b, value_b) = a, b
     return gate_a * gate_b, value_a * gate_b + value_b
@@ -337,18 +295,37 @@ class VmapBlock(nn.Module):
         return x + torch.vmap(lambda row: self.mix(row) * row.mean(0))(x)
 
 
-class ScanLM(nn.Module):
-    def __init__(self):
+class StackLM(nn.Module):
+    """Embeddings, a stack of residual layers (each adds its own input), an optional final norm, an LM head, the
+    mean cross-entropy: the frame of the construct models below."""
+
+    def __init__(self, layers, norm: nn.Module | None = None, head_bias: bool = True):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList([ScanBlock(), VmapBlock()])
-        self.head = nn.Linear(HIDDEN, VOCAB)
+        self.layers = nn.ModuleList(layers)
+        self.norm, self.head = norm or nn.Identity(), nn.Linear(HIDDEN, VOCAB, bias=head_bias)
 
     def forward(self, ids, labels):
         x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return F.cross_entropy(self.head(x).view(-1, VOCAB), labels.view(-1))
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(self.norm(x)).view(-1, VOCAB), labels.view(-1))
+
+
+def latent_lm():
+    return StackLM([LatentAttention() for _ in range(LAYERS)], nn.RMSNorm(HIDDEN), head_bias=False)
+
+
+def alibi_lm():
+    return StackLM([AlibiAttention("paper"), AlibiAttention("bloom")], nn.LayerNorm(HIDDEN), head_bias=False)
+
+
+def relative_lm():
+    return StackLM([RelativeAttention(causal=False), RelativeAttention(causal=True)])
+
+
+def scan_lm():
+    return StackLM([ScanBlock(), VmapBlock()])
 
 
 def _tokens(seq=SEQ):
@@ -367,10 +344,10 @@ CASES = {  # name: (model, inputs, strategy; None: no attention)
     "buffer_mask": (NanoGPT, _tokens, "ring"),
     "rope_complex": (LlamaOne, _tokens, "zigzag"),
     "eos_pooling": (ClipText, _clip_inputs, "zigzag"),
-    "latent_attention": (LatentLM, _tokens, "ulysses"),
-    "alibi": (AlibiLM, _tokens, "zigzag"),
-    "relative_bias": (RelativeLM, _tokens, "ring"),
-    "scan_vmap": (ScanLM, functools.partial(_tokens, 13), None),  # short: dynamo traces the scan slowly
+    "latent_attention": (latent_lm, _tokens, "ulysses"),
+    "alibi": (alibi_lm, _tokens, "zigzag"),
+    "relative_bias": (relative_lm, _tokens, "ring"),
+    "scan_vmap": (scan_lm, functools.partial(_tokens, 13), None),  # short: dynamo traces the scan slowly
 }
 WORLDS = (2, 4)
 

@@ -128,9 +128,9 @@ MODELS = {  # name: (model factory, inputs)
     "chunked_additive_padded": (lambda: chunked.ChunkedLM("additive"), lambda: chunked._inputs(True)),
     "chunked_masked_fill": (lambda: chunked.ChunkedLM("masked_fill"), lambda: chunked._inputs(False)),
     "audio_encoder": (conv.AudioEncoder, lambda: (torch.randn(2, conv.FEATURES, conv.FRAMES),)),
-    "latent_attention": (constructs.LatentLM, constructs._tokens),
-    "alibi": (constructs.AlibiLM, constructs._tokens),
-    "relative_bias": (constructs.RelativeLM, constructs._tokens),
+    "latent_attention": (constructs.latent_lm, constructs._tokens),
+    "alibi": (constructs.alibi_lm, constructs._tokens),
+    "relative_bias": (constructs.relative_lm, constructs._tokens),
     "attention_dropout": (dropout.DropLM, lambda: constructs._tokens(dropout.SEQ)),
 }
 NEEDS_VALUES = {"buffer_mask"}
