@@ -22,9 +22,11 @@ whose shard is not the one the layout gives it, or whose other sizes differ, mak
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import hashlib
 import itertools
+import logging
 import os
 import warnings
 from collections import OrderedDict, deque
@@ -47,7 +49,10 @@ from .runtime.split_tensor import SplitTensor, local_of, wrap
 from .runtime.groups import GroupLike, resolve_group
 
 __all__ = ["backend", "AutoshardBackend", "autoshard_backend", "CompiledGraph", "GraphRecord", "compile_graph",
-           "check_mesh_axes", "HYBRID_AXES"]
+           "check_mesh_axes", "HYBRID_AXES", "resolve_config"]
+
+logger = logging.getLogger("autoshard")
+"""The package's logger: ``backend(dry_run=True)`` logs its plan here (INFO, rank 0)."""
 
 FINGERPRINT_TIMEOUT = datetime.timedelta(seconds=120)
 _COMPILES = itertools.count()
@@ -189,7 +194,7 @@ class AutoshardBackend:
             from .planner import plan_graph
 
             if rank == 0:
-                print(plan_graph(copy.deepcopy(gm), example_inputs, world_size=world, config=self.config))
+                logger.info("%s", plan_graph(copy.deepcopy(gm), example_inputs, world_size=world, config=self.config))
             return gm.forward
         if world == 1:
             return gm.forward
@@ -418,12 +423,30 @@ def _check_same_graph(pg: dist.ProcessGroup, index: int, gm: fx.GraphModule, exa
             "autoshard.shard_inputs and inputs='sharded'")
 
 
-def backend(group: GroupLike = None, **options) -> AutoshardBackend:
+def resolve_config(config: BackendConfig | None, overrides: dict, caller: str = "autoshard.backend") -> BackendConfig:
+    """``config`` (None: the defaults) with the keyword ``overrides`` (:class:`~autoshard.config.BackendConfig`
+    fields) applied on top; raises TypeError on a ``config`` that is not a BackendConfig or an unknown option."""
+    if config is not None and not isinstance(config, BackendConfig):
+        raise TypeError(f"{caller}: config must be an autoshard.BackendConfig, got {type(config).__name__}")
+    names = [f.name for f in dataclasses.fields(BackendConfig)]
+    unknown = [name for name in overrides if name not in names]
+    if unknown:
+        raise TypeError(f"{caller}: unknown option(s) {', '.join(map(repr, unknown))}; the options are the fields "
+                        f"of autoshard.BackendConfig: {', '.join(names)}")
+    if config is None:
+        return BackendConfig(**overrides)
+    return dataclasses.replace(config, **overrides) if overrides else config
+
+
+def backend(group: GroupLike = None, config: BackendConfig | None = None, **overrides) -> AutoshardBackend:
     """The backend for ``torch.compile``: ``group`` is a ProcessGroup, a DeviceMesh (2-D for the hybrid
-    strategy) or None for the default group; ``options`` are :class:`~autoshard.config.BackendConfig` fields."""
+    strategy) or None for the default group; ``config`` a :class:`~autoshard.config.BackendConfig` (None: the
+    defaults) and ``overrides`` its fields set on top of it: ``backend(mesh, config, strategy="ring")``."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    config = BackendConfig(**options)
+    if isinstance(group, BackendConfig):
+        raise TypeError("autoshard.backend: the first argument is the group; pass the BackendConfig as config=...")
+    config = resolve_config(config, overrides)
     if isinstance(group, DeviceMesh):
         check_mesh_axes(group)
     if config.strategy == "hybrid":

@@ -13,7 +13,8 @@ LAYOUT_CHOICES = ("auto", "contiguous", "zigzag")
 
 @dataclass(frozen=True, kw_only=True)
 class BackendConfig:
-    """What ``autoshard.backend(group, **options)`` takes besides the group."""
+    """What ``autoshard.backend(group, config, **overrides)`` and ``autoshard.plan`` take besides the group: pass
+    one as ``config=``, or its fields as keywords (set on top of ``config`` when both are given)."""
 
     strategy: str = "auto"
     """Distributed attention algorithm for every attention: ``"ring"``, ``"zigzag"`` (ring over the
@@ -58,7 +59,8 @@ class BackendConfig:
     """Local attention implementation: ``"triton"``, ``"torch"``, or ``"auto"`` (Triton on CUDA)."""
 
     dry_run: bool = False
-    """Build and print the plan on rank 0, then run the model unsharded."""
+    """Build the plan and log it on rank 0 (the ``"autoshard"`` logger, level INFO: e.g.
+    ``logging.basicConfig(level=logging.INFO)``), then run the model unsharded."""
 
     topology: Any = None
     """Cluster description for the cost model (ranks per node, bandwidths, latencies); None = the

@@ -425,12 +425,17 @@ def plan_graph(gm: fx.GraphModule, example_inputs: list, *, world_size: int, con
     return plan_graphs([(gm, example_inputs)], world_size=world_size, config=config)
 
 
-def plan(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, *, world_size: int,
-         strategy: str = "auto", topology: Topology | None = None, rank: int = 0, **backend_options) -> Plan:
+def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict | None = None, *, world_size: int,
+         config: BackendConfig | None = None, rank: int = 0, **overrides) -> Plan:
     """What ``torch.compile(model, backend=autoshard.backend(...))`` would do on ``world_size`` ranks.
 
     No process group is needed and nothing full-size is allocated when the model and the inputs are on
-    the meta device. ``backend_options`` are :class:`~autoshard.config.BackendConfig` fields."""
-    config = BackendConfig(strategy=strategy, topology=topology, **backend_options)
-    graphs = _capture(model, tuple(args), dict(kwargs or {}))
+    the meta device. ``args``: the positional arguments (a lone tensor is one argument); ``config`` and
+    ``overrides`` as in :func:`autoshard.backend`: a :class:`~autoshard.config.BackendConfig` (None: the
+    defaults) and its fields set on top of it (``strategy="ring"``, ``topology=Topology(...)``)."""
+    from .compiler import resolve_config
+
+    config = resolve_config(config, overrides, "autoshard.plan")
+    args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+    graphs = _capture(model, args, dict(kwargs or {}))
     return plan_graphs(graphs, world_size=world_size, config=config, rank=rank)

@@ -1,0 +1,128 @@
+"""The public surface: ``backend`` and ``plan`` take a ``BackendConfig`` and/or keyword options, ``plan`` takes a
+lone tensor as its positional argument, and the package logs (``logging.getLogger("autoshard")``) instead of
+printing."""
+
+import ast
+import dataclasses
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoshard
+from autoshard import BackendConfig
+from autoshard.models import LlamaLM
+from autoshard.models.llama import LlamaConfig
+from autoshard.testing import fake_world
+
+TINY = LlamaConfig(vocab_size=64, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each plan compiles the model with a new capturing backend; dynamo's recompile limit (8 per frame) would
+    otherwise leave later plans of the same model empty."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _model_and_ids(batch: int = 2, seq: int = 8):
+    torch.manual_seed(0)
+    return LlamaLM(TINY), torch.randint(0, TINY.vocab_size, (batch, seq))
+
+
+# ----------------------------------------------------------------------------- backend(config=..., **overrides)
+
+
+def test_backend_takes_a_config_with_overrides_on_top():
+    config = BackendConfig(strategy="ring", outputs="gathered", chunk_loss=None)
+    b = autoshard.backend(config=config, layout="zigzag", strategy="allgather")
+    assert b.config == dataclasses.replace(config, layout="zigzag", strategy="allgather")
+    assert config.strategy == "ring" and config.layout == "auto"  # the caller's config is left as it was
+    assert autoshard.backend(None, config).config == config  # positional, no overrides
+    assert autoshard.backend(config=config).config == config
+
+
+def test_backend_keywords_alone_still_work():
+    assert autoshard.backend(strategy="ulysses", grad_sync=False).config == BackendConfig(strategy="ulysses",
+                                                                                          grad_sync=False)
+    assert autoshard.backend().config == BackendConfig()
+
+
+def test_backend_rejects_unknown_options_and_wrong_configs():
+    with pytest.raises(TypeError, match="unknown option.*'strategie'.*strategy"):
+        autoshard.backend(config=BackendConfig(), strategie="ring")
+    with pytest.raises(TypeError, match="unknown option.*'strategie'"):
+        autoshard.backend(strategie="ring")
+    with pytest.raises(TypeError, match="config must be an autoshard.BackendConfig"):
+        autoshard.backend(config={"strategy": "ring"})
+    with pytest.raises(TypeError, match="pass the BackendConfig as config="):
+        autoshard.backend(BackendConfig())
+
+
+def test_backend_overrides_are_validated():
+    with pytest.raises(ValueError, match="strategy='bogus'"):
+        autoshard.backend(config=BackendConfig(), strategy="bogus")
+    with pytest.raises(ValueError, match="zigzag"):  # valid alone, not together
+        autoshard.backend(config=BackendConfig(layout="contiguous"), strategy="zigzag")
+    with pytest.raises(ValueError, match="hybrid"):  # the group checks still apply to a config's options
+        autoshard.backend(config=BackendConfig(strategy="hybrid"))
+
+
+# ----------------------------------------------------------------------------- plan(config=..., **overrides)
+
+
+def test_plan_takes_a_config_as_backend_does():
+    model, ids = _model_and_ids()
+    by_keywords = autoshard.plan(model, (ids, ids), world_size=2, strategy="ring", outputs="gathered")
+    by_config = autoshard.plan(model, (ids, ids), world_size=2, config=BackendConfig(strategy="ring", outputs="gathered"))
+    mixed = autoshard.plan(model, (ids, ids), world_size=2, config=BackendConfig(strategy="ulysses"),
+                           strategy="ring", outputs="gathered")
+    assert [a.strategy for a in by_keywords.attention] == ["ring"]
+    assert by_config.to_json() == by_keywords.to_json() == mixed.to_json()
+    with pytest.raises(TypeError, match="autoshard.plan: unknown option.*'strategie'"):
+        autoshard.plan(model, (ids, ids), world_size=2, config=BackendConfig(), strategie="ring")
+    with pytest.raises(TypeError, match="autoshard.plan: config must be"):
+        autoshard.plan(model, (ids, ids), world_size=2, config="ring")
+
+
+# ----------------------------------------------------------------------------- plan(model, tensor)
+
+
+def test_plan_takes_a_lone_tensor_as_one_argument():
+    model, ids = _model_and_ids(batch=2)  # tuple(ids) would be two arguments of batch 1
+    lone = autoshard.plan(model, ids, world_size=2)
+    assert lone.to_json() == autoshard.plan(model, (ids,), world_size=2).to_json()
+    assert lone.attention and lone.attention[0].shape["B"] == 2 and lone.symbols["S"] == 8
+    with_kwargs = autoshard.plan(model, ids, {"labels": ids}, world_size=2)
+    assert with_kwargs.to_json() == autoshard.plan(model, (ids,), {"labels": ids}, world_size=2).to_json()
+    assert autoshard.plan(model, [ids, ids], world_size=2).to_json() == autoshard.plan(
+        model, (ids, ids), world_size=2).to_json()  # any sequence of arguments still works
+
+
+# ----------------------------------------------------------------------------- logging, not printing
+
+
+def test_no_print_calls_in_the_package_outside_the_command_line():
+    root = Path(autoshard.__file__).parent
+    found = []
+    for path in root.rglob("*.py"):
+        if path.name == "__main__.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert found == []
+
+
+def test_dry_run_logs_the_plan_to_the_autoshard_logger(caplog, capsys):
+    model, ids = _model_and_ids()
+    expected = model(ids, ids)
+    with fake_world(2), caplog.at_level(logging.INFO, logger="autoshard"):
+        out = torch.compile(model, backend=autoshard.backend(dry_run=True))(ids, ids)
+    assert torch.equal(out[0], expected[0])  # run unsharded
+    plans = [r for r in caplog.records if r.name == "autoshard" and r.getMessage().startswith("autoshard plan: 2 ranks")]
+    assert plans and all(r.levelno == logging.INFO for r in plans)
+    assert "autoshard plan" not in capsys.readouterr().out
