@@ -296,7 +296,12 @@ def _capture(model, args: tuple, kwargs: dict) -> list[tuple[fx.GraphModule, lis
                 return out
             return run
 
-        torch.compile(model, backend=grab, dynamic=False)(*args, **kwargs)
+        # every plan compiles the model anew (its own capturing backend): dynamo's per-frame recompile limit would
+        # otherwise make the ninth plan of one model run it eagerly, capturing nothing
+        with torch._dynamo.config.patch(recompile_limit=1 << 30, accumulated_recompile_limit=1 << 30):
+            torch.compile(model, backend=grab, dynamic=False)(*args, **kwargs)
+    if not graphs:
+        raise RuntimeError("autoshard.plan: dynamo captured no graph of the model (it ran eagerly); nothing to plan")
     return graphs
 
 

@@ -126,3 +126,11 @@ def test_dry_run_logs_the_plan_to_the_autoshard_logger(caplog, capsys):
     plans = [r for r in caplog.records if r.name == "autoshard" and r.getMessage().startswith("autoshard plan: 2 ranks")]
     assert plans and all(r.levelno == logging.INFO for r in plans)
     assert "autoshard plan" not in capsys.readouterr().out
+
+
+def test_many_plans_of_one_model_all_capture_it():
+    """Each plan compiles the model with its own capturing backend; dynamo's recompile limit (8 per frame) must not
+    turn the ninth plan into an empty one."""
+    model, ids = _model_and_ids()
+    plans = [autoshard.plan(model, ids, world_size=2) for _ in range(10)]
+    assert all(p.attention and p.to_json() == plans[0].to_json() for p in plans)
