@@ -131,6 +131,9 @@ class Plan:
     recomputed: dict[str, int] = field(default_factory=dict)
     """Checkpointed region (``g<i>.region<j>``) -> bytes the plan's rank sends again when backward recomputes
     it (the whole region reruns, its collectives too; they are among ``collectives``, phase backward)."""
+    losses: dict[str, int] = field(default_factory=dict)
+    """LM heads and their cross-entropies: ``chunked`` (made one chunked op, ``chunk_loss``) and ``unchunked`` (left
+    as they are: their logits have another use, such as being returned, or the pattern does not fit)."""
 
     # ------------------------------------------------------------------ reading
     def bytes_sent(self, phase: str | None = None, rank: int | None = None) -> int:
@@ -160,6 +163,13 @@ class Plan:
         if self.recomputed:
             lines.append(f"  activation checkpointing: {len(self.recomputed)} region(s) recomputed whole in backward, "
                          f"their collectives included ({_size(sum(self.recomputed.values()))} sent again per rank)")
+        if self.losses.get("chunked"):
+            lines.append(f"  LM head + cross-entropy: {self.losses['chunked']} chunked over the rank's tokens "
+                         f"(chunk_loss): the [tokens, vocab] logits are never whole")
+        if self.losses.get("unchunked"):
+            lines.append(f"  cross-entropy: {self.losses['unchunked']} not chunked (its input has another use, such as "
+                         f"logits the model returns, or it is no LM head): the logits are held whole on the rank's "
+                         f"tokens (in saved activations and outputs above)")
         if self.attention:
             lines.append(f"  why: {self.attention[0].reason}")
         for f in self.fallbacks:
@@ -405,6 +415,10 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
                                                  list(c.bytes_by_rank), c.formula, c.reason))
         result.fallbacks += [PlanFallback(prefix + f.node, f.op, f.reason) for f in report.fallbacks]
         result.recomputed.update({f"{prefix}region{i}": sent for i, sent in report.recomputed.items()})
+        chunking = report.passes.get("chunking")
+        for key, count in (chunking.counts.items() if chunking is not None else ()):
+            name = key.removesuffix("_losses")
+            result.losses[name] = result.losses.get(name, 0) + count
         decisions = _decisions(compiled, index, world_size, config, topology)
         result.attention += decisions
         if decisions and "S" not in symbols:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard.cost import Topology
-from autoshard.models import BertClassifier, HandwrittenLM, LlamaLM, ViTClassifier, ViTConfig
+from autoshard.models import BertClassifier, HandwrittenLM, LlamaConfig, LlamaLM, ViTClassifier, ViTConfig
 from autoshard.planner import Plan
 from autoshard.runtime import comm_counter
 from autoshard.runtime.attention import formulas
@@ -140,3 +140,29 @@ def test_hybrid_is_planned_on_the_mesh_the_topology_implies():
     assert "(ring 2, ulysses 2)" in plan.attention[0].reason
     with pytest.raises(ValueError, match="cannot be planned on 4 ranks: the group fits in one node"):
         autoshard.plan(model, inputs, world_size=4, strategy="hybrid")
+
+
+class _LossOnly(torch.nn.Module):
+    """The reference Llama returning only its loss (a training step that never reads the logits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.llama = LlamaLM(LlamaConfig(layers=1, hidden=32, heads=4, kv_heads=2, intermediate=64))
+
+    def forward(self, ids, labels):
+        return self.llama(ids, labels)[0]
+
+
+def test_plan_says_whether_the_lm_head_and_loss_are_chunked():
+    """A loss-only step gets the chunked head; a model that also returns its logits keeps them, and the plan says
+    so in both cases."""
+    ids = torch.randint(0, 256, (1, 64))
+    torch._dynamo.reset()
+    chunked = autoshard.plan(_LossOnly(), (ids, ids), world_size=2)
+    torch._dynamo.reset()
+    returned = autoshard.plan(_LossOnly().llama, (ids, ids), world_size=2)
+    assert chunked.losses == {"chunked": 1, "unchunked": 0}, chunked.losses
+    assert "1 chunked over the rank's tokens" in str(chunked)
+    assert returned.losses == {"chunked": 0, "unchunked": 1}, returned.losses
+    assert "1 not chunked" in str(returned)
+    assert Plan.from_json(chunked.to_json()).losses == chunked.losses
