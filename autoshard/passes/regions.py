@@ -180,7 +180,7 @@ def outline_regions(gm: fx.GraphModule, regions: list[Region]) -> int:
             continue
         if n.target is operator.getitem and not isinstance(n.args[0], fx.Node):
             continue
-        if n.target is operator.getitem and n.args[0].meta.get(REGION) != index:
+        if n.target is operator.getitem and isinstance(n.args[1], int) and n.args[0].meta.get(REGION) != index:
             del n.meta[REGION]  # an element of an outer tuple (a gradient bucket): taken outside the region
             continue
         members.setdefault(index, []).append(n)

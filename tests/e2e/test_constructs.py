@@ -35,6 +35,7 @@ import warnings
 
 import pytest
 import torch
+import torch.utils.checkpoint
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
@@ -312,6 +313,26 @@ class StackLM(nn.Module):
         return F.cross_entropy(self.head(self.norm(x)).view(-1, VOCAB), labels.view(-1))
 
 
+class Checkpointed(nn.Module):
+    """A layer under activation checkpointing, as a training step runs it."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False)
+
+
+def checkpointed(make):
+    """``make()`` with every layer checkpointed: the score terms are built inside the checkpointed regions."""
+    def build():
+        model = make()
+        model.layers = nn.ModuleList(Checkpointed(layer) for layer in model.layers)
+        return model
+    return build
+
+
 def latent_lm():
     return StackLM([LatentAttention() for _ in range(LAYERS)], nn.RMSNorm(HIDDEN), head_bias=False)
 
@@ -347,6 +368,8 @@ CASES = {  # name: (model, inputs, strategy; None: no attention)
     "latent_attention": (latent_lm, _tokens, "ulysses"),
     "alibi": (alibi_lm, _tokens, "zigzag"),
     "relative_bias": (relative_lm, _tokens, "ring"),
+    "alibi_checkpointed": (checkpointed(alibi_lm), _tokens, "zigzag"),
+    "latent_checkpointed": (checkpointed(latent_lm), _tokens, "ulysses"),
     "scan_vmap": (scan_lm, functools.partial(_tokens, 13), None),  # short: dynamo traces the scan slowly
 }
 WORLDS = (2, 4)
@@ -394,7 +417,7 @@ def test_construct_matches_one_process(name, world):
         assert len(attention) == LAYERS and all(a["strategy"] == strategy for a in attention), f"{where}: {attention}"
         assert [a["causal"] for a in attention] == ([False, True] if name == "relative_bias" else [True] * LAYERS), \
             f"{where}: {attention}"
-        if name == "alibi":  # both forms: the slopes carried to the distributed op
+        if name.startswith("alibi"):  # both forms: the slopes carried to the distributed op
             assert all(a["alibi"] for a in attention), f"{where}: {attention}"
         if name == "relative_bias":  # the learned table tabulated per distance, its gradient summed over ranks
             assert all(a["position_bias"] for a in attention), f"{where}: {attention}"
