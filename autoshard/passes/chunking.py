@@ -2,15 +2,23 @@
 
 The pattern, found from the graph (like Inductor's pattern rewrites, each one counted)::
 
-    logits = linear(h, W[, b])                   # W: [V, H]; logits used by the chain only
+    logits = linear(h, W[, b])                   # W: [V, H]
     logits = logits.float() / .to(float32)       # optional upcasts (never to a narrower dtype)
     logits = logits[:, :-1] / .view(-1, V) / .contiguous()   # optional: slices of the tokens, flattening
     loss = F.cross_entropy(logits [N, V], target [N], weight=, ignore_index=, label_smoothing=, reduction=)
 
 becomes ``linear_cross_entropy(h' [N, H], W, target, b, ...)`` where ``h'`` is ``h`` under the same slices and
-flattening (a slice of the tokens commutes with the head; views keep the last dim). The logits and every
-link of the chain must have no other use, the chain's ops may not touch the last (class) dim, and the
-loss must take class indices (not probabilities); anything else is left as it is. Under ``torch.autocast``
+flattening (a slice of the tokens commutes with the head; views keep the last dim). Every link of the
+chain must have no other use, the chain's ops may not touch the last (class) dim, and the loss must take
+class indices (not probabilities); anything else is left as it is.
+
+The logits themselves may have other uses: transformers' ``*ForCausalLM`` return them next to the loss.
+Then the head stays for those uses and only the loss is chunked: the logits are held in the head's dtype
+(bfloat16 ``[tokens, V]``, split along the sequence like every output) because the caller gets them, but
+their float32 upcast, the log-softmax autograd would save and their float32 gradient -- three times their
+size -- never exist. The price is one more head matmul in forward (the op computes its chunks' logits
+itself; it never reads the returned ones, so they can be freed as soon as the caller drops them). Counted
+as ``logits_kept``. Under ``torch.autocast``
 ``h`` and ``W`` are cast to the dtype the head ran in, and the loss keeps the dtype ``cross_entropy``
 returned (see :mod:`autoshard.runtime.chunked_loss` for what runs): each chunk's logits go from the head's
 dtype to the loss's compute dtype (float32; float64 for float64), exactly what an upcast ``.float()`` does.
@@ -115,7 +123,7 @@ def _match(ce: fx.Node):
         chain.append(node)
         node = op_of(node)["input"]
     weight = head["weight"]
-    if len(node.users) != 1 or not isinstance(weight, fx.Node) or shape_of(weight)[0] != classes or \
+    if not isinstance(weight, fx.Node) or shape_of(weight)[0] != classes or \
             len(shape_of(weight)) != 2 or not isinstance(head["input"], fx.Node):
         return None
     if head["bias"] is not None and not isinstance(head["bias"], fx.Node):
@@ -152,23 +160,27 @@ def _rewrite(graph: fx.Graph, ce: fx.Node, linear: fx.Node, chain: list[fx.Node]
                          "chunks": chunks_for(rows, tokens_per_chunk), "out_dtype": value_of(ce).dtype})
     loss.meta.update({k: v for k, v in ce.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")})
     ce.replace_all_uses_with(loss)
-    for dead in [ce, *chain[::-1], linear]:
+    for dead in [ce, *chain[::-1]]:
         graph.erase_node(dead)
+    if not linear.users:  # else the logits are also returned (or used otherwise): the head stays for them
+        graph.erase_node(linear)
     for user in loss.users:  # they named the loss node; new nodes are bound on demand
         user.meta[OP_KEY] = canonical(user)
 
 
 def chunk_losses(gm: fx.GraphModule, tokens_per_chunk: int | None) -> dict[str, int]:
     """Rewrite every chunkable ``linear -> cross_entropy`` of ``gm`` (none when ``tokens_per_chunk`` is None);
-    counts: ``chunked_losses`` rewritten, ``unchunked_losses`` cross-entropies left as they were."""
+    counts: ``chunked_losses`` rewritten, ``unchunked_losses`` cross-entropies left as they were, ``logits_kept``
+    chunked losses whose head stays for the logits' other uses."""
     losses = [n for n in gm.graph.nodes if (o := op_of(n)) is not None and o.name == "cross_entropy"]
     if tokens_per_chunk is None:
         return {"chunked_losses": 0, "unchunked_losses": len(losses)}
-    chunked = 0
+    chunked = kept = 0
     for ce in losses:
         found = _match(ce)
         if found is None:
             continue
+        kept += len(found[0].users) > 1  # the logits have uses besides the loss
         _rewrite(gm.graph, ce, *found, tokens_per_chunk)
         chunked += 1
-    return {"chunked_losses": chunked, "unchunked_losses": len(losses) - chunked}
+    return {"chunked_losses": chunked, "unchunked_losses": len(losses) - chunked, "logits_kept": kept}

@@ -11,6 +11,9 @@ loss spelling per case, every one with shifted labels and ``ignore_index=-100`` 
 * ``sum`` -- ``reduction="sum"`` divided by a count (``num_items_in_batch``), no upcast;
 * ``weight`` -- class weights;
 * ``none`` -- ``reduction="none"``: the per-token losses (split, gathered for the comparison);
+* ``returned`` -- ``mean``, and the logits returned too (as transformers' ``*ForCausalLM`` return them): the
+  head stays for them, the loss is chunked all the same, and the objective's gradient reaches the head
+  through both;
 * ``bf16`` / ``bf16_sum`` -- ``mean`` and ``sum`` with bfloat16 parameters;
 * ``aot_eager`` -- ``smoothing`` through the ``aot_eager`` inner compiler (the op and its backward op traced
   as opaque calls);
@@ -74,7 +77,7 @@ class TinyLM(nn.Module):
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x)
-        logits = self.lm_head(self.norm(x))
+        logits = head = self.lm_head(self.norm(x))
         v = self.vocab
         if self.loss == "slice":
             return F.cross_entropy(logits[:, :-1].reshape(-1, v), labels[:, 1:].reshape(-1))
@@ -89,6 +92,8 @@ class TinyLM(nn.Module):
                                    ignore_index=-100)
         if self.loss == "none":
             return F.cross_entropy(logits.view(-1, v), shifted, ignore_index=-100, reduction="none")
+        if self.loss == "returned":
+            return F.cross_entropy(logits.view(-1, v), shifted, ignore_index=-100), head
         return F.cross_entropy(logits.view(-1, v), shifted, ignore_index=-100)
 
 
@@ -106,6 +111,7 @@ CASES = {  # name: (loss spelling, dtype, other backend options)
     "sum": ("sum", torch.float64, {}),
     "weight": ("weight", torch.float64, {}),
     "none": ("none", torch.float64, {}),
+    "returned": ("returned", torch.float64, {}),
     "bf16": ("mean", torch.bfloat16, {}),
     "bf16_sum": ("bf16_sum", torch.bfloat16, {}),
     "aot_eager": ("smoothing", torch.float64, {"inner": "aot_eager"}),
@@ -162,11 +168,14 @@ def test_chunked_loss_matches_one_process(name, world):
         where = f"{name} P={world} rank {rank}"
         assert r["error"] <= tolerance, f"{where}: {r['summary']}"
         assert r["fallbacks"] == [], f"{where}: {r['fallbacks']}"
-        assert r["chunking"] == [{"chunked_losses": 1, "unchunked_losses": 0}], f"{where}: {r['chunking']}"
+        kept = int(name == "returned")
+        assert r["chunking"] == [{"chunked_losses": 1, "unchunked_losses": 0, "logits_kept": kept}], \
+            f"{where}: {r['chunking']}"
         names = set(r["placements"])
         assert any(n.startswith("linear_cross_entropy") for n in names), f"{where}: {sorted(names)}"
-        assert not any(n.startswith(("cross_entropy", "logits", "l__self___lm_head", "lm_head")) for n in names), \
-            f"{where}: the head's output or the loss is still in the graph: {sorted(names)}"
+        assert not any(n.startswith("cross_entropy") for n in names), f"{where}: the loss is still in the graph"
+        heads = [n for n in names if n.startswith(("logits", "l__self___lm_head", "lm_head"))]
+        assert len(heads) == kept, f"{where}: the head's output {heads}, expected {kept}"
         assert r["booked"] == r["measured"], f"{where}: bytes booked {r['booked']}, sent {r['measured']}"
 
 
