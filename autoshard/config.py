@@ -81,6 +81,12 @@ class BackendConfig:
     and 500 MiB for 128k, while a chunk's matmul (1024 x hidden x vocab) stays large enough to run at full
     speed. Every rank runs the same number of chunks, derived from the largest rank's share of the tokens."""
 
+    recompute: str = "none"
+    """Activation recomputation the compiler adds: ``"none"``, or ``"layers"``: every transformer layer (the
+    nodes of one ``ModuleList`` entry, from the graph's module stacks) runs under activation checkpointing, so
+    backward keeps only the layers' inputs and reruns each layer, its collectives included. Layers the model
+    already checkpoints stay as they are. ``memory_budget`` may turn it on."""
+
     def __post_init__(self):
         def check(name, value, allowed):
             if value not in allowed:
@@ -102,6 +108,7 @@ class BackendConfig:
                     raise ValueError(f"autoshard.backend: seq_dims maps input names or positions to ints, got {key!r}: {dim!r}")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError("autoshard.backend: memory_budget must be a positive number of bytes")
+        check("recompute", self.recompute, ("none", "layers"))
         if self.chunk_loss is not None and (isinstance(self.chunk_loss, bool) or not isinstance(self.chunk_loss, int)
                                             or self.chunk_loss <= 0):
             raise ValueError("autoshard.backend: chunk_loss is a positive number of tokens or None, "

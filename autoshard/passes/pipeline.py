@@ -7,6 +7,7 @@
 ``capture``        attention calls become ``captured_attention`` with a structured mask (:mod:`.capture`)
 ``decompose``      composites (``diff``) become ops that have rules (:mod:`.normalize`)
 ``chunking``       the LM head and its cross-entropy become one chunked op (:mod:`.chunking`)
+``recompute``      with ``recompute="layers"``, every layer becomes a checkpointed region (:mod:`.recompute`)
 ``link``           every node's rule links its dims to its inputs' dims; annotations seed (:mod:`.infer`)
 ``families``       linked dims joined into sequence families (:mod:`.infer`)
 ``strategy``       an attention algorithm per attention, a layout per family (:mod:`autoshard.strategy`)
@@ -42,6 +43,7 @@ from .infer import Families, LinkContext, find_families, link_graph
 from .normalize import annotate, decompose
 from .ops import op_of
 from .regions import Region, fill_regions, inline_regions, outline_regions
+from .recompute import recompute_layers
 from .rewrite import Rewriter
 
 __all__ = ["PipelineState", "PassStats", "PASSES", "run_pipeline"]
@@ -143,6 +145,10 @@ def _chunking(state: PipelineState) -> dict[str, int]:
     return chunk_losses(state.gm, state.config.chunk_loss)
 
 
+def _recompute(state: PipelineState) -> dict[str, int]:
+    return recompute_layers(state.gm, state.regions, state.config.recompute)
+
+
 def _link(state: PipelineState) -> dict[str, int]:
     state.links = link_graph(state.gm)
     for node, dim in state.seeds:
@@ -211,6 +217,7 @@ PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[Pi
     ("capture", _capture, _graph_code),
     ("decompose", _decompose, _graph_code),
     ("chunking", _chunking, _graph_code),
+    ("recompute", _recompute, _graph_code),
     ("link", _link, lambda state: f"{len(state.links.factors)} nodes with linked dims\n"),
     ("families", _families, _families_text),
     ("strategy", _strategy, _decisions_text),
