@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoshard.passes.capture import captured_attention
 from autoshard.runtime.attention import local as local_impl
 from autoshard.runtime import SequenceLayout, attention, comm_counter
 from autoshard.runtime.attention import attention_flops, hybrid_layout, hybrid_sequence_rank
@@ -101,14 +100,46 @@ def _position_bias(case: dict) -> torch.Tensor | None:
     return torch.randn(case["heads"], 2 * case["length"] - 1, generator=g)
 
 
+def _dense_mask(case: dict, key_mask, segments) -> torch.Tensor:
+    """[B, 1, S, S] bool: which key each query sees, straight from the definitions of the case's mask."""
+    S = case["length"]
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    mask = torch.ones(case["batch"], 1, S, S, dtype=torch.bool)
+    if "causal" in case["mask"]:
+        mask &= j <= i
+    if "window" in case["mask"]:
+        mask &= j >= i - 5
+    if case["chunk"]:
+        mask &= i // case["chunk"] == j // case["chunk"]
+    if key_mask is not None:
+        mask &= key_mask[:, None, None, :]
+    if segments is not None:
+        mask &= segments[:, None, :, None] == segments[:, None, None, :]
+    return mask
+
+
 def _reference(case: dict):
+    """Dense float64 attention written out here, independent of the library: scores scaled, capped, plus the
+    ALiBi and relative-position terms, masked, softmax (rows that see no key: 0), times v; its gradients by
+    autograd."""
     q, k, v, dout, key_mask, segments = _inputs(case)
     leaves = [t.to(torch.float64).requires_grad_() for t in (q, k, v)]
     bias = _position_bias(case)
-    bias = bias.requires_grad_() if bias is not None else None
-    # the one-device meaning of a captured attention (dense mask, SDPA or the soft-capped scores)
-    out = captured_attention(*leaves, key_mask, segments, **_mask_args(case), softcap=case.get("softcap", 0.0),
-                             position_bias=bias)
+    bias = bias.double().requires_grad_() if bias is not None else None
+    q64, k64, v64 = leaves
+    group, S = q64.shape[1] // k64.shape[1], case["length"]
+    s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) / q64.shape[-1] ** 0.5
+    if case.get("softcap"):
+        s = case["softcap"] * torch.tanh(s / case["softcap"])
+    distance = torch.arange(S)[None, :] - torch.arange(S)[:, None]  # k - q
+    if case.get("alibi"):
+        s = s + _slopes(case["heads"]).double()[:, None, None] * distance
+    if bias is not None:
+        s = s + bias[:, distance + S - 1]
+    mask = _dense_mask(case, key_mask, segments)
+    visible = mask.any(-1, keepdim=True)  # a row with no visible key (key mask x chunk) gives 0, by definition
+    p = torch.softmax(torch.where(visible, s.masked_fill(~mask, float("-inf")), 0.0), dim=-1) * mask
+    out = p @ v64.repeat_interleave(group, 1)
     out.backward(dout.to(torch.float64))
     return [out.detach()] + [t.grad for t in leaves] + [bias.grad if bias is not None else None]
 
