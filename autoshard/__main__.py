@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", choices=LAYOUT_CHOICES, default="auto")
     p.add_argument("--outputs", choices=("split", "gathered", "sharded"), default="split")
     p.add_argument("--ranks-per-node", type=int, default=Topology().ranks_per_node)
+    p.add_argument("--memory-budget", type=float, metavar="GIB",
+                   help="per-rank budget in GiB: the memory policy picks recomputation and MLP chunking to fit it")
+    p.add_argument("--recompute", choices=("none", "layers"), default="none")
+    p.add_argument("--chunk-mlp", type=int, metavar="TOKENS", help="tokens per chunk of the MLPs (default: off)")
+    p.add_argument("--chunk-loss", type=int, default=1024, metavar="TOKENS",
+                   help="tokens per chunk of the LM head + loss (0: off)")
     p.add_argument("--rank", type=int, default=0, help="the rank whose view the plan shows")
     p.add_argument("--json", help="also write the plan as JSON to this file")
     p.add_argument("--dot", help="also write the graph, coloured by placement, as Graphviz to this file")
@@ -50,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     from .planner import plan
 
     model, model_args, model_kwargs = _load_factory(args.factory)(args.seq_len)
+    budget = int(args.memory_budget * 2**30) if args.memory_budget is not None else None
     result = plan(model, model_args, model_kwargs, world_size=args.world_size, strategy=args.strategy,
                   layout=args.layout, outputs=args.outputs, topology=Topology(ranks_per_node=args.ranks_per_node),
-                  rank=args.rank)
+                  rank=args.rank, memory_budget=budget, recompute=args.recompute, chunk_mlp=args.chunk_mlp,
+                  chunk_loss=args.chunk_loss or None)
     print(result)
     if args.json:
         Path(args.json).write_text(result.to_json())

@@ -43,6 +43,7 @@ from .passes.pipeline import PipelineState, run_pipeline
 from .passes.rewrite import CompileReport, is_parameter
 from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
+from .policy import choose_memory_policy, device_budget
 from .runtime.collectives import gather_facts
 from .runtime.layouts import SequenceLayout
 from .runtime.split_tensor import SplitTensor, local_of, wrap
@@ -220,10 +221,12 @@ class AutoshardBackend:
                               for i, x in enumerate(example_inputs)]  # the inner compiler traces the shard's grad
         _check_same_graph(pg, next(_COMPILES), gm, global_inputs or example_inputs,
                           same_values=self.config.inputs == "replicated")
-        compiled = compile_graph(gm, config=self.config, rank=pg.rank(), world=pg.size(), group=pg.group_name,
+        config, policy = self._memory_policy(gm, global_inputs or example_inputs, pg.size())
+        compiled = compile_graph(gm, config=config, rank=pg.rank(), world=pg.size(), group=pg.group_name,
                                  ring_group=ring_group, heads_group=heads_group, heads_axis_size=heads_axis,
                                  sharded_inputs=sharded_inputs,
                                  carried_inputs={placeholders[i].name for i in carried} if carried else None)
+        compiled.report.memory_policy = policy
         record = GraphRecord(compiled.report, compiled.gathered_output_shapes, bool(compiled.families.families))
         self._warn_if_whole_from_earlier_graph(record, example_inputs)
         self.compiled.append(record)
@@ -231,6 +234,25 @@ class AutoshardBackend:
         if not carried and not compiled.carried_outputs:
             return lowered
         return _carrying(lowered, set(carried), compiled.carried_outputs, pg.group_name)
+
+    def _memory_policy(self, gm: fx.GraphModule, example_inputs: list, world: int) -> tuple[BackendConfig, Any]:
+        """The config the memory policy chooses for this graph (:mod:`autoshard.policy`) and what it weighed;
+        the backend's own config and None without a budget (``memory_budget`` unset on CPU). Decided from rank
+        0's plan, so every rank decides the same."""
+        from .planner import plan_graphs
+
+        budget, strict = self.config.memory_budget, True
+        if budget is None:
+            budget, strict = device_budget(example_inputs), False
+        if budget is None:
+            return self.config, None
+
+        def planned_peak(config: BackendConfig) -> int:  # the option as it is (no policy inside the estimate)
+            plan = plan_graphs([(copy.deepcopy(gm), list(example_inputs))], world_size=world,
+                               config=dataclasses.replace(config, memory_budget=None))
+            return plan.memory_per_rank.total
+
+        return choose_memory_policy(self.config, planned_peak, budget=budget, strict=strict)
 
     def _warn_if_whole_from_earlier_graph(self, compiled: GraphRecord, example_inputs: list) -> None:
         """A graph with no sequence of its own that takes, as input, a value an earlier graph gathered whole

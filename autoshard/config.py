@@ -67,7 +67,13 @@ class BackendConfig:
     default (8-GPU NVLink nodes on InfiniBand)."""
 
     memory_budget: int | None = None
-    """Per-rank memory budget in bytes the strategy choice must respect, if any."""
+    """Per-rank memory budget in bytes. It drives the memory policy (:mod:`autoshard.policy`): of the levers
+    the user left unset, it takes the cheapest that makes the planned per-rank peak fit -- as configured,
+    then ``chunk_mlp``, then ``recompute="layers"``, then both -- and a budget nothing fits raises
+    :class:`autoshard.policy.MemoryBudgetError` on every rank, naming the smallest feasible budget. The
+    choice is in the compile report and the plan. The cost model also drops attention strategies whose
+    buffers exceed it. None: on CUDA the device's memory (when nothing fits, a warning and the smallest
+    option); on CPU no policy."""
 
     chunk_loss: int | None = 1024
     """Tokens per chunk of the chunked LM head + loss, or None to leave the head and its loss as they are. A
@@ -81,11 +87,25 @@ class BackendConfig:
     and 500 MiB for 128k, while a chunk's matmul (1024 x hidden x vocab) stays large enough to run at full
     speed. Every rank runs the same number of chunks, derived from the largest rank's share of the tokens."""
 
+    chunk_mlp: int | None = None
+    """Tokens per chunk of the token-local MLP blocks (``linear -> activation [* linear] -> linear``: SwiGLU, GELU
+    MLPs, found from the graph), or None to leave them as they are. Each chunk of this rank's tokens runs the
+    block under activation checkpointing, so its ``[tokens, intermediate]`` values are alive one chunk at a time in
+    forward and again in backward (one more forward of the block: the price). Off by default; the memory
+    policy (``memory_budget``) turns it on (1024 tokens) when the budget needs it. Every rank runs the same number of chunks,
+    derived from the largest rank's share of the tokens."""
+
     recompute: str = "none"
     """Activation recomputation the compiler adds: ``"none"``, or ``"layers"``: every transformer layer (the
     nodes of one ``ModuleList`` entry, from the graph's module stacks) runs under activation checkpointing, so
     backward keeps only the layers' inputs and reruns each layer, its collectives included. Layers the model
     already checkpoints stay as they are. ``memory_budget`` may turn it on."""
+
+    offload: bool = False
+    """Keep the inputs of checkpointed regions (``recompute="layers"``, or the model's own checkpoints) in host
+    memory from forward until backward reaches them (:mod:`autoshard.runtime.offload`): with every layer
+    recomputed they are what a rank still holds, ``layers x tokens x hidden``. Each costs one copy to the host
+    and one back. Runs with the ``"eager"`` inner compiler only. ``memory_budget`` may turn it on."""
 
     def __post_init__(self):
         def check(name, value, allowed):
@@ -109,6 +129,13 @@ class BackendConfig:
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError("autoshard.backend: memory_budget must be a positive number of bytes")
         check("recompute", self.recompute, ("none", "layers"))
+        if self.offload and self.inner != "eager":
+            raise ValueError("autoshard.backend: offload=True runs with inner='eager' only (a tracing compiler would "
+                             f"trace the host copies instead of running them), got inner={self.inner!r}")
+        if self.chunk_mlp is not None and (isinstance(self.chunk_mlp, bool) or not isinstance(self.chunk_mlp, int)
+                                           or self.chunk_mlp <= 0):
+            raise ValueError("autoshard.backend: chunk_mlp is a positive number of tokens or None, "
+                             f"got {self.chunk_mlp!r}")
         if self.chunk_loss is not None and (isinstance(self.chunk_loss, bool) or not isinstance(self.chunk_loss, int)
                                             or self.chunk_loss <= 0):
             raise ValueError("autoshard.backend: chunk_loss is a positive number of tokens or None, "

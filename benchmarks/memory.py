@@ -1,7 +1,8 @@
-"""Per-rank peak memory of the LM head + loss: one process vs P=2, with and without the chunked loss.
+"""Per-rank peak memory of a training step: one process vs P=2, chunked loss, and the memory policy.
 
     python benchmarks/memory.py                  # S = 8192 and 16384
     python benchmarks/memory.py --seq 4096       # what a small machine can run
+    python benchmarks/memory.py --cap 3          # the longest S whose step fits 3 GiB per rank, each way
 
 A transformers Llama from a config (vocabulary 32000, hidden 256, 4 layers, 8 query / 2 key-value heads,
 float32, CPU): forward + backward of the loss at S tokens, batch 1. The step is the base model, the
@@ -12,7 +13,13 @@ value the caller gets cannot be chunked away.
 * ``one process``: the plain model, uncompiled (autoshard compiles nothing on one rank);
 * ``P=2, whole loss``: compiled over 2 gloo ranks with ``chunk_loss=None``: each rank holds its
   ``[S/2, 32000]`` logits, their float32 log-softmax (saved for backward) and their gradient;
-* ``P=2, chunked``: the default ``chunk_loss`` (1024 tokens per chunk).
+* ``P=2, chunked``: the default ``chunk_loss`` (1024 tokens per chunk);
+* ``P=2, policy``: ``memory_budget=--budget`` (default 512 MiB): the memory policy (:mod:`autoshard.policy`)
+  takes the cheapest of MLP chunking, layer recomputation (and offload: a no-op on CPU, where the layers'
+  inputs already are in host memory) whose plan fits; the ``levers`` column says what it chose.
+
+``--cap GIB`` instead doubles S from 4096 for each way of running until the step's measured peak per rank
+exceeds the cap, and prints the longest S that fit.
 
 Memory is the operating system's: the peak resident set of each rank's process during the step, above
 what was resident before it (``autoshard.testing.memory.peak_memory``: ``VmHWM`` reset through
@@ -71,14 +78,15 @@ def _model() -> nn.Module:
     return LossOnly(LlamaForCausalLM(cfg)).float()
 
 
-def step(seq: int, chunk_loss, compiled: bool) -> dict:
-    """This rank's peak extra resident bytes and seconds of one forward + backward at ``seq`` tokens."""
+def step(seq: int, options: dict | None) -> dict:
+    """This rank's peak extra resident bytes and seconds of one forward + backward at ``seq`` tokens: the plain
+    model (``options`` None) or compiled with the backend ``options``."""
     model = _model()
     ids = torch.randint(0, VOCAB, (1, seq))
     run = model
     backend = None
-    if compiled:
-        backend = autoshard.backend(chunk_loss=chunk_loss)
+    if options is not None:
+        backend = autoshard.backend(**options)
         run = torch.compile(model, backend=backend, dynamic=False)
     run(ids, ids).backward()  # compile and warm up at this length: the measured step is the second
     model.zero_grad(set_to_none=True)
@@ -87,33 +95,60 @@ def step(seq: int, chunk_loss, compiled: bool) -> dict:
         loss = run(ids, ids)
         loss.backward()
         seconds = time.perf_counter() - start
-    chunked = sum(g.report.passes["chunking"].counts["chunked_losses"] for g in backend.compiled) if backend else 0
-    return {"peak": measured.peak_bytes, "seconds": seconds, "loss": float(loss.detach()), "chunked": chunked}
+    reports = [g.report for g in backend.compiled] if backend else []
+    policies = [r.memory_policy for r in reports if r.memory_policy is not None]
+    levers = ("chunk_loss" if sum(r.passes["chunking"].counts["chunked_losses"] for r in reports) else "") + \
+        "".join(f"; {p.chosen.describe() if p.chosen else 'nothing fits'}" for p in policies)
+    return {"peak": measured.peak_bytes, "seconds": seconds, "loss": float(loss.detach()), "levers": levers or "-"}
+
+
+def runs(budget: int) -> dict[str, tuple[int, dict | None]]:
+    """The ways of running compared: name -> (ranks, backend options or None for the plain model)."""
+    return {"one process": (1, None), "P=2, whole loss": (2, {"chunk_loss": None}), "P=2, chunked": (2, {}),
+            "P=2, policy": (2, {"memory_budget": budget})}
+
+
+def measure(seq: int, ranks: int, options: dict | None, timeout: float) -> dict:
+    results = run_on_ranks(step, ranks, seq, options, timeout=timeout, env=LOW_MMAP_THRESHOLD_ENV)
+    return {**results[0], "peak": max(r["peak"] for r in results), "seconds": max(r["seconds"] for r in results)}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, nargs="*", default=[8192, 16384], help="sequence lengths")
+    parser.add_argument("--budget", type=float, default=0.5, help="memory_budget of the policy run, GiB per rank")
+    parser.add_argument("--cap", type=float, help="print the longest S (doubling from 4096) under this GiB per rank")
+    parser.add_argument("--max-seq", type=int, default=131072, help="the longest S --cap tries")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     args = parser.parse_args()
+    ways = runs(int(args.budget * 2**30))
+    if args.cap is not None:
+        print(f"longest S whose step fits {args.cap} GiB per rank (doubling from 4096, up to {args.max_seq})")
+        for name, (ranks, options) in ways.items():
+            seq, fits = 4096, None
+            while seq <= args.max_seq:
+                peak = measure(seq, ranks, options, args.timeout)["peak"]
+                print(f"  {name:<16} S={seq:>7}: {peak / 2**20:>8.0f} MiB", flush=True)
+                if peak > args.cap * 2**30:
+                    break
+                fits, seq = seq, seq * 2
+            print(f"{name:<16} longest S under the cap: {fits or '< 4096'}", flush=True)
+        return
     rows = []
     for seq in args.seq:
-        runs = {"one process": run_on_ranks(step, 1, seq, None, False, timeout=args.timeout,
-                                            env=LOW_MMAP_THRESHOLD_ENV),
-                "P=2, whole loss": run_on_ranks(step, 2, seq, None, True, timeout=args.timeout,
-                                                env=LOW_MMAP_THRESHOLD_ENV),
-                "P=2, chunked": run_on_ranks(step, 2, seq, 1024, True, timeout=args.timeout,
-                                             env=LOW_MMAP_THRESHOLD_ENV)}
-        for name, ranks in runs.items():
-            logits = (seq // len(ranks)) * VOCAB * 4
-            rows.append((seq, name, max(r["peak"] for r in ranks), logits, max(r["seconds"] for r in ranks),
-                         ranks[0]["loss"], ranks[0]["chunked"]))
-    header = f"{'S':>6}  {'run':<16} {'peak/rank':>10} {'logits/rank':>12} {'step s':>7} {'loss':>8} chunked"
+        one = None
+        for name, (ranks, options) in ways.items():
+            r = measure(seq, ranks, options, args.timeout)
+            one = one or r["peak"]
+            rows.append((seq, name, r["peak"], r["peak"] / one, (seq // ranks) * VOCAB * 4, r["seconds"], r["loss"],
+                         r["levers"]))
+    header = (f"{'S':>6}  {'run':<16} {'peak/rank':>10} {'x one':>6} {'logits/rank':>12} {'step s':>7} {'loss':>8}  "
+              f"levers")
     print(header)
     print("-" * len(header))
-    for seq, name, peak, logits, seconds, loss, chunked in rows:
-        print(f"{seq:>6}  {name:<16} {peak / 2**20:>8.0f} MiB {logits / 2**20:>8.0f} MiB {seconds:>7.1f} {loss:>8.4f} "
-              f"{chunked}")
+    for seq, name, peak, ratio, logits, seconds, loss, levers in rows:
+        print(f"{seq:>6}  {name:<16} {peak / 2**20:>6.0f} MiB {ratio:>6.2f} {logits / 2**20:>8.0f} MiB {seconds:>7.1f} "
+              f"{loss:>8.4f}  {levers}")
 
 
 if __name__ == "__main__":

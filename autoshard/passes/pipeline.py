@@ -12,6 +12,7 @@
 ``families``       linked dims joined into sequence families (:mod:`.infer`)
 ``strategy``       an attention algorithm per attention, a layout per family (:mod:`autoshard.strategy`)
 ``rewrite``        the local graph of this rank (:mod:`.rewrite`)
+``chunk_mlp``      MLP blocks run in checkpointed chunks of this rank's tokens (:mod:`.chunk_mlp`)
 ``outline``        checkpointed regions are cut out of the local graph again, still checkpointed (:mod:`.regions`)
 =================  ==================================================================================
 
@@ -37,6 +38,7 @@ from ..config import BackendConfig
 from ..runtime.groups import plan_group_name
 from ..strategy import choose
 from .capture import capture_attention
+from .chunk_mlp import chunk_mlps
 from .chunking import chunk_losses
 from .functionalize import functionalize
 from .infer import Families, LinkContext, find_families, link_graph
@@ -188,8 +190,13 @@ def _rewrite(state: PipelineState) -> dict[str, int]:
             "collectives": len(report.comms)}
 
 
+def _chunk_mlp(state: PipelineState) -> dict[str, int]:
+    return chunk_mlps(state.gm, state.config.chunk_mlp, state.rewriter)
+
+
 def _outline(state: PipelineState) -> dict[str, int]:
-    return {"outlined": outline_regions(state.gm, state.regions)}
+    outlined = outline_regions(state.gm, state.regions, offload=state.config.offload)
+    return {"outlined": outlined, "offloaded": outlined if state.config.offload else 0}
 
 
 def _graph_code(state: PipelineState) -> str:
@@ -222,6 +229,7 @@ PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[Pi
     ("families", _families, _families_text),
     ("strategy", _strategy, _decisions_text),
     ("rewrite", _rewrite, _graph_code),
+    ("chunk_mlp", _chunk_mlp, _graph_code),
     ("outline", _outline, _graph_code),
 )
 """(name, pass, what the pass produced as text for a dump), in the order they run."""

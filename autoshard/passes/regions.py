@@ -20,7 +20,8 @@ so the region's local attention, its collectives and the transitions its nodes a
 with it. Recomputation policy: the whole region is recomputed in backward, collectives included, with
 early stop off (the HOP's own choice), so every rank reruns the same collectives in the same order; the
 compile report books each recomputed collective a second time (phase ``backward``) and lists the
-regions.
+regions. With ``offload`` the call is :func:`autoshard.runtime.offload.offloaded_checkpoint`: the same
+checkpoint, its inputs kept in host memory until backward.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+
+from ..runtime.offload import offloaded_checkpoint
 
 __all__ = ["REGION", "REGIONS", "Region", "inline_regions", "fill_regions", "outline_regions"]
 
@@ -135,8 +138,8 @@ def fill_regions(gm: fx.GraphModule) -> None:
         run, before = [], region
 
 
-def _outline_one(gm: fx.GraphModule, region: Region, members: list[fx.Node]) -> fx.Node:
-    """Replace ``members`` (a region's nodes in the rewritten graph, in order) by one checkpointed call."""
+def _outline_one(gm: fx.GraphModule, region: Region, members: list[fx.Node], checkpoint) -> fx.Node:
+    """Replace ``members`` (a region's nodes in the rewritten graph, in order) by one call of ``checkpoint``."""
     graph = gm.graph
     inside = set(members)
     inputs: dict[fx.Node, None] = {}
@@ -159,7 +162,7 @@ def _outline_one(gm: fx.GraphModule, region: Region, members: list[fx.Node]) -> 
     with graph.inserting_after(members[-1]):
         attr = graph.get_attr(name)
     with graph.inserting_after(attr):
-        call = graph.call_function(_CHECKPOINT, (attr, *inputs), dict(region.kwargs))
+        call = graph.call_function(checkpoint, (attr, *inputs), dict(region.kwargs))
     last = call
     for k, n in enumerate(outputs):
         with graph.inserting_after(last):
@@ -170,9 +173,11 @@ def _outline_one(gm: fx.GraphModule, region: Region, members: list[fx.Node]) -> 
     return call
 
 
-def outline_regions(gm: fx.GraphModule, regions: list[Region]) -> int:
+def outline_regions(gm: fx.GraphModule, regions: list[Region], offload: bool = False) -> int:
     """Cut every region back out of the rewritten graph ``gm`` (nodes tagged ``meta[REGION]``) into a
-    ``tag_activation_checkpoint`` call; returns how many regions were outlined."""
+    ``tag_activation_checkpoint`` call -- :func:`autoshard.runtime.offload.offloaded_checkpoint` with
+    ``offload``: the region's inputs wait for backward in host memory; returns how many regions were outlined."""
+    checkpoint = offloaded_checkpoint if offload else _CHECKPOINT
     members: dict[int, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         index = n.meta.get(REGION)
@@ -193,7 +198,7 @@ def outline_regions(gm: fx.GraphModule, regions: list[Region]) -> int:
                     raise RuntimeError(f"autoshard: checkpointed region {index} is not contiguous in the rewritten "
                                        f"graph ({user.format_node()} uses {n.name} between its nodes)")
     for index, nodes in members.items():
-        _outline_one(gm, regions[index], nodes)
+        _outline_one(gm, regions[index], nodes, checkpoint)
     gm.graph.lint()
     gm.recompile()
     return len(members)

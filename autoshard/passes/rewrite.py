@@ -94,6 +94,9 @@ class CompileReport:
     whole region reruns, its forward collectives too."""
     passes: dict = field(default_factory=dict)
     """Pass name -> its :class:`~autoshard.passes.pipeline.PassStats` (seconds, counts), in pass order."""
+    memory_policy: Any = None
+    """What the memory policy weighed and chose for this graph (:class:`~autoshard.policy.MemoryPolicy`), or None
+    without a budget."""
 
 
 class Rewriter:

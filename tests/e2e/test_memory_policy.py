@@ -1,0 +1,122 @@
+"""``memory_budget``: the memory policy picks the cheapest levers whose plan fits, at 2 ranks against one process.
+
+* The policy alone, with a stand-in estimator: options tried cheapest first (as configured, chunked MLPs,
+  recomputed layers, both, then offloaded), levers the user set never changed, offload only with the eager
+  inner compiler, the first that fits taken; nothing fits: the error names the smallest feasible budget, or
+  (the CUDA default) a warning and the smallest option.
+* The backend at 2 ranks on autoshard's Llama (float64, length 61): each option's planned peak from
+  ``autoshard.plan`` (rank 0's view, which every rank's policy uses); with the budget of recomputed layers,
+  the backend chooses the first option in the policy's order planned within it (not the model as
+  configured), the compile report says so, and loss and gradients equal one process within 1e-9; a budget
+  below all of them raises ``MemoryBudgetError`` on every rank with the smallest planned peak in bytes.
+"""
+
+import functools
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.config import BackendConfig
+from autoshard.models import LlamaConfig, LlamaLM
+from autoshard.policy import CHUNK_MLP_TOKENS, MemoryBudgetError, _options, choose_memory_policy
+from autoshard.testing import run_on_ranks
+from autoshard.testing.equivalence import compare_with_one_process
+
+CONFIG = dict(vocab_size=64, hidden=32, layers=3, heads=4, kv_heads=2, intermediate=64)
+LEVERS = ("chunk_mlp", "recompute", "offload")
+
+
+def _stand_in(costs: dict):
+    """An estimator: bytes by (chunk_mlp, recompute, offload)."""
+    return lambda config: costs[tuple(getattr(config, k) for k in LEVERS)]
+
+
+COSTS = {(None, "none", False): 100, (CHUNK_MLP_TOKENS, "none", False): 80, (None, "layers", False): 60,
+         (CHUNK_MLP_TOKENS, "layers", False): 50, (None, "layers", True): 30, (CHUNK_MLP_TOKENS, "layers", True): 20}
+
+
+@pytest.mark.parametrize("budget, chosen", [(100, (None, "none", False)), (90, (CHUNK_MLP_TOKENS, "none", False)),
+                                            (55, (CHUNK_MLP_TOKENS, "layers", False)),
+                                            (25, (CHUNK_MLP_TOKENS, "layers", True))])
+def test_cheapest_option_that_fits(budget, chosen):
+    config, policy = choose_memory_policy(BackendConfig(), _stand_in(COSTS), budget=budget)
+    assert tuple(getattr(config, k) for k in LEVERS) == chosen
+    assert policy.chosen is not None and policy.chosen.estimate <= budget
+    assert [o.estimate for o in policy.options] == sorted(o.estimate for o in policy.options)[::-1]
+    assert "memory policy" in policy.describe()
+
+
+def test_levers_the_user_set_stay():
+    config, policy = choose_memory_policy(BackendConfig(recompute="layers"), _stand_in(COSTS), budget=40)
+    assert config.recompute == "layers" and config.offload
+    assert all(o.recompute == "layers" for o in policy.options)
+    config, policy = choose_memory_policy(BackendConfig(inner="aot_eager"), _stand_in(COSTS), budget=50)
+    assert not any(o.offload for o in policy.options)
+
+
+def test_nothing_fits():
+    with pytest.raises(MemoryBudgetError, match=r"smallest feasible budget is 20 bytes"):
+        choose_memory_policy(BackendConfig(), _stand_in(COSTS), budget=10)
+    with pytest.warns(UserWarning, match="smallest feasible budget is 20 bytes"):
+        config, policy = choose_memory_policy(BackendConfig(), _stand_in(COSTS), budget=10, strict=False)
+    assert policy.chosen is None and (config.chunk_mlp, config.recompute, config.offload) == (CHUNK_MLP_TOKENS,
+                                                                                             "layers", True)
+
+
+def _model():
+    return LlamaLM(LlamaConfig(**CONFIG))
+
+
+def _inputs():
+    torch.manual_seed(1)
+    ids = torch.randint(0, 64, (2, 61))
+    return ids, ids
+
+
+def _run():
+    torch.manual_seed(0)
+    plans = {}
+    for levers in _options(BackendConfig()):
+        torch._dynamo.reset()
+        plans[tuple(levers[k] for k in LEVERS)] = autoshard.plan(_model().double(), _inputs(), world_size=2,
+                                                                outputs="gathered", **levers).memory_per_rank.total
+    # the budget of "recompute the layers": the policy must take the first option, in its order, planned within it
+    budget = plans[(None, "layers", False)]
+    out = {"plans": plans, "budget": budget, "expected": next(k for k, v in plans.items() if v <= budget)}
+    torch._dynamo.reset()
+    r = compare_with_one_process(_model, _inputs, dtype=torch.float64, outputs="gathered", memory_budget=budget)
+    policy = r.compiled_reports[0].memory_policy
+    out.update({"error": r.max_error(), "summary": r.summary(),
+                "chosen": policy.chosen and tuple(getattr(policy.chosen, k) for k in LEVERS),
+                "recomputed": r.compiled_reports[0].passes["recompute"].counts["recomputed_layers"]})
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(_model().double(), backend=autoshard.backend(memory_budget=1000, outputs="gathered"))
+        compiled(*_inputs())
+        out["refused"] = None
+    except Exception as e:  # dynamo wraps the backend's error
+        out["refused"] = str(e)
+    return out
+
+
+@functools.cache
+def _results():
+    return run_on_ranks(_run, 2, timeout=600)
+
+
+def test_backend_takes_the_first_option_that_fits():
+    for rank, r in enumerate(_results()):
+        where = f"rank {rank}: plans {r['plans']}, budget {r['budget']}"
+        assert r["expected"] != (None, "none", False), f"{where}: the model as configured already fits"
+        assert r["chosen"] == r["expected"], f"{where}: chose {r['chosen']}"
+        assert r["recomputed"] == (CONFIG["layers"] if r["chosen"][1] == "layers" else 0), where
+        assert r["error"] <= 1e-9, f"{where}: {r['summary']}"
+
+
+def test_backend_names_the_smallest_feasible_budget_on_every_rank():
+    for rank, r in enumerate(_results()):
+        smallest = min(r["plans"].values())
+        assert r["refused"] is not None and "MemoryBudgetError" in r["refused"], f"rank {rank}: {r['refused']}"
+        assert f"smallest feasible budget is {smallest:,} bytes" in r["refused"], r["refused"]
+        assert "memory_budget=1,000 bytes" in r["refused"], r["refused"]
