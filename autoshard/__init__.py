@@ -9,15 +9,14 @@ under the split. See README.md for the tour.
 """
 
 from . import launch, runtime
-from .compiler import AutoshardBackend, backend
+from .compiler import AutoshardBackend, backend, explain
 from .config import BackendConfig
 from .cost import Topology
 from .annotations import attention_function, mark_sequence, token_local, whole
 from .inputs import shard_inputs
-from .placements import Partial, Replicate, Shard
 from .planner import Plan, plan
 from .runtime.split_tensor import SplitTensor
 
-__all__ = ["backend", "AutoshardBackend", "BackendConfig", "plan", "Plan", "Topology", "shard_inputs", "mark_sequence", "whole", "token_local",
-           "attention_function", "runtime", "launch", "Shard", "Replicate", "Partial", "SplitTensor"]
+__all__ = ["backend", "explain", "AutoshardBackend", "BackendConfig", "plan", "Plan", "Topology", "shard_inputs", "mark_sequence",
+           "whole", "token_local", "attention_function", "runtime", "launch", "SplitTensor"]
 __version__ = "0.1.0"

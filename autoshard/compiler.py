@@ -29,7 +29,7 @@ import itertools
 import logging
 import os
 import warnings
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -478,6 +478,38 @@ def backend(group: GroupLike = None, config: BackendConfig | None = None, **over
 
 
 _default_backend: AutoshardBackend | None = None
+
+
+def _describe(index: int, report: CompileReport) -> list[str]:
+    """A compiled graph's report, as :func:`explain` prints it."""
+    strategies = Counter(a["strategy"] for a in report.attention)
+    counts = {name: stats.counts for name, stats in report.passes.items()}
+    lines = [f"graph {index}: {len(report.attention)} attention call(s)"
+             + (f" ({', '.join(f'{n} {k}' for k, n in strategies.items())})" if strategies else "")
+             + f", {len(report.comms)} collective(s), {len(report.fallbacks)} fallback(s)"]
+    lines += [f"  fallback {f.node} ({f.op}): {f.reason}" for f in report.fallbacks]
+    lines += [f"  attention {a['node']}: {a['strategy']}" + (f" -- {a['reason']}" if a.get("reason") else "")
+              for a in report.attention if a["strategy"] in ("gathered-kv", "whole")]
+    levers = {"chunked LM head + loss": counts.get("chunking", {}).get("chunked_losses", 0),
+              "chunked MLP blocks": counts.get("chunk_mlp", {}).get("chunked_mlps", 0),
+              "recomputed regions": len(report.recomputed),
+              "offloaded regions": counts.get("outline", {}).get("offloaded", 0)}
+    if any(levers.values()):
+        lines.append("  memory: " + ", ".join(f"{n} {k}" for k, n in levers.items() if n))
+    if report.memory_policy is not None:
+        lines.append("  " + report.memory_policy.describe())
+    return lines
+
+
+def explain(compiled_by: AutoshardBackend | None = None) -> str:
+    """What a backend did to the graphs it compiled on this rank (the last ``RECORDS_KEPT``), oldest first:
+    attention strategies, fallbacks, the memory levers and the memory policy's choice. ``compiled_by``: the
+    backend ``autoshard.backend(...)`` returned; None: the one ``torch.compile(model, backend="autoshard")``
+    uses. Each report in full is ``backend.compiled[i].report``."""
+    source = compiled_by if compiled_by is not None else _default_backend
+    if source is None or not source.compiled:
+        return "autoshard: nothing compiled on this rank yet"
+    return "\n".join(line for i, record in enumerate(source.compiled) for line in _describe(i, record.report))
 
 
 def autoshard_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:

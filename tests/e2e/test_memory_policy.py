@@ -120,3 +120,25 @@ def test_backend_names_the_smallest_feasible_budget_on_every_rank():
         assert r["refused"] is not None and "MemoryBudgetError" in r["refused"], f"rank {rank}: {r['refused']}"
         assert f"smallest feasible budget is {smallest:,} bytes" in r["refused"], r["refused"]
         assert "memory_budget=1,000 bytes" in r["refused"], r["refused"]
+
+
+def _explained():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    before = autoshard.explain()
+    compiled = torch.compile(_model().double(), backend="autoshard")
+    compiled(*_inputs())[0].backward()
+    by_name = autoshard.explain()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    be = autoshard.backend(recompute="layers", chunk_mlp=16)
+    torch.compile(_model().double(), backend=be)(*_inputs())[0].backward()
+    return before, by_name, autoshard.explain(be)
+
+
+def test_explain_names_what_the_backend_did():
+    """``autoshard.explain()``: the reports of ``backend="autoshard"`` by name, or of a given backend."""
+    for before, by_name, levers in run_on_ranks(_explained, 2, timeout=300):
+        assert before == "autoshard: nothing compiled on this rank yet"
+        assert by_name.startswith("graph 0: 3 attention call(s)") and "0 fallback(s)" in by_name, by_name
+        assert f"{CONFIG['layers']} recomputed regions" in levers and f"{CONFIG['layers']} chunked MLP blocks" in levers, levers

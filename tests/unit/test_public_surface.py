@@ -134,3 +134,10 @@ def test_many_plans_of_one_model_all_capture_it():
     model, ids = _model_and_ids()
     plans = [autoshard.plan(model, ids, world_size=2) for _ in range(10)]
     assert all(p.attention and p.to_json() == plans[0].to_json() for p in plans)
+
+
+def test_placements_are_not_public_names():
+    """``Shard`` / ``Replicate`` / ``Partial`` are the compiler's internal placements (DTensor's names, another
+    constructor): they live in ``autoshard.placements``, not at the top level where they would read as DTensor's."""
+    assert not {"Shard", "Replicate", "Partial"} & set(dir(autoshard))
+    assert set(autoshard.__all__) <= set(dir(autoshard))
