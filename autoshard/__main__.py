@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-mlp", type=int, metavar="TOKENS", help="tokens per chunk of the MLPs (default: off)")
     p.add_argument("--chunk-loss", type=int, default=1024, metavar="TOKENS",
                    help="tokens per chunk of the LM head + loss (0: off)")
+    p.add_argument("--offload", action="store_true", help="keep checkpointed layers' inputs in host memory")
+    p.add_argument("--dp-shard", type=int, default=1, metavar="RANKS",
+                   help="ranks FSDP2 shards parameters, gradients and optimizer states over (dp x sp; 1: no FSDP)")
+    p.add_argument("--optimizer", choices=("adamw", "adam"), help="count the optimizer's states")
+    p.add_argument("--no-grad-sync", action="store_true",
+                   help="grad_sync=False: leave the gradients' sum to FSDP2 / DDP (what to run under them)")
     p.add_argument("--rank", type=int, default=0, help="the rank whose view the plan shows")
     p.add_argument("--json", help="also write the plan as JSON to this file")
     p.add_argument("--dot", help="also write the graph, coloured by placement, as Graphviz to this file")
@@ -60,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     result = plan(model, model_args, model_kwargs, world_size=args.world_size, strategy=args.strategy,
                   layout=args.layout, outputs=args.outputs, topology=Topology(ranks_per_node=args.ranks_per_node),
                   rank=args.rank, memory_budget=budget, recompute=args.recompute, chunk_mlp=args.chunk_mlp,
-                  chunk_loss=args.chunk_loss or None)
+                  chunk_loss=args.chunk_loss or None, offload=args.offload, dp_shard=args.dp_shard,
+                  optimizer=args.optimizer, grad_sync=not args.no_grad_sync)
     print(result)
     if args.json:
         Path(args.json).write_text(result.to_json())

@@ -43,7 +43,7 @@ from .passes.pipeline import PipelineState, run_pipeline
 from .passes.rewrite import CompileReport, is_parameter
 from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
-from .policy import choose_memory_policy, device_budget
+from .policy import device_budget
 from .runtime.collectives import gather_facts
 from .runtime.layouts import SequenceLayout
 from .runtime.split_tensor import SplitTensor, local_of, wrap
@@ -239,20 +239,15 @@ class AutoshardBackend:
         """The config the memory policy chooses for this graph (:mod:`autoshard.policy`) and what it weighed;
         the backend's own config and None without a budget (``memory_budget`` unset on CPU). Decided from rank
         0's plan, so every rank decides the same."""
-        from .planner import plan_graphs
+        from .planner import memory_policy_for
 
         budget, strict = self.config.memory_budget, True
         if budget is None:
             budget, strict = device_budget(example_inputs), False
         if budget is None:
             return self.config, None
-
-        def planned_peak(config: BackendConfig) -> int:  # the option as it is (no policy inside the estimate)
-            plan = plan_graphs([(copy.deepcopy(gm), list(example_inputs))], world_size=world,
-                               config=dataclasses.replace(config, memory_budget=None))
-            return plan.memory_per_rank.total
-
-        return choose_memory_policy(self.config, planned_peak, budget=budget, strict=strict)
+        return memory_policy_for(gm, example_inputs, world_size=world, config=self.config, budget=budget,
+                                 strict=strict)
 
     def _warn_if_whole_from_earlier_graph(self, compiled: GraphRecord, example_inputs: list) -> None:
         """A graph with no sequence of its own that takes, as input, a value an earlier graph gathered whole

@@ -10,8 +10,8 @@
 How: dynamo captures the model's graphs (meta tensors as fake ones: nothing is computed), the compiler's passes
 run for one rank of a *plan group* (a stand-in with a rank and a size; nothing communicates), every
 collective the rewrite emits is recorded with every rank's bytes and a sympy formula
-(:mod:`autoshard.passes.comms`), the per-rank graph runs forward on fake tensors under autograd's
-saved-tensor hooks to measure what it keeps for backward, and the cost model
+(:mod:`autoshard.passes.comms`), the per-rank graph runs forward and backward on fake tensors to follow what it
+holds, and the cost model
 (:mod:`autoshard.cost`) prices every attention strategy on the given topology.
 
 A model built on the meta device plans as it runs, called as its users call it (transformers' models with
@@ -20,29 +20,53 @@ their defaults: a ``DynamicCache`` built and returned): its meta tensors are cap
 a mask computed from a meta buffer (nanoGPT's ``bias``) is planned ``unknown`` -- as a dense mask, never as
 causal -- and its reason names the buffer; plan the model on the CPU to read it.
 
-Memory per rank = parameters + their gradients + saved activations (exactly what autograd keeps, by
-storage) + outputs held by the caller + a transient term (twice the largest saved activation: the
-backward of the op that saved it holds its input gradient and output gradient at once).
+Memory per rank is the peak of a simulated step, not a sum of worst cases. Each per-rank graph runs forward and
+backward on fake tensors under a dispatch mode that follows every storage from the op that makes it to the moment
+the last reference dies (:class:`_LiveBytes`: what a caching-free allocator holds -- the CPU's resident set, a
+GPU's allocated bytes). What autograd saves, the gradients as they accumulate, the gradients of the activations,
+what the caller holds (the outputs) and the temporaries of every op are all in it, at the moments they exist:
+
+* activation checkpointing (``tag_activation_checkpoint``, non-reentrant): forward keeps the regions' inputs (the
+  checkpoint holds them) and nothing inside; backward reruns one region at a time, so the peak is the kept inputs
+  + the largest region's recomputed activations + its backward's gradients -- the simulation reruns the regions
+  as the run does;
+* ops whose fake implementation allocates only their outputs add their working set while they run
+  (:data:`_WORKING_SETS`: the chunked LM head + loss holds a chunk's ``[tokens / chunks, V]`` values,
+  :func:`~autoshard.runtime.chunked_loss.working_set_bytes`);
+* graphs run one after the other (graph breaks): graph ``g``'s forward runs on top of what the graphs before it
+  keep, its backward on top of that and the gradients of the graphs after it.
+
+The breakdown (:class:`MemoryEstimate`) is the peak moment's live bytes by kind. Planning options that the graphs
+do not show are arithmetic on top: ``dp_shard`` (FSDP2 shards parameters, gradients and optimizer states over that
+many ranks, all-gathers one unit's parameters -- and prefetches the next -- and reduce-scatters its gradients) and
+``optimizer`` (its states, resident all step); see :func:`plan`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import json
+import re
+import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .config import BackendConfig
 from .cost import Topology, attention_costs
 from .passes.capture import DENSE_MASK
 from .passes.graph import keep_real_values
 from .runtime.attention import formulas
+from .runtime.chunked_loss import working_set_bytes
+from .runtime.offload import planned_offload
 from .runtime.groups import plan_group_name
 from .strategy import attention_shape
 
@@ -52,6 +76,9 @@ __all__ = ["Plan", "AttentionDecision", "Collective", "MemoryEstimate", "PlanFal
 
 MASK_TERMS = ("causal", "window", "chunk", "key_mask", "segment_ids", "alibi", "position_bias", "dropout")
 """The keys of an attention report that the plan's mask column names, in order."""
+
+OPTIMIZERS = (None, "adam", "adamw")
+"""The optimizers whose states the memory estimate counts (:func:`plan`'s ``optimizer``)."""
 
 
 @dataclass
@@ -89,18 +116,44 @@ class Collective:
     reason: str = ""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MemoryEstimate:
-    """Peak bytes on the plan's rank during forward + backward."""
+    """Peak bytes on the plan's rank during one training step (forward + backward; the optimizer's states are
+    resident all along), by what they are at the peak moment: ``total`` is the sum of the byte fields."""
 
     parameters: int
+    """The parameters the rank holds: all of them, or its ``1 / dp_shard`` shards under FSDP2."""
     gradients: int
+    """Parameter gradients alive at the peak (backward makes them as it goes; a peak early in backward holds few),
+    sharded like the parameters under FSDP2."""
+    optimizer_states: int = 0
+    """The optimizer's states of the rank's parameters (``optimizer="adamw"``: two float32 moments per parameter,
+    and a float32 master copy of 16-bit parameters), sharded like them."""
+    gathered_parameters: int = 0
+    """FSDP2 (``dp_shard > 1``): the unsharded parameters of the two largest units, all-gathered at once (the one
+    running and the one prefetched)."""
+    unsharded_gradients: int = 0
+    """FSDP2 (``dp_shard > 1``): the gradients of the unit being reduce-scattered, unsharded -- the gradients made
+    by the peak, at most the largest unit's."""
     saved_activations: int
+    """What forward saved for backward and is still held at the peak (checkpointed regions: their inputs; the
+    graphs before a graph break: all they keep)."""
     outputs: int
+    """Graph outputs the caller holds that autograd does not save (returned logits, a loss)."""
     transient: int
+    """Everything else alive at the peak: gradients of activations, the activations a checkpointed region
+    recomputes, the working set of the op that runs (a chunk of the chunked loss)."""
     total: int
+    """The sum of the fields above: the rank's peak."""
     formula: Any
-    """``total`` as a sympy expression in S and P (activations scale with ceiling(S/P))."""
+    """``total`` as a sympy expression in S and P: the activation terms scale with ceiling(S/P), the rest is
+    fixed."""
+    peak_at: str = ""
+    """Where the peak is: the graph, the phase and the op that runs then (``g0 backward: aten.mm.default``)."""
+    host_offloaded: int = 0
+    """Bytes of checkpointed layers' inputs kept in host memory from forward to backward (``offload``): not in
+    ``total`` (the simulation drops them when they are copied out and allocates them again when backward copies
+    them back)."""
 
 
 @dataclass
@@ -132,8 +185,14 @@ class Plan:
     """Checkpointed region (``g<i>.region<j>``) -> bytes the plan's rank sends again when backward recomputes
     it (the whole region reruns, its collectives too; they are among ``collectives``, phase backward)."""
     losses: dict[str, int] = field(default_factory=dict)
-    """LM heads and their cross-entropies: ``chunked`` (made one chunked op, ``chunk_loss``) and ``unchunked`` (left
-    as they are: their logits have another use, such as being returned, or the pattern does not fit)."""
+    """LM heads and their cross-entropies: ``chunked`` (made one chunked op, ``chunk_loss``), ``logits_kept`` (of
+    those, heads kept for their logits' other use, such as being returned) and ``unchunked`` (left as they are:
+    the pattern does not fit)."""
+    mlps: dict[str, int] = field(default_factory=dict)
+    """Token-local MLP blocks: ``chunked`` (``chunk_mlp``: a chunk of the tokens at a time, each checkpointed) and
+    ``unchunked``."""
+    memory_policy: list[str] = field(default_factory=list)
+    """With ``memory_budget``: per graph, what the memory policy weighed and chose (:mod:`autoshard.policy`)."""
 
     # ------------------------------------------------------------------ reading
     def bytes_sent(self, phase: str | None = None, rank: int | None = None) -> int:
@@ -154,22 +213,38 @@ class Plan:
             f"{_size(self.bytes_sent('backward'))}",
         ]
         if mem is not None:
-            lines.append(f"  memory per rank: {_size(mem.total)} (parameters {_size(mem.parameters)}, gradients "
-                         f"{_size(mem.gradients)}, saved activations {_size(mem.saved_activations)}, outputs "
-                         f"{_size(mem.outputs)}, transient {_size(mem.transient)})")
-            if mem.outputs > mem.saved_activations:
+            terms = [("parameters", mem.parameters), ("gradients", mem.gradients),
+                     ("optimizer states", mem.optimizer_states), ("FSDP gathered parameters", mem.gathered_parameters),
+                     ("FSDP unsharded gradients", mem.unsharded_gradients),
+                     ("saved activations", mem.saved_activations), ("outputs", mem.outputs),
+                     ("transient", mem.transient)]
+            shown = [(name, value) for name, value in terms
+                     if value or name in ("parameters", "gradients", "saved activations", "outputs", "transient")]
+            lines.append(f"  memory per rank at its peak ({mem.peak_at}): {_size(mem.total)} ("
+                         + ", ".join(f"{name} {_size(value)}" for name, value in shown) + ")")
+            if 2 * mem.outputs > mem.total:
                 lines.append("  note: most of it is outputs gathered whole on every rank (the logits?); "
                              "outputs='split' (the default) keeps them split")
         if self.recomputed:
             lines.append(f"  activation checkpointing: {len(self.recomputed)} region(s) recomputed whole in backward, "
                          f"their collectives included ({_size(sum(self.recomputed.values()))} sent again per rank)")
+        if mem is not None and mem.host_offloaded:
+            lines.append(f"  offload: {_size(mem.host_offloaded)} of checkpointed layer inputs wait in host memory "
+                         f"until backward (not in the total above)")
+        lines += [f"  {line}" for line in self.memory_policy]
         if self.losses.get("chunked"):
+            kept = self.losses.get("logits_kept", 0)
             lines.append(f"  LM head + cross-entropy: {self.losses['chunked']} chunked over the rank's tokens "
-                         f"(chunk_loss): the [tokens, vocab] logits are never whole")
+                         f"(chunk_loss): the float32 [tokens, vocab] logits, softmax and gradient are never whole"
+                         + (f"; {kept} head(s) also returning their logits: those stay, in the head's dtype "
+                            f"(in outputs above)" if kept else ""))
         if self.losses.get("unchunked"):
-            lines.append(f"  cross-entropy: {self.losses['unchunked']} not chunked (its input has another use, such as "
-                         f"logits the model returns, or it is no LM head): the logits are held whole on the rank's "
-                         f"tokens (in saved activations and outputs above)")
+            lines.append(f"  cross-entropy: {self.losses['unchunked']} not chunked (chunk_loss off, or it is no LM "
+                         f"head): the logits are held whole on the rank's tokens (in saved activations and outputs "
+                         f"above)")
+        if self.mlps.get("chunked"):
+            lines.append(f"  MLP blocks: {self.mlps['chunked']} chunked over the rank's tokens (chunk_mlp), each chunk "
+                         f"recomputed in backward")
         if self.attention:
             lines.append(f"  why: {self.attention[0].reason}")
         for f in self.fallbacks:
@@ -324,36 +399,221 @@ def _carried(sources: list, carried_outputs: dict, example_inputs: list, rank: i
     return shards, local
 
 
-def _memory(compiled, example_inputs: list, world: int, root_length: int) -> tuple[MemoryEstimate, Any]:
-    """Run the per-rank graph forward on fake tensors and count what autograd saves (see the module
-    docstring); returns the estimate and the formula of its sequence-dependent part."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _chunked_loss_working_set(args: tuple) -> int:
+    """The chunked LM head + loss: a chunk's ``[tokens / chunks, V]`` values alive at once
+    (:func:`~autoshard.runtime.chunked_loss.working_set_bytes`). Forward holds the chunk's logits and the
+    exponentials ``logsumexp`` makes of them; backward turns its logits into their gradient in place and casts
+    only when the logits' dtype is not the compute dtype, so with float32 logits it holds one chunk, half the
+    bound."""
+    if len(args) == 10:  # forward: h, weight, bias, target, class_weight, ignore_index, smoothing, reduction, chunks,
+        h, weight, chunks, out_dtype = args[0], args[1], args[8], args[9]  # out_dtype
+        backward = False
+    else:  # backward: grad (out_dtype), h, weight, bias, target, class_weight, lse, ignore_index, smoothing, reduction,
+        h, weight, chunks, out_dtype = args[1], args[2], args[10], args[0].dtype  # chunks
+        backward = True
+    rows = h.numel() // max(1, h.size(-1))
+    bound = working_set_bytes(rows, weight.size(0), chunks, h.dtype, out_dtype)
+    in_place = backward and h.dtype == args[6].dtype  # the logits are made in the compute dtype (lse's)
+    return bound // 2 if in_place else bound
 
+
+_WORKING_SETS: dict[Any, Callable[[tuple], int]] = {
+    torch.ops.autoshard.linear_cross_entropy.default: _chunked_loss_working_set,
+    torch.ops.autoshard.linear_cross_entropy_backward.default: _chunked_loss_working_set,
+}
+"""Ops whose fake implementation allocates only their outputs -> the bytes the real op holds on top of its inputs
+and outputs while it runs (from its arguments)."""
+
+
+@dataclass(kw_only=True)
+class _Peak:
+    """One graph's peak in one phase, above the graph's inputs, by kind (as in :class:`MemoryEstimate`)."""
+
+    saved: int = 0
+    """Storages autograd saved in forward (outside checkpointed regions; the regions' inputs)."""
+    outputs: int = 0
+    """The graph's outputs, not saved."""
+    gradients: int = 0
+    """The parameters' gradients."""
+    transient: int = 0
+    """The rest, and the working set of the op that runs."""
+    op: str = ""
+    """The op that ran at the peak."""
+
+    @property
+    def extra(self) -> int:
+        """All of it."""
+        return self.saved + self.outputs + self.gradients + self.transient
+
+
+@dataclass(kw_only=True)
+class _GraphMemory:
+    """What one per-rank graph holds when it runs forward and backward alone (:func:`_memory`)."""
+
+    parameters: dict[int, tuple[str, torch.Tensor]]
+    """id of the parameter (the same object in every graph that takes it) -> (its placeholder's name, the
+    parameter)."""
+    gradients: set[int]
+    """The ids of the parameters it makes gradients for."""
+    held: int
+    """Bytes its forward leaves alive above its inputs (saved for backward, outputs)."""
+    forward: _Peak
+    backward: _Peak
+    local: int
+    """This rank's tokens (the per-position scale of the activation terms)."""
+    host: int = 0
+    """Bytes of checkpointed regions' inputs offloaded to host memory (``offload``)."""
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Follows every storage the ops make from their call to the death of its last reference (a weak reference's
+    callback), and the peak of their sum: after each op (its inputs and outputs both alive) plus the op's working
+    set (:data:`_WORKING_SETS`). At each new peak the live storages are kept, to be sorted by kind afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[int, int]] = {}  # storage address -> (serial, bytes)
+        self.refs: dict[int, weakref.ref] = {}
+        self.serial = 0
+        self.total = 0
+        self.phase = "forward"
+        self.peaks: dict[str, tuple[int, dict[int, int], int, str]] = {}  # phase -> (bytes, serials, extra, op)
+
+    def track(self, t: torch.Tensor) -> int:
+        """Follow ``t``'s storage (once); returns its serial (addresses are reused, serials are not)."""
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in self.live:
+            self.serial += 1
+            self.live[key] = (self.serial, st.nbytes())
+            self.total += st.nbytes()
+
+            def gone(_, key=key, serial=self.serial):
+                if self.live.get(key, (None,))[0] == serial:
+                    self.total -= self.live.pop(key)[1]
+                    self.refs.pop(key, None)
+            self.refs[key] = weakref.ref(st, gone)
+        return self.live[key][0]
+
+    def serial_of(self, t: torch.Tensor) -> int | None:
+        """The serial of ``t``'s storage; None when it is not followed (a constant)."""
+        entry = self.live.get(t.untyped_storage()._cdata)
+        return None if entry is None else entry[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        extra = _WORKING_SETS[func](args) if func in _WORKING_SETS else 0
+        if self.total + extra > self.peaks.get(self.phase, (-1,))[0]:
+            self.peaks[self.phase] = (self.total + extra, dict(self.live.values()), extra, str(func))
+        return out
+
+
+def _memory(compiled, example_inputs: list, world: int, root_length: int) -> _GraphMemory:
+    """Run the per-rank graph forward and backward on fake tensors (the caller's gradient of every differentiable
+    output: ones) and follow its live bytes (see the module docstring)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    params = [x for x, orig in zip(inputs, example_inputs) if isinstance(orig, torch.nn.Parameter)]
-    param_storages = {p.untyped_storage()._cdata for p in params}
-    saved: dict[int, int] = {}
+    placeholders = [n.name for n in compiled.graph_module.graph.nodes if n.op == "placeholder"]
+    parameters = {id(orig): (name, x) for name, x, orig in zip(placeholders, inputs, example_inputs)
+                  if isinstance(orig, torch.nn.Parameter)}
+    live = _LiveBytes()
+    packed: set[int] = set()
 
     def pack(t):
-        storage = t.untyped_storage()
-        if storage._cdata not in param_storages:
-            saved[storage._cdata] = storage.nbytes()
+        serial = live.serial_of(t)
+        if serial is not None:
+            packed.add(serial)
         return t
 
-    with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outputs = compiled.graph_module(*inputs)
-    out_bytes = sum(t.untyped_storage().nbytes() for t in torch.utils._pytree.tree_leaves(outputs)
-                    if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in saved)
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    activations = sum(saved.values())
-    transient = 2 * max(saved.values(), default=0)
-    local = -(-root_length // world)
-    per_position = sympy.Rational(activations + out_bytes + transient, max(local, 1))
-    estimate = MemoryEstimate(param_bytes, grad_bytes, activations, out_bytes, transient,
-                              param_bytes + grad_bytes + activations + out_bytes + transient, None)
-    return estimate, per_position * sympy.ceiling(formulas.S / formulas.P)
+    with mode, live, planned_offload() as host:
+        for x in inputs:
+            if isinstance(x, torch.Tensor):
+                live.track(x)
+        inputs_serials, base = {serial for serial, _ in live.live.values()}, live.total
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            outputs = [t for t in tree_leaves(compiled.graph_module(*inputs)) if isinstance(t, torch.Tensor)]
+        output_serials = {live.serial_of(t) for t in outputs}
+        held = live.total - base
+        live.phase = "backward"
+        differentiable = [t for t in outputs if t.requires_grad]
+        if differentiable:
+            torch.autograd.backward(differentiable, [torch.ones_like(t) for t in differentiable])
+        grads = {live.serial_of(p.grad) for _, p in parameters.values() if p.grad is not None}
+
+    def peak(phase: str) -> _Peak:
+        if phase not in live.peaks:
+            return _Peak()
+        _, serials, extra, op = live.peaks[phase]
+        kinds = {"saved": 0, "outputs": 0, "gradients": 0, "transient": extra}
+        for serial, nbytes in serials.items():
+            if serial in inputs_serials:
+                continue
+            kind = ("gradients" if serial in grads else "saved" if serial in packed
+                    else "outputs" if serial in output_serials else "transient")
+            kinds[kind] += nbytes
+        return _Peak(**kinds, op=op)
+
+    return _GraphMemory(parameters=parameters, gradients={i for i, (_, p) in parameters.items() if p.grad is not None},
+                        held=held, forward=peak("forward"), backward=peak("backward"),
+                        local=-(-root_length // world), host=host[0])
+
+
+def _shard_bytes(p: torch.Tensor, shards: int) -> int:
+    """Bytes of one FSDP2 shard of ``p`` (dim 0 cut into ``shards`` chunks, padded to equal size)."""
+    if p.dim() == 0:
+        return p.element_size()
+    return -(-p.size(0) // shards) * (p.numel() // max(1, p.size(0))) * p.element_size()
+
+
+_UNIT = re.compile(r"^(.*?_modules_\d+_)")
+"""The FSDP2 unit a parameter's placeholder belongs to: its outermost numbered module (a block of the model's
+layer list), or the root."""
+
+
+def _estimate(memories: list[_GraphMemory], *, dp_shard: int, optimizer: str | None) -> MemoryEstimate:
+    """The step's peak from its graphs' (see the module docstring), with the FSDP2 and optimizer terms."""
+    parameters: dict[int, tuple[str, torch.Tensor]] = {}
+    for m in memories:
+        parameters.update(m.parameters)
+    full = sum(p.numel() * p.element_size() for _, p in parameters.values())
+    candidates = []
+    for g, m in enumerate(memories):
+        before = sum(h.held for h in memories[:g])
+        later = set().union(*(h.gradients for h in memories[g + 1:])) - m.gradients
+        later_grads = sum(parameters[i][1].numel() * parameters[i][1].element_size() for i in later)
+        for phase, p, grads in (("forward", m.forward, 0), ("backward", m.backward, later_grads)):
+            candidates.append((before + grads + p.extra, g, phase, p, before, grads))
+    _, g, phase, p, before, later_grads = max(candidates, key=lambda c: c[0])
+    gradients = p.gradients + later_grads
+    sharded = sum(_shard_bytes(x, dp_shard) for _, x in parameters.values())
+    gathered = unsharded_grads = 0
+    if dp_shard > 1:
+        units: dict[str, int] = {}
+        for name, x in parameters.values():
+            match = _UNIT.match(name)
+            unit = match.group(1) if match else ""
+            units[unit] = units.get(unit, 0) + x.numel() * x.element_size()
+        largest = sorted(units.values(), reverse=True)
+        gathered = sum(largest[:2])
+        unsharded_grads = min(gradients, largest[0])
+        gradients = gradients * sharded // max(1, full)
+    states = 0
+    if optimizer is not None:
+        for _, x in parameters.values():
+            per = 8 + (4 if x.element_size() < 4 and x.is_floating_point() else 0)
+            states += _shard_bytes(x, dp_shard) // x.element_size() * per
+    activations = p.saved + before + p.outputs + p.transient
+    fixed = sharded + gradients + states + gathered + unsharded_grads
+    local = next((m.local for m in memories if m.local > 0), 1)
+    formula = fixed + sympy.Rational(activations, local) * sympy.ceiling(formulas.S / formulas.P)
+    return MemoryEstimate(parameters=sharded, gradients=gradients, optimizer_states=states,
+                          gathered_parameters=gathered, unsharded_gradients=unsharded_grads,
+                          saved_activations=p.saved + before, outputs=p.outputs, transient=p.transient,
+                          total=fixed + activations, formula=formula, peak_at=f"g{g} {phase}: {p.op}",
+                          host_offloaded=sum(m.host for m in memories))
 
 
 def _decisions(compiled, index: int, world: int, config: BackendConfig, topology: Topology) -> list[AttentionDecision]:
@@ -385,11 +645,38 @@ def _decisions(compiled, index: int, world: int, config: BackendConfig, topology
     return out
 
 
-def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, rank: int = 0) -> Plan:
+def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, world_size: int, config: BackendConfig,
+                      budget: int, strict: bool = True, dp_shard: int = 1, optimizer: str | None = None):
+    """The memory policy's choice for one graph (:func:`autoshard.policy.choose_memory_policy`): each option's
+    estimate is this graph's plan from rank 0 (a copy of ``gm``; the options as they are, no policy inside).
+    Returns (the chosen config, :class:`~autoshard.policy.MemoryPolicy`)."""
+    from .policy import choose_memory_policy
+
+    def planned_peak(option: BackendConfig) -> int:
+        plan = plan_graphs([(copy.deepcopy(gm), list(example_inputs))], world_size=world_size,
+                           config=dataclasses.replace(option, memory_budget=None), dp_shard=dp_shard,
+                           optimizer=optimizer)
+        return plan.memory_per_rank.total
+
+    return choose_memory_policy(config, planned_peak, budget=budget, strict=strict)
+
+
+def _check_planning_options(dp_shard: int, optimizer: str | None) -> None:
+    if not isinstance(dp_shard, int) or dp_shard < 1:
+        raise ValueError(f"autoshard.plan: dp_shard must be a positive int, got {dp_shard!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"autoshard.plan: optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+
+
+def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, rank: int = 0, dp_shard: int = 1,
+                optimizer: str | None = None) -> Plan:
     """The plan of already-captured dynamo graphs (what ``backend(..., dry_run=True)`` prints): (graph, example
     inputs) or, from :func:`_capture`, (graph, example inputs, the earlier output each input is). With
-    ``outputs="split"`` a graph takes the values an earlier graph leaves split still split, as the run does."""
+    ``outputs="split"`` a graph takes the values an earlier graph leaves split still split, as the run does.
+    ``dp_shard`` and ``optimizer``: as in :func:`plan`."""
     from .compiler import compile_graph
+
+    _check_planning_options(dp_shard, optimizer)
 
     topology = config.topology or Topology()
     result = Plan(world_size=world_size, rank=rank, topology=asdict(topology), symbols={})
@@ -397,11 +684,17 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
     memories = []
     carried_outputs: dict[tuple[int, int], Any] = {}  # (graph, output position) -> Shard it leaves split in
     for index, (gm, example_inputs, *sources) in enumerate(graphs):
+        graph_config = config
+        if config.memory_budget is not None:
+            graph_config, policy = memory_policy_for(gm, example_inputs, world_size=world_size, config=config,
+                                                     budget=config.memory_budget, dp_shard=dp_shard,
+                                                     optimizer=optimizer)
+            result.memory_policy.append(f"g{index} {policy.describe()}")
         shards, example_inputs = _carried(sources[0] if sources else [None] * len(example_inputs),
                                              carried_outputs, example_inputs, rank)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         names = {placeholders[i].name: shard for i, shard in shards.items()}
-        compiled = compile_graph(gm, config=config, rank=rank, world=world_size,
+        compiled = compile_graph(gm, config=graph_config, rank=rank, world=world_size,
                                  group=plan_group_name(rank, world_size), topology=topology, planning=True,
                                  sharded_inputs=names or None, carried_inputs=set(names) or None)
         carried_outputs.update({(index, position): shard for position, shard in compiled.carried_outputs.items()})
@@ -419,7 +712,10 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
         for key, count in (chunking.counts.items() if chunking is not None else ()):
             name = key.removesuffix("_losses")
             result.losses[name] = result.losses.get(name, 0) + count
-        decisions = _decisions(compiled, index, world_size, config, topology)
+        mlps = report.passes.get("chunk_mlp")
+        for key in ("chunked", "unchunked"):
+            result.mlps[key] = result.mlps.get(key, 0) + (mlps.counts[f"{key}_mlps"] if mlps is not None else 0)
+        decisions = _decisions(compiled, index, world_size, graph_config, topology)
         result.attention += decisions
         if decisions and "S" not in symbols:
             symbols.update({k: v for k, v in decisions[0].shape.items() if k != "dtype"})
@@ -427,15 +723,8 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
         memories.append(_memory(compiled, example_inputs, world_size, root))
     result.graphs = len(graphs)
     result.symbols = symbols
-    if memories:  # graphs run one after the other: parameters once, activations add up
-        first = memories[0][0]
-        activations = sum(m.saved_activations for m, _ in memories)
-        outputs = sum(m.outputs for m, _ in memories)
-        transient = max(m.transient for m, _ in memories)
-        total = first.parameters + first.gradients + activations + outputs + transient
-        formula = first.parameters + first.gradients + sum(f for _, f in memories)
-        result.memory_per_rank = MemoryEstimate(first.parameters, first.gradients, activations, outputs, transient,
-                                                total, formula)
+    if memories:
+        result.memory_per_rank = _estimate(memories, dp_shard=dp_shard, optimizer=optimizer)
     return result
 
 
@@ -445,16 +734,32 @@ def plan_graph(gm: fx.GraphModule, example_inputs: list, *, world_size: int, con
 
 
 def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict | None = None, *, world_size: int,
-         config: BackendConfig | None = None, rank: int = 0, **overrides) -> Plan:
+         config: BackendConfig | None = None, rank: int = 0, dp_shard: int = 1, optimizer: str | None = None,
+         **overrides) -> Plan:
     """What ``torch.compile(model, backend=autoshard.backend(...))`` would do on ``world_size`` ranks.
 
     No process group is needed and nothing full-size is allocated when the model and the inputs are on
     the meta device. ``args``: the positional arguments (a lone tensor is one argument); ``config`` and
     ``overrides`` as in :func:`autoshard.backend`: a :class:`~autoshard.config.BackendConfig` (None: the
-    defaults) and its fields set on top of it (``strategy="ring"``, ``topology=Topology(...)``)."""
+    defaults) and its fields set on top of it (``strategy="ring"``, ``topology=Topology(...)``).
+
+    Planning options (the step around the compiled model, which the graphs do not show; they change only the
+    memory estimate):
+
+    * ``dp_shard``: the ranks FSDP2 shards the parameters, their gradients and the optimizer's states over --
+      ``fully_shard`` over the flattened (dp, sp) mesh is ``dp * sp``; 1: no FSDP (every rank holds them all).
+      Its units are the model's outermost numbered blocks (each element of its layer list, as
+      ``fully_shard(layer)`` for every layer and then the root wraps them) and the root (the rest). On top of
+      the shards the rank holds the two largest units unsharded (the one running and the one prefetched; the
+      root stays unsharded from forward to backward) and the gradients of the unit being reduce-scattered.
+    * ``optimizer``: ``"adamw"`` (or ``"adam"``): two float32 moments per parameter, and a float32 master copy
+      of 16-bit parameters (the mixed-precision recipe: 16-bit parameters, float32 optimizer); None: no states
+      counted (a forward + backward only)."""
     from .compiler import resolve_config
 
+    _check_planning_options(dp_shard, optimizer)
     config = resolve_config(config, overrides, "autoshard.plan")
     args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
     graphs = _capture(model, args, dict(kwargs or {}))
-    return plan_graphs(graphs, world_size=world_size, config=config, rank=rank)
+    return plan_graphs(graphs, world_size=world_size, config=config, rank=rank, dp_shard=dp_shard,
+                       optimizer=optimizer)

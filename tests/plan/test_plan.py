@@ -154,15 +154,19 @@ class _LossOnly(torch.nn.Module):
 
 
 def test_plan_says_whether_the_lm_head_and_loss_are_chunked():
-    """A loss-only step gets the chunked head; a model that also returns its logits keeps them, and the plan says
-    so in both cases."""
+    """A loss-only step gets the chunked head; a model that also returns its logits gets the chunked loss and
+    keeps its head for the logits; chunk_loss=None leaves the loss whole; the plan says which."""
     ids = torch.randint(0, 256, (1, 64))
     torch._dynamo.reset()
     chunked = autoshard.plan(_LossOnly(), (ids, ids), world_size=2)
     torch._dynamo.reset()
     returned = autoshard.plan(_LossOnly().llama, (ids, ids), world_size=2)
-    assert chunked.losses == {"chunked": 1, "unchunked": 0}, chunked.losses
-    assert "1 chunked over the rank's tokens" in str(chunked)
-    assert returned.losses == {"chunked": 0, "unchunked": 1}, returned.losses
-    assert "1 not chunked" in str(returned)
+    torch._dynamo.reset()
+    whole = autoshard.plan(_LossOnly(), (ids, ids), world_size=2, chunk_loss=None)
+    assert chunked.losses == {"chunked": 1, "unchunked": 0, "logits_kept": 0}, chunked.losses
+    assert "1 chunked over the rank's tokens" in str(chunked) and "also returning" not in str(chunked)
+    assert returned.losses == {"chunked": 1, "unchunked": 0, "logits_kept": 1}, returned.losses
+    assert "1 head(s) also returning their logits" in str(returned)
+    assert whole.losses == {"chunked": 0, "unchunked": 1}, whole.losses
+    assert "1 not chunked" in str(whole)
     assert Plan.from_json(chunked.to_json()).losses == chunked.losses

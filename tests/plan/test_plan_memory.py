@@ -1,0 +1,165 @@
+"""The plan's memory per rank: the predicted peak against the peak measured on 2 ranks, and the arithmetic of the
+planning options (``dp_shard``, ``optimizer``).
+
+Measured: the peak resident set of each rank's process during the second forward + backward of the compiled
+model (``autoshard.testing.memory.peak_memory``; workers with ``MALLOC_MMAP_THRESHOLD_=65536``), plus the
+parameters, resident before it. Bytes, never time, so the comparison does not depend on the machine's load. The
+model is a transformers Llama from its config returning its loss, on P=2: with a vocabulary of 32000 at S=2048
+(the LM head and loss dominate, as they do at long context) the whole loss, the same with gradient checkpointing,
+and the chunked loss; with a vocabulary of 1024 at S=4096, checkpointed layers and the chunked loss, whose peak is a
+layer recomputed in backward.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.planner import Plan
+from autoshard.testing import run_on_ranks
+from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
+
+transformers = pytest.importorskip("transformers")
+
+WORLD = 2
+TOLERANCE = 0.15
+"""Measured 0.0% to 4% from the peaks (the simulated step frees what the run frees, when it frees it); 15% is the
+issue's target and leaves room for allocator and library versions."""
+
+CASES = {"checkpointed layers": (1024, 256, 4096, True, {}),
+         "whole loss": (32000, 128, 2048, False, {"chunk_loss": None}),
+         "checkpointed": (32000, 128, 2048, True, {"chunk_loss": None}),
+         "chunked": (32000, 128, 2048, False, {})}
+"""Name -> (vocabulary, hidden size, S, gradient checkpointing, backend options), measured in this order in the same
+two processes. The small case comes first: measured after the large-vocabulary ones it read 46 MiB against 84 MiB
+alone -- the resident set did not rise by what the step allocated; most likely the processes still held memory
+the earlier cases had freed (not verified further) -- while the large cases, here and in ``benchmarks/plan.py``,
+read the same in any order."""
+
+
+class _LossOnly(nn.Module):
+    """``LlamaForCausalLM`` up to its loss, returning the loss alone (its logits can be chunked away)."""
+
+    def __init__(self, llama):
+        super().__init__()
+        self.llama = llama
+
+    def forward(self, ids, labels):
+        logits = self.llama.lm_head(self.llama.model(input_ids=ids).last_hidden_state)
+        return self.llama.loss_function(logits, labels, self.llama.config.vocab_size)
+
+
+def _model(vocab: int, hidden: int, seq: int, checkpointed: bool) -> nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                                   num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=seq, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(cfg).float()
+    if checkpointed:
+        llama.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return _LossOnly(llama).train()
+
+
+def _measured() -> dict[str, int]:
+    """This rank's peak bytes of each case's step."""
+    out = {}
+    for name, (vocab, hidden, seq, checkpointed, options) in CASES.items():
+        torch._dynamo.reset()
+        model = _model(vocab, hidden, seq, checkpointed)
+        ids = torch.randint(0, vocab, (1, seq))
+        compiled = torch.compile(model, backend=autoshard.backend(**options), dynamic=False)
+        compiled(ids, ids).backward()  # compile, warm up
+        model.zero_grad(set_to_none=True)
+        with peak_memory() as measured:
+            compiled(ids, ids).backward()
+        out[name] = measured.peak_bytes + sum(p.untyped_storage().nbytes() for p in model.parameters())
+    return out
+
+
+def test_predicted_peak_is_the_measured_peak():
+    ranks = run_on_ranks(_measured, WORLD, timeout=600, env=LOW_MMAP_THRESHOLD_ENV)
+    plans = {}
+    for name, (vocab, hidden, seq, checkpointed, options) in CASES.items():
+        torch._dynamo.reset()
+        with torch.device("meta"):
+            model = _model(vocab, hidden, seq, checkpointed)
+            ids = torch.randint(0, vocab, (1, seq))
+        plans[name] = memory = autoshard.plan(model, (ids, ids), world_size=WORLD, **options).memory_per_rank
+        measured = max(r[name] for r in ranks)
+        assert abs(memory.total / measured - 1) <= TOLERANCE, \
+            f"{name}: predicted {memory.total / 2**20:.1f} MiB ({memory}), measured {measured / 2**20:.1f} MiB"
+    # the checkpoint keeps only the layers' inputs; without the big loss the peak is a layer recomputed in backward
+    assert plans["checkpointed"].saved_activations < plans["whole loss"].saved_activations
+    assert plans["checkpointed layers"].peak_at.startswith("g0 backward: aten.")
+
+
+class _Tiny(nn.Module):
+    """Parameters by FSDP2 unit: the root (``embed`` 64 x 16, ``head`` 64 x 16: 2048 floats) and two blocks
+    (``layers.i``: 16 x 16 + 16 = 272 floats each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, 64, bias=False)
+
+    def forward(self, ids, labels):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def _tiny_plan(**options) -> Plan:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (1, 32))
+    return autoshard.plan(_Tiny(), (ids, ids), world_size=2, chunk_loss=None, **options)
+
+
+@pytest.mark.filterwarnings("ignore:autoshard. nothing in this graph is split")
+def test_fsdp_and_optimizer_terms_are_the_arithmetic():
+    alone = _tiny_plan().memory_per_rank
+    assert alone.parameters == (2048 + 2 * 272) * 4
+    assert (alone.optimizer_states, alone.gathered_parameters, alone.unsharded_gradients) == (0, 0, 0)
+
+    # 4 shards: dim 0 cut in 4 (embed and head 16 x 16 each, a block's weight 4 x 16 and bias 4)
+    sharded = _tiny_plan(dp_shard=4, optimizer="adamw")
+    memory = sharded.memory_per_rank
+    shard_floats = 2 * 16 * 16 + 2 * (4 * 16 + 4)
+    assert memory.parameters == shard_floats * 4
+    assert memory.optimizer_states == shard_floats * 8  # two float32 moments; float32 parameters need no master
+    assert memory.gathered_parameters == (2048 + 272) * 4  # the root and one block, unsharded
+    assert memory.unsharded_gradients == min(alone.gradients, 2048 * 4)
+    assert memory.gradients == alone.gradients * shard_floats // (2048 + 2 * 272)
+    # what the graph holds does not change
+    assert (memory.saved_activations, memory.outputs, memory.transient) == \
+        (alone.saved_activations, alone.outputs, alone.transient)
+    assert memory.total == (memory.parameters + memory.gradients + memory.optimizer_states
+                            + memory.gathered_parameters + memory.unsharded_gradients + memory.saved_activations
+                            + memory.outputs + memory.transient)
+    assert "optimizer states 5.06 KiB" in str(sharded) and "FSDP gathered parameters 9.06 KiB" in str(sharded)
+    assert Plan.from_json(sharded.to_json()).memory_per_rank == memory
+
+    # 3 shards pad dim 0 to a multiple of 3: 64 -> 22 rows, 16 -> 6 rows
+    assert _tiny_plan(dp_shard=3).memory_per_rank.parameters == (2 * 22 * 16 + 2 * (6 * 16 + 6)) * 4
+
+
+@pytest.mark.filterwarnings("ignore:autoshard. nothing in this graph is split")
+def test_adamw_keeps_a_float32_master_copy_of_16_bit_parameters():
+    torch._dynamo.reset()
+    ids = torch.randint(0, 64, (1, 32))
+    memory = autoshard.plan(_Tiny().bfloat16(), (ids, ids), world_size=2, chunk_loss=None, dp_shard=2,
+                            optimizer="adamw").memory_per_rank
+    shard_floats = 2 * 32 * 16 + 2 * (8 * 16 + 8)
+    assert memory.parameters == shard_floats * 2
+    assert memory.optimizer_states == shard_floats * (4 + 4 + 4)
+
+
+def test_planning_options_are_checked():
+    ids = torch.randint(0, 64, (1, 32))
+    with pytest.raises(ValueError, match="dp_shard must be a positive int"):
+        autoshard.plan(_Tiny(), (ids, ids), world_size=2, dp_shard=0)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        autoshard.plan(_Tiny(), (ids, ids), world_size=2, optimizer="sgd")
