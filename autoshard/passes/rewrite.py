@@ -376,8 +376,7 @@ class Rewriter:
         new = self.reemit(node, args, kwargs)
         if sharded:
             self.report.fallbacks.append(Fallback(node.name, str(node.target), reason))
-        self.done(node, new, REPLICATE if not isinstance(value_of(node), (tuple, list)) else
-                  tuple(REPLICATE for _ in value_of(node)))
+        self.done(node, new, _replicated(node))
 
     def _token_local(self, node: fx.Node) -> None:
         """An op without a usable rule inside a token-local region: it runs on this rank's positions, every
@@ -415,12 +414,7 @@ class Rewriter:
                 self._outputs(node)
             else:
                 tail, booked = next(iter(reversed(self.graph.nodes)), None), len(self.book.comms)
-                op = op_of(node)
-                rule = RULES.get(op.name) if op is not None else None
-                if rule is not None:
-                    rule.rewrite(self, node, op)
-                else:
-                    self.fallback(node, f"no rule for {node.target if node.op == 'call_function' else '.' + str(node.target)}")
+                self._rewrite(node)
                 if REGION in node.meta:
                     self._in_region(node.meta[REGION], tail, booked)
         for bucket, names in self.report.grad_buckets.items():
@@ -430,6 +424,28 @@ class Rewriter:
         live = {n.name for n in self.placements}
         self.report.square_values = sorted(self.families.square_values() & live)
         return fx.GraphModule(self.gm, self.graph)
+
+    def _rewrite(self, node: fx.Node) -> None:
+        """``node`` through its op's rule; one the sequence does not touch is re-emitted as it is, replicated (unless
+        its rule rewrites every node). An error names the pass, the op, the node and the user's line."""
+        op = None
+        try:
+            op = op_of(node)
+            rule = RULES.get(op.name) if op is not None else None
+            if rule is None:
+                self.fallback(node, f"no rule for {node.target if node.op == 'call_function' else '.' + str(node.target)}")
+            elif rule.always or self.touches_sequence(node):
+                rule.rewrite(self, node, op)
+            else:
+                self.done(node, self.reemit(node), _replicated(node))
+        except Exception as e:
+            raise RuntimeError(f"autoshard pass 'rewrite' failed on {op.name if op is not None else node.target} node "
+                               f"{node.format_node()}\n  user code: {_user_line(node)}\n  {type(e).__name__}: {e}") from e
+
+    def touches_sequence(self, node: fx.Node) -> bool:
+        """Whether ``node``'s value or an input is in a sequence family, or an input is not whole (split, partial)."""
+        return bool(self.families.dims_of(node)) or any(
+            self.families.dims_of(n) or not _whole(self.placement(n)) for n in node.all_input_nodes)
 
     def _in_region(self, region: int, tail: fx.Node | None, booked: int) -> None:
         """Tag the nodes emitted after ``tail`` with the checkpointed ``region`` they serve (:mod:`.regions`
@@ -474,6 +490,28 @@ def is_parameter(node: fx.Node) -> bool:
     the backend runs; later (plans, per-length compiles) dynamo's mark of module state says it."""
     return node.op == "placeholder" and (
         isinstance(getattr(node.meta.get("grapharg"), "example", None), torch.nn.Parameter) or is_module_state(node))
+
+
+def _replicated(node: fx.Node) -> Any:
+    """The placement of ``node``'s value held whole: REPLICATE, or one per element of a tuple value."""
+    value = value_of(node)
+    return tuple(REPLICATE for _ in value) if isinstance(value, (tuple, list)) else REPLICATE
+
+
+def _user_line(node: fx.Node) -> str:
+    """The user's source line that made ``node`` (the last of its stack trace, with where it is), or "unknown"."""
+    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()
+             if line.strip().strip("^~")]  # not the carets under the expression
+    code = [i for i, line in enumerate(lines) if not line.startswith("File ")]
+    if not code:
+        return "unknown"
+    where = f"  ({lines[code[-1] - 1]})" if code[-1] and lines[code[-1] - 1].startswith("File ") else ""
+    return lines[code[-1]] + where
+
+
+def _whole(placement: Any) -> bool:
+    """Whether a placement (a tuple's: each element's) is replicated."""
+    return all(isinstance(p, Replicate) for p in (placement if isinstance(placement, tuple) else (placement,)))
 
 
 def _itemsize(node: fx.Node) -> int:

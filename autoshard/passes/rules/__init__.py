@@ -21,7 +21,9 @@ file               ops
 
 A rule is two functions: ``link(ctx, node, op)`` declares edges between sequence elements (see
 :mod:`autoshard.passes.infer`), ``rewrite(rw, node, op)`` emits the local computation into the new graph
-through a :class:`~autoshard.passes.rewrite.Rewriter`. Ops without a rule fall back: their inputs are
+through a :class:`~autoshard.passes.rewrite.Rewriter`. The rewriter asks a rule only about nodes the sequence
+touches: a node whose value and inputs are in no family and whose inputs are all whole is re-emitted as it is,
+replicated (``always=True``: the rule emits even those itself). Ops without a rule fall back: their inputs are
 gathered whole and the fallback is recorded in the plan with the reason.
 """
 
@@ -40,17 +42,19 @@ class Rule:
     name: str
     link: Callable
     rewrite: Callable
+    always: bool = False
+    """Rewrite every node, also those the sequence does not touch (the rule emits them otherwise than as they are)."""
 
 
 RULES: dict[str, Rule] = {}
 
 
-def register(*names: str, link: Callable, rewrite: Callable) -> None:
+def register(*names: str, link: Callable, rewrite: Callable, always: bool = False) -> None:
     """Register the rule of the canonical ops ``names``."""
     for name in names:
         if name in RULES:
             raise ValueError(f"rule for {name!r} registered twice")
-        RULES[name] = Rule(name, link, rewrite)
+        RULES[name] = Rule(name, link, rewrite, always)
 
 
 def load_all() -> None:

@@ -45,7 +45,7 @@ from ...runtime.attention.local import without_autocast
 from ...strategy import attention_shape
 from ..ops import shape_of, value_of
 from . import register
-from .pointwise import whole_args
+from .pointwise import OUTPUT_WHOLE, run_whole, whole_args
 
 __all__ = ["uniform_attention", "soft_capped_attention", "attend_to_every_key", "fill_empty_rows"]
 
@@ -324,7 +324,7 @@ def rewrite_attention(rw, node, op):
         whole = rw.reemit(node, *whole_args(rw, node, reason))
         rw.done(node, rw.shard_value(node, whole, out) if out is not None else whole, out or REPLICATE)
         return
-    rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+    run_whole(rw, node, OUTPUT_WHOLE, expected=True)
 
 
 register("attention", link=link_attention, rewrite=rewrite_attention)

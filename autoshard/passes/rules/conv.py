@@ -32,7 +32,7 @@ from ...placements import REPLICATE, Shard
 from ...runtime.conv_halo import encode_windows
 from ..ops import numel, shape_of, value_of
 from . import register
-from .pointwise import mapped_args, whole_args
+from .pointwise import mapped_args, run_whole, whole_args
 
 __all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside
 
@@ -90,10 +90,15 @@ def rewrite_conv(rw, node, op):
     spatial = len(shape_of(src)) - 1
     if params is None or out is None or out.factors or out.dim != spatial or (
             isinstance(have, Shard) and (have.dim != spatial or have.factors)):
-        rw.done(node, rw.reemit(node, *whole_args(rw, node, _unsplit_reason(op, params, have, spatial))), REPLICATE)
+        run_whole(rw, node, _unsplit_reason(op, params, have, spatial))
         return
     if not all(out.layout.local_intervals(r) for r in range(rw.world)):
-        whole = rw.reemit(node, *whole_args(rw, node, "a rank holds none of the convolution's output positions"))
+        reason = "a rank holds none of the convolution's output positions"
+        whole = rw.reemit(node, *whole_args(rw, node, reason))
+        if not isinstance(have, Shard):  # nothing was gathered (that is recorded): the convolution itself ran whole
+            from ..rewrite import Fallback
+
+            rw.report.fallbacks.append(Fallback(node.name, str(node.target), reason))
         rw.done(node, rw.shard_value(node, whole, out), out)
         return
     rw.done(node, _split_conv(rw, node, op, params, out, have), out)

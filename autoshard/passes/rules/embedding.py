@@ -17,7 +17,7 @@ from __future__ import annotations
 from ...placements import REPLICATE, Shard
 from ..ops import shape_of
 from . import register
-from .pointwise import mapped_args, whole_args
+from .pointwise import OUTPUT_WHOLE, mapped_args, run_whole
 
 __all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside
 
@@ -36,7 +36,7 @@ def rewrite_embedding(rw, node, op):
         rw.fallback(node, "embedding with max_norm (renormalizes the table from this rank's rows)")
         return
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     idx = op["input"]
     convert = lambda n: rw.input(n, out) if n is idx else rw.input(n, REPLICATE, partial_grad=True)  # noqa: E731
@@ -61,7 +61,7 @@ def rewrite_gather(rw, node, op):
     src, idx = op["input"], op["index"]
     dim = op["dim"] % len(shape_of(node))
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     src_want = out if (out.dim != dim and shape_of(src)[out.dim] == shape_of(node)[out.dim]) else REPLICATE
     convert = lambda n: (rw.input(n, out) if n is idx else  # noqa: E731
@@ -87,7 +87,7 @@ def rewrite_index_select(rw, node, op):
     src, idx = op["input"], op["index"]
     dim = op["dim"] % len(shape_of(node))
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     if out.dim == dim:
         convert = lambda n: rw.input(n, Shard(0, out.layout)) if n is idx else rw.input(n, REPLICATE, partial_grad=True)  # noqa: E731
@@ -122,7 +122,7 @@ def rewrite_scatter(rw, node, op):
     out = rw.out_shard(node)
     dim = op["dim"] % len(shape_of(node))
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     if out.dim == dim or not all(_spans(node, n, out.dim) for n in _scatter_inputs(op)):
         rw.fallback(node, "scatter along the split dim (or an index that does not span it)")

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from ...placements import REPLICATE
 from ...runtime.layouts import SequenceLayout
 from ...runtime import random as _random  # noqa: F401 -- defines autoshard::sequence_draw
 from ..ops import is_tensor_node, shape_of, value_of
 from . import register
-from .pointwise import link_identity, whole_args
+from .pointwise import OUTPUT_WHOLE, link_identity, run_whole, whole_args
 
 __all__ = ["local_arange"]
 
@@ -47,7 +46,7 @@ def rewrite_factory(rw, node, op):
     out = rw.out_shard(node)
     name = _name(node)
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     val = value_of(node)
     local = rw.local_shape(node, out)
@@ -71,7 +70,8 @@ def rewrite_factory(rw, node, op):
         else:
             new = rw.call(torch.full, local, fill, dtype=val.dtype, device=val.device)
     else:
-        new = rw.shard_value(node, rw.reemit(node, *whole_args(rw, node)), out)
+        made = rw.reemit(node, *whole_args(rw, node, f"{name} is made whole, as on one process", expected=True))
+        new = rw.shard_value(node, made, out)
     rw.done(node, new, out)
 
 

@@ -29,7 +29,7 @@ from ...runtime.chunked_loss import chunks_for
 from ...runtime.redistribute import reduce_partial
 from ..ops import is_tensor_node, numel, shape_of, value_of
 from . import register
-from .pointwise import link_broadcast, want_broadcast, whole_args
+from .pointwise import OUTPUT_WHOLE, link_broadcast, run_whole, want_broadcast
 
 __all__ = ["loss_denominator", "mean_of_sums"]
 
@@ -70,7 +70,7 @@ def rewrite_cross_entropy(rw, node, op):
     s_in, s_t = rw.out_shard(inp), rw.out_shard(tgt)
     soft = value_of(tgt).is_floating_point() and shape_of(tgt) == shape_of(inp)
     if (s_in is None and s_t is None) or len(shape_of(inp)) < 2:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     if s_in is not None:
         if s_in.dim == 1:
@@ -123,7 +123,7 @@ def rewrite_linear_cross_entropy(rw, node, op):
     h, tgt = op["input"], op["target"]
     s_h, s_t = rw.out_shard(h), rw.out_shard(tgt)
     if s_h is None and s_t is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     want = s_h if s_h is not None else s_t
     if want.dim >= len(shape_of(tgt)):
@@ -188,7 +188,7 @@ def rewrite_elementwise_loss(rw, node, op):
     inp, tgt = op["input"], op["target"]
     split = [n for n in (inp, tgt) if rw.out_shard(n) is not None]
     if not split:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     loss_shape = tuple(torch.broadcast_shapes(shape_of(inp), shape_of(tgt)))
     anchor = next((n for n in split if shape_of(n) == loss_shape), None)  # split as the loss is

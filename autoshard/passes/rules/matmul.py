@@ -89,7 +89,7 @@ def rewrite_matmul(rw, node, op):
     rw.done(node, rw.call(torch.matmul, new_a, new_b), out)
 
 
-register("matmul", link=link_matmul, rewrite=rewrite_matmul)
+register("matmul", link=link_matmul, rewrite=rewrite_matmul, always=True)  # emits torch.matmul, unnamed
 
 
 def _reduced(rw, node, partial):
@@ -163,4 +163,4 @@ def rewrite_linear(rw, node, op):
     rw.done(node, rw.call(torch.nn.functional.linear, new_x, new_w, new_b), out)
 
 
-register("linear", link=link_linear, rewrite=rewrite_linear)
+register("linear", link=link_linear, rewrite=rewrite_linear, always=True)  # emits F.linear, unnamed

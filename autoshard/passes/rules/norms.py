@@ -17,7 +17,7 @@ from ...runtime.redistribute import reduce_partial
 from ..ops import numel, shape_of, value_of
 from . import register
 from .reductions import local_extreme
-from .pointwise import link_broadcast, link_same, mapped_args, whole_args
+from .pointwise import OUTPUT_WHOLE, link_broadcast, link_same, mapped_args, run_whole
 
 __all__ = ["softmax_over_split"]
 
@@ -40,7 +40,7 @@ def _normalized_dims(node, op) -> set[int]:
 def rewrite_norm(rw, node, op):
     out = rw.out_shard(node)
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     if out.dim in _normalized_dims(node, op) and not (op.name == "batch_norm" and not op["training"]):
         rw.fallback(node, f"{op.name} statistics over the split sequence")
@@ -68,7 +68,7 @@ def softmax_over_split(x: torch.Tensor, dim: int, log: bool, dtype: torch.dtype,
 def rewrite_softmax(rw, node, op):
     out = rw.out_shard(node)
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     dim = op["dim"] % len(shape_of(node))
     x = rw.input(op["input"], out)

@@ -26,12 +26,16 @@ from ...runtime import random as _random  # noqa: F401 -- defines autoshard::seq
 from ..ops import is_tensor_node, op_of, shape_of, value_of
 from . import register
 
-__all__ = ["TUPLE_LINKS", "link_broadcast", "link_identity", "link_nothing", "link_same", "mapped_args",
-           "rewrite_same", "want_broadcast", "whole_args"]
+__all__ = ["OUTPUT_WHOLE", "TUPLE_LINKS", "link_broadcast", "link_identity", "link_nothing", "link_same",
+           "mapped_args", "rewrite_same", "run_whole", "want_broadcast", "whole_args"]
 
 _LINEAR_IN_EVERY_INPUT = {"add", "sub"}
 _LINEAR_IN_ONE_INPUT = {"mul"}
 _LINEAR_IN_FIRST_INPUT = {"div", "true_divide", "neg", "positive"}
+
+OUTPUT_WHOLE = "output not split"
+"""Why a rule gathers a split input of a node whose output inference left whole (a link refused, a position the
+output does not keep): the rules mark it an expected gather."""
 
 
 def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
@@ -80,7 +84,7 @@ def want_broadcast(rw, node: fx.Node, inp: fx.Node, out: Shard):
 def rewrite_broadcast(rw, node: fx.Node, out: Shard | None) -> fx.Node:
     """Re-emit ``node`` with its tensor inputs in the placements an elementwise op needs for ``out``."""
     if out is None:
-        return rw.reemit(node, *whole_args(rw, node))
+        return rw.reemit(node, *whole_args(rw, node, OUTPUT_WHOLE, expected=True))
 
     def convert(n):
         want, partial_grad = want_broadcast(rw, node, n, out)
@@ -94,9 +98,20 @@ def mapped_args(node: fx.Node, fn):
     return fx.node.map_arg(node.args, fn), fx.node.map_arg(node.kwargs, fn)
 
 
-def whole_args(rw, node: fx.Node, reason: str = ""):
-    """``node``'s args and kwargs with every tensor taken whole (a gather is a fallback when ``reason`` says why)."""
-    return mapped_args(node, lambda n: rw.input(n, REPLICATE, expected=not reason, reason=reason))
+def whole_args(rw, node: fx.Node, reason: str = "", expected: bool = False):
+    """``node``'s args and kwargs with every tensor taken whole: a partial one reduced, a split one gathered. A
+    gather needs a ``reason``; it is a fallback in the report, or with ``expected`` a planned transition."""
+    def whole(n):
+        if not reason and is_tensor_node(n) and isinstance(rw.placement(n), Shard):
+            raise ValueError(f"the rule gathers the split {n.name} without a reason")
+        return rw.input(n, REPLICATE, expected=expected, reason=reason)
+
+    return mapped_args(node, whole)
+
+
+def run_whole(rw, node: fx.Node, reason: str, expected: bool = False) -> None:
+    """``node`` on whole inputs (:func:`whole_args`), replicated."""
+    rw.done(node, rw.reemit(node, *whole_args(rw, node, reason, expected)), REPLICATE)
 
 
 def _partial_result(rw, node: fx.Node, fn: str) -> Partial | None:
@@ -179,7 +194,7 @@ _DROPOUT_DRAWS = {F.dropout: "dropout", torch.dropout: "dropout", F.dropout1d: "
 def rewrite_dropout(rw, node, op):
     out = rw.out_shard(node)
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     if not op["training"] or op["p"] == 0.0:  # the identity, drawing nothing
         rw.done(node, rw.input(op["input"], out), out)
@@ -258,4 +273,4 @@ def rewrite_tuple_get(rw, node, op):
     rw.done(node, rw.call(node.target, rw.env[producer], index), placement)
 
 
-register("tuple_get", link=link_tuple_get, rewrite=rewrite_tuple_get)
+register("tuple_get", link=link_tuple_get, rewrite=rewrite_tuple_get, always=True)  # emits an unnamed getitem

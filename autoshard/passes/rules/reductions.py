@@ -37,7 +37,7 @@ from ...runtime.accounting import all_gather_bytes
 from ..comms import Comm
 from ..ops import numel, shape_of, value_of
 from . import register
-from .pointwise import link_same, whole_args
+from .pointwise import OUTPUT_WHOLE, link_same, run_whole
 from .selection import arg_extreme
 
 __all__ = ["local_extreme", "extreme_over_split", "logsumexp_over_split", "var_over_split", "truth_over_split"]
@@ -156,7 +156,7 @@ def rewrite_reduce(rw, node, op):
         rw.done(node, rw.reemit(node), have)
         return
     if not isinstance(have, Shard):
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     x = rw.input(src, have)
     if have.dim not in reduced:
@@ -210,7 +210,7 @@ def rewrite_cumsum(rw, node, op):
     out = rw.out_shard(node)
     dim = op["dim"] % len(shape_of(node))
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     x = rw.input(src, out)
     if out.dim != dim:

@@ -30,9 +30,12 @@ from ...placements import REPLICATE, Partial, Shard
 from ...runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines autoshard::seq_local_index
 from ..ops import Op, is_tensor_node, shape_of, value_of
 from . import register
-from .pointwise import TUPLE_LINKS, link_nothing, rewrite_same, whole_args
+from .pointwise import OUTPUT_WHOLE, TUPLE_LINKS, link_nothing, rewrite_same, run_whole, whole_args
 
 __all__ = ["permutation", "select_owned"]
+
+SPLIT_STARTS = "the split starts at this value"
+"""Why a view, repeat or index whose output starts a split takes its input whole: an expected gather."""
 
 # ============================================================================= views (reshape family)
 
@@ -89,11 +92,11 @@ def rewrite_view(rw, node, op):
         if isinstance(have, Partial):
             rw.done(node, rw.reemit(node), have)
         else:
-            rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+            run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     want = _view_source_shard(rw, node, src, out)
     if want is None:  # the split starts here: reshape the whole value, then keep this rank's part
-        whole = rw.reemit(node, *whole_args(rw, node))
+        whole = rw.reemit(node, *whole_args(rw, node, SPLIT_STARTS, expected=True))
         rw.done(node, rw.shard_value(node, whole, out), out)
         return
     x = rw.input(src, want)
@@ -189,7 +192,7 @@ def rewrite_expand(rw, node, op):
     src = op["input"]
     out = rw.out_shard(node)
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     out_shape, in_shape = shape_of(node), shape_of(src)
     d_in = out.dim - (len(out_shape) - len(in_shape))
@@ -240,11 +243,11 @@ def rewrite_repeat_interleave(rw, node, op):
         rw.fallback(node, "repeating a split value by per-element counts or flattened")
         return
     if out is None or d is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     want = _repeat_source_shard(rw, src, out, d)
     if want is None:  # the repeat itself is the sequence: repeat the whole value, then keep this rank's part
-        whole = rw.reemit(node, *whole_args(rw, node))
+        whole = rw.reemit(node, *whole_args(rw, node, SPLIT_STARTS, expected=True))
         rw.done(node, rw.shard_value(node, whole, out), out)
         return
     rw.done(node, rw.call(torch.repeat_interleave, rw.input(src, want), op["repeats"], d), out)
@@ -429,13 +432,13 @@ def rewrite_index(rw, node, op):
         rw.done(node, rw.reemit(node), have)
         return
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     if out.dim in adv_dims:  # a whole source read at split positions (a mask gathered at token positions)
         x = rw.input(src, REPLICATE, partial_grad=True)
         rw.done(node, rw.call(operator.getitem, x, _build_index(rw, items, out, node, adv_dims)), out)
         return
-    whole = rw.reemit(node, *whole_args(rw, node))  # the split starts at this value
+    whole = rw.reemit(node, *whole_args(rw, node, SPLIT_STARTS, expected=True))
     rw.done(node, rw.shard_value(node, whole, out), out)
 
 
@@ -571,10 +574,8 @@ def rewrite_split(rw, node, op):
                 tuple(piece for _ in range(n)))
     elif isinstance(have, Shard):
         rw.fallback(node, "splitting along the split sequence dim")
-    elif isinstance(have, Partial):
+    else:  # partial (a whole source: the rewriter re-emits the split itself)
         rw.done(node, rw.reemit(node), tuple(have for _ in range(n)))
-    else:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), tuple(REPLICATE for _ in range(n)))
 
 
 register("split", link=link_nothing, rewrite=rewrite_split)
@@ -610,7 +611,7 @@ def rewrite_cat(rw, node, op):
     dim = op["dim"] % len(shape_of(node))
     inputs = _cat_inputs(op)
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     if out.dim != dim:
         new = [rw.input(t, out) for t in inputs]
@@ -648,7 +649,7 @@ def rewrite_stack(rw, node, op):
     out = rw.out_shard(node)
     dim = op["dim"] % len(shape_of(node))
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     new = [rw.input(t, out.moved(out.dim - (out.dim > dim))) for t in op["tensors"]]
     rw.done(node, rw.call(torch.stack, new, dim), out)
@@ -687,7 +688,7 @@ def rewrite_pad(rw, node, op):
     ndim = len(shape_of(node))
     pairs = _pad_pairs(op, ndim)
     if out is None:
-        rw.done(node, rw.reemit(node, *whole_args(rw, node)), REPLICATE)
+        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     left, right = pairs.get(out.dim, (0, 0))
     if not (left or right):
