@@ -1,21 +1,51 @@
-"""A factory for ``python -m autoshard plan``: a Llama-3-8B-shaped model on the meta device.
+"""Factories for ``python -m autoshard plan``: transformers' ``LlamaForCausalLM`` with Llama-3-8B's shape, on meta.
 
     python -m autoshard plan examples/plan_llama_8b.py:factory --world-size 64 --seq-len 1048576
+    python -m autoshard plan examples/plan_llama_8b.py:factory --world-size 64 --seq-len 1048576 \\
+        --memory-budget 80 --dp-shard 64 --optimizer adamw
+    python -m autoshard plan examples/plan_llama_8b.py:loss_only --world-size 8 --seq-len 4194304 \\
+        --memory-budget 80 --dp-shard 8 --optimizer adamw
 
-32 layers, hidden 4096, 32 query heads and 8 key/value heads, SwiGLU 14336, vocabulary 128256, bf16.
-Nothing is allocated: the model and the token ids live on the meta device.
+32 layers, hidden 4096, 32 query heads and 8 key/value heads, SwiGLU 14336, vocabulary 128256, RoPE theta
+500000, bfloat16, the model transformers builds from that config, unmodified. Nothing is allocated: the model
+and the token ids live on the meta device.
+
+* ``factory``: called as users call it, ``model(input_ids=ids, labels=ids)``: the loss *and* the logits are
+  returned (the logits stay split along the sequence, ``[tokens / P, 128256]`` per rank);
+* ``loss_only``: a training step that keeps only ``.loss`` (as a training loop does): the logits are dead,
+  so the LM head and the loss run chunked and no ``[tokens, vocab]`` value exists at all.
 """
 
 import torch
+import torch.nn as nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from autoshard.models import LlamaConfig, LlamaLM
+CONFIG = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+              num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, attn_implementation="sdpa")
 
-CONFIG = LlamaConfig(vocab_size=128256, hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336,
-                     rope_theta=500000.0)
+
+def _model(seq_len: int) -> nn.Module:
+    config = LlamaConfig(max_position_embeddings=seq_len, **CONFIG)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config).to(torch.bfloat16).train()
+
+
+class LossOnly(nn.Module):
+    """The model's loss, nothing else of its output."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
 
 
 def factory(seq_len: int):
-    with torch.device("meta"):
-        model = LlamaLM(CONFIG).to(torch.bfloat16)
-        ids = torch.randint(0, CONFIG.vocab_size, (1, seq_len))
-    return model, (ids, ids), {}
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, seq_len), device="meta")
+    return _model(seq_len), (), dict(input_ids=ids, labels=ids)
+
+
+def loss_only(seq_len: int):
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, seq_len), device="meta")
+    return LossOnly(_model(seq_len)), (ids, ids), {}
