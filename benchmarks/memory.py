@@ -19,7 +19,7 @@ value the caller gets cannot be chunked away.
   inputs already are in host memory) whose plan fits; the ``levers`` column says what it chose.
 
 ``--cap GIB`` instead doubles S from 4096 for each way of running until the step's measured peak per rank
-exceeds the cap, and prints the longest S that fit.
+exceeds the cap (the policy run gets the cap as its budget), and prints the longest S that fit.
 
 Memory is the operating system's: the peak resident set of each rank's process during the step, above
 what was resident before it (``autoshard.testing.memory.peak_memory``: ``VmHWM`` reset through
@@ -50,6 +50,7 @@ import torch.nn as nn
 
 import autoshard
 from autoshard.testing import run_on_ranks
+from autoshard.testing.multirank import RankFailure
 from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 32000, 256, 4, 8, 2
@@ -121,13 +122,17 @@ def main():
     parser.add_argument("--max-seq", type=int, default=131072, help="the longest S --cap tries")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     args = parser.parse_args()
-    ways = runs(int(args.budget * 2**30))
-    if args.cap is not None:
+    ways = runs(int((args.cap if args.cap is not None else args.budget) * 2**30))
+    if args.cap is not None:  # the policy's budget is the cap
         print(f"longest S whose step fits {args.cap} GiB per rank (doubling from 4096, up to {args.max_seq})")
         for name, (ranks, options) in ways.items():
             seq, fits = 4096, None
             while seq <= args.max_seq:
-                peak = measure(seq, ranks, options, args.timeout)["peak"]
+                try:
+                    peak = measure(seq, ranks, options, args.timeout)["peak"]
+                except RankFailure as e:  # the policy's MemoryBudgetError: no option fits the cap
+                    print(f"  {name:<16} S={seq:>7}: refused ({str(e).splitlines()[-1][:160]})", flush=True)
+                    break
                 print(f"  {name:<16} S={seq:>7}: {peak / 2**20:>8.0f} MiB", flush=True)
                 if peak > args.cap * 2**30:
                     break
