@@ -92,7 +92,8 @@ class BackendConfig:
     MLPs, found from the graph), or None to leave them as they are. Each chunk of this rank's tokens runs the
     block under activation checkpointing, so its ``[tokens, intermediate]`` values are alive one chunk at a time in
     forward and again in backward (one more forward of the block: the price). Off by default; the memory
-    policy (``memory_budget``) turns it on (1024 tokens) when the budget needs it. Every rank runs the same number of chunks,
+    policy (``memory_budget``) turns it on when the budget needs it (1024 tokens, or a sixteenth of the rank's
+    tokens when that is more). Every rank runs the same number of chunks,
     derived from the largest rank's share of the tokens."""
 
     recompute: str = "none"

@@ -150,6 +150,18 @@ class MemoryEstimate:
     fixed."""
     peak_at: str = ""
     """Where the peak is: the graph, the phase and the op that runs then (``g0 backward: aten.mm.default``)."""
+    def describe(self) -> str:
+        """``at its peak (<where>): <total> (<the terms>)``."""
+        terms = [("parameters", self.parameters), ("gradients", self.gradients),
+                 ("optimizer states", self.optimizer_states), ("FSDP gathered parameters", self.gathered_parameters),
+                 ("FSDP unsharded gradients", self.unsharded_gradients),
+                 ("saved activations", self.saved_activations), ("outputs", self.outputs),
+                 ("transient", self.transient)]
+        shown = [(name, value) for name, value in terms
+                 if value or name in ("parameters", "gradients", "saved activations", "outputs", "transient")]
+        return (f"at its peak ({self.peak_at}): {_size(self.total)} ("
+                + ", ".join(f"{name} {_size(value)}" for name, value in shown) + ")")
+
     host_offloaded: int = 0
     """Bytes of checkpointed layers' inputs kept in host memory from forward to backward (``offload``): not in
     ``total`` (the simulation drops them when they are copied out and allocates them again when backward copies
@@ -213,15 +225,7 @@ class Plan:
             f"{_size(self.bytes_sent('backward'))}",
         ]
         if mem is not None:
-            terms = [("parameters", mem.parameters), ("gradients", mem.gradients),
-                     ("optimizer states", mem.optimizer_states), ("FSDP gathered parameters", mem.gathered_parameters),
-                     ("FSDP unsharded gradients", mem.unsharded_gradients),
-                     ("saved activations", mem.saved_activations), ("outputs", mem.outputs),
-                     ("transient", mem.transient)]
-            shown = [(name, value) for name, value in terms
-                     if value or name in ("parameters", "gradients", "saved activations", "outputs", "transient")]
-            lines.append(f"  memory per rank at its peak ({mem.peak_at}): {_size(mem.total)} ("
-                         + ", ".join(f"{name} {_size(value)}" for name, value in shown) + ")")
+            lines.append(f"  memory per rank {mem.describe()}")
             if 2 * mem.outputs > mem.total:
                 lines.append("  note: most of it is outputs gathered whole on every rank (the logits?); "
                              "outputs='split' (the default) keeps them split")
@@ -648,17 +652,29 @@ def _decisions(compiled, index: int, world: int, config: BackendConfig, topology
 def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, world_size: int, config: BackendConfig,
                       budget: int, strict: bool = True, dp_shard: int = 1, optimizer: str | None = None):
     """The memory policy's choice for one graph (:func:`autoshard.policy.choose_memory_policy`): each option's
-    estimate is this graph's plan from rank 0 (a copy of ``gm``; the options as they are, no policy inside).
+    estimate is this graph's plan from rank 0 (a copy of ``gm``; the options as they are, no policy inside); the
+    MLP chunks are sized from the rank's tokens the first plan finds (:func:`autoshard.policy.mlp_chunk_tokens`).
     Returns (the chosen config, :class:`~autoshard.policy.MemoryPolicy`)."""
-    from .policy import choose_memory_policy
+    from .policy import MemoryBudgetError, choose_memory_policy, mlp_chunk_tokens
 
-    def planned_peak(option: BackendConfig) -> int:
-        plan = plan_graphs([(copy.deepcopy(gm), list(example_inputs))], world_size=world_size,
-                           config=dataclasses.replace(option, memory_budget=None), dp_shard=dp_shard,
-                           optimizer=optimizer)
-        return plan.memory_per_rank.total
+    plans: dict[tuple, Plan] = {}  # (chunk_mlp, recompute, offload) -> the plan: the options differ in these only
 
-    return choose_memory_policy(config, planned_peak, budget=budget, strict=strict)
+    def planned(option: BackendConfig) -> Plan:
+        key = (option.chunk_mlp, option.recompute, option.offload)
+        if key not in plans:
+            plans[key] = plan_graphs([(copy.deepcopy(gm), list(example_inputs))], world_size=world_size,
+                                     config=dataclasses.replace(option, memory_budget=None), dp_shard=dp_shard,
+                                     optimizer=optimizer)
+        return plans[key]
+
+    symbols = planned(config).symbols
+    local = -(-symbols["S"] // symbols["P"]) if "S" in symbols else None
+    try:
+        return choose_memory_policy(config, lambda option: planned(option).memory_per_rank.total, budget=budget,
+                                    strict=strict, mlp_chunk=mlp_chunk_tokens(local))
+    except MemoryBudgetError as e:  # what the smallest option still holds: what a further lever must remove
+        smallest = min(plans.values(), key=lambda p: p.memory_per_rank.total).memory_per_rank
+        raise MemoryBudgetError(f"{e} The smallest option's peak, {smallest.describe()}") from None
 
 
 def _check_planning_options(dp_shard: int, optimizer: str | None) -> None:

@@ -39,12 +39,24 @@ import torch
 from .config import BackendConfig
 from .planner import _size
 
-__all__ = ["MemoryOption", "MemoryPolicy", "MemoryBudgetError", "CHUNK_MLP_TOKENS", "choose_memory_policy",
+__all__ = ["MemoryOption", "MemoryPolicy", "MemoryBudgetError", "CHUNK_MLP_TOKENS", "MAX_MLP_CHUNKS",
+           "mlp_chunk_tokens", "choose_memory_policy",
            "device_budget"]
 
 CHUNK_MLP_TOKENS = 1024
-"""Tokens per MLP chunk the policy sets: a chunk's ``[1024, intermediate]`` values are small next to the layer's
-other values, and its matmuls still run at full speed."""
+"""Tokens per MLP chunk the policy sets at least: a chunk's ``[1024, intermediate]`` values are small next to the
+layer's other values, and its matmuls still run at full speed."""
+MAX_MLP_CHUNKS = 16
+"""Chunks per MLP block the policy sets at most: past 16 a block's chunks hold less than a sixteenth of its
+``[tokens, intermediate]`` values -- little left to save -- and each chunk is one more call (and one more
+checkpoint for a plan to simulate)."""
+
+
+def mlp_chunk_tokens(local_tokens: int | None) -> int:
+    """Tokens per MLP chunk for a rank holding ``local_tokens`` (unknown: :data:`CHUNK_MLP_TOKENS`)."""
+    if not local_tokens:
+        return CHUNK_MLP_TOKENS
+    return max(CHUNK_MLP_TOKENS, -(-local_tokens // MAX_MLP_CHUNKS))
 
 
 class MemoryBudgetError(ValueError):
@@ -89,10 +101,10 @@ class MemoryPolicy:
         return f"memory policy: {self.chosen.describe()} -- the cheapest option within {_size(self.budget)} per rank ({weighed})"
 
 
-def _options(config: BackendConfig) -> list[dict]:
+def _options(config: BackendConfig, mlp_chunk: int = CHUNK_MLP_TOKENS) -> list[dict]:
     """The levers to try, cheapest first, leaving those the user set as they are: offload only with the
     layers recomputed, and only with the eager inner compiler."""
-    mlp = [config.chunk_mlp] if config.chunk_mlp is not None else [None, CHUNK_MLP_TOKENS]
+    mlp = [config.chunk_mlp] if config.chunk_mlp is not None else [None, mlp_chunk]
     layers = [config.recompute] if config.recompute != "none" else ["none", "layers"]
     offload = [True] if config.offload else [False] + ([True] if config.inner == "eager" else [])
     out = []
@@ -106,12 +118,13 @@ def _options(config: BackendConfig) -> list[dict]:
 
 
 def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfig], int], *, budget: int,
-                         strict: bool = True) -> tuple[BackendConfig, MemoryPolicy]:
+                         strict: bool = True, mlp_chunk: int = CHUNK_MLP_TOKENS) -> tuple[BackendConfig, MemoryPolicy]:
     """The config of the cheapest option whose ``estimate`` (planned per-rank peak bytes) is within ``budget``,
-    and what was weighed. Nothing fits: :class:`MemoryBudgetError` when ``strict``, else a warning and the
-    option with the smallest estimate."""
+    and what was weighed; ``mlp_chunk``: the tokens per MLP chunk of the options that chunk them
+    (:func:`mlp_chunk_tokens`). Nothing fits: :class:`MemoryBudgetError` when ``strict``, else a warning and
+    the option with the smallest estimate."""
     options = []
-    for levers in _options(config):
+    for levers in _options(config, mlp_chunk):
         candidate = dataclasses.replace(config, **levers)
         options.append(MemoryOption(**levers, estimate=int(estimate(candidate))))
         if options[-1].estimate <= budget:
