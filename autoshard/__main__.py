@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .config import LAYOUT_CHOICES, STRATEGIES
 from .cost import Topology
+from .policy import MemoryBudgetError
 
 __all__ = ["main"]
 
@@ -63,11 +64,15 @@ def main(argv: list[str] | None = None) -> int:
 
     model, model_args, model_kwargs = _load_factory(args.factory)(args.seq_len)
     budget = int(args.memory_budget * 2**30) if args.memory_budget is not None else None
-    result = plan(model, model_args, model_kwargs, world_size=args.world_size, strategy=args.strategy,
-                  layout=args.layout, outputs=args.outputs, topology=Topology(ranks_per_node=args.ranks_per_node),
-                  rank=args.rank, memory_budget=budget, recompute=args.recompute, chunk_mlp=args.chunk_mlp,
-                  chunk_loss=args.chunk_loss or None, offload=args.offload, dp_shard=args.dp_shard,
-                  optimizer=args.optimizer, grad_sync=not args.no_grad_sync)
+    try:
+        result = plan(model, model_args, model_kwargs, world_size=args.world_size, strategy=args.strategy,
+                      layout=args.layout, outputs=args.outputs, topology=Topology(ranks_per_node=args.ranks_per_node),
+                      rank=args.rank, memory_budget=budget, recompute=args.recompute, chunk_mlp=args.chunk_mlp,
+                      chunk_loss=args.chunk_loss or None, offload=args.offload, dp_shard=args.dp_shard,
+                      optimizer=args.optimizer, grad_sync=not args.no_grad_sync)
+    except MemoryBudgetError as e:  # the plan's answer, not a crash: which budget would do, and what is left
+        print(e, file=sys.stderr)
+        return 1
     print(result)
     if args.json:
         Path(args.json).write_text(result.to_json())

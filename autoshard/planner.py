@@ -674,7 +674,7 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, world_size: i
                                     strict=strict, mlp_chunk=mlp_chunk_tokens(local))
     except MemoryBudgetError as e:  # what the smallest option still holds: what a further lever must remove
         smallest = min(plans.values(), key=lambda p: p.memory_per_rank.total).memory_per_rank
-        raise MemoryBudgetError(f"{e} The smallest option's peak, {smallest.describe()}") from None
+        raise MemoryBudgetError(f"{e} The smallest option's memory per rank {smallest.describe()}") from None
 
 
 def _check_planning_options(dp_shard: int, optimizer: str | None) -> None:
