@@ -29,15 +29,20 @@ them); the step runs once first (compiling, warming up), then the parameters' gr
 cleared, so the figure is the step's activations, gradients and temporaries. ``logits`` is the size of
 one rank's float32 ``[tokens, V]`` logits, for scale. Times are printed for information only.
 
-Measured (2 shared CPU cores, torch 2.13 CPU, transformers 5.24)::
+Measured (2 shared CPU cores, torch 2.13 CPU, transformers 5.24; ``--budget 0.5``)::
 
-         S  run               peak/rank  logits/rank  step s
-      8192  one process          3811 MiB     1000 MiB    25.6
-      8192  P=2, whole loss      1906 MiB      500 MiB     6.4
-      8192  P=2, chunked          655 MiB      500 MiB     6.9
-     16384  one process          7623 MiB     2000 MiB    46.7
-     16384  P=2, whole loss      3811 MiB     1000 MiB    25.4
-     16384  P=2, chunked         1060 MiB     1000 MiB    17.7
+         S  run               peak/rank  x one  step s  levers
+      8192  one process          3811 MiB   1.00    30.9  -
+      8192  P=2, whole loss      1905 MiB   0.50    14.6  -
+      8192  P=2, chunked          656 MiB   0.17     8.0  chunk_loss
+      8192  P=2, policy           399 MiB   0.10     8.4  chunk_loss; chunk_mlp=1024
+     16384  one process          7623 MiB   1.00    40.8  -
+     16384  P=2, whole loss      3811 MiB   0.50    29.4  -
+     16384  P=2, chunked         1061 MiB   0.14    31.6  chunk_loss
+     16384  P=2, policy           326 MiB   0.04    40.1  chunk_loss; recompute='layers'
+
+``--cap 1 --max-seq 32768`` (longest S under 1 GiB per rank): one process < 4096 (4096: 1906 MiB); P=2 whole
+loss 4096; P=2 chunked 8192 (16384: 1061 MiB); P=2 policy 32768, the longest tried (849 MiB).
 """
 
 from __future__ import annotations
