@@ -405,10 +405,7 @@ def _carried(sources: list, carried_outputs: dict, example_inputs: list, rank: i
 
 def _chunked_loss_working_set(args: tuple) -> int:
     """The chunked LM head + loss: a chunk's ``[tokens / chunks, V]`` values alive at once
-    (:func:`~autoshard.runtime.chunked_loss.working_set_bytes`). Forward holds the chunk's logits and the
-    exponentials ``logsumexp`` makes of them; backward turns its logits into their gradient in place and casts
-    only when the logits' dtype is not the compute dtype, so with float32 logits it holds one chunk, half the
-    bound."""
+    (:func:`~autoshard.runtime.chunked_loss.working_set_bytes`), forward or backward."""
     if len(args) == 10:  # forward: h, weight, bias, target, class_weight, ignore_index, smoothing, reduction, chunks,
         h, weight, chunks, out_dtype = args[0], args[1], args[8], args[9]  # out_dtype
         backward = False
@@ -416,9 +413,7 @@ def _chunked_loss_working_set(args: tuple) -> int:
         h, weight, chunks, out_dtype = args[1], args[2], args[10], args[0].dtype  # chunks
         backward = True
     rows = h.numel() // max(1, h.size(-1))
-    bound = working_set_bytes(rows, weight.size(0), chunks, h.dtype, out_dtype)
-    in_place = backward and h.dtype == args[6].dtype  # the logits are made in the compute dtype (lse's)
-    return bound // 2 if in_place else bound
+    return working_set_bytes(rows, weight.size(0), chunks, h.dtype, out_dtype, backward=backward)
 
 
 _WORKING_SETS: dict[Any, Callable[[tuple], int]] = {

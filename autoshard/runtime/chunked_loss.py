@@ -60,16 +60,21 @@ def chunks_for(max_rows: int, tokens_per_chunk: int) -> int:
     return max(1, math.ceil(max_rows / max(1, tokens_per_chunk)))
 
 
-def working_set_bytes(rows: int, classes: int, chunks: int, logits_dtype: torch.dtype, out_dtype: torch.dtype) -> int:
-    """The bytes of the largest chunk's ``[rows / chunks, V]`` values alive at once (backward: the logits in
-    their dtype, their copy in the compute dtype turned in place into the gradient, its cast back): what the
-    op holds at its peak on top of its inputs and outputs."""
+def working_set_bytes(rows: int, classes: int, chunks: int, logits_dtype: torch.dtype, out_dtype: torch.dtype, *,
+                      backward: bool = False) -> int:
+    """The bytes of the largest chunk's ``[rows / chunks, V]`` values alive at once: what the op holds at its peak
+    on top of its inputs and outputs. Forward: the chunk's logits and, in the compute dtype, their copy or the
+    exponentials ``logsumexp`` makes of them. Backward: the logits in their dtype, their copy in the compute dtype
+    turned in place into the gradient, and its cast back -- one chunk when the logits are in the compute dtype
+    (made in place, never cast)."""
     bounds = chunk_bounds(rows, chunks)
     c = max((stop - start for start, stop in bounds), default=0)
     ct = compute_dtype(out_dtype)
     lower = logits_dtype != ct
     itemsize = torch.empty((), dtype=logits_dtype).element_size()
     ct_size = torch.empty((), dtype=ct).element_size()
+    if backward and not lower:
+        return c * classes * ct_size
     return c * classes * (ct_size + (2 * itemsize if lower else ct_size))
 
 
