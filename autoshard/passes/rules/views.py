@@ -1,11 +1,13 @@
 """Shape and layout ops: views (``view_as_complex`` / ``view_as_real`` among them), permutes, expands,
 repeat_interleave, indexing, splits, concatenation, padding.
 
-Views follow *factors*: the input's dims are cut into factors, the output's dims are matched against
-consecutive factors (merging or splitting them), and matched factors are the same positions. A
-factor cut in two by a view starts new, unlinked factors: the sequence cannot be followed through
-it, and a split value there is gathered. ``repeat_interleave`` by an int appends an inner factor to
-the repeated dim, so a merged ``[B*S]`` repeated per token (MoE routing) stays split.
+Shape ops are declarative: ``SHAPE_OPS`` holds one line per op, its *dim map* (:mod:`.dim_maps`: which input
+dims or factors each output dim is made of), and one link and one rewrite interpret every map. Views follow
+*factors*: the input's dims are cut into factors, the output's dims are matched against consecutive factors
+(merging or splitting them), and matched factors are the same positions. A factor cut in two by a view starts
+new, unlinked factors: the sequence cannot be followed through it, and a split value there is gathered.
+``repeat_interleave`` by an int appends an inner factor to the repeated dim, so a merged ``[B*S]`` repeated per
+token (MoE routing) stays split.
 
 Indexing along the sequence is exact on shards: a step-1 slice keeps each rank's positions inside the
 range (a derived layout: the shifted labels of a causal LM), selecting one position gives a partial
@@ -21,6 +23,8 @@ neighbours (the CLS token goes to the rank holding position 0), so no data moves
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -30,112 +34,73 @@ from ...placements import REPLICATE, Partial, Shard
 from ...runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines autoshard::seq_local_index
 from ..ops import Op, is_tensor_node, shape_of, value_of
 from . import register
-from .pointwise import OUTPUT_WHOLE, TUPLE_LINKS, link_nothing, rewrite_same, run_whole, whole_args
+from .dim_maps import Broadcast, DimMap, InputDim, NewDim, Repeat, output_factors, pieces, reshape_map, source_of
+from .pointwise import OUTPUT_WHOLE, TUPLE_LINKS, link_nothing, run_whole, whole_args
 
-__all__ = ["permutation", "select_owned"]
+__all__ = ["SHAPE_OPS", "ShapeOp", "link_shape_op", "permutation", "select_owned"]
 
 SPLIT_STARTS = "the split starts at this value"
 """Why a view, repeat or index whose output starts a split takes its input whole: an expected gather."""
 
-# ============================================================================= views (reshape family)
+# ============================================================================= shape ops: dim maps
+#
+# Each shape op is one line of SHAPE_OPS: the dim map of a node (:mod:`.dim_maps`), how it runs on this rank's
+# input, and what it does when its output is not split. One link and one rewrite interpret every map.
 
 
-def view_factors(in_factors: list[list[int]], out_shape) -> tuple[list[list[int]], list[tuple[tuple, tuple]]]:
-    """Output factorization and factor links ``((in_dim, in_factor), (out_dim, out_factor))`` of a reshape."""
-    atoms = [(size, (d, f)) for d, fs in enumerate(in_factors) for f, size in enumerate(fs) if size != 1]
-    out_factors: list[list[int]] = []
-    links = []
-    i, carry = 0, None
-    for od, s in enumerate(out_shape):
-        if s == 1:
-            out_factors.append([1])
-            continue
-        group, prod = [], 1
-        while prod < s:
-            if carry is not None:
-                atom, carry = carry, None
-            elif i < len(atoms):
-                atom, i = atoms[i], i + 1
-            else:
-                return [[int(x)] for x in out_shape], []
-            size, src = atom
-            if s % (prod * size) == 0:
-                group.append(atom)
-                prod *= size
-            else:
-                need = s // prod
-                if need <= 1 or size % need:
-                    return [[int(x)] for x in out_shape], []
-                group.append((need, None))
-                carry = (size // need, None)
-                prod *= need
-        if prod != s:
-            return [[int(x)] for x in out_shape], []
-        out_factors.append([sz for sz, _ in group])
-        links += [(src, (od, f)) for f, (_, src) in enumerate(group) if src is not None]
-    return out_factors, links
+@dataclass(frozen=True)
+class ShapeOp:
+    """A shape op: its dim map and how it runs."""
+
+    dim_map: Callable[[fx.Node, Op, Callable], DimMap | None]
+    """``(node, op, factorization)``: the node's dim map (``factorization(node)`` gives a value's factors); None
+    where none follows the elements (``repeat_interleave`` by per-element counts)."""
+    emit: Callable[[Any, fx.Node, Op, fx.Node, Shard], fx.Node]
+    """``(rw, node, op, x, out)``: the op on ``x``, this rank's input, giving its part of the output ``out``."""
+    whole: Callable[[Any, fx.Node, Op], None]
+    """``(rw, node, op)``: rewrite the node whose output is not split."""
 
 
-def link_view(ctx, node, op):
-    src = op["input"]
-    factors, links = view_factors(ctx.factorization(src), shape_of(node))
-    ctx.set_factorization(node, factors)
-    for (d_in, f_in), (d_out, f_out) in links:
-        ctx.link((src, d_in, f_in), (node, d_out, f_out))
+def _reshaped(node, op, factorization) -> DimMap:
+    return reshape_map(factorization(op["input"]), shape_of(node))
 
 
-def rewrite_view(rw, node, op):
-    src = op["input"]
-    out = rw.out_shard(node)
-    have = rw.placement(src)
-    if out is None:
-        if isinstance(have, Partial):
-            rw.done(node, rw.reemit(node), have)
-        else:
-            run_whole(rw, node, OUTPUT_WHOLE, expected=True)
-        return
-    want = _view_source_shard(rw, node, src, out)
-    if want is None:  # the split starts here: reshape the whole value, then keep this rank's part
-        whole = rw.reemit(node, *whole_args(rw, node, SPLIT_STARTS, expected=True))
-        rw.done(node, rw.shard_value(node, whole, out), out)
-        return
-    x = rw.input(src, want)
-    rw.done(node, rw.method("reshape", x, tuple(rw.local_shape(node, out))), out)
-
-
-def _view_source_shard(rw, node, src, out: Shard) -> Shard | None:
-    """The placement ``src`` must have for the view to produce ``out``: the input factor the output's
-    sequence factor comes from, split the same way."""
-    in_factors = rw.families.factors.get(src) or [[s] for s in shape_of(src)]
-    _, links = view_factors(in_factors, shape_of(node))
-    for (d_in, f_in), (d_out, f_out) in links:
-        if d_out == out.dim and f_out == out.factor:
-            factors = in_factors[d_in]
-            return Shard(d_in, out.layout, tuple(factors) if len(factors) > 1 else (), f_in if len(factors) > 1 else 0)
-    return None
-
-
-register("view", link=link_view, rewrite=rewrite_view)
-
-
-# ============================================================================= complex views
-
-
-def link_complex_view(ctx, node, op):
+def _complex_view_map(node, op, factorization) -> DimMap:
     """``view_as_complex`` / ``view_as_real``: the dims both sides have are the same positions."""
-    src = op["input"]
-    shared = min(len(shape_of(src)), len(shape_of(node)))
-    in_factors = ctx.factorization(src)
-    ctx.set_factorization(node, [list(in_factors[d]) for d in range(shared)] +
-                          [[s] for s in shape_of(node)[shared:]])
-    for d in range(shared):
-        ctx.link_dims(node, d, src, d)
+    shared = min(len(shape_of(op["input"])), len(shape_of(node)))
+    return tuple(InputDim(d) for d in range(shared)) + tuple(NewDim(s) for s in shape_of(node)[shared:])
 
 
-register("complex_view", link=link_complex_view, rewrite=rewrite_same)
+def _permuted(node, op, factorization) -> DimMap:
+    return tuple(InputDim(p) for p in permutation(node))
 
 
-# ============================================================================= permutes
+def _expanded(node, op, factorization) -> DimMap:
+    out_shape, in_shape = shape_of(node), shape_of(op["input"])
+    lead = len(out_shape) - len(in_shape)
+    kept = (InputDim(d) if size == out_shape[lead + d] else Broadcast(out_shape[lead + d]) for d, size in enumerate(in_shape))
+    return tuple(Broadcast(s) for s in out_shape[:lead]) + tuple(kept)
+
+
+def _repeated(node, op, factorization) -> DimMap | None:
+    """Repeating each element ``k`` times appends an inner factor ``k`` to the dim: its own factors (the sequence
+    among them: MoE's ``hidden[B*S, D].repeat_interleave(top_k, 0)``) are followed through; a size-1 dim repeated
+    is new positions."""
+    d = _repeated_dim(op)
+    if d is None:
+        return None
+    in_shape = shape_of(op["input"])
+    repeated = Repeat(d, op["repeats"]) if in_shape[d] != 1 else NewDim(shape_of(node)[d])
+    return tuple(repeated if dim == d else InputDim(dim) for dim in range(len(in_shape)))
+
+
+def _repeated_dim(op: Op) -> int | None:
+    """The dim whose elements ``repeat_interleave`` repeats an int number of times; None for counts per
+    element (a tensor) or no dim (the input flattened first)."""
+    repeats, dim = op["repeats"], op["dim"]
+    if isinstance(repeats, int) and not isinstance(repeats, bool) and dim is not None:
+        return dim % len(shape_of(op["input"]))
+    return None
 
 
 def permutation(node: fx.Node) -> list[int]:
@@ -148,123 +113,105 @@ def permutation(node: fx.Node) -> list[int]:
     return [s - 2 for s in out.shape]
 
 
-def link_permute(ctx, node, op):
-    src = op["input"]
-    perm = permutation(node)
-    in_factors = ctx.factorization(src)
-    ctx.set_factorization(node, [list(in_factors[p]) for p in perm])
-    for d, p in enumerate(perm):
-        ctx.link_dims(node, d, src, p)
+def _to_local_shape(method: str) -> Callable:
+    """Emit ``x.<method>(local shape of the output)`` (``reshape``, ``expand``)."""
+    def emit(rw, node, op, x, out):
+        return rw.method(method, x, tuple(rw.local_shape(node, out)))
+
+    return emit
 
 
-def rewrite_permute(rw, node, op):
-    src = op["input"]
-    out = rw.out_shard(node)
-    if out is None:
-        have = rw.placement(src)
-        x = rw.env[src] if isinstance(have, Partial) else rw.input(src, REPLICATE)
-        rw.done(node, rw.reemit(node, (x,) + tuple(node.args[1:]), dict(node.kwargs)), have if isinstance(have, Partial) else REPLICATE)
-        return
-    perm = permutation(node)
-    x = rw.input(src, out.moved(perm[out.dim]))
-    rw.done(node, rw.reemit(node, (x,) + tuple(node.args[1:]), dict(node.kwargs)), out)
+def _reemitted(rw, node, op, x, out):
+    """The node's own call on ``x`` (its other arguments are dims, not sizes)."""
+    return rw.reemit(node, (x,) + tuple(rw.value(a) for a in node.args[1:]), rw.value(node.kwargs))
 
 
-register("permute", link=link_permute, rewrite=rewrite_permute)
+def _repeat_local(rw, node, op, x, out):
+    return rw.call(torch.repeat_interleave, x, op["repeats"], _repeated_dim(op))
 
 
-# ============================================================================= expand
-
-
-def link_expand(ctx, node, op):
-    src = op["input"]
-    out_shape, in_shape = shape_of(node), shape_of(src)
-    lead = len(out_shape) - len(in_shape)
-    in_factors = ctx.factorization(src)
-    ctx.set_factorization(node, [[s] for s in out_shape[:lead]] + [
-        list(in_factors[d]) if in_shape[d] == out_shape[lead + d] else [out_shape[lead + d]] for d in range(len(in_shape))])
-    for d in range(len(in_shape)):
-        if in_shape[d] == out_shape[lead + d]:
-            ctx.link_dims(node, lead + d, src, d)
-
-
-def rewrite_expand(rw, node, op):
-    src = op["input"]
-    out = rw.out_shard(node)
-    if out is None:
+def _whole_keeping_partial(rw, node, op) -> None:
+    """A partial input stays partial (the op moves elements, it adds none); anything else runs whole."""
+    have = rw.placement(op["input"])
+    if isinstance(have, Partial):
+        rw.done(node, rw.reemit(node), have)
+    else:
         run_whole(rw, node, OUTPUT_WHOLE, expected=True)
-        return
-    out_shape, in_shape = shape_of(node), shape_of(src)
-    d_in = out.dim - (len(out_shape) - len(in_shape))
-    broadcast = d_in < 0 or in_shape[d_in] != out_shape[out.dim]
-    x = rw.input(src, REPLICATE, partial_grad=True) if broadcast else rw.input(src, out.moved(d_in))
-    rw.done(node, rw.method("expand", x, tuple(rw.local_shape(node, out))), out)
 
 
-register("expand", link=link_expand, rewrite=rewrite_expand)
+def _whole(rw, node, op) -> None:
+    """The op runs whole, a partial input reduced first."""
+    run_whole(rw, node, OUTPUT_WHOLE, expected=True)
 
 
-# ============================================================================= repeat_interleave
-
-
-def _repeated_dim(op: Op) -> int | None:
-    """The dim whose elements ``repeat_interleave`` repeats an int number of times; None for counts per
-    element (a tensor) or no dim (the input flattened first)."""
-    repeats, dim = op["repeats"], op["dim"]
-    if isinstance(repeats, int) and not isinstance(repeats, bool) and dim is not None:
-        return dim % len(shape_of(op["input"]))
-    return None
-
-
-def link_repeat_interleave(ctx, node, op):
-    """Repeating each element ``k`` times appends an inner factor ``k`` to the dim: its own factors (the
-    sequence among them: MoE's ``hidden[B*S, D].repeat_interleave(top_k, 0)``) are followed through."""
-    d = _repeated_dim(op)
-    if d is None:
-        return
-    src = op["input"]
-    factors = [list(f) for f in ctx.factorization(src)]
-    repeated = factors[d] if shape_of(src)[d] != 1 else []  # a size-1 dim: the repeats are all there is
-    factors[d] = repeated + [op["repeats"]] if op["repeats"] != 1 else factors[d]
-    ctx.set_factorization(node, factors)
-    for dim in range(len(factors)):
-        if dim != d:
-            ctx.link_dims(node, dim, src, dim)
-    for f, size in enumerate(repeated):
-        if size != 1:
-            ctx.link((src, d, f), (node, d, f))
-
-
-def rewrite_repeat_interleave(rw, node, op):
-    src = op["input"]
-    out = rw.out_shard(node)
-    d = _repeated_dim(op)
-    if (out is None or d is None) and isinstance(rw.placement(src), Shard):
+def _whole_repeat(rw, node, op) -> None:
+    """A split input repeated per-element or flattened (no dim map), or into an output left whole: a fallback."""
+    if isinstance(rw.placement(op["input"]), Shard):
         rw.fallback(node, "repeating a split value by per-element counts or flattened")
-        return
-    if out is None or d is None:
+    else:
         run_whole(rw, node, OUTPUT_WHOLE, expected=True)
+
+
+SHAPE_OPS: dict[str, ShapeOp] = {
+    "view": ShapeOp(_reshaped, _to_local_shape("reshape"), _whole_keeping_partial),  # also flatten, squeeze, ...
+    "complex_view": ShapeOp(_complex_view_map, _reemitted, _whole_keeping_partial),
+    "permute": ShapeOp(_permuted, _reemitted, _whole_keeping_partial),  # also transpose, movedim, t
+    "expand": ShapeOp(_expanded, _to_local_shape("expand"), _whole),
+    "repeat_interleave": ShapeOp(_repeated, _repeat_local, _whole_repeat),
+}
+
+
+def link_shape_op(ctx, node, op):
+    """Whole input dims are linked dim to dim (:meth:`~autoshard.passes.infer.LinkContext.link_dims`, which lets a
+    dim take a merge it meets), then merged, cut and repeated dims factor by factor."""
+    dim_map = SHAPE_OPS[op.name].dim_map(node, op, ctx.factorization)
+    if dim_map is None:
         return
-    want = _repeat_source_shard(rw, src, out, d)
-    if want is None:  # the repeat itself is the sequence: repeat the whole value, then keep this rank's part
-        whole = rw.reemit(node, *whole_args(rw, node, SPLIT_STARTS, expected=True))
-        rw.done(node, rw.shard_value(node, whole, out), out)
+    src = op["input"]
+    in_factors = ctx.factorization(src)
+    ctx.set_factorization(node, output_factors(dim_map, in_factors))
+    for d, spec in enumerate(dim_map):
+        if isinstance(spec, InputDim):
+            ctx.link_dims(node, d, src, spec.dim)
+    for d, spec in enumerate(dim_map):
+        if not isinstance(spec, InputDim):
+            for f, (size, source) in enumerate(pieces(spec, in_factors)):
+                if source is not None and size != 1:
+                    ctx.link((src, *source), (node, d, f))
+
+
+def rewrite_shape_op(rw, node, op):
+    """The input split where the output's sequence factor comes from; where it comes from no input factor, the
+    split starts here (the op runs whole, this rank keeps its part); a broadcast one takes the input whole."""
+    shape_op = SHAPE_OPS[op.name]
+    src = op["input"]
+    out = rw.out_shard(node)
+    dim_map = shape_op.dim_map(node, op, lambda n: _factors(rw, n)) if out is not None else None
+    if dim_map is None:
+        shape_op.whole(rw, node, op)
         return
-    rw.done(node, rw.call(torch.repeat_interleave, rw.input(src, want), op["repeats"], d), out)
+    if isinstance(dim_map[out.dim], Broadcast):
+        x = rw.input(src, REPLICATE, partial_grad=True)
+    else:
+        in_factors = _factors(rw, src)
+        source = source_of(dim_map, in_factors, out.dim, out.factor)
+        if source is None:
+            whole = rw.reemit(node, *whole_args(rw, node, SPLIT_STARTS, expected=True))
+            rw.done(node, rw.shard_value(node, whole, out), out)
+            return
+        d_in, f_in = source
+        merged = len(in_factors[d_in]) > 1
+        x = rw.input(src, Shard(d_in, out.layout, tuple(in_factors[d_in]) if merged else (), f_in if merged else 0))
+    rw.done(node, shape_op.emit(rw, node, op, x, out), out)
 
 
-def _repeat_source_shard(rw, src, out: Shard, d: int) -> Shard | None:
-    """The placement ``src`` must have for the repeat to produce ``out``: the same split, less the repeat
-    factor when the repeated dim holds the sequence; None when the sequence is the repeat factor."""
-    if out.dim != d:
-        return out
-    factors = (rw.families.factors.get(src) or [[s] for s in shape_of(src)])[d]
-    if out.factor >= len(factors) or shape_of(src)[d] == 1:
-        return None
-    return Shard(d, out.layout, tuple(factors) if len(factors) > 1 else (), out.factor if len(factors) > 1 else 0)
+def _factors(rw, node: fx.Node) -> list[list[int]]:
+    """The factorization inference gave ``node`` (one factor per dim when it gave none)."""
+    return rw.families.factors.get(node) or [[s] for s in shape_of(node)]
 
 
-register("repeat_interleave", link=link_repeat_interleave, rewrite=rewrite_repeat_interleave)
+for _name in SHAPE_OPS:
+    register(_name, link=link_shape_op, rewrite=rewrite_shape_op)
 
 
 # ============================================================================= indexing
