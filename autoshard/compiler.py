@@ -22,12 +22,10 @@ whose shard is not the one the layout gives it, or whose other sizes differ, mak
 from __future__ import annotations
 
 import copy
-import dataclasses
 import datetime
 import hashlib
 import itertools
 import logging
-import os
 import warnings
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
@@ -39,18 +37,18 @@ import torch.fx as fx
 
 from .config import BackendConfig
 from .passes.ops import value_of
-from .passes.pipeline import PipelineState, run_pipeline
-from .passes.rewrite import CompileReport, is_parameter
+from .passes.pipeline import compile_graph
+from .passes.rewrite import CompileReport
 from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
+from .planner import memory_policy_for, plan_graph, resolve_config
 from .policy import device_budget
 from .runtime.collectives import gather_facts
 from .runtime.layouts import SequenceLayout
 from .runtime.split_tensor import SplitTensor, local_of, wrap
-from .runtime.groups import GroupLike, resolve_group
+from .runtime.groups import GroupLike, check_sequence_mesh, default_store, sequence_group, sequence_groups
 
-__all__ = ["backend", "AutoshardBackend", "autoshard_backend", "CompiledGraph", "GraphRecord", "compile_graph",
-           "check_mesh_axes", "HYBRID_AXES", "resolve_config"]
+__all__ = ["backend", "AutoshardBackend", "autoshard_backend", "GraphRecord", "explain"]
 
 logger = logging.getLogger("autoshard")
 """The package's logger: ``backend(dry_run=True)`` logs its plan here (INFO, rank 0)."""
@@ -63,28 +61,8 @@ SIZES_CACHED = 8
 """How many sets of sizes of one dynamic-shape graph keep their compiled graph (least recently used first out)."""
 RECORDS_KEPT = 64
 """How many compiled graphs' records a backend keeps for reports and warnings (oldest first out)."""
-_DUMPS = itertools.count()
-"""Numbers this process's dumped compiles (``AUTOSHARD_DUMP``), one folder each."""
 _LAST_CHECK: dict[str, int] = {}
 """Group name -> number of this rank's last graph check in that group (whose store key it still holds)."""
-
-
-@dataclass
-class CompiledGraph:
-    """One rank's result of compiling one dynamo graph."""
-
-    graph_module: fx.GraphModule
-    """The rewritten, per-rank graph."""
-    report: CompileReport
-    """Placements, transitions, fallbacks, attention decisions."""
-    families: Any
-    strategies: dict
-    gathered_output_shapes: set = None
-    """Global shapes of the outputs this graph gathers whole."""
-    reasons: dict = None
-    """Attention node -> why its strategy was chosen."""
-    carried_outputs: dict = None
-    """Position in the output tuple -> Shard placement of the outputs handed back as SplitTensor."""
 
 
 @dataclass
@@ -97,72 +75,6 @@ class GraphRecord:
     """Global shapes of the outputs the graph gathers whole."""
     splits_sequence: bool
     """Whether anything in the graph is split along a sequence."""
-
-
-def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, rank: int, world: int, group: str,
-                  ring_group: str = "", heads_group: str = "", heads_axis_size: int | None = None,
-                  sharded_inputs: dict[str, Any] | None = None, carried_inputs: set[str] | None = None, topology=None,
-                  planning: bool = False) -> CompiledGraph:
-    """Run the passes (:data:`~autoshard.passes.pipeline.PASSES`) on ``gm`` (modified in place up to the
-    rewrite) for ``rank`` of ``world``; ``AUTOSHARD_DUMP=<dir>`` writes every pass's output under ``dir``.
-    ``sharded_inputs``: placeholder name -> the Shard its local input arrives in; ``carried_inputs``: those of
-    them that arrive as SplitTensor from another graph (they seed their sequence, and their family keeps
-    their layout)."""
-    dump = os.environ.get("AUTOSHARD_DUMP")
-    seeds = _annotated_inputs(gm, config) + [(n, sharded_inputs[n.name].dim) for n in gm.graph.nodes
-                                             if n.op == "placeholder" and n.name in (carried_inputs or {})]
-    state = run_pipeline(PipelineState(
-        gm=gm, config=config, rank=rank, world=world, group=group, ring_group=ring_group, heads_group=heads_group,
-        heads_axis_size=heads_axis_size, sharded_inputs=sharded_inputs, seeds=seeds,
-        carried_layouts={name: sharded_inputs[name].layout.kind for name in carried_inputs or {}},
-        topology=topology, planning=planning,
-        dump_dir=os.path.join(dump, f"graph{next(_DUMPS)}-rank{rank}") if dump else None))
-    families, rewriter = state.families, state.rewriter
-    if not families.families and world > 1 and (state.missed or state.stats["capture"].counts["layers"]):
-        detail = "; ".join(state.missed) if state.missed else (
-            "no scaled_dot_product_attention or softmax(QK^T)V in it, and no input marked with "
-            "autoshard.mark_sequence or seq_dims")
-        warnings.warn(f"autoshard: nothing in this graph is split along a sequence, so it runs whole on every "
-                      f"rank: {detail}", stacklevel=3)
-    rewriter.report.passes = state.stats
-    gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
-    return CompiledGraph(state.gm, rewriter.report, families, state.strategies, gathered, state.reasons,
-                         rewriter.carried_outputs)
-
-
-def input_name(node: fx.Node) -> str | None:
-    """The user-facing name of a graph input: ``input_ids`` for ``L['kwargs']['input_ids']`` or ``L['input_ids']``."""
-    arg = node.meta.get("grapharg")
-    source = getattr(arg, "source", None)
-    if source is None:
-        return None
-    text = source.name if isinstance(source.name, str) else source.name()
-    if text.endswith("']"):
-        return text[text.rfind("['") + 2:-2]
-    return text
-
-
-def _annotated_inputs(gm: fx.GraphModule, config: BackendConfig) -> list[tuple[fx.Node, int]]:
-    """(placeholder, dim) for every input named in ``config.seq_dims`` (by name, or by position among the
-    tensor inputs that are not parameters)."""
-    if not config.seq_dims:
-        return []
-    user = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
-            and not is_parameter(n)]
-    out = []
-    names = [input_name(n) for n in user]
-    for key, dim in config.seq_dims.items():
-        matches = [n for n in user if input_name(n) == key] if isinstance(key, str) else user[key:key + 1]
-        if not matches:
-            raise ValueError(f"autoshard: seq_dims names input {key!r}, but the compiled graph's tensor inputs "
-                             f"are {names}")
-        for n in matches:
-            ndim = n.meta["example_value"].dim()
-            if not -ndim <= dim < ndim:
-                raise ValueError(f"autoshard: seq_dims gives input {key!r} sequence dim {dim}, but it has "
-                                 f"shape {tuple(n.meta['example_value'].shape)}")
-            out.append((n, dim % ndim))
-    return out
 
 
 class AutoshardBackend:
@@ -179,21 +91,14 @@ class AutoshardBackend:
         """The layout inputs split by ``autoshard.shard_inputs`` arrive in."""
         return "contiguous" if self.config.layout == "auto" else self.config.layout
 
-    def _groups(self):
-        """(sequence group, ring-axis group name, ulysses-axis group name, ulysses axis size) for this
-        backend's group."""
-        from torch.distributed.device_mesh import DeviceMesh
-
-        if isinstance(self.group, DeviceMesh) and self.group.ndim == 2:
-            return hybrid_groups(self.group)
-        return resolve_group(self.group), "", "", None
+    def _sequence_group(self) -> dist.ProcessGroup:
+        """The group this backend splits sequences over (a 2-D mesh's flattened group)."""
+        return sequence_group(self.group)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
-        pg = self._groups()[0]
+        pg = self._sequence_group()
         world, rank = pg.size(), pg.rank()
         if self.config.dry_run:
-            from .planner import plan_graph
-
             if rank == 0:
                 logger.info("%s", plan_graph(copy.deepcopy(gm), example_inputs, world_size=world, config=self.config))
             return gm.forward
@@ -210,7 +115,7 @@ class AutoshardBackend:
         """Compile one static graph for this rank and lower it. ``sharded_inputs``: placeholder name -> the
         Shard placement its (local) input arrives in; ``global_inputs``: the inputs' global shapes, when
         they differ from ``example_inputs``'."""
-        pg, ring_group, heads_group, heads_axis = self._groups()
+        pg = self._sequence_group()
         carried = {i: x for i, x in enumerate(example_inputs) if isinstance(x, SplitTensor) and x.group_name == pg.group_name}
         if carried:  # values an earlier graph returned split: they arrive split, the graph gets their shards
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -222,9 +127,7 @@ class AutoshardBackend:
         _check_same_graph(pg, next(_COMPILES), gm, global_inputs or example_inputs,
                           same_values=self.config.inputs == "replicated")
         config, policy = self._memory_policy(gm, global_inputs or example_inputs, pg.size())
-        compiled = compile_graph(gm, config=config, rank=pg.rank(), world=pg.size(), group=pg.group_name,
-                                 ring_group=ring_group, heads_group=heads_group, heads_axis_size=heads_axis,
-                                 sharded_inputs=sharded_inputs,
+        compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group), sharded_inputs=sharded_inputs,
                                  carried_inputs={placeholders[i].name for i in carried} if carried else None)
         compiled.report.memory_policy = policy
         record = GraphRecord(compiled.report, compiled.gathered_output_shapes, bool(compiled.families.families))
@@ -239,8 +142,6 @@ class AutoshardBackend:
         """The config the memory policy chooses for this graph (:mod:`autoshard.policy`) and what it weighed;
         the backend's own config and None without a budget (``memory_budget`` unset on CPU). Decided from rank
         0's plan, so every rank decides the same."""
-        from .planner import memory_policy_for
-
         budget, strict = self.config.memory_budget, True
         if budget is None:
             budget, strict = device_budget(example_inputs), False
@@ -268,7 +169,7 @@ class AutoshardBackend:
         global graph is compiled with those inputs arriving split."""
         if lengths is None:
             return self.compile(specialize(gm, args), args)
-        pg = self._groups()[0]
+        pg = self._sequence_group()
         totals = [sum(column) for column in zip(*lengths)]
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         global_of = {sym: n for (_, _, sym), n in zip(dims, totals)}
@@ -295,7 +196,7 @@ class _PerSizes:
         self.split_dims = _split_dims(gm, example_inputs) if backend.config.inputs == "sharded" else []
         if backend.config.inputs == "sharded" and not self.split_dims:
             raise ValueError(_NO_SHARDED_INPUT)
-        self.pg = backend._groups()[0]
+        self.pg = backend._sequence_group()
         symbols = {sym for _, _, sym in self.split_dims}
         self.length_args = {i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
                             if symbol_of(p) in symbols}
@@ -356,12 +257,12 @@ def _split_dims(gm: fx.GraphModule, example_inputs: list) -> list[tuple[int, int
             if d in getattr(example_inputs[i], "_dynamo_dynamic_indices", ())]
 
 
-def _carrying(fn: Callable, carried_inputs: set[int], carried_outputs: dict, group: str) -> Callable:
+def _carrying(fn: Callable, carried_inputs: set[int], carried_outputs: dict, group_name: str) -> Callable:
     """``fn`` (a compiled per-rank graph) called with the shards of the SplitTensor inputs at
     ``carried_inputs``, its outputs at ``carried_outputs`` handed back as SplitTensor."""
     def run(*args):
         out = fn(*(local_of(a) if i in carried_inputs else a for i, a in enumerate(args)))
-        return type(out)(wrap(o, carried_outputs[i].dim, carried_outputs[i].layout, group) if i in carried_outputs
+        return type(out)(wrap(o, carried_outputs[i].dim, carried_outputs[i].layout, group_name) if i in carried_outputs
                          else o for i, o in enumerate(out))
     return run
 
@@ -401,7 +302,7 @@ def _check_same_graph(pg: dist.ProcessGroup, index: int, gm: fx.GraphModule, exa
                       same_values: bool = True) -> None:
     """Every rank of ``pg`` compiled the same graph for the same input shapes as its ``index``-th graph, and
     (``same_values``, whole inputs) passed the same input values and parameters."""
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     world, rank = pg.size(), pg.rank()
     prefix = f"autoshard/{pg.group_name}/{index}"
     mine = _fingerprint(gm, example_inputs) + "/" + (_values_digest(example_inputs) if same_values else "-")
@@ -440,21 +341,6 @@ def _check_same_graph(pg: dist.ProcessGroup, index: int, gm: fx.GraphModule, exa
             "autoshard.shard_inputs and inputs='sharded'")
 
 
-def resolve_config(config: BackendConfig | None, overrides: dict, caller: str = "autoshard.backend") -> BackendConfig:
-    """``config`` (None: the defaults) with the keyword ``overrides`` (:class:`~autoshard.config.BackendConfig`
-    fields) applied on top; raises TypeError on a ``config`` that is not a BackendConfig or an unknown option."""
-    if config is not None and not isinstance(config, BackendConfig):
-        raise TypeError(f"{caller}: config must be an autoshard.BackendConfig, got {type(config).__name__}")
-    names = [f.name for f in dataclasses.fields(BackendConfig)]
-    unknown = [name for name in overrides if name not in names]
-    if unknown:
-        raise TypeError(f"{caller}: unknown option(s) {', '.join(map(repr, unknown))}; the options are the fields "
-                        f"of autoshard.BackendConfig: {', '.join(names)}")
-    if config is None:
-        return BackendConfig(**overrides)
-    return dataclasses.replace(config, **overrides) if overrides else config
-
-
 def backend(group: GroupLike = None, config: BackendConfig | None = None, **overrides) -> AutoshardBackend:
     """The backend for ``torch.compile``: ``group`` is a ProcessGroup, a DeviceMesh (2-D for the hybrid
     strategy) or None for the default group; ``config`` a :class:`~autoshard.config.BackendConfig` (None: the
@@ -465,7 +351,7 @@ def backend(group: GroupLike = None, config: BackendConfig | None = None, **over
         raise TypeError("autoshard.backend: the first argument is the group; pass the BackendConfig as config=...")
     config = resolve_config(config, overrides)
     if isinstance(group, DeviceMesh):
-        check_mesh_axes(group)
+        check_sequence_mesh(group)
     if config.strategy == "hybrid":
         if not (isinstance(group, DeviceMesh) and group.ndim == 2):
             raise ValueError("autoshard.backend: strategy='hybrid' needs a 2-D DeviceMesh (ring axis, ulysses axis)")
@@ -513,39 +399,3 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
     if _default_backend is None:
         _default_backend = AutoshardBackend()
     return _default_backend(gm, example_inputs)
-
-
-HYBRID_AXES = ("ring", "ulysses")
-"""Mesh dim names of the hybrid strategy's 2-D mesh, in order."""
-
-
-def check_mesh_axes(mesh) -> None:
-    """Raise unless ``mesh`` is a sequence mesh: 1-D (its one axis is the sequence group), or 2-D with axes
-    named :data:`HYBRID_AXES`. A (dp, sp) mesh handed over whole would otherwise be flattened into one
-    sequence group, and the data-parallel ranks would split one sequence among them."""
-    if mesh.ndim == 1:
-        return
-    names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim == 2 and names == HYBRID_AXES:
-        return
-    if mesh.ndim == 2 and set(names) == set(HYBRID_AXES):
-        raise ValueError("autoshard: order the hybrid mesh as (ring, ulysses): "
-                         "init_device_mesh(device, (P_ring, P_ulysses), mesh_dim_names=('ring', 'ulysses'))")
-    shown = names or f"{mesh.ndim} unnamed axes"
-    sequence = next((n for n in names if n in ("sp", "cp", "seq", "context", "sequence")), None)
-    pick = f"mesh[{sequence!r}]" if sequence else "mesh['<sequence axis>']"
-    raise ValueError(
-        f"autoshard: a {mesh.ndim}-D mesh with axes {shown} is not a sequence mesh; pass the 1-D sub-mesh of the "
-        f"sequence axis, autoshard.backend({pick}) (the other axes belong to DDP/FSDP), or, for the hybrid "
-        f"strategy, a 2-D mesh named ('ring', 'ulysses')")
-
-
-def hybrid_groups(mesh) -> tuple[dist.ProcessGroup, str, str, int]:
-    """(whole sequence group, ring-axis group name, ulysses-axis group name, ulysses axis size) of a 2-D
-    (ring, ulysses) mesh.
-
-    The sequence is laid out over the flattened mesh: mesh coordinate (ring i, ulysses j) holds shard
-    ``i * P_ulysses + j``, so the flattened group's rank order is the sequence order."""
-    check_mesh_axes(mesh)
-    flat = mesh._flatten().get_group()
-    return flat, mesh.get_group(0).group_name, mesh.get_group(1).group_name, mesh.size(1)

@@ -20,18 +20,29 @@ Per attention call (forward + backward, per rank):
 :func:`choose_strategy` takes the fastest feasible strategy and says why. Ulysses needs the heads to
 cover the ranks (``H >= P``); the zigzag ring needs ``2P`` positions; the hybrid needs a group that
 spans nodes (and a 2-D mesh to run on).
+
+This module names no strategy: each registers its own cost function, layout preference, tie-break rank
+and reason with its algorithm (:class:`autoshard.runtime.attention.base.Strategy`), and
+:func:`attention_costs` prices every registered strategy through a :class:`Pricing` -- the call, the
+ranks, the cluster, and the terms the strategies share (the per-rank compute, the ring's steps, bytes from
+the strategy's formulas, the working set of the inputs).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
 
+import sympy
 import torch
 
-from .runtime.attention import formulas
+from .runtime.attention import STRATEGIES, formulas
+from .runtime.attention.base import Strategy
 
-__all__ = ["Topology", "StrategyCost", "attention_costs", "choose_strategy", "AttentionShape", "preferred_layout"]
+__all__ = ["Topology", "StrategyCost", "attention_costs", "choose_strategy", "AttentionShape", "preferred_layout",
+           "Pricing"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,111 +157,105 @@ class StrategyCost:
 
 
 def preferred_layout(strategy: str, shape: AttentionShape, world: int) -> str:
-    """The sequence layout ``strategy`` runs best on. Zigzag balances a causal mask for the zigzag ring,
-    the all-gather and the hybrid (whose ring spans the flattened mesh) once the sequence has 2P
-    positions; the contiguous ring and Ulysses (each rank attends whole sequences of its heads) take
+    """The sequence layout ``strategy`` runs best on (its registered preference): zigzag balances a causal mask
+    for the zigzag ring, the all-gather and the hybrid (whose ring spans the flattened mesh) once the sequence
+    has 2P positions; the contiguous ring and Ulysses (each rank attends whole sequences of its heads) take
     the contiguous layout."""
-    balances = strategy == "zigzag" or (strategy in ("allgather", "hybrid") and shape.causal)
-    return "zigzag" if balances and shape.seq >= 2 * world else "contiguous"
+    return STRATEGIES[strategy].preferred_layout(shape, world)
 
 
-def _merge_time(shape: AttentionShape, world: int, steps: int, topology: Topology) -> float:
-    """Seconds a ring spends merging ``steps`` partial results per rank (fp32 read, read, write)."""
-    local = -(-shape.seq // world)
-    out = shape.batch * shape.heads * local * (shape.dv + 1) * 4 * 3
-    grads = shape.batch * shape.kv_heads * local * shape.kv_dims * 4 * 3
-    return steps * (out + grads) / topology.memory_bandwidth
+@dataclass(frozen=True)
+class Pricing:
+    """What a strategy's cost function (:attr:`~autoshard.runtime.attention.base.Strategy.cost`) prices: one call
+    of ``shape`` on ``world`` ranks of ``topology``, and the terms the strategies share."""
 
+    strategy: Strategy
+    shape: AttentionShape
+    world: int
+    topology: Topology
+    hybrid_possible: bool
+    """Whether a 2-D mesh is there to run a strategy over (or may be planned)."""
 
-def _bytes(strategy: str, shape: AttentionShape, sizes: dict) -> tuple[int, int]:
-    subs = formulas.values(dtype=shape.dtype, key_mask=shape.key_mask, segment_ids_dtype=shape.segment_ids_dtype,
-                           B=shape.batch, S=shape.seq, H=shape.heads, Hkv=shape.kv_heads, D=shape.head_dim,
-                           Dv=shape.dv, **sizes)
-    return tuple(int(math.ceil(float(formulas.bytes_sent(strategy, d).subs(subs)))) for d in ("forward", "backward"))
+    @cached_property
+    def item(self) -> int:
+        """Bytes per element of the inputs."""
+        return torch.empty((), dtype=self.shape.dtype).element_size()
+
+    @cached_property
+    def local(self) -> int:
+        """Positions per rank (the largest shard)."""
+        return -(-self.shape.seq // self.world)
+
+    @cached_property
+    def inputs_bytes(self) -> int:
+        """This rank's q, k, v and output: the working set every strategy holds."""
+        s = self.shape
+        return s.batch * self.local * (s.heads + s.kv_heads) * s.kv_dims * self.item
+
+    @cached_property
+    def balanced(self) -> float:
+        """Seconds of forward + backward (2.5x) compute per rank, the work split evenly."""
+        return self.shape.flops() * 3.5 / self.world / self.topology.attention_flops
+
+    @cached_property
+    def contiguous(self) -> float:
+        """Seconds per rank on the contiguous layout: a causal mask without window or chunks leaves the last
+        rank's queries the most keys."""
+        s = self.shape
+        return self.balanced * ((2 * self.world - 1) / self.world if s.causal and s.window is None and not s.chunk
+                                else 1.0)
+
+    def merge_time(self, steps: int) -> float:
+        """Seconds a ring spends merging ``steps`` partial results per rank (fp32 read, read, write)."""
+        s = self.shape
+        out = s.batch * s.heads * self.local * (s.dv + 1) * 4 * 3
+        grads = s.batch * s.kv_heads * self.local * s.kv_dims * 4 * 3
+        return steps * (out + grads) / self.topology.memory_bandwidth
+
+    def sent(self, sizes: dict, bytes_sent: Callable[[bool], sympy.Expr] | None = None,
+             shape: AttentionShape | None = None) -> tuple[int, int]:
+        """``(forward, backward)`` bytes a rank sends by the strategy's formulas (or ``bytes_sent``'s) for ``shape``
+        (default: the call's) and the rank counts ``sizes``."""
+        shape = shape or self.shape
+        formula = bytes_sent or self.strategy.bytes_sent
+        subs = formulas.values(dtype=shape.dtype, key_mask=shape.key_mask, segment_ids_dtype=shape.segment_ids_dtype,
+                               B=shape.batch, S=shape.seq, H=shape.heads, Hkv=shape.kv_heads, D=shape.head_dim,
+                               Dv=shape.dv, **sizes)
+        return tuple(int(math.ceil(float(formula(backward).subs(subs)))) for backward in (False, True))
+
+    def impossible(self, why: str) -> StrategyCost:
+        """The strategy cannot run this call, for the reason ``why``."""
+        return StrategyCost(self.strategy.name, False, why)
+
+    def cost(self, *, compute: float, comm: float, exposed: float, latency: float, sent: tuple[int, int],
+             memory: int, mesh: tuple[int, int] | None = None) -> StrategyCost:
+        """A feasible cost: ``compute`` + the ``exposed`` part of the communication ``comm`` + ``latency`` seconds, on
+        the strategy's preferred layout."""
+        return StrategyCost(self.strategy.name, True, compute_s=compute, comm_s=comm, exposed_comm_s=exposed,
+                            latency_s=latency, total_s=compute + exposed + latency, bytes_forward=sent[0],
+                            bytes_backward=sent[1], memory_bytes=memory,
+                            layout=self.strategy.preferred_layout(self.shape, self.world), mesh=mesh)
+
+    def ring(self, compute: float) -> StrategyCost:
+        """A ring over all ranks: K/V blocks travel while the previous block is computed (``compute`` seconds in
+        all), so only the traffic beyond the compute is exposed; every step pays latency, overhead and a merge."""
+        world, topology = self.world, self.topology
+        sent = self.sent({"P": world})
+        comm = sum(sent) / topology.bandwidth(world)
+        latency = 2 * world * (topology.latency(world) + topology.step_overhead) + self.merge_time(world)
+        s = self.shape
+        in_flight = 2 * s.batch * self.local * s.kv_heads * s.kv_dims * self.item
+        return self.cost(compute=compute, comm=comm, exposed=max(0.0, comm - compute), latency=latency, sent=sent,
+                         memory=self.inputs_bytes + in_flight)
 
 
 def attention_costs(shape: AttentionShape, world: int, topology: Topology = Topology(), *,
                     hybrid_possible: bool = True, memory_budget: int | None = None) -> list[StrategyCost]:
-    """The cost of every strategy for ``shape`` on ``world`` ranks of ``topology``."""
-    total_flops = shape.flops() * 3.5  # forward + backward (2.5x)
-    item = torch.empty((), dtype=shape.dtype).element_size()
-    local = -(-shape.seq // world)
-    qkvo = shape.batch * local * (shape.heads + shape.kv_heads) * shape.kv_dims * item
+    """The cost of every registered strategy for ``shape`` on ``world`` ranks of ``topology``, in registry order;
+    one whose working set exceeds the budget (default: the topology's memory) is not feasible."""
     budget = memory_budget if memory_budget is not None else topology.memory_bytes
-    costs = []
-
-    def ring_like(name: str, layout: str, compute: float):
-        """A ring over all ``world`` ranks: K/V blocks travel while the previous block is computed."""
-        fwd, bwd = _bytes(name, shape, {"P": world})
-        comm = (fwd + bwd) / topology.bandwidth(world)
-        exposed = max(0.0, comm - compute)
-        latency = 2 * world * (topology.latency(world) + topology.step_overhead) + _merge_time(shape, world, world,
-                                                                                              topology)
-        memory = qkvo + 2 * shape.batch * local * shape.kv_heads * shape.kv_dims * item
-        costs.append(StrategyCost(name, True, compute_s=compute, comm_s=comm, exposed_comm_s=exposed,
-                                  latency_s=latency, total_s=compute + exposed + latency, bytes_forward=fwd,
-                                  bytes_backward=bwd, memory_bytes=memory, layout=layout))
-
-    balanced = total_flops / world / topology.attention_flops
-    imbalanced = balanced * ((2 * world - 1) / world if shape.causal and shape.window is None and not shape.chunk
-                             else 1.0)
-
-    ring_like("ring", "contiguous", imbalanced)
-    if shape.seq >= 2 * world:
-        ring_like("zigzag", "zigzag", balanced)
-    else:
-        costs.append(StrategyCost("zigzag", False, f"the zigzag layout needs 2P = {2 * world} positions, the sequence "
-                                                   f"has {shape.seq}"))
-
-    fwd, bwd = _bytes("allgather", shape, {"P": world})
-    gathered = shape.batch * shape.seq * shape.kv_heads * shape.kv_dims * item
-    comm = (fwd + bwd) / topology.bandwidth(world)
-    latency = 4 * topology.latency(world) * max(1, math.ceil(math.log2(max(world, 2))))
-    costs.append(StrategyCost("allgather", True, compute_s=balanced, comm_s=comm, exposed_comm_s=comm,
-                              latency_s=latency, total_s=balanced + comm + latency, bytes_forward=fwd,
-                              bytes_backward=bwd, memory_bytes=qkvo + gathered,
-                              layout=preferred_layout("allgather", shape, world)))
-
-    if shape.heads >= world:
-        fwd, bwd = _bytes("ulysses", shape, {"P": world})
-        heads_share = math.ceil(shape.heads / world) / (shape.heads / world)
-        compute = balanced * heads_share
-        comm = (fwd + bwd) / topology.bandwidth(world)
-        latency = 10 * topology.latency(world)
-        costs.append(StrategyCost("ulysses", True, compute_s=compute, comm_s=comm, exposed_comm_s=comm,
-                                  latency_s=latency, total_s=compute + comm + latency, bytes_forward=fwd,
-                                  bytes_backward=bwd, memory_bytes=qkvo))
-    else:
-        costs.append(StrategyCost("ulysses", False, f"{shape.heads} heads cannot cover {world} ranks; the all-to-all "
-                                                    "splits heads"))
-
-    inner = math.gcd(topology.ranks_per_node, world)
-    while inner > 1 and shape.heads % inner:
-        inner //= 2
-    if not hybrid_possible:
-        costs.append(StrategyCost("hybrid", False, "needs a 2-D device mesh (ring axis, ulysses axis)"))
-    elif world <= topology.ranks_per_node or inner <= 1:
-        costs.append(StrategyCost("hybrid", False, "the group fits in one node (Ulysses alone is the inner part)"
-                                  if world <= topology.ranks_per_node else "no node-sized head split"))
-    else:
-        outer = world // inner
-        sizes = {"P_r": outer, "P_u": inner}
-        fwd, bwd = _bytes("hybrid", shape, sizes)
-        # Ulysses inside the node (fast, exposed), the ring across nodes (slow, overlapped)
-        u_fwd, u_bwd = _bytes("ulysses", AttentionShape(shape.batch, shape.seq // outer, shape.heads, shape.kv_heads,
-                                                        shape.head_dim, shape.dtype, value_head_dim=shape.dv),
-                              {"P": inner})
-        inner_comm = (u_fwd + u_bwd) / topology.intra_node_bandwidth
-        ring_comm = max(0, fwd + bwd - u_fwd - u_bwd) / topology.inter_node_bandwidth
-        compute = balanced
-        exposed = inner_comm + max(0.0, ring_comm - compute)
-        latency = (10 * topology.intra_node_latency + 2 * outer * (topology.inter_node_latency + topology.step_overhead)
-                   + _merge_time(shape, world, outer, topology))
-        costs.append(StrategyCost("hybrid", True, compute_s=compute, comm_s=inner_comm + ring_comm, exposed_comm_s=exposed,
-                                  latency_s=latency, total_s=compute + exposed + latency, bytes_forward=fwd,
-                                  bytes_backward=bwd, memory_bytes=qkvo,
-                                  layout=preferred_layout("hybrid", shape, world), mesh=(outer, inner)))
-
+    costs = [strategy.cost(Pricing(strategy, shape, world, topology, hybrid_possible))
+             for strategy in STRATEGIES.values()]
     for c in costs:
         if c.feasible and c.memory_bytes > budget:
             c.feasible, c.why_not = False, (f"needs {c.memory_bytes / 2**30:.1f} GiB for attention, over the "
@@ -259,10 +264,10 @@ def attention_costs(shape: AttentionShape, world: int, topology: Topology = Topo
 
 
 def choose_strategy(costs: list[StrategyCost]) -> tuple[StrategyCost, str]:
-    """The fastest feasible strategy and a sentence saying why (ties go to the simpler strategy, in
-    the order ring, zigzag, ulysses, allgather, hybrid)."""
-    order = {"ring": 0, "zigzag": 1, "ulysses": 2, "allgather": 3, "hybrid": 4}
-    feasible = sorted((c for c in costs if c.feasible), key=lambda c: (round(c.total_s, 12), order[c.strategy]))
+    """The fastest feasible strategy and a sentence saying why (ties go to the simpler strategy: the lower
+    registered rank, ring, zigzag, ulysses, allgather, hybrid)."""
+    feasible = sorted((c for c in costs if c.feasible),
+                      key=lambda c: (round(c.total_s, 12), STRATEGIES[c.strategy].rank))
     if not feasible:
         raise ValueError("autoshard: no distributed attention strategy fits: "
                          + "; ".join(c.summary() for c in costs))
@@ -270,11 +275,5 @@ def choose_strategy(costs: list[StrategyCost]) -> tuple[StrategyCost, str]:
     others = [c for c in costs if c is not best]
     rivals = ", ".join(f"{c.strategy} {c.total_s * 1e3:.3f} ms" if c.feasible else f"{c.strategy} impossible ({c.why_not})"
                        for c in others)
-    why = {
-        "ulysses": "the heads split evenly enough and the all-to-alls are cheap at this bandwidth",
-        "zigzag": "a ring hides its traffic behind computation, and the zigzag layout balances the causal mask",
-        "ring": "a ring hides its traffic behind computation",
-        "allgather": "gathering K/V once is cheapest here",
-        "hybrid": "the group spans nodes: all-to-all inside a node, ring across nodes",
-    }[best.strategy]
+    why = STRATEGIES[best.strategy].reason
     return best, f"{best.strategy} ({best.total_s * 1e3:.3f} ms per call): {why}; vs {rivals}"

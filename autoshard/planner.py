@@ -64,14 +64,16 @@ from .config import BackendConfig
 from .cost import Topology, attention_costs
 from .passes.capture import DENSE_MASK
 from .passes.graph import keep_real_values
+from .passes.pipeline import compile_graph
+from .policy import MemoryBudgetError, choose_memory_policy, format_bytes, mlp_chunk_tokens
 from .runtime.attention import formulas
 from .runtime.chunked_loss import working_set_bytes
 from .runtime.offload import planned_offload
-from .runtime.groups import plan_group_name
+from .runtime.groups import SequenceGroups
 from .strategy import attention_shape
 
 __all__ = ["Plan", "AttentionDecision", "Collective", "MemoryEstimate", "PlanFallback", "plan", "plan_graph",
-           "plan_graphs"]
+           "plan_graphs", "resolve_config"]
 
 
 MASK_TERMS = ("causal", "window", "chunk", "key_mask", "segment_ids", "alibi", "position_bias", "dropout")
@@ -159,8 +161,8 @@ class MemoryEstimate:
                  ("transient", self.transient)]
         shown = [(name, value) for name, value in terms
                  if value or name in ("parameters", "gradients", "saved activations", "outputs", "transient")]
-        return (f"at its peak ({self.peak_at}): {_size(self.total)} ("
-                + ", ".join(f"{name} {_size(value)}" for name, value in shown) + ")")
+        return (f"at its peak ({self.peak_at}): {format_bytes(self.total)} ("
+                + ", ".join(f"{name} {format_bytes(value)}" for name, value in shown) + ")")
 
     host_offloaded: int = 0
     """Bytes of checkpointed layers' inputs kept in host memory from forward to backward (``offload``): not in
@@ -221,8 +223,8 @@ class Plan:
             "  sizes: " + ", ".join(f"{k}={v:,}" for k, v in self.symbols.items()),
             f"  {split} of {len(self.placements)} values split along the sequence; {len(self.attention)} attention "
             f"call(s) via {', '.join(strategies) or 'none'}; {len(self.fallbacks)} fallback(s)",
-            f"  sends per rank per step: forward {_size(self.bytes_sent('forward'))}, backward "
-            f"{_size(self.bytes_sent('backward'))}",
+            f"  sends per rank per step: forward {format_bytes(self.bytes_sent('forward'))}, backward "
+            f"{format_bytes(self.bytes_sent('backward'))}",
         ]
         if mem is not None:
             lines.append(f"  memory per rank {mem.describe()}")
@@ -231,10 +233,11 @@ class Plan:
                              "outputs='split' (the default) keeps them split")
         if self.recomputed:
             lines.append(f"  activation checkpointing: {len(self.recomputed)} region(s) recomputed whole in backward, "
-                         f"their collectives included ({_size(sum(self.recomputed.values()))} sent again per rank)")
+                         f"their collectives included ({format_bytes(sum(self.recomputed.values()))} sent again "
+                         f"per rank)")
         if mem is not None and mem.host_offloaded:
-            lines.append(f"  offload: {_size(mem.host_offloaded)} of checkpointed layer inputs wait in host memory "
-                         f"until backward (not in the total above)")
+            lines.append(f"  offload: {format_bytes(mem.host_offloaded)} of checkpointed layer inputs wait in host "
+                         f"memory until backward (not in the total above)")
         lines += [f"  {line}" for line in self.memory_policy]
         if self.losses.get("chunked"):
             kept = self.losses.get("logits_kept", 0)
@@ -307,13 +310,6 @@ class Plan:
             lines.append(f'  "{a}" -> "{b}";')
         lines.append("}")
         return "\n".join(lines)
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:,.2f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 # ============================================================================= building
@@ -650,8 +646,6 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, world_size: i
     estimate is this graph's plan from rank 0 (a copy of ``gm``; the options as they are, no policy inside); the
     MLP chunks are sized from the rank's tokens the first plan finds (:func:`autoshard.policy.mlp_chunk_tokens`).
     Returns (the chosen config, :class:`~autoshard.policy.MemoryPolicy`)."""
-    from .policy import MemoryBudgetError, choose_memory_policy, mlp_chunk_tokens
-
     plans: dict[tuple, Plan] = {}  # (chunk_mlp, recompute, offload) -> the plan: the options differ in these only
 
     def planned(option: BackendConfig) -> Plan:
@@ -685,8 +679,6 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
     inputs) or, from :func:`_capture`, (graph, example inputs, the earlier output each input is). With
     ``outputs="split"`` a graph takes the values an earlier graph leaves split still split, as the run does.
     ``dp_shard`` and ``optimizer``: as in :func:`plan`."""
-    from .compiler import compile_graph
-
     _check_planning_options(dp_shard, optimizer)
 
     topology = config.topology or Topology()
@@ -705,8 +697,8 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
                                              carried_outputs, example_inputs, rank)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         names = {placeholders[i].name: shard for i, shard in shards.items()}
-        compiled = compile_graph(gm, config=graph_config, rank=rank, world=world_size,
-                                 group=plan_group_name(rank, world_size), topology=topology, planning=True,
+        compiled = compile_graph(gm, config=graph_config, groups=SequenceGroups.planned(rank, world_size),
+                                 topology=topology, planning=True,
                                  sharded_inputs=names or None, carried_inputs=set(names) or None)
         carried_outputs.update({(index, position): shard for position, shard in compiled.carried_outputs.items()})
         report = compiled.report
@@ -744,6 +736,21 @@ def plan_graph(gm: fx.GraphModule, example_inputs: list, *, world_size: int, con
     return plan_graphs([(gm, example_inputs)], world_size=world_size, config=config)
 
 
+def resolve_config(config: BackendConfig | None, overrides: dict, caller: str = "autoshard.backend") -> BackendConfig:
+    """``config`` (None: the defaults) with the keyword ``overrides`` (:class:`~autoshard.config.BackendConfig`
+    fields) applied on top; raises TypeError on a ``config`` that is not a BackendConfig or an unknown option."""
+    if config is not None and not isinstance(config, BackendConfig):
+        raise TypeError(f"{caller}: config must be an autoshard.BackendConfig, got {type(config).__name__}")
+    names = [f.name for f in dataclasses.fields(BackendConfig)]
+    unknown = [name for name in overrides if name not in names]
+    if unknown:
+        raise TypeError(f"{caller}: unknown option(s) {', '.join(map(repr, unknown))}; the options are the fields "
+                        f"of autoshard.BackendConfig: {', '.join(names)}")
+    if config is None:
+        return BackendConfig(**overrides)
+    return dataclasses.replace(config, **overrides) if overrides else config
+
+
 def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict | None = None, *, world_size: int,
          config: BackendConfig | None = None, rank: int = 0, dp_shard: int = 1, optimizer: str | None = None,
          **overrides) -> Plan:
@@ -766,8 +773,6 @@ def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict |
     * ``optimizer``: ``"adamw"`` (or ``"adam"``): two float32 moments per parameter, and a float32 master copy
       of 16-bit parameters (the mixed-precision recipe: 16-bit parameters, float32 optimizer); None: no states
       counted (a forward + backward only)."""
-    from .compiler import resolve_config
-
     _check_planning_options(dp_shard, optimizer)
     config = resolve_config(config, overrides, "autoshard.plan")
     args = (args,) if isinstance(args, torch.Tensor) else tuple(args)

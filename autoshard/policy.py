@@ -37,11 +37,18 @@ from typing import Callable
 import torch
 
 from .config import BackendConfig
-from .planner import _size
 
 __all__ = ["MemoryOption", "MemoryPolicy", "MemoryBudgetError", "CHUNK_MLP_TOKENS", "MAX_MLP_CHUNKS",
            "mlp_chunk_tokens", "choose_memory_policy",
-           "device_budget"]
+           "device_budget", "format_bytes"]
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` for people: ``"1.50 GiB"``, ``"12.00 KiB"``, ``"512 B"`` (the plan's and the policy's sizes)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:,.2f} {unit}"
+    return f"{int(nbytes)} B"
+
 
 CHUNK_MLP_TOKENS = 1024
 """Tokens per MLP chunk the policy sets at least: a chunk's ``[1024, intermediate]`` values are small next to the
@@ -95,10 +102,11 @@ class MemoryPolicy:
     """The first that fits, or None."""
 
     def describe(self) -> str:
-        weighed = "; ".join(f"{o.describe()}: {_size(o.estimate)}" for o in self.options)
+        weighed = "; ".join(f"{o.describe()}: {format_bytes(o.estimate)}" for o in self.options)
         if self.chosen is None:
-            return f"memory policy: nothing fits {_size(self.budget)} per rank ({weighed})"
-        return f"memory policy: {self.chosen.describe()} -- the cheapest option within {_size(self.budget)} per rank ({weighed})"
+            return f"memory policy: nothing fits {format_bytes(self.budget)} per rank ({weighed})"
+        return (f"memory policy: {self.chosen.describe()} -- the cheapest option within "
+                f"{format_bytes(self.budget)} per rank ({weighed})")
 
 
 def _options(config: BackendConfig, mlp_chunk: int = CHUNK_MLP_TOKENS) -> list[dict]:
@@ -132,10 +140,10 @@ def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfi
             return candidate, policy
     policy = MemoryPolicy(budget=budget, options=tuple(options), chosen=None)
     smallest = min(options, key=lambda o: o.estimate)
-    message = (f"autoshard: no memory policy fits memory_budget={budget:,} bytes ({_size(budget)}) per rank: the "
-               f"smallest feasible budget is {smallest.estimate:,} bytes ({_size(smallest.estimate)}), with "
+    message = (f"autoshard: no memory policy fits memory_budget={budget:,} bytes ({format_bytes(budget)}) per "
+               f"rank: the smallest feasible budget is {smallest.estimate:,} bytes ({format_bytes(smallest.estimate)}), with "
                f"{smallest.describe()}. Options planned: "
-               + "; ".join(f"{o.describe()}: {_size(o.estimate)}" for o in options)
+               + "; ".join(f"{o.describe()}: {format_bytes(o.estimate)}" for o in options)
                + ". Raise the budget, use more ranks, or shard parameters and optimizer states (FSDP2).")
     if strict:
         raise MemoryBudgetError(message)

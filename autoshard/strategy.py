@@ -7,16 +7,23 @@ for causal attention when ranks outnumber heads, the hybrid when the group spans
 on a 2-D mesh: with a 1-D group it is reported as what a 2-D mesh would gain). All attentions of a
 family share its layout: an explicit ``layout``, or zigzag when any of them runs best on it (the
 zigzag ring; the all-gather and the hybrid under a causal mask: :func:`~autoshard.cost.preferred_layout`),
-contiguous otherwise.
+contiguous otherwise; each attention then runs its algorithm's strategy for that layout (the ring and the
+zigzag ring swap: :meth:`~autoshard.runtime.attention.base.Strategy.on_layout`). Strategies are read from the
+registry (:mod:`autoshard.runtime.attention.base`), never named here.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .config import BackendConfig
 from .cost import AttentionShape, Topology, attention_costs, choose_strategy, preferred_layout
-from .passes.infer import Families
 from .passes.ops import op_of, value_of
+from .runtime.attention import STRATEGIES
 from .runtime.layouts import SequenceLayout
+
+if TYPE_CHECKING:
+    from .passes.infer import Families
 
 __all__ = ["choose", "attention_shape"]
 
@@ -33,14 +40,14 @@ def attention_shape(node, length: int) -> AttentionShape:
                           value_head_dim=v.shape[3] if v.shape[3] != q.shape[3] else 0)
 
 
-def _planned_mesh(shape: AttentionShape, world: int, topology: Topology) -> tuple[int, int]:
-    """The (ring, ulysses) mesh a plan of ``strategy="hybrid"`` without a 2-D mesh assumes: the one the
-    cost model prices for ``topology`` (Ulysses inside a node)."""
-    hybrid = next(c for c in attention_costs(shape, world, topology) if c.strategy == "hybrid")
-    if not hybrid.feasible:
-        raise ValueError(f"autoshard: strategy='hybrid' cannot be planned on {world} ranks: {hybrid.why_not}. Pass "
+def _planned_mesh(strategy: str, shape: AttentionShape, world: int, topology: Topology) -> tuple[int, int]:
+    """The (ring, ulysses) mesh a plan of a strategy over a 2-D mesh (``strategy="hybrid"``) without one assumes:
+    the one the cost model prices for ``topology`` (Ulysses inside a node)."""
+    cost = next(c for c in attention_costs(shape, world, topology) if c.strategy == strategy)
+    if not cost.feasible:
+        raise ValueError(f"autoshard: strategy={strategy!r} cannot be planned on {world} ranks: {cost.why_not}. Pass "
                          f"topology=Topology(ranks_per_node=...) with nodes smaller than the group")
-    return hybrid.mesh
+    return cost.mesh
 
 
 def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_size: int | None = None,
@@ -61,8 +68,8 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
                 chosen[node] = config.strategy
                 reasons[node] = f"{config.strategy}: chosen by the strategy option"
                 wanted_layouts.add(preferred_layout(config.strategy, shape, world))
-                if config.strategy == "hybrid" and heads_axis_size is None:
-                    heads_axis_size = _planned_mesh(shape, world, topology)[1]
+                if STRATEGIES[config.strategy].mesh_groups is not None and heads_axis_size is None:
+                    heads_axis_size = _planned_mesh(config.strategy, shape, world, topology)[1]
                     reasons[node] += f"; planned on a 2-D mesh (ring {world // heads_axis_size}, ulysses {heads_axis_size})"
                 continue
             key = (shape, heads_axis_size is not None or planning)
@@ -72,7 +79,7 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
             best, why = decided[key]
             chosen[node], reasons[node] = best.strategy, why
             wanted_layouts.add(best.layout)
-            if best.strategy == "hybrid" and heads_axis_size is None:
+            if best.mesh is not None and heads_axis_size is None:
                 heads_axis_size = best.mesh[1]
                 reasons[node] += f"; build a 2-D mesh (ring {best.mesh[0]}, ulysses {best.mesh[1]}) to run it"
         kind = config.layout
@@ -80,10 +87,7 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
             kind = carried_layouts[fam.index]
         if kind == "auto":
             kind = "zigzag" if "zigzag" in wanted_layouts and fam.length >= 2 * world else "contiguous"
-        if kind == "contiguous":
-            chosen = {n: ("ring" if s == "zigzag" else s) for n, s in chosen.items()}
-        else:
-            chosen = {n: ("zigzag" if s == "ring" else s) for n, s in chosen.items()}
+        chosen = {n: STRATEGIES[s].on_layout(kind).name for n, s in chosen.items()}  # ring <-> zigzag ring
         layouts[fam.index] = SequenceLayout.of(kind, fam.length, world)
         strategies.update(chosen)
     return layouts, strategies, reasons, heads_axis_size

@@ -1,7 +1,10 @@
-"""Triton kernels used by the runtime (one module per op, Liger-style: kernels, launchers, autograd Function).
+"""Triton kernels used by the runtime (one module per kernel, Liger-style: kernel, launcher, autograd Function).
 
 - ``autoshard.kernels.attention``: attention forward / backward for one (query block, key block) pair at
-  global offsets, returning the natural-log LSE, plus the LSE merge that combines ring steps.
+  global offsets, returning the natural-log LSE (and the autograd Function of single-block attention);
+- ``autoshard.kernels.merge``: the LSE merge that combines ring steps;
+- ``autoshard.kernels.autotune``: the attention kernels' autotuning policy (candidates and pruning);
+- ``autoshard.kernels.common``: what the kernels share (interpreter flag, device check, tile loads, block sizes).
 
 This package imports nothing at import time, so ``import autoshard`` never requires Triton; import the
 submodule where the kernels are needed (``from autoshard.kernels.attention import ...``).

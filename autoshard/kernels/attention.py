@@ -39,8 +39,9 @@ forward, the dk/dv and the dq kernels. The row normalization and lse are of the 
 ``dP = (dout v^T) z`` and ``dS = P (dP - delta)`` as before. ``HAS_DROPOUT`` is a compile-time flag: kernels
 without it are the same code as before (the autotuner counts the hash tile like a data mask).
 
-Kernels (``@triton.jit`` functions below; ``_forward`` / ``_backward`` / ``triton_merge`` launch them
-on a grid of (tile, head, batch) programs):
+Kernels (``@triton.jit`` functions below; ``_forward`` / ``_backward`` launch them on a grid of (tile, head,
+batch) programs; the LSE merge that combines ring steps is :mod:`.merge`, the autotuning policy :mod:`.autotune`,
+and the tile loads and block sizes they share :mod:`.common`):
 
 - ``_attn_fwd_kernel``: one program per (query tile, batch*head). It walks the key tiles in three
   phases from ``_band_tiles``: band-edge tiles [lo, full_lo), fully visible tiles [full_lo, full_hi)
@@ -55,11 +56,10 @@ on a grid of (tile, head, batch) programs):
 - ``_attn_bwd_dq_kernel``: one program per (query tile, batch*head) over the same key tiles as the
   forward. The backward uses the FINAL (merged) out / lse, so a ring step's dq/dk/dv for a key block
   that is not local are exactly that block's share and the caller can accumulate them.
-- ``_merge_kernel``: the fp32 LSE merge of two partial results over disjoint key sets.
 
 Shared ``@triton.jit`` helpers keep the forward and the two backward kernels from duplicating logic:
 ``_band_tiles`` (which tiles to visit, which are fully visible), ``_tile_visibility`` (the tile mask
-from positions, key_mask and segment ids, for either orientation) and ``_load_tile``.
+from positions, key_mask and segment ids, for either orientation) and :func:`.common.load_tile`.
 
 Shapes: q [B, H, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] with H % Hkv == 0 (GQA / MQA). The value head
 dim Dv may differ from the query / key head dim D (MLA, e.g. DeepSeek-V3's D = 192, Dv = 128): out, dout and
@@ -71,9 +71,7 @@ it are masked), the band and chunk flags, key_mask / segment presence, soft-capp
 dtype are compile-time constants. Offsets, band widths, sequence lengths and the dropout's head offset and threshold
 are runtime values excluded from Triton's integer specialization, so ring steps reuse one compiled kernel. Block
 sizes / warps / stages are autotuned per (head dims, bucketed sequence lengths, mask kind, dtype), pruned to
-configurations whose shared memory and register estimates fit the device. Under ``TRITON_INTERPRET=1`` a single
-16x16 configuration is used. ``AUTOSHARD_TRITON_AUTOTUNE=0`` keeps only the first fitting configuration
-(no benchmarking; used by the GPU test run).
+configurations whose shared memory and register estimates fit the device (:mod:`.autotune`).
 
 Precision: fp16 / bf16 inputs use tensor-core dots (wgmma on Hopper) with fp32 accumulation; fp32
 inputs use exact ``input_precision="ieee"`` dots (no tf32) on small tiles, a correctness path that
@@ -85,7 +83,6 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -93,18 +90,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .autotune import RUNTIME_INTS, TUNING_KEY, configs, pruner, seq_bucket
+from .common import (INTERPRET, check_like, last_dim_contiguous, load_tile, padded_dim, row_block, store_tile,
+                     triton_available)
+
 __all__ = [
     "MAX_HEAD_DIM",
     "TritonAttentionFunction",
     "triton_attention",
     "triton_attention_backward",
     "triton_attention_forward",
-    "triton_available",
-    "triton_merge",
 ]
 
 MAX_HEAD_DIM = 256
-_MIN_BLOCK_D = 16  # tl.dot needs every dimension >= 16
 _MAX_POSITION = 1 << 30  # positions and band widths stay far from int32 overflow inside the kernels
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -112,119 +110,7 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 
 
-def _interpreter_requested() -> bool:
-    """Whether Triton interprets (rather than compiles) the kernels decorated below: it reads
-    TRITON_INTERPRET when a function is decorated, i.e. when this module is imported."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
-
-_INTERPRET = _interpreter_requested()
-_AUTOTUNE = os.environ.get("AUTOSHARD_TRITON_AUTOTUNE", "1").lower() not in ("0", "false", "off", "no")
-
-
-# ----------------------------------------------------------------------------------------------------
-# Autotuning: candidate configurations (in order of preference) and pruning to what fits.
-# ----------------------------------------------------------------------------------------------------
-
-# (BLOCK_M = query rows per tile, BLOCK_N = key rows per tile, num_warps, num_stages) for fp16 / bf16
-# inputs, best guess first (the only one tried when AUTOSHARD_TRITON_AUTOTUNE=0). Each was compiled for
-# sm_90 with Triton's ptxas at head dims 64 / 96 / 128 with and without masks: the pruning below keeps,
-# per head dim and mask kind, the ones that compiled without register spills.
-_CANDIDATES = {
-    "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3),
-            (64, 64, 4, 3), (64, 32, 4, 2)],
-    # dq: like the forward (query tile resident, key tiles streamed).
-    "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)],
-    # dk/dv: key tile resident (BLOCK_N rows), query tiles streamed.
-    "dkdv": [(32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
-}
-# fp32 inputs use exact ("ieee") FMA dots, not tensor cores: only small tiles compile without spills
-# (checked up to head dim 128). A correctness path, several times slower than bf16.
-_FP32_CANDIDATES = [(16, 16, 4, 2)]
-# Live fp32 values per thread that the accumulators and score tiles may take: the estimate at which
-# the sm_90 compiles above stop spilling (of 255 registers, the rest hold operands and addresses).
-_REGISTER_BUDGET = 160
-# Rows of the resident tile per warp: a Hopper warpgroup (4 warps) issues wgmma on 64 rows, so fewer
-# rows per warp would make warpgroups duplicate work.
-_MIN_ROWS_PER_WARP = 16
-
-
-def _configs(kernel: str):
-    if _INTERPRET:  # one small configuration: the interpreter runs every program in Python
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for m, n, w, s in _CANDIDATES[kernel] + _FP32_CANDIDATES]
-
-
-def _shape(config) -> tuple:
-    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
-
-
-def _resources(kernel: str, block_m: int, block_n: int, block_d: int, block_dv: int, stages: int, itemsize: int,
-               masked: bool):
-    """(shared memory bytes, live fp32 values) of one program, estimated; calibrated on sm_90 compiles with
-    block_dv == block_d (q / k / dq / dk tiles have block_d columns, v / out / dout / dv tiles block_dv)."""
-    if kernel == "fwd":  # q resident; k, v streamed; acc [M, Dv]; scores [M, N] (+ key_mask / segment masks)
-        return (itemsize * (block_d * block_m + (block_d + block_dv) * stages * block_n),
-                block_m * (block_dv + block_n * (2.5 if masked else 1.0)))
-    if kernel == "dq":  # q, do resident; k, v streamed; dq [M, D]; scores and dp [M, N]
-        return itemsize * (block_d + block_dv) * (block_m + stages * block_n), block_m * (block_d + 2 * block_n)
-    # dkdv: k, v resident; q, do streamed; dk [N, D], dv [N, Dv]; scores and dp [N, M]
-    return itemsize * (block_d + block_dv) * (block_n + stages * block_m), block_n * (block_d + block_dv + 2 * block_m)
-
-
-def _max_shared_memory(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-
-
-def _fitting_configs(kernel: str, configs, args, smem_limit: int):
-    """The candidates for the input dtype that fit: shared memory within the device's limit, register
-    estimate within budget, every warp with rows of the resident tile, tiles no larger than the
-    (bucketed) sequence lengths; the smallest tiles when none fits the estimates."""
-    if args["Q"].element_size() == 4:
-        return [c for c in configs if _shape(c) in _FP32_CANDIDATES]
-    configs = [c for c in configs if _shape(c) in _CANDIDATES[kernel]]
-    block_d, block_dv, itemsize = args["BLOCK_D"], args["BLOCK_DV"], args["Q"].element_size()
-    # per-key loads and compares (or the dropout hash) in every tile
-    masked = args["HAS_KEY_MASK"] or args["HAS_SEG"] or args.get("HAS_DROPOUT", False)
-    fitting = []
-    for config in configs:
-        m, n, warps, stages = _shape(config)
-        smem, live = _resources(kernel, m, n, block_d, block_dv, stages, itemsize, masked)
-        resident_rows = n if kernel == "dkdv" else m
-        if smem <= smem_limit and live <= _REGISTER_BUDGET * 32 * warps and resident_rows >= _MIN_ROWS_PER_WARP * warps:
-            fitting.append(config)
-    if not fitting:
-        return [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
-    short = [c for c in fitting if c.kwargs["BLOCK_M"] <= args["SQ_BUCKET"] and c.kwargs["BLOCK_N"] <= args["SK_BUCKET"]]
-    return short or fitting
-
-
-def _pruner(kernel: str):
-    """Autotuner hook: the fitting configurations, or only the first when AUTOSHARD_TRITON_AUTOTUNE=0."""
-
-    def prune(configs, named_args, **kwargs):
-        args = {**named_args, **kwargs}
-        fitting = _fitting_configs(kernel, configs, args, _max_shared_memory(args["Q"].device))
-        return fitting if _AUTOTUNE else fitting[:1]
-
-    return prune
-
-
-def _seq_bucket(n: int) -> int:
-    """Autotuning key for a sequence length: next power of two, at least 16, at most 2**17."""
-    return min(max(triton.next_power_of_2(max(n, 1)), 16), 1 << 17)
-
-
-_TUNING_KEY = ["BLOCK_D", "BLOCK_DV", "SQ_BUCKET", "SK_BUCKET", "HAS_LEFT", "HAS_RIGHT", "HAS_CHUNK", "HAS_KEY_MASK",
-               "HAS_SEG", "SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT"]
-# Runtime integers that change between calls (ring steps, uneven shards): never specialize on them.
-_RUNTIME_INTS = ["Sq", "Sk", "q_offset", "k_offset", "left", "right", "chunk", "SQ_BUCKET", "SK_BUCKET",
-                 "drop_head_offset", "drop_threshold"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -380,29 +266,6 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               CHECK_ROWS: tl.constexpr):
-    """Load a [rows, BLOCK_D] tile, zero-filling rows >= n_rows (when CHECK_ROWS) and padded columns."""
-    if CHECK_ROWS:
-        if HEAD_DIM == BLOCK_D:
-            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
-        else:
-            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
-    else:
-        if HEAD_DIM == BLOCK_D:
-            tile = tl.load(ptrs)
-        else:
-            tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
-    return tile
-
-
-@triton.jit
-def _store_tile(ptrs, value, rows, n_rows, cols, HEAD_DIM: tl.constexpr):
-    """Store the rows < n_rows and columns < HEAD_DIM of a tile, cast to the destination dtype."""
-    tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
-
-
-@triton.jit
 def _load_row_stats(Lse, Delta, rows, n_rows, CHECK_ROWS: tl.constexpr):
     """LSE in base 2 and delta of query rows; rows with lse = -inf (nothing visible) or out of bounds
     get +inf, so exp2(s - lse) is 0 there and the row contributes nothing (no NaN)."""
@@ -439,8 +302,8 @@ def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
         k_idx = start_n + offs_n
-        k = _load_tile(K_head + tl.cast(start_n, tl.int64) * stride_ks + k_offsets, k_idx, Sk, offs_d,
-                       HEAD_DIM, BLOCK_D, PARTIAL)
+        k = load_tile(K_head + tl.cast(start_n, tl.int64) * stride_ks + k_offsets, k_idx, Sk, offs_d,
+                      HEAD_DIM, BLOCK_D, PARTIAL)
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
         if SOFTCAP:
             qk, _ = _soft_cap(qk, qk_cap)
@@ -468,16 +331,16 @@ def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:  # after the row sum: lse is of the probabilities before dropout
             p = tl.where(_dropout_keep(row_hash, k_offset + k_idx, drop_threshold, 0), p, 0.0)
-        v = _load_tile(V_head + tl.cast(start_n, tl.int64) * stride_vs + v_offsets, k_idx, Sk, offs_dv,
-                       V_DIM, BLOCK_DV, PARTIAL)
+        v = load_tile(V_head + tl.cast(start_n, tl.int64) * stride_vs + v_offsets, k_idx, Sk, offs_dv,
+                      V_DIM, BLOCK_DV, PARTIAL)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
-@triton.autotune(configs=_configs("fwd"), key=_TUNING_KEY,
-                 prune_configs_by={"early_config_prune": _pruner("fwd")})
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
+@triton.autotune(configs=configs("fwd"), key=TUNING_KEY,
+                 prune_configs_by={"early_config_prune": pruner("fwd")})
+@triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, KeyMask, SegQ, SegK, Alibi, Seed,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
@@ -489,6 +352,9 @@ def _attn_fwd_kernel(
     HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """out and lse of one query tile over the visible key tiles: ``s = scale * cap(q k^T) + bias`` masked, online
+    softmax ``p = exp(s - lse)`` with ``lse = log(sum_j exp(s_j))``, ``out = sum_j p_j z_j v_j`` (``z`` the dropout
+    factors, 1 without dropout)."""
     # Last query tiles first: under causal masks they see the most keys, so the long programs start early.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -504,8 +370,8 @@ def _attn_fwd_kernel(
     Q_head = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     K_head = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     V_head = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-    q = _load_tile(Q_head + q_idx[:, None].to(tl.int64) * stride_qs + offs_d[None, :], q_idx, Sq, offs_d,
-                   HEAD_DIM, BLOCK_D, True)
+    q = load_tile(Q_head + q_idx[:, None].to(tl.int64) * stride_qs + offs_d[None, :], q_idx, Sq, offs_d,
+                  HEAD_DIM, BLOCK_D, True)
     seg_q = q_idx
     if HAS_SEG:
         seg_q = tl.load(SegQ + b * Sq + q_idx, mask=q_idx < Sq, other=0)
@@ -545,7 +411,7 @@ def _attn_fwd_kernel(
         out = out * drop_scale
     lse = tl.where(has_keys, (m_i + tl.log2(l_ref)) * _LN2, float("-inf"))
     O_head = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    _store_tile(O_head + q_idx[:, None].to(tl.int64) * stride_os + offs_dv[None, :], out, q_idx, Sq, offs_dv, V_DIM)
+    store_tile(O_head + q_idx[:, None].to(tl.int64) * stride_os + offs_dv[None, :], out, q_idx, Sq, offs_dv, V_DIM)
     tl.store(Lse + row + q_idx, lse, mask=q_idx < Sq)
 
 
@@ -562,10 +428,10 @@ def _attn_bwd_delta_kernel(Out, DO, Delta, stride_ob, stride_oh, stride_os, stri
     b = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
-    o = _load_tile(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-                   + rows[:, None].to(tl.int64) * stride_os + cols[None, :], rows, Sq, cols, HEAD_DIM, BLOCK_D, True)
-    do = _load_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-                    + rows[:, None].to(tl.int64) * stride_dos + cols[None, :], rows, Sq, cols, HEAD_DIM, BLOCK_D, True)
+    o = load_tile(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                  + rows[:, None].to(tl.int64) * stride_os + cols[None, :], rows, Sq, cols, HEAD_DIM, BLOCK_D, True)
+    do = load_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                   + rows[:, None].to(tl.int64) * stride_dos + cols[None, :], rows, Sq, cols, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + (b * num_heads + h).to(tl.int64) * Sq + rows, delta, mask=rows < Sq)
 
@@ -595,10 +461,10 @@ def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, Ke
         start_m = start + (it - g * tiles) * BLOCK_M
         h = tl.cast(first_head + g, tl.int64)
         q_idx = start_m + offs_m
-        q = _load_tile(Q_b + h * stride_qh + tl.cast(start_m, tl.int64) * stride_qs + q_offsets, q_idx, Sq, offs_d,
-                       HEAD_DIM, BLOCK_D, PARTIAL)
-        do = _load_tile(DO_b + h * stride_doh + tl.cast(start_m, tl.int64) * stride_dos + do_offsets, q_idx, Sq,
-                        offs_dv, V_DIM, BLOCK_DV, PARTIAL).to(v.dtype)
+        q = load_tile(Q_b + h * stride_qh + tl.cast(start_m, tl.int64) * stride_qs + q_offsets, q_idx, Sq, offs_d,
+                      HEAD_DIM, BLOCK_D, PARTIAL)
+        do = load_tile(DO_b + h * stride_doh + tl.cast(start_m, tl.int64) * stride_dos + do_offsets, q_idx, Sq,
+                       offs_dv, V_DIM, BLOCK_DV, PARTIAL).to(v.dtype)
         lse2, delta = _load_row_stats(Lse_b + h * Sq, Delta_b + h * Sq, q_idx, Sq, PARTIAL)
         qk_t = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [keys, queries]
         if SOFTCAP:
@@ -635,9 +501,9 @@ def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, Ke
     return dk, dv
 
 
-@triton.autotune(configs=_configs("dkdv"), key=_TUNING_KEY,
-                 prune_configs_by={"early_config_prune": _pruner("dkdv")})
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
+@triton.autotune(configs=configs("dkdv"), key=TUNING_KEY,
+                 prune_configs_by={"early_config_prune": pruner("dkdv")})
+@triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, KeyMask, SegQ, SegK, Alibi, Seed,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -649,6 +515,10 @@ def _attn_bwd_dkdv_kernel(
     HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """dk and dv of one key tile, summed over the query heads of its GQA group and the visible query tiles: with
+    the final lse and ``delta = rowsum(dout * out)``, ``p = exp(s - lse)``, ``dv += (p z)^T dout``, ``dp = (dout
+    v^T) z``, ``ds = p (dp - delta)`` (times ``1 - tanh^2`` of the cap when soft-capped) and ``dk += scale * ds^T
+    q``."""
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)  # kv head
     b = tl.program_id(2)
@@ -658,11 +528,11 @@ def _attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    k = _load_tile(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-                   + k_idx[:, None].to(tl.int64) * stride_ks + offs_d[None, :], k_idx, Sk, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = _load_tile(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-                   + k_idx[:, None].to(tl.int64) * stride_vs + offs_dv[None, :], k_idx, Sk, offs_dv, V_DIM, BLOCK_DV,
-                   True)
+    k = load_tile(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+                  + k_idx[:, None].to(tl.int64) * stride_ks + offs_d[None, :], k_idx, Sk, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = load_tile(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+                  + k_idx[:, None].to(tl.int64) * stride_vs + offs_dv[None, :], k_idx, Sk, offs_dv, V_DIM, BLOCK_DV,
+                  True)
     KeyMask_b = KeyMask + b * Sk
     SegK_b = SegK + b * Sk
     SegQ_b = SegQ + b * Sq
@@ -705,12 +575,12 @@ def _attn_bwd_dkdv_kernel(
                                BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI,
                                HAS_DROPOUT, DOT_PRECISION)
 
-    _store_tile(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
-                + k_idx[:, None].to(tl.int64) * stride_dks + offs_d[None, :], dk * scale, k_idx, Sk, offs_d, HEAD_DIM)
+    store_tile(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+               + k_idx[:, None].to(tl.int64) * stride_dks + offs_d[None, :], dk * scale, k_idx, Sk, offs_d, HEAD_DIM)
     if HAS_DROPOUT:  # the kept probabilities times 1 / (1 - p)
         dv = dv * drop_scale
-    _store_tile(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
-                + k_idx[:, None].to(tl.int64) * stride_dvs + offs_dv[None, :], dv, k_idx, Sk, offs_dv, V_DIM)
+    store_tile(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
+               + k_idx[:, None].to(tl.int64) * stride_dvs + offs_dv[None, :], dv, k_idx, Sk, offs_dv, V_DIM)
 
 
 @triton.jit
@@ -729,10 +599,10 @@ def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask,
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
         k_idx = start_n + offs_n
-        k = _load_tile(K_head + tl.cast(start_n, tl.int64) * stride_ks + k_offsets, k_idx, Sk, offs_d,
-                       HEAD_DIM, BLOCK_D, PARTIAL)
-        v = _load_tile(V_head + tl.cast(start_n, tl.int64) * stride_vs + v_offsets, k_idx, Sk, offs_dv,
-                       V_DIM, BLOCK_DV, PARTIAL)
+        k = load_tile(K_head + tl.cast(start_n, tl.int64) * stride_ks + k_offsets, k_idx, Sk, offs_d,
+                      HEAD_DIM, BLOCK_D, PARTIAL)
+        v = load_tile(V_head + tl.cast(start_n, tl.int64) * stride_vs + v_offsets, k_idx, Sk, offs_dv,
+                      V_DIM, BLOCK_DV, PARTIAL)
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
         if SOFTCAP:
             qk, tanh = _soft_cap(qk, qk_cap)
@@ -758,9 +628,9 @@ def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask,
     return dq
 
 
-@triton.autotune(configs=_configs("dq"), key=_TUNING_KEY,
-                 prune_configs_by={"early_config_prune": _pruner("dq")})
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
+@triton.autotune(configs=configs("dq"), key=TUNING_KEY,
+                 prune_configs_by={"early_config_prune": pruner("dq")})
+@triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, KeyMask, SegQ, SegK, Alibi, Seed,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -772,6 +642,10 @@ def _attn_bwd_dq_kernel(
     HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """dq of one query tile: with the final lse and ``delta = rowsum(dout * out)``, per visible key tile
+    ``p = exp(s - lse)`` (``s`` the scaled, capped, biased scores), ``dp = (dout v^T) z`` (``z`` the dropout
+    factors, 1 without dropout), ``ds = p (dp - delta)`` (times ``1 - tanh^2`` of the cap when soft-capped) and
+    ``dq += scale * ds k``."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (causal) query tiles first
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -783,11 +657,11 @@ def _attn_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q = _load_tile(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-                   + q_idx[:, None].to(tl.int64) * stride_qs + offs_d[None, :], q_idx, Sq, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = _load_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-                    + q_idx[:, None].to(tl.int64) * stride_dos + offs_dv[None, :], q_idx, Sq, offs_dv,
-                    V_DIM, BLOCK_DV, True).to(q.dtype)
+    q = load_tile(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+                  + q_idx[:, None].to(tl.int64) * stride_qs + offs_d[None, :], q_idx, Sq, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = load_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                   + q_idx[:, None].to(tl.int64) * stride_dos + offs_dv[None, :], q_idx, Sq, offs_dv,
+                   V_DIM, BLOCK_DV, True).to(q.dtype)
     lse2, delta = _load_row_stats(Lse + row, Delta + row, q_idx, Sq, True)
     seg_q = q_idx
     if HAS_SEG:
@@ -820,59 +694,13 @@ def _attn_bwd_dq_kernel(
                        slope2, row_hash, drop_threshold, drop_scale, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
                        BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI,
                        HAS_DROPOUT, DOT_PRECISION)
-    _store_tile(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
-                + q_idx[:, None].to(tl.int64) * stride_dqs + offs_d[None, :], dq * scale, q_idx, Sq, offs_d, HEAD_DIM)
-
-
-# ----------------------------------------------------------------------------------------------------
-# LSE merge.
-# ----------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _merge_kernel(OutA, LseA, OutB, LseB, Out, Lse,
-                  stride_ab, stride_ah, stride_as, stride_bb, stride_bh, stride_bs, stride_ob, stride_oh, stride_os,
-                  num_heads, S, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """lse = logaddexp(lse_a, lse_b); out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse), in fp32."""
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < S
-    stats = (b * num_heads + h).to(tl.int64) * S + rows
-    lse_a = tl.load(LseA + stats, mask=row_ok, other=float("-inf"))
-    lse_b = tl.load(LseB + stats, mask=row_ok, other=float("-inf"))
-    m = tl.maximum(lse_a, lse_b)
-    empty = m == float("-inf")
-    m_ref = tl.where(empty, 0.0, m)
-    w_a = tl.exp(lse_a - m_ref)  # 0 for a side with lse -inf
-    w_b = tl.exp(lse_b - m_ref)
-    total = tl.where(empty, 1.0, w_a + w_b)  # in [1, 2] where anything is visible
-    lse = tl.where(empty, float("-inf"), m_ref + tl.log(total))
-    w_a = w_a / total
-    w_b = w_b / total
-    out_a = _load_tile(OutA + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
-                       + rows[:, None].to(tl.int64) * stride_as + cols[None, :], rows, S, cols, HEAD_DIM, BLOCK_D, True)
-    out_b = _load_tile(OutB + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
-                       + rows[:, None].to(tl.int64) * stride_bs + cols[None, :], rows, S, cols, HEAD_DIM, BLOCK_D, True)
-    out = out_a.to(tl.float32) * w_a[:, None] + out_b.to(tl.float32) * w_b[:, None]
-    _store_tile(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-                + rows[:, None].to(tl.int64) * stride_os + cols[None, :], out, rows, S, cols, HEAD_DIM)
-    tl.store(Lse + stats, lse, mask=row_ok)
+    store_tile(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+               + q_idx[:, None].to(tl.int64) * stride_dqs + offs_d[None, :], dq * scale, q_idx, Sq, offs_d, HEAD_DIM)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Host side: validation, mask normalization, launchers.
 # ----------------------------------------------------------------------------------------------------
-
-
-def triton_available(device) -> bool:
-    """Whether these kernels can run on ``device``: a CUDA device (with CUDA available), or the CPU when
-    ``TRITON_INTERPRET=1`` was set before this module was imported."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    return device.type == "cpu" and _INTERPRET
 
 
 @dataclass(frozen=True)
@@ -910,10 +738,6 @@ class _Problem:
     def out_shape(self):
         """Shape of out / dout: [B, H, Sq, Dv], v's head dim."""
         return (*self.q.shape[:3], self.v.shape[3])
-
-
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _check_int(name: str, value) -> int:
@@ -1055,7 +879,7 @@ def _prepare(q, k, v, *, q_offset, k_offset, causal, window, chunk, key_mask, se
     seg_q, seg_k = _segments(segment_ids, batch, sq, sk, q.device)
     alibi = _alibi_slopes(alibi_slopes, heads, q.device)
     dropout_p, dropout_seed, dropout_head_offset = _dropout(dropout_p, dropout_seed, dropout_head_offset, q.device)
-    return _Problem(q=_last_dim_contiguous(q), k=_last_dim_contiguous(k), v=_last_dim_contiguous(v),
+    return _Problem(q=last_dim_contiguous(q), k=last_dim_contiguous(k), v=last_dim_contiguous(v),
                     key_mask=_key_mask(key_mask, batch, sk, q.device), seg_q=seg_q, seg_k=seg_k,
                     q_offset=q_offset, k_offset=k_offset, left=left, right=right, has_left=has_left,
                     has_right=has_right, chunk=chunk, has_chunk=has_chunk, hidden=hidden or chunks_hidden,
@@ -1076,10 +900,10 @@ def _kernel_args(p: _Problem):
         Seed=p.dropout_seed if p.dropout_seed is not None else placeholder,
         num_heads=heads, kv_group=heads // kv_heads, Sq=sq, Sk=sk, q_offset=p.q_offset, k_offset=p.k_offset,
         left=p.left, right=p.right, chunk=p.chunk, scale=p.scale, qk_cap=p.softcap / p.scale if p.softcap else 1.0,
-        SQ_BUCKET=_seq_bucket(sq), SK_BUCKET=_seq_bucket(sk),
+        SQ_BUCKET=seq_bucket(sq), SK_BUCKET=seq_bucket(sk),
         drop_head_offset=p.dropout_head_offset, drop_threshold=round(p.dropout_p * 2**24),
-        drop_scale=1.0 / (1.0 - p.dropout_p), HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-        V_DIM=v_dim, BLOCK_DV=_block_d(v_dim),
+        drop_scale=1.0 / (1.0 - p.dropout_p), HEAD_DIM=head_dim, BLOCK_D=padded_dim(head_dim),
+        V_DIM=v_dim, BLOCK_DV=padded_dim(v_dim),
         HAS_LEFT=p.has_left, HAS_RIGHT=p.has_right, HAS_CHUNK=p.has_chunk, HAS_KEY_MASK=p.key_mask is not None,
         HAS_SEG=p.seg_q is not None, SOFTCAP=p.softcap > 0.0, HAS_ALIBI=p.alibi is not None,
         HAS_DROPOUT=p.dropout_p > 0.0,
@@ -1087,20 +911,10 @@ def _kernel_args(p: _Problem):
     )
 
 
-def _block_d(head_dim: int) -> int:
-    """Head dim padded to a power of two >= 16 (tl.dot's minimum); the padding is masked."""
-    return max(triton.next_power_of_2(head_dim), _MIN_BLOCK_D)
-
-
-def _row_block(block_d: int) -> int:
-    """Rows per program of the row-wise kernels (delta, merge): about 4k elements per tile."""
-    return 16 if _INTERPRET else max(16, min(128, 4096 // block_d))
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32:
         return "ieee"
-    return "upcast" if _INTERPRET and dtype == torch.bfloat16 else "tf32"
+    return "upcast" if INTERPRET and dtype == torch.bfloat16 else "tf32"
 
 
 def _strides(prefix: str, x: torch.Tensor):
@@ -1124,8 +938,8 @@ def _forward(p: _Problem, out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.T
 def _delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     batch, heads, sq, head_dim = out.shape
     delta = torch.empty((batch, heads, sq), dtype=torch.float32, device=out.device)
-    block_d = _block_d(head_dim)
-    block_m = _row_block(block_d)
+    block_d = padded_dim(head_dim)
+    block_m = row_block(block_d)
     _attn_bwd_delta_kernel[(triton.cdiv(sq, block_m), heads, batch)](
         out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         heads, sq, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
@@ -1133,28 +947,22 @@ def _delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-def _check_like(name: str, x: torch.Tensor, shape, device) -> None:
-    if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape) or x.device != device:
-        got = f"{tuple(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{name} must be a tensor of shape {tuple(shape)} on {device}, got {got}")
-
-
 def _backward(p: _Problem, dout, out, lse, delta, grad_dtype: torch.dtype):
     batch, heads, kv_heads, sq, sk, head_dim = p.shape
     device = p.q.device
-    _check_like("dout", dout, p.out_shape, device)
-    _check_like("lse", lse, (batch, heads, sq), device)
+    check_like("dout", dout, p.out_shape, device)
+    check_like("lse", lse, (batch, heads, sq), device)
     dq = torch.empty(p.q.shape, dtype=grad_dtype, device=device)
     dk = torch.empty(p.k.shape, dtype=grad_dtype, device=device)
     dv = torch.empty(p.v.shape, dtype=grad_dtype, device=device)
     if p.hidden or sk == 0 or dq.numel() == 0:  # no visible pair: all gradients are 0
         return dq.zero_(), dk.zero_(), dv.zero_()
-    dout = _last_dim_contiguous(dout)
+    dout = last_dim_contiguous(dout)
     if delta is None:
-        _check_like("out", out, p.out_shape, device)
-        delta = _delta(_last_dim_contiguous(out), dout)
+        check_like("out", out, p.out_shape, device)
+        delta = _delta(last_dim_contiguous(out), dout)
     else:
-        _check_like("delta", delta, (batch, heads, sq), device)
+        check_like("delta", delta, (batch, heads, sq), device)
         delta = delta.float().contiguous()
     lse = lse.float().contiguous()
     common = dict(Q=p.q, K=p.k, V=p.v, DO=dout, Lse=lse, Delta=delta, **_strides("q", p.q), **_strides("k", p.k),
@@ -1209,34 +1017,6 @@ def triton_attention_backward(dout, q, k, v, out, lse, *, delta=None, q_offset=0
                  key_mask=key_mask, segment_ids=segment_ids, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
                  dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_head_offset=dropout_head_offset)
     return _backward(p, dout, out, lse, delta, torch.float32)
-
-
-def triton_merge(out_a, lse_a, out_b, lse_b):
-    """Merge two partial results of the same query rows over disjoint key sets, in float32:
-    lse = logaddexp(lse_a, lse_b), out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)."""
-    if out_a.dim() != 4 or out_a.shape != out_b.shape:
-        raise ValueError(f"out_a and out_b must be [B, H, S, D] of one shape, got {tuple(out_a.shape)}, "
-                         f"{tuple(out_b.shape)}")
-    batch, heads, seq, head_dim = out_a.shape
-    _check_like("out_b", out_b, out_a.shape, out_a.device)
-    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
-        _check_like(name, x, (batch, heads, seq), out_a.device)
-    if not triton_available(out_a.device):
-        raise RuntimeError(f"Triton merge cannot run on {out_a.device}: it needs a CUDA device, or "
-                           "TRITON_INTERPRET=1 set before autoshard.kernels.attention is imported (CPU)")
-    out = torch.empty(out_a.shape, dtype=torch.float32, device=out_a.device)
-    lse = torch.empty((batch, heads, seq), dtype=torch.float32, device=out_a.device)
-    if out.numel() == 0:
-        return out, lse.fill_(float("-inf"))
-    out_a, out_b = _last_dim_contiguous(out_a), _last_dim_contiguous(out_b)
-    block_d = _block_d(head_dim)
-    block_m = _row_block(block_d)
-    _merge_kernel[(triton.cdiv(seq, block_m), heads, batch)](
-        out_a, lse_a.float().contiguous(), out_b, lse_b.float().contiguous(), out, lse,
-        out_a.stride(0), out_a.stride(1), out_a.stride(2), out_b.stride(0), out_b.stride(1), out_b.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), heads, seq, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
-    )
-    return out, lse
 
 
 class TritonAttentionFunction(torch.autograd.Function):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .graph import eliminate_dead_code, is_module_state, new_node, real_value, unused_impure
-from .masks import StructuredMask, Unstructurable, empty_rows_of, structure_mask
+from .masks import MASKING_FILL, StructuredMask, Unstructurable, empty_rows_of, structure_mask
 from .ops import canonical, is_tensor_node, register_canonical, shape_of, value_of
 
 __all__ = ["captured_attention", "capture_attention", "dense_mask_of", "DenseMask", "DENSE_MASK"]
@@ -278,17 +278,18 @@ def _masked_once(graph: fx.Graph, node: fx.Node, before: fx.Node):
     if fn == "add" and len(node.args) == 2 and all(is_tensor_node(a) for a in node.args):
         a, b = node.args
         return ((a, b) if shape_of(a) == shape_of(node) else (b, a)) + (None,)
-    if fn == "masked_fill" and _is_neg_inf(node.args[2]):
+    if fn == "masked_fill" and _is_masking_fill(node.args[2]):
         with graph.inserting_before(before):
             keep = new_node(graph, operator.invert, (node.args[1],))
         return node.args[0], keep, float(node.args[2])
-    if fn == "where" and _is_neg_inf(node.args[2]) and is_tensor_node(node.args[1]):
+    if fn == "where" and _is_masking_fill(node.args[2]) and is_tensor_node(node.args[1]):
         return node.args[1], node.args[0], float(node.args[2])
     return node, None, None
 
 
-def _is_neg_inf(value) -> bool:
-    return isinstance(value, (int, float)) and value <= -1e4
+def _is_masking_fill(value) -> bool:
+    """Whether a score set to ``value`` is masked out (:data:`~.masks.MASKING_FILL`)."""
+    return isinstance(value, (int, float)) and value <= MASKING_FILL
 
 
 def _handwritten(graph: fx.Graph, node: fx.Node):

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from .ops import is_tensor_node, shape_of, value_of
+from .ops import is_tensor_node, op_of, shape_of, value_of
 
-__all__ = ["Elem", "Family", "Families", "LinkContext", "find_families", "link_graph"]
+__all__ = ["Elem", "Family", "Families", "LinkContext", "find_families", "token_local_nodes"]
 
 Elem = tuple[fx.Node, int, int]
 """(node, dim, factor)"""
@@ -232,8 +232,6 @@ def find_families(ctx: LinkContext) -> Families:
 
 def token_local_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes inside ``autoshard.token_local`` regions: reachable from an enter marker and reaching an exit one."""
-    from .ops import op_of
-
     def marked(name):
         return [n for n in gm.graph.nodes if (op_of(n) is not None and op_of(n).name == name)]
 
@@ -254,31 +252,3 @@ def token_local_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     # factories used only inside the region (an arange of the tokens) belong to it
     region |= {n for n in gm.graph.nodes if made_here(n) and n.users and set(n.users) <= region}
     return region
-
-
-def link_graph(gm: fx.GraphModule) -> LinkContext:
-    """Run every node's link rule (seeds come from the attention rule and from markers). Ops without a rule
-    inside token-local regions link like elementwise ops."""
-    from .ops import is_tensor_node, op_of
-    from .rules import RULES, load_all
-    from .rules.pointwise import link_broadcast
-
-    load_all()
-    ctx = LinkContext()
-    ctx.token_local = token_local_nodes(gm)
-    for node in gm.graph.nodes:
-        op = op_of(node)
-        rule = RULES.get(op.name) if op is not None else None
-        if rule is not None:
-            rule.link(ctx, node, op)
-        inputs = [n for n in node.all_input_nodes if is_tensor_node(n)]
-        if node in ctx.token_local and is_tensor_node(node) and getattr(op, "name", None) not in ("view", "expand"):
-            # per-position code: equal-sized dims are the same positions, even along a sort or a gather
-            link_broadcast(ctx, node, inputs, set_factors=rule is None)
-        elif node in ctx.token_local and not is_tensor_node(node) and len(inputs) > 1:
-            link_broadcast(ctx, inputs[0], inputs[1:], set_factors=False)  # x[i] = y: y is placed like x
-        if op is not None and op.name == "tuple_get" and op["input"] in ctx.token_local:
-            producer = op["input"]  # an output of a token-local op with several outputs
-            link_broadcast(ctx, node, [n for n in producer.all_input_nodes if is_tensor_node(n)],
-                           set_factors=RULES.get(getattr(op_of(producer), "name", None)) is None)
-    return ctx

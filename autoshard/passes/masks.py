@@ -54,10 +54,19 @@ from .graph import real_value
 from .ops import canonical, is_tensor_node, shape_of, value_of
 from .rules.views import permutation
 
-__all__ = ["StructuredMask", "structure_mask", "Unstructurable", "empty_rows_of"]
+__all__ = ["StructuredMask", "structure_mask", "Unstructurable", "empty_rows_of", "MASKING_FILL", "SWAMPING_FILL"]
 
 B, H, Q, K = sympy.symbols("b h q k", integer=True, nonnegative=True)
-_NEG_BIG = -1e4
+
+MASKING_FILL = -1e4
+"""A score set to (or added) at most this much masks the score out: ``-inf``, ``finfo.min`` and the ``-10000.0`` of
+older models all do (softmax gives it ``exp(-1e4)`` = 0 next to any visible score). A milder value is not read as a
+mask."""
+SWAMPING_FILL = -1e30
+"""An additive fill at most this much swamps every score it is added to: the sum rounds to the fill, so a query row
+that sees no key gets uniform attention over all keys (``empty_rows="uniform"``); a fill between this and
+:data:`MASKING_FILL` leaves such a row the softmax of its unmasked scores (``"scores"``), and ``-inf`` gives 0
+(``"zero"``, as SDPA)."""
 
 
 class Unstructurable(Exception):
@@ -94,7 +103,7 @@ def empty_rows_of(fill: float | None) -> str:
     """The ``StructuredMask.empty_rows`` of a mask whose masked scores are set to ``fill``."""
     if fill is None or fill == float("-inf"):
         return "zero"
-    return "uniform" if fill <= -1e30 else "scores"
+    return "uniform" if fill <= SWAMPING_FILL else "scores"
 
 
 # ----------------------------------------------------------------------------- abstract values
@@ -310,7 +319,7 @@ def _numeric(arg, v: _Abs) -> bool:
 
 def _very_negative(expr) -> bool:
     try:
-        return float(expr) <= _NEG_BIG
+        return float(expr) <= MASKING_FILL
     except (TypeError, ValueError):
         return False
 
@@ -349,7 +358,7 @@ def _band_value(band: Band, value: torch.Tensor) -> _Abs:
         return _Abs(sympy.sympify(band.inside), shape)
     if value.dtype.is_floating_point and 0.0 in (band.inside, band.outside):  # 0 and very negative: additive
         other = band.outside if band.inside == 0.0 else band.inside
-        if other <= _NEG_BIG:
+        if other <= MASKING_FILL:
             return _Abs(cond if band.inside == 0.0 else sympy.Not(cond), shape, fill=other)
     return _Abs(sympy.Piecewise((sympy.sympify(band.inside), cond), (sympy.sympify(band.outside), True)), shape)
 

@@ -8,7 +8,7 @@
 ``decompose``      composites (``diff``) become ops that have rules (:mod:`.normalize`)
 ``chunking``       the LM head and its cross-entropy become one chunked op (:mod:`.chunking`)
 ``recompute``      with ``recompute="layers"``, every layer becomes a checkpointed region (:mod:`.recompute`)
-``link``           every node's rule links its dims to its inputs' dims; annotations seed (:mod:`.infer`)
+``link``           every node's rule links its dims to its inputs' dims; annotations seed (:mod:`.rules`)
 ``families``       linked dims joined into sequence families (:mod:`.infer`)
 ``strategy``       an attention algorithm per attention, a layout per family (:mod:`autoshard.strategy`)
 ``rewrite``        the local graph of this rank (:mod:`.rewrite`)
@@ -22,33 +22,46 @@ keeps its counts in ``state.stats`` (the compile report carries them). With ``du
 backend takes it from the environment variable ``AUTOSHARD_DUMP``), every pass writes what it produced
 -- the graph's code after a graph pass, the families, the decisions -- to a numbered file, so a
 surprising result can be traced to the pass that made it.
+
+:func:`compile_graph` runs the pipeline on one dynamo graph for one rank of its
+:class:`~autoshard.runtime.groups.SequenceGroups`; the backend (:mod:`autoshard.compiler`) and the dry run
+(:mod:`autoshard.planner`) both call it; the backend imports the planner (dry runs, the memory policy), never
+the other way round.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 from ..config import BackendConfig
-from ..runtime.groups import plan_group_name
+from ..runtime.groups import SequenceGroups
 from ..strategy import choose
 from .capture import capture_attention
 from .chunk_mlp import chunk_mlps
 from .chunking import chunk_losses
 from .functionalize import functionalize
-from .infer import Families, LinkContext, find_families, link_graph
+from .infer import Families, LinkContext, find_families
 from .normalize import annotate, decompose
-from .ops import op_of
+from .ops import op_of, value_of
 from .regions import Region, fill_regions, inline_regions, outline_regions
 from .recompute import recompute_layers
-from .rewrite import Rewriter
+from .rewrite import CompileReport, Rewriter, is_parameter
+from .rules import link_graph
 
-__all__ = ["PipelineState", "PassStats", "PASSES", "run_pipeline"]
+__all__ = ["PipelineState", "PassStats", "PASSES", "run_pipeline", "CompiledGraph", "compile_graph"]
+
+_DUMPS = itertools.count()
+"""Numbers this process's dumped compiles (``AUTOSHARD_DUMP``), one folder each."""
 
 
 @dataclass
@@ -69,18 +82,9 @@ class PipelineState:
     """The graph; graph passes change it in place, ``rewrite`` replaces it by this rank's graph."""
     config: BackendConfig
     """The backend's options."""
-    rank: int
-    """This rank in the sequence group."""
-    world: int
-    """Ranks in the sequence group."""
-    group: str
-    """Name of the sequence group."""
-    ring_group: str = ""
-    """Name of the ring-axis group of a 2-D mesh (hybrid), else empty."""
-    heads_group: str = ""
-    """Name of the Ulysses-axis group of a 2-D mesh (hybrid), else empty."""
-    heads_axis_size: int | None = None
-    """Ranks on the Ulysses axis of a 2-D mesh, else None."""
+    groups: SequenceGroups
+    """This rank and the groups it communicates over; ``strategy`` gives a plan that chose the hybrid without a
+    mesh the plan groups of the mesh it names."""
     sharded_inputs: dict[str, Any] | None = None
     """Placeholder name -> the Shard placement its input arrives in (``inputs="sharded"``)."""
     seeds: list[tuple[fx.Node, int]] = field(default_factory=list)
@@ -169,21 +173,19 @@ def _strategy(state: PipelineState) -> dict[str, int]:
         if node.name in state.carried_layouts:
             for _, _, family, _ in state.families.dims_of(node):
                 carried[family.index] = state.carried_layouts[node.name]
-    state.layouts, state.strategies, state.reasons, state.heads_axis_size = choose(
-        state.families, config=state.config, world=state.world, heads_axis_size=state.heads_axis_size,
+    groups = state.groups
+    state.layouts, state.strategies, state.reasons, heads_axis_size = choose(
+        state.families, config=state.config, world=groups.world, heads_axis_size=groups.heads_axis_size,
         topology=state.topology, planning=state.planning, carried_layouts=carried)
-    if state.planning and state.heads_axis_size and not state.ring_group:
-        state.ring_group = plan_group_name(state.rank // state.heads_axis_size, state.world // state.heads_axis_size)
-        state.heads_group = plan_group_name(state.rank % state.heads_axis_size, state.heads_axis_size)
+    if state.planning and heads_axis_size and not groups.ring:
+        state.groups = groups.planned_hybrid(heads_axis_size)
     return dict(Counter(state.strategies.values()))
 
 
 def _rewrite(state: PipelineState) -> dict[str, int]:
     fill_regions(state.gm)
-    state.rewriter = Rewriter(state.gm, state.families, state.layouts, rank=state.rank, world=state.world,
-                              group=state.group, config=state.config, strategies=state.strategies,
-                              ring_group=state.ring_group, heads_group=state.heads_group,
-                              sharded_inputs=state.sharded_inputs, heads_axis_size=state.heads_axis_size)
+    state.rewriter = Rewriter(state.gm, state.families, state.layouts, groups=state.groups, config=state.config,
+                              strategies=state.strategies, sharded_inputs=state.sharded_inputs)
     state.gm = state.rewriter.run()
     report = state.rewriter.report
     return {"transitions": len(report.transitions), "fallbacks": len(report.fallbacks),
@@ -248,3 +250,87 @@ def run_pipeline(state: PipelineState) -> PipelineState:
         if dump is not None:
             (dump / f"{index:02d}-{name}.txt").write_text(f"# {name}: {counts}\n{describe(state)}")
     return state
+
+
+@dataclass
+class CompiledGraph:
+    """One rank's result of compiling one dynamo graph."""
+
+    graph_module: fx.GraphModule
+    """The rewritten, per-rank graph."""
+    report: CompileReport
+    """Placements, transitions, fallbacks, attention decisions."""
+    families: Any
+    strategies: dict
+    gathered_output_shapes: set = None
+    """Global shapes of the outputs this graph gathers whole."""
+    reasons: dict = None
+    """Attention node -> why its strategy was chosen."""
+    carried_outputs: dict = None
+    """Position in the output tuple -> Shard placement of the outputs handed back as SplitTensor."""
+
+
+
+def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, groups: SequenceGroups,
+                  sharded_inputs: dict[str, Any] | None = None, carried_inputs: set[str] | None = None, topology=None,
+                  planning: bool = False) -> CompiledGraph:
+    """Run the passes (:data:`~autoshard.passes.pipeline.PASSES`) on ``gm`` (modified in place up to the
+    rewrite) for ``groups.rank`` of ``groups.world``; ``AUTOSHARD_DUMP=<dir>`` writes every pass's output under
+    ``dir``.
+    ``sharded_inputs``: placeholder name -> the Shard its local input arrives in; ``carried_inputs``: those of
+    them that arrive as SplitTensor from another graph (they seed their sequence, and their family keeps
+    their layout)."""
+    dump = os.environ.get("AUTOSHARD_DUMP")
+    seeds = _annotated_inputs(gm, config) + [(n, sharded_inputs[n.name].dim) for n in gm.graph.nodes
+                                             if n.op == "placeholder" and n.name in (carried_inputs or {})]
+    state = run_pipeline(PipelineState(
+        gm=gm, config=config, groups=groups, sharded_inputs=sharded_inputs, seeds=seeds,
+        carried_layouts={name: sharded_inputs[name].layout.kind for name in carried_inputs or {}},
+        topology=topology, planning=planning,
+        dump_dir=os.path.join(dump, f"graph{next(_DUMPS)}-rank{groups.rank}") if dump else None))
+    families, rewriter = state.families, state.rewriter
+    if not families.families and groups.world > 1 and (state.missed or state.stats["capture"].counts["layers"]):
+        detail = "; ".join(state.missed) if state.missed else (
+            "no scaled_dot_product_attention or softmax(QK^T)V in it, and no input marked with "
+            "autoshard.mark_sequence or seq_dims")
+        warnings.warn(f"autoshard: nothing in this graph is split along a sequence, so it runs whole on every "
+                      f"rank: {detail}", stacklevel=3)
+    rewriter.report.passes = state.stats
+    gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
+    return CompiledGraph(state.gm, rewriter.report, families, state.strategies, gathered, state.reasons,
+                         rewriter.carried_outputs)
+
+
+def input_name(node: fx.Node) -> str | None:
+    """The user-facing name of a graph input: ``input_ids`` for ``L['kwargs']['input_ids']`` or ``L['input_ids']``."""
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    if source is None:
+        return None
+    text = source.name if isinstance(source.name, str) else source.name()
+    if text.endswith("']"):
+        return text[text.rfind("['") + 2:-2]
+    return text
+
+
+def _annotated_inputs(gm: fx.GraphModule, config: BackendConfig) -> list[tuple[fx.Node, int]]:
+    """(placeholder, dim) for every input named in ``config.seq_dims`` (by name, or by position among the
+    tensor inputs that are not parameters)."""
+    if not config.seq_dims:
+        return []
+    user = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
+            and not is_parameter(n)]
+    out = []
+    names = [input_name(n) for n in user]
+    for key, dim in config.seq_dims.items():
+        matches = [n for n in user if input_name(n) == key] if isinstance(key, str) else user[key:key + 1]
+        if not matches:
+            raise ValueError(f"autoshard: seq_dims names input {key!r}, but the compiled graph's tensor inputs "
+                             f"are {names}")
+        for n in matches:
+            ndim = n.meta["example_value"].dim()
+            if not -ndim <= dim < ndim:
+                raise ValueError(f"autoshard: seq_dims gives input {key!r} sequence dim {dim}, but it has "
+                                 f"shape {tuple(n.meta['example_value'].shape)}")
+            out.append((n, dim % ndim))
+    return out

@@ -19,9 +19,10 @@ recomputation. The rewriter tags every node it emits while rewriting a region's 
 so the region's local attention, its collectives and the transitions its nodes asked for are recomputed
 with it. Recomputation policy: the whole region is recomputed in backward, collectives included, with
 early stop off (the HOP's own choice), so every rank reruns the same collectives in the same order; the
-compile report books each recomputed collective a second time (phase ``backward``) and lists the
-regions. With ``offload`` the call is :func:`autoshard.runtime.offload.offloaded_checkpoint`: the same
-checkpoint, its inputs kept in host memory until backward.
+comm book, derived from the emitted nodes and their region tags (:mod:`.comms`), counts each recomputed
+collective a second time (phase ``backward``) and the report lists the regions. With ``offload`` the call
+is :func:`autoshard.runtime.offload.offloaded_checkpoint`: the same checkpoint, its inputs kept in host
+memory until backward.
 """
 
 from __future__ import annotations

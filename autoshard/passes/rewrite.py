@@ -16,12 +16,13 @@ R           R (local)    ``grad_sync``: identity whose backward sums the gradien
 ==========  ===========  ==================================================================
 
 Every transition that moves data and every fallback is recorded in the :class:`CompileReport`,
-with the node it serves and the bytes this rank sends.
+with the node it serves and the bytes this rank sends. Collectives are not booked as they are emitted:
+every emitted node is marked with the node whose rewrite emitted it, a transition's collective with the
+value it moves, and once the graph is built the comm book is derived from it (:mod:`.comms`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +34,10 @@ import torch.fx as fx
 from ..config import BackendConfig
 from ..placements import REPLICATE, Partial, Placement, Replicate, Shard
 from ..runtime.accounting import all_gather_bytes, all_reduce_bytes
+from ..runtime.groups import SequenceGroups
 from ..runtime.layouts import SequenceLayout
-from ..runtime.redistribute import grad_scale, grad_sync, grad_sync_bucket, reduce_partial
-from .comms import CommBook
+from ..runtime.redistribute import grad_scale, grad_sync, grad_sync_bucket, realign_bytes, reduce_partial
+from .comms import EMITTED_BY, LAYOUT, REASON, SERVES, CommBook, derive_comms
 from .graph import is_module_state, mutates
 from .infer import Families, Family
 from .ops import is_tensor_node, numel, op_of, shape_of, value_of
@@ -103,24 +105,24 @@ class Rewriter:
     """Builds the local graph of one rank (see the module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, families: Families, layouts: dict[int, SequenceLayout], *,
-                 rank: int, world: int, group: str, config: BackendConfig, strategies: dict[fx.Node, str],
-                 ring_group: str = "", heads_group: str = "", sharded_inputs: dict[str, Shard] | None = None,
-                 heads_axis_size: int | None = None):
+                 groups: SequenceGroups, config: BackendConfig, strategies: dict[fx.Node, str],
+                 sharded_inputs: dict[str, Shard] | None = None):
         self.gm = gm
-        self.ring_group, self.heads_group = ring_group, heads_group
-        self.heads_axis_size = heads_axis_size
+        self.groups = groups
+        """This rank and the groups the emitted collectives run over."""
+        self.rank, self.world, self.group = groups.rank, groups.world, groups.sequence
+        """Shorthands of ``groups`` the rules read (``group``: the sequence group's name, what runtime ops take)."""
+        self.ring_group, self.heads_group, self.heads_axis_size = groups.ring, groups.heads, groups.heads_axis_size
+        """Shorthands of ``groups`` for the hybrid attention rule."""
         self.sharded_inputs = sharded_inputs or {}
         self.families = families
         self.layouts = layouts
-        self.rank, self.world, self.group = rank, world, group
         self.config = config
         self.strategies = strategies
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.placements: dict[fx.Node, Any] = {}
         self.report = CompileReport()
-        self.book = CommBook(world)
-        self.report.comms = self.book.comms
         self._cache: dict[tuple, fx.Node] = {}
         self._bucket: list | None = None  # [bucket node, bytes, dtype] of the open gradient bucket
         self._root_of: dict[SequenceLayout, int] = {}  # layout -> the length of the family root it derives from
@@ -149,12 +151,12 @@ class Rewriter:
         self._root_of[layout] = family.length
         return Shard(dim, layout, tuple(factors) if len(factors) > 1 else (), factor if len(factors) > 1 else 0)
 
-    def root_length(self, shard: Shard) -> int:
+    def root_length(self, layout: SequenceLayout) -> int:
         """The length of the family root a split value's layout derives from (for byte formulas)."""
-        known = self._root_of.get(shard.layout)
+        known = self._root_of.get(layout)
         if known is not None:
             return known
-        return self.families.families[0].length if self.families.families else shard.layout.length
+        return self.families.families[0].length if self.families.families else layout.length
 
     def placement(self, node: Any) -> Placement:
         if not isinstance(node, fx.Node):
@@ -256,9 +258,7 @@ class Rewriter:
         key = (node, "grad_sync" if self.config.grad_sync or not parameter else "grad_scale")
         if key not in self._cache:
             if not parameter:
-                self._cache[key] = self.call(grad_sync, new, self.group)
-                self.book.all_reduce(node.name, numel(self.shape(node)), _itemsize(node), "backward",
-                                     reason="gradient shares")
+                self._cache[key] = _serving(self.call(grad_sync, new, self.group), node)
             elif self.config.grad_sync:
                 self._cache[key] = self._bucketed(node, new)
             else:
@@ -301,11 +301,9 @@ class Rewriter:
 
     def shard_value(self, node: fx.Node, new: fx.Node, want: Shard) -> fx.Node:
         """This rank's part of ``new``, a new-graph node holding ``node``'s whole value."""
-        if self.requires_grad(node):  # the backward gathers the gradient shards
-            self.book.gather("all_gather", node.name, want, self.shape(node), _itemsize(node), self.root_length(want),
-                             "backward", "gradient of a split value used whole")
         x, dim = self._split_factors(node, new, want, local=False)
-        x = self.call(torch.ops.autoshard.seq_shard.default, x, dim, want.layout.encode(), self.group)
+        x = _serving(self.call(torch.ops.autoshard.seq_shard.default, x, dim, want.layout.encode(), self.group), node,
+                     layout=want.layout)
         return self._merge_factors(node, x, want, local=True)
 
     def _unshard(self, node: fx.Node, new: fx.Node, have: Shard, expected: bool, reason: str,
@@ -314,14 +312,9 @@ class Rewriter:
         reduce-scatters the gradient shares (instead of keeping this rank's part of one gradient)."""
         x, dim = self._split_factors(node, new, have, local=True)
         op = torch.ops.autoshard.seq_unshard_for_local_use if local_use else torch.ops.autoshard.seq_unshard
-        x = self.call(op.default, x, dim, have.layout.encode(), self.group)
+        x = _serving(self.call(op.default, x, dim, have.layout.encode(), self.group), node, reason, have.layout)
         nbytes = all_gather_bytes(have.layout.max_local_length * self._row_bytes(node, have), self.world)
         self.report.transitions.append(Transition("all_gather", node.name, str(have), "R", nbytes, reason))
-        root = self.root_length(have)
-        self.book.gather("all_gather", node.name, have, self.shape(node), _itemsize(node), root, "forward", reason)
-        if local_use and self.requires_grad(node):
-            self.book.gather("reduce_scatter", node.name, have, self.shape(node), _itemsize(node), root, "backward",
-                             "gradient shares of a gathered value")
         if not expected:
             self.report.fallbacks.append(Fallback(node.name, "gather", reason or "needed whole"))
         return self._merge_factors(node, x, have, local=False)
@@ -337,11 +330,9 @@ class Rewriter:
 
     def _realign(self, node: fx.Node, new: fx.Node, have: Shard, want: Shard) -> fx.Node:
         x, dim = self._split_factors(node, new, have, local=True)
-        x = self.call(torch.ops.autoshard.seq_realign.default, x, dim, have.layout.encode(), want.layout.encode(),
-                      self.group)
-        for phase in ("forward", "backward") if self.requires_grad(node) else ("forward",):
-            self.book.realign(node.name, have.layout, want.layout, self._row_bytes(node, have), phase)
-        sent = self.book.comms[-1 if not self.requires_grad(node) else -2].bytes_by_rank[self.rank]
+        x = _serving(self.call(torch.ops.autoshard.seq_realign.default, x, dim, have.layout.encode(),
+                               want.layout.encode(), self.group), node)
+        sent = realign_bytes(have.layout, want.layout, self._row_bytes(node, have), "forward")[self.rank]
         self.report.transitions.append(Transition("realign", node.name, str(have), str(want), sent, "positions moved"))
         return self._merge_factors(node, x, want, local=True)
 
@@ -350,10 +341,9 @@ class Rewriter:
         return numel(self.shape(node)) // shard.layout.length * _itemsize(node)
 
     def _reduce(self, node: fx.Node, new: fx.Node, have: Partial) -> fx.Node:
-        out = self.call(reduce_partial, new, have.op, self.group)
+        out = _serving(self.call(reduce_partial, new, have.op, self.group), node)
         nbytes = all_reduce_bytes(numel(self.shape(node)), _itemsize(node), self.world)
         self.report.transitions.append(Transition("all_reduce", node.name, str(have), "R", nbytes))
-        self.book.all_reduce(node.name, numel(self.shape(node)), _itemsize(node), "forward")
         return out
 
     # ------------------------------------------------------------------ generic behaviours
@@ -413,14 +403,13 @@ class Rewriter:
             elif node.op == "output":
                 self._outputs(node)
             else:
-                tail, booked = next(iter(reversed(self.graph.nodes)), None), len(self.book.comms)
+                tail = next(iter(reversed(self.graph.nodes)), None)
                 self._rewrite(node)
-                if REGION in node.meta:
-                    self._in_region(node.meta[REGION], tail, booked)
-        for bucket, names in self.report.grad_buckets.items():
-            nodes = [n for n in self.placements if n.name in names]
-            total = sum(numel(self.shape(n)) for n in nodes)
-            self.book.all_reduce(bucket, total, _itemsize(nodes[0]), "backward", reason="parameter gradients")
+                self._mark_emitted(node, tail)
+        book = CommBook(self.world, self.root_length, self.heads_axis_size)
+        for region, sent in derive_comms(self.graph, book, self.rank).items():
+            self.report.recomputed[region] += sent
+        self.report.comms = book.comms
         live = {n.name for n in self.placements}
         self.report.square_values = sorted(self.families.square_values() & live)
         return fx.GraphModule(self.gm, self.graph)
@@ -447,21 +436,18 @@ class Rewriter:
         return bool(self.families.dims_of(node)) or any(
             self.families.dims_of(n) or not _whole(self.placement(n)) for n in node.all_input_nodes)
 
-    def _in_region(self, region: int, tail: fx.Node | None, booked: int) -> None:
-        """Tag the nodes emitted after ``tail`` with the checkpointed ``region`` they serve (:mod:`.regions`
-        cuts it out again) and book the forward collectives booked since ``booked`` a second time: backward
-        recomputes the region."""
+    def _mark_emitted(self, node: fx.Node, tail: fx.Node | None) -> None:
+        """Mark the nodes emitted after ``tail`` as ``node``'s (the comm book derives from them, :mod:`.comms`) and,
+        when ``node`` is in a checkpointed region, with that region (:mod:`.regions` cuts it out again)."""
+        region = node.meta.get(REGION)
+        if region is not None:
+            self.report.recomputed.setdefault(region, 0)
         new = tail.next if tail is not None else next(iter(self.graph.nodes), None)
         while new is not None and new.op != "root":
-            new.meta[REGION] = region
+            new.meta[EMITTED_BY] = node
+            if region is not None:
+                new.meta[REGION] = region
             new = new.next
-        again = self.report.recomputed.setdefault(region, 0)
-        for comm in self.book.comms[booked:]:
-            if comm.phase == "forward":
-                self.book.comms.append(dataclasses.replace(comm, phase="backward",
-                                                           reason="recomputed (activation checkpointing)"))
-                again += comm.bytes_by_rank[self.rank]
-        self.report.recomputed[region] = again
 
     def _outputs(self, node: fx.Node) -> None:
         """The graph's outputs: split ones gathered (``outputs="gathered"``), left as local shards
@@ -512,6 +498,17 @@ def _user_line(node: fx.Node) -> str:
 def _whole(placement: Any) -> bool:
     """Whether a placement (a tuple's: each element's) is replicated."""
     return all(isinstance(p, Replicate) for p in (placement if isinstance(placement, tuple) else (placement,)))
+
+
+def _serving(new: fx.Node, node: fx.Node, reason: str = "", layout: SequenceLayout | None = None) -> fx.Node:
+    """``new``, an emitted collective, marked for :mod:`.comms` as moving ``node``'s value, ``reason`` why, over
+    ``layout`` (the one its layout argument encodes)."""
+    new.meta[SERVES] = node
+    if reason:
+        new.meta[REASON] = reason
+    if layout is not None:
+        new.meta[LAYOUT] = layout
+    return new
 
 
 def _itemsize(node: fx.Node) -> int:

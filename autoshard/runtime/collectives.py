@@ -4,6 +4,11 @@ Each collective is a ``torch.library`` custom op (``torch.ops.autoshard.*``) wit
 implementation (so FakeTensor, dynamo and AOTAutograd can trace it) and a registered backward. The
 group travels as its registered name, as in torch's functional collectives.
 
+The module is one block per collective, in the order of the table below: its forward implementation (a
+plain function that communicates, which the sequence layouts and the attention strategies call too), the
+custom op and its fake, its autograd formula, and the public function. ``all_gather`` and
+``reduce_scatter`` share one autograd context: each is the other's backward.
+
 Gradient convention. These are the *raw* collectives: linear maps on the P per-rank tensors, whose
 backward is the exact adjoint when the objective is the **sum of the per-rank objectives**:
 
@@ -64,6 +69,9 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+# ---------------------------------------------------------------------------- shared helpers
+
+
 def _pg(name: str) -> dist.ProcessGroup:
     return resolve_group(name)
 
@@ -77,8 +85,54 @@ def _narrow_pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(pad_shape)], dim)
 
 
-# ---------------------------------------------------------------------------- forward implementations
-# Plain functions that communicate; the custom ops and the sequence layouts call them.
+def _with(shape: Sequence[int], dim: int, size: int) -> list[int]:
+    out = list(shape)
+    out[dim] = size
+    return out
+
+
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for v in xs:
+        out *= int(v)
+    return out
+
+
+def _sizes_or_even(sizes: Sequence[int], local: int, world: int) -> list[int]:
+    return list(sizes) if len(sizes) else [local] * world
+
+
+def _dim(x: torch.Tensor, dim: int) -> int:
+    return dim % x.dim() if x.dim() else 0
+
+
+def _p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], pg: dist.ProcessGroup,
+         kind: str) -> list[dist.Work]:
+    """Post sends/receives (peer given as group rank) as one batch; returns the works to wait on."""
+    ops = [dist.P2POp(dist.isend, t.contiguous(), global_rank(pg, peer), pg) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, global_rank(pg, peer), pg) for t, peer in recvs]
+    record(kind, sum(t.numel() * t.element_size() for t, _ in sends),
+           sum(t.numel() * t.element_size() for t, _ in recvs))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def gather_table(table: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's rows of the small integer ``table`` (as many on every rank), stacked in rank order, on every
+    rank; counted as ``"metadata"``."""
+    out = table.new_empty((pg.size() * table.size(0),) + tuple(table.shape[1:]))
+    _all_gather_single(out, table.contiguous(), group=pg)
+    nbytes = all_gather_bytes(table.numel() * table.element_size(), pg.size())
+    record("metadata", nbytes, nbytes)
+    return out
+
+
+def gather_facts(facts: Sequence[int], pg: dist.ProcessGroup) -> list[list[int]]:
+    """Every rank's ``facts`` (as many integers on every rank), in rank order, on every rank."""
+    mine = torch.tensor([list(facts)], dtype=torch.long, device=metadata_device(pg))
+    return gather_table(mine, pg).tolist()
+
+
+# ---------------------------------------------------------------------------- all_gather
 
 
 def all_gather_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], pg: dist.ProcessGroup) -> torch.Tensor:
@@ -93,6 +147,41 @@ def all_gather_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], pg: dist.Pr
     if len(set(sizes)) > 1:
         out = torch.cat([out[i * longest: i * longest + sizes[i]] for i in range(world)], 0)
     return out.movedim(0, dim).contiguous()
+
+
+@torch.library.custom_op("autoshard::all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, dim: int, sizes: list[int], group: str) -> torch.Tensor:
+    pg = _pg(group)
+    return all_gather_impl(x, dim, _sizes_or_even(sizes, x.size(dim), pg.size()), pg)
+
+
+@_all_gather_op.register_fake
+def _(x, dim, sizes, group):
+    world = _pg(group).size()
+    return x.new_empty(_with(x.shape, dim, sum(_sizes_or_even(sizes, x.size(dim), world))))
+
+
+def _gather_setup(ctx, inputs, output):
+    ctx.dim, ctx.sizes, ctx.group = inputs[1], inputs[2], inputs[3]
+    ctx.local = inputs[0].size(inputs[1])
+
+
+def _all_gather_backward(ctx, grad):
+    pg = _pg(ctx.group)
+    sizes = _sizes_or_even(ctx.sizes, ctx.local, pg.size())
+    return torch.ops.autoshard.reduce_scatter(grad, ctx.dim, sizes, ctx.group), None, None, None
+
+
+_all_gather_op.register_autograd(_all_gather_backward, setup_context=_gather_setup)
+
+
+def all_gather(x: torch.Tensor, dim: int, *, group: GroupLike = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order). ``sizes``: every rank's size along ``dim``
+    when they differ. Backward: reduce-scatter (sum) of the gradient."""
+    return torch.ops.autoshard.all_gather(x, _dim(x, dim), list(sizes or []), group_name(group))
+
+
+# ---------------------------------------------------------------------------- reduce_scatter
 
 
 def reduce_scatter_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], pg: dist.ProcessGroup) -> torch.Tensor:
@@ -111,6 +200,37 @@ def reduce_scatter_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], pg: dis
     return out[: sizes[rank]].movedim(0, dim).contiguous()
 
 
+@torch.library.custom_op("autoshard::reduce_scatter", mutates_args=())
+def _reduce_scatter_op(x: torch.Tensor, dim: int, sizes: list[int], group: str) -> torch.Tensor:
+    pg = _pg(group)
+    return reduce_scatter_impl(x, dim, list(sizes) or balanced_split(x.size(dim), pg.size()), pg)
+
+
+@_reduce_scatter_op.register_fake
+def _(x, dim, sizes, group):
+    pg = _pg(group)
+    chunks = list(sizes) or balanced_split(x.size(dim), pg.size())
+    return x.new_empty(_with(x.shape, dim, chunks[pg.rank()]))
+
+
+def _reduce_scatter_backward(ctx, grad):
+    pg = _pg(ctx.group)
+    sizes = list(ctx.sizes) or balanced_split(ctx.local, pg.size())
+    return torch.ops.autoshard.all_gather(grad, ctx.dim, sizes, ctx.group), None, None, None
+
+
+_reduce_scatter_op.register_autograd(_reduce_scatter_backward, setup_context=_gather_setup)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, *, group: GroupLike = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Sum ``x`` over ranks and return this rank's chunk along ``dim``. ``sizes``: the chunk sizes (default:
+    balanced, larger first). Backward: all-gather of the gradient."""
+    return torch.ops.autoshard.reduce_scatter(x, _dim(x, dim), list(sizes or []), group_name(group))
+
+
+# ---------------------------------------------------------------------------- all_reduce
+
+
 def all_reduce_impl(x: torch.Tensor, op: str, pg: dist.ProcessGroup) -> torch.Tensor:
     """Elementwise ``op`` (sum / max / min) of ``x`` over ranks; ``x`` is not modified."""
     world = pg.size()
@@ -119,6 +239,48 @@ def all_reduce_impl(x: torch.Tensor, op: str, pg: dist.ProcessGroup) -> torch.Te
     nbytes = all_reduce_bytes(out.numel(), out.element_size(), world)
     record("all_reduce", nbytes, nbytes)
     return out
+
+
+@torch.library.custom_op("autoshard::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    return all_reduce_impl(x, op, _pg(group))
+
+
+@_all_reduce_op.register_fake
+def _(x, op, group):
+    return torch.empty_like(x)
+
+
+def _all_reduce_setup(ctx, inputs, output):
+    ctx.op, ctx.group = inputs[1], inputs[2]
+    if ctx.op != "sum":
+        ctx.save_for_backward(inputs[0], output)
+
+
+def _all_reduce_backward(ctx, grad):
+    if ctx.op == "sum":
+        return torch.ops.autoshard.all_reduce(grad, "sum", ctx.group), None, None
+    # max / min: the summed gradient split evenly among the ranks that hold the extremum (torch.amax's rule
+    # for ties); the gradient and the tie count travel in one all-reduce
+    x, out = ctx.saved_tensors
+    hit = (x == out).to(grad.dtype)
+    total, ties = torch.ops.autoshard.all_reduce(torch.stack([grad, hit]), "sum", ctx.group).unbind(0)
+    return total * hit / ties, None, None
+
+
+_all_reduce_op.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
+
+
+def all_reduce(x: torch.Tensor, op: str = "sum", *, group: GroupLike = None) -> torch.Tensor:
+    """Elementwise ``op`` (``"sum"`` or ``"max"``) over ranks, out of place. Backward: the summed gradient
+    (for ``max``, split evenly among the ranks whose value is the maximum -- ``torch.amax``'s rule for
+    ties -- and zero elsewhere; the tie counts ride along in the backward all-reduce)."""
+    if op not in ("sum", "max"):
+        raise ValueError(f"all_reduce: op must be 'sum' or 'max', not {op!r}")
+    return torch.ops.autoshard.all_reduce(x, op, group_name(group))
+
+
+# ---------------------------------------------------------------------------- all_to_all
 
 
 def all_to_all_impl(
@@ -154,37 +316,58 @@ def all_to_all_impl(
     return out.movedim(0, split_dim).contiguous()
 
 
-def _prod(xs: Sequence[int]) -> int:
-    out = 1
-    for v in xs:
-        out *= int(v)
-    return out
+@torch.library.custom_op("autoshard::all_to_all", mutates_args=())
+def _all_to_all_op(x: torch.Tensor, split_dim: int, cat_dim: int, split_sizes: list[int], cat_sizes: list[int],
+                   group: str) -> torch.Tensor:
+    return all_to_all_impl(x, split_dim, cat_dim, split_sizes, cat_sizes, _pg(group))
 
 
-def _p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], pg: dist.ProcessGroup,
-         kind: str) -> list[dist.Work]:
-    """Post sends/receives (peer given as group rank) as one batch; returns the works to wait on."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), global_rank(pg, peer), pg) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, global_rank(pg, peer), pg) for t, peer in recvs]
-    record(kind, sum(t.numel() * t.element_size() for t, _ in sends),
-           sum(t.numel() * t.element_size() for t, _ in recvs))
-    return dist.batch_isend_irecv(ops) if ops else []
+@_all_to_all_op.register_fake
+def _(x, split_dim, cat_dim, split_sizes, cat_sizes, group):
+    rank = _pg(group).rank()
+    shape = _with(x.shape, split_dim, split_sizes[rank])
+    shape[cat_dim] = sum(cat_sizes)
+    return x.new_empty(shape)
 
 
-def gather_table(table: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's rows of the small integer ``table`` (as many on every rank), stacked in rank order, on every
-    rank; counted as ``"metadata"``."""
-    out = table.new_empty((pg.size() * table.size(0),) + tuple(table.shape[1:]))
-    _all_gather_single(out, table.contiguous(), group=pg)
-    nbytes = all_gather_bytes(table.numel() * table.element_size(), pg.size())
-    record("metadata", nbytes, nbytes)
-    return out
+def _all_to_all_setup(ctx, inputs, output):
+    ctx.args = inputs[1:]
 
 
-def gather_facts(facts: Sequence[int], pg: dist.ProcessGroup) -> list[list[int]]:
-    """Every rank's ``facts`` (as many integers on every rank), in rank order, on every rank."""
-    mine = torch.tensor([list(facts)], dtype=torch.long, device=metadata_device(pg))
-    return gather_table(mine, pg).tolist()
+def _all_to_all_backward(ctx, grad):
+    split_dim, cat_dim, split_sizes_, cat_sizes, group = ctx.args
+    return torch.ops.autoshard.all_to_all(grad, cat_dim, split_dim, cat_sizes, split_sizes_, group), None, None, None, None, None
+
+
+_all_to_all_op.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+
+
+def all_to_all(
+    x: torch.Tensor,
+    *,
+    split_dim: int,
+    cat_dim: int,
+    group: GroupLike = None,
+    split_sizes: Sequence[int] | None = None,
+    cat_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Move the split of a tensor from ``cat_dim`` to ``split_dim``: cut ``x`` along ``split_dim`` (piece ``j``
+    to rank ``j``; ``split_sizes`` default balanced) and concatenate what arrives along ``cat_dim``
+    (``cat_sizes``: every rank's size along ``cat_dim``, default all equal). Backward: the reverse move."""
+    pg = resolve_group(group)
+    world = pg.size()
+    split_dim, cat_dim = _dim(x, split_dim), _dim(x, cat_dim)
+    cuts = list(split_sizes) if split_sizes is not None else balanced_split(x.size(split_dim), world)
+    cats = list(cat_sizes) if cat_sizes is not None else [x.size(cat_dim)] * world
+    if len(cuts) != world or sum(cuts) != x.size(split_dim):
+        raise ValueError(f"all_to_all: split_sizes {cuts} must have {world} entries summing to {x.size(split_dim)}")
+    if len(cats) != world or cats[pg.rank()] != x.size(cat_dim):
+        raise ValueError(f"all_to_all: cat_sizes {cats} must have {world} entries, this rank's equal to "
+                         f"{x.size(cat_dim)}")
+    return torch.ops.autoshard.all_to_all(x, split_dim, cat_dim, cuts, cats, pg.group_name)
+
+
+# ---------------------------------------------------------------------------- halo_exchange
 
 
 def _per_position(x: torch.Tensor, dim: int) -> int:
@@ -251,132 +434,6 @@ def _halo_backward_impl(g: torch.Tensor, dim: int, left: int, right: int, pg: di
     return gx
 
 
-def _ring_shift_impl(x: torch.Tensor, shift: int, pg: dist.ProcessGroup) -> torch.Tensor:
-    world, rank = pg.size(), pg.rank()
-    if shift % world == 0:
-        return x.clone()
-    out = torch.empty_like(x)
-    works = _p2p([(x, (rank + shift) % world)], [(out, (rank - shift) % world)], pg, "send_recv")
-    for w in works:
-        w.wait()
-    return out
-
-
-def _with(shape: Sequence[int], dim: int, size: int) -> list[int]:
-    out = list(shape)
-    out[dim] = size
-    return out
-
-
-def _sizes_or_even(sizes: Sequence[int], local: int, world: int) -> list[int]:
-    return list(sizes) if len(sizes) else [local] * world
-
-
-# ---------------------------------------------------------------------------- custom ops
-
-
-@torch.library.custom_op("autoshard::all_gather", mutates_args=())
-def _all_gather_op(x: torch.Tensor, dim: int, sizes: list[int], group: str) -> torch.Tensor:
-    pg = _pg(group)
-    return all_gather_impl(x, dim, _sizes_or_even(sizes, x.size(dim), pg.size()), pg)
-
-
-@_all_gather_op.register_fake
-def _(x, dim, sizes, group):
-    world = _pg(group).size()
-    return x.new_empty(_with(x.shape, dim, sum(_sizes_or_even(sizes, x.size(dim), world))))
-
-
-@torch.library.custom_op("autoshard::reduce_scatter", mutates_args=())
-def _reduce_scatter_op(x: torch.Tensor, dim: int, sizes: list[int], group: str) -> torch.Tensor:
-    pg = _pg(group)
-    return reduce_scatter_impl(x, dim, list(sizes) or balanced_split(x.size(dim), pg.size()), pg)
-
-
-@_reduce_scatter_op.register_fake
-def _(x, dim, sizes, group):
-    pg = _pg(group)
-    chunks = list(sizes) or balanced_split(x.size(dim), pg.size())
-    return x.new_empty(_with(x.shape, dim, chunks[pg.rank()]))
-
-
-def _gather_setup(ctx, inputs, output):
-    ctx.dim, ctx.sizes, ctx.group = inputs[1], inputs[2], inputs[3]
-    ctx.local = inputs[0].size(inputs[1])
-
-
-def _all_gather_backward(ctx, grad):
-    pg = _pg(ctx.group)
-    sizes = _sizes_or_even(ctx.sizes, ctx.local, pg.size())
-    return torch.ops.autoshard.reduce_scatter(grad, ctx.dim, sizes, ctx.group), None, None, None
-
-
-def _reduce_scatter_backward(ctx, grad):
-    pg = _pg(ctx.group)
-    sizes = list(ctx.sizes) or balanced_split(ctx.local, pg.size())
-    return torch.ops.autoshard.all_gather(grad, ctx.dim, sizes, ctx.group), None, None, None
-
-
-_all_gather_op.register_autograd(_all_gather_backward, setup_context=_gather_setup)
-_reduce_scatter_op.register_autograd(_reduce_scatter_backward, setup_context=_gather_setup)
-
-
-@torch.library.custom_op("autoshard::all_reduce", mutates_args=())
-def _all_reduce_op(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
-    return all_reduce_impl(x, op, _pg(group))
-
-
-@_all_reduce_op.register_fake
-def _(x, op, group):
-    return torch.empty_like(x)
-
-
-def _all_reduce_setup(ctx, inputs, output):
-    ctx.op, ctx.group = inputs[1], inputs[2]
-    if ctx.op != "sum":
-        ctx.save_for_backward(inputs[0], output)
-
-
-def _all_reduce_backward(ctx, grad):
-    if ctx.op == "sum":
-        return torch.ops.autoshard.all_reduce(grad, "sum", ctx.group), None, None
-    # max / min: the summed gradient split evenly among the ranks that hold the extremum (torch.amax's rule
-    # for ties); the gradient and the tie count travel in one all-reduce
-    x, out = ctx.saved_tensors
-    hit = (x == out).to(grad.dtype)
-    total, ties = torch.ops.autoshard.all_reduce(torch.stack([grad, hit]), "sum", ctx.group).unbind(0)
-    return total * hit / ties, None, None
-
-
-_all_reduce_op.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
-
-
-@torch.library.custom_op("autoshard::all_to_all", mutates_args=())
-def _all_to_all_op(x: torch.Tensor, split_dim: int, cat_dim: int, split_sizes: list[int], cat_sizes: list[int],
-                   group: str) -> torch.Tensor:
-    return all_to_all_impl(x, split_dim, cat_dim, split_sizes, cat_sizes, _pg(group))
-
-
-@_all_to_all_op.register_fake
-def _(x, split_dim, cat_dim, split_sizes, cat_sizes, group):
-    rank = _pg(group).rank()
-    shape = _with(x.shape, split_dim, split_sizes[rank])
-    shape[cat_dim] = sum(cat_sizes)
-    return x.new_empty(shape)
-
-
-def _all_to_all_setup(ctx, inputs, output):
-    ctx.args = inputs[1:]
-
-
-def _all_to_all_backward(ctx, grad):
-    split_dim, cat_dim, split_sizes_, cat_sizes, group = ctx.args
-    return torch.ops.autoshard.all_to_all(grad, cat_dim, split_dim, cat_sizes, split_sizes_, group), None, None, None, None, None
-
-
-_all_to_all_op.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
-
-
 @torch.library.custom_op("autoshard::halo_exchange", mutates_args=())
 def _halo_op(x: torch.Tensor, dim: int, left: int, right: int, fill: float, group: str) -> torch.Tensor:
     return _halo_impl(x, dim, left, right, fill, _pg(group))
@@ -409,6 +466,32 @@ def _halo_backward(ctx, grad):
 _halo_op.register_autograd(_halo_backward, setup_context=_halo_setup)
 
 
+def halo_exchange(x: torch.Tensor, dim: int, *, left: int = 0, right: int = 0, fill: float = 0.0,
+                  group: GroupLike = None) -> torch.Tensor:
+    """Extend this rank's contiguous shard along ``dim`` with the previous rank's last ``left`` positions
+    and the next rank's first ``right`` positions; at the global ends the halo holds ``fill`` (zero by
+    default, which is what a zero-padded convolution expects). Every rank must hold at least the positions it
+    sends; the ranks check that together (their lengths travel as ``"metadata"``), so a short rank fails on
+    every rank. Backward: halo gradients return to their owners and are added there."""
+    if left < 0 or right < 0:
+        raise ValueError("halo_exchange: left and right must be >= 0")
+    return torch.ops.autoshard.halo_exchange(x, _dim(x, dim), left, right, float(fill), group_name(group))
+
+
+# ---------------------------------------------------------------------------- ring_shift
+
+
+def _ring_shift_impl(x: torch.Tensor, shift: int, pg: dist.ProcessGroup) -> torch.Tensor:
+    world, rank = pg.size(), pg.rank()
+    if shift % world == 0:
+        return x.clone()
+    out = torch.empty_like(x)
+    works = _p2p([(x, (rank + shift) % world)], [(out, (rank - shift) % world)], pg, "send_recv")
+    for w in works:
+        w.wait()
+    return out
+
+
 @torch.library.custom_op("autoshard::ring_shift", mutates_args=())
 def _ring_shift_op(x: torch.Tensor, shift: int, group: str) -> torch.Tensor:
     return _ring_shift_impl(x, shift, _pg(group))
@@ -430,76 +513,13 @@ def _ring_shift_backward(ctx, grad):
 _ring_shift_op.register_autograd(_ring_shift_backward, setup_context=_ring_shift_setup)
 
 
-# ---------------------------------------------------------------------------- public functions
-
-
-def all_gather(x: torch.Tensor, dim: int, *, group: GroupLike = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` (rank order). ``sizes``: every rank's size along ``dim``
-    when they differ. Backward: reduce-scatter (sum) of the gradient."""
-    return torch.ops.autoshard.all_gather(x, _dim(x, dim), list(sizes or []), group_name(group))
-
-
-def reduce_scatter(x: torch.Tensor, dim: int, *, group: GroupLike = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
-    """Sum ``x`` over ranks and return this rank's chunk along ``dim``. ``sizes``: the chunk sizes (default:
-    balanced, larger first). Backward: all-gather of the gradient."""
-    return torch.ops.autoshard.reduce_scatter(x, _dim(x, dim), list(sizes or []), group_name(group))
-
-
-def all_reduce(x: torch.Tensor, op: str = "sum", *, group: GroupLike = None) -> torch.Tensor:
-    """Elementwise ``op`` (``"sum"`` or ``"max"``) over ranks, out of place. Backward: the summed gradient
-    (for ``max``, split evenly among the ranks whose value is the maximum -- ``torch.amax``'s rule for
-    ties -- and zero elsewhere; the tie counts ride along in the backward all-reduce)."""
-    if op not in ("sum", "max"):
-        raise ValueError(f"all_reduce: op must be 'sum' or 'max', not {op!r}")
-    return torch.ops.autoshard.all_reduce(x, op, group_name(group))
-
-
-def all_to_all(
-    x: torch.Tensor,
-    *,
-    split_dim: int,
-    cat_dim: int,
-    group: GroupLike = None,
-    split_sizes: Sequence[int] | None = None,
-    cat_sizes: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Move the split of a tensor from ``cat_dim`` to ``split_dim``: cut ``x`` along ``split_dim`` (piece ``j``
-    to rank ``j``; ``split_sizes`` default balanced) and concatenate what arrives along ``cat_dim``
-    (``cat_sizes``: every rank's size along ``cat_dim``, default all equal). Backward: the reverse move."""
-    pg = resolve_group(group)
-    world = pg.size()
-    split_dim, cat_dim = _dim(x, split_dim), _dim(x, cat_dim)
-    cuts = list(split_sizes) if split_sizes is not None else balanced_split(x.size(split_dim), world)
-    cats = list(cat_sizes) if cat_sizes is not None else [x.size(cat_dim)] * world
-    if len(cuts) != world or sum(cuts) != x.size(split_dim):
-        raise ValueError(f"all_to_all: split_sizes {cuts} must have {world} entries summing to {x.size(split_dim)}")
-    if len(cats) != world or cats[pg.rank()] != x.size(cat_dim):
-        raise ValueError(f"all_to_all: cat_sizes {cats} must have {world} entries, this rank's equal to "
-                         f"{x.size(cat_dim)}")
-    return torch.ops.autoshard.all_to_all(x, split_dim, cat_dim, cuts, cats, pg.group_name)
-
-
-
-def halo_exchange(x: torch.Tensor, dim: int, *, left: int = 0, right: int = 0, fill: float = 0.0,
-                  group: GroupLike = None) -> torch.Tensor:
-    """Extend this rank's contiguous shard along ``dim`` with the previous rank's last ``left`` positions
-    and the next rank's first ``right`` positions; at the global ends the halo holds ``fill`` (zero by
-    default, which is what a zero-padded convolution expects). Every rank must hold at least the positions it
-    sends; the ranks check that together (their lengths travel as ``"metadata"``), so a short rank fails on
-    every rank. Backward: halo gradients return to their owners and are added there."""
-    if left < 0 or right < 0:
-        raise ValueError("halo_exchange: left and right must be >= 0")
-    return torch.ops.autoshard.halo_exchange(x, _dim(x, dim), left, right, float(fill), group_name(group))
-
-
 def ring_shift(x: torch.Tensor, shift: int = 1, *, group: GroupLike = None) -> torch.Tensor:
     """Send ``x`` to rank ``r + shift`` and receive from rank ``r - shift`` (mod P); every rank's ``x`` has the
     same shape. Backward: the opposite shift."""
     return torch.ops.autoshard.ring_shift(x, int(shift), group_name(group))
 
 
-def _dim(x: torch.Tensor, dim: int) -> int:
-    return dim % x.dim() if x.dim() else 0
+# ---------------------------------------------------------------------------- ring neighbours
 
 
 class RingCommunicator:

@@ -29,7 +29,7 @@ from .collectives import _pg, _with
 from .layouts import SequenceLayout
 from .redistribute import _move_runs
 
-__all__ = ["window_plan", "window_bytes", "encode_windows"]
+__all__ = ["window_plan", "window_bytes", "encode_windows", "decode_windows"]
 
 Windows = tuple[tuple[tuple[int, int], ...], ...]
 """Per rank, the half-open global position ranges it reads, in the order its output is built."""
@@ -46,7 +46,8 @@ def encode_windows(windows: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
 
 
 @functools.lru_cache(maxsize=256)
-def _decode(code: tuple[int, ...], world: int) -> Windows:
+def decode_windows(code: tuple[int, ...], world: int) -> Windows:
+    """Inverse of :func:`encode_windows`, for ``world`` ranks."""
     out, i = [], 0
     for _ in range(world):
         n = code[i]
@@ -111,7 +112,7 @@ def _width(windows: Windows, rank: int) -> int:
 def _seq_windows(x: torch.Tensor, dim: int, layout: list[int], windows: list[int], group: str) -> torch.Tensor:
     pg = _pg(group)
     src = SequenceLayout.decode(layout)
-    plan = _decode(tuple(windows), src.world_size)
+    plan = decode_windows(tuple(windows), src.world_size)
     keep, sends, recvs = window_plan(src, plan, pg.rank())
     out = x.new_zeros(_with(x.shape, dim, _width(plan, pg.rank())))
     return _move_runs(x, dim, out, keep, sends, recvs, pg, "copy_", "halo_exchange")
@@ -119,7 +120,7 @@ def _seq_windows(x: torch.Tensor, dim: int, layout: list[int], windows: list[int
 
 @_seq_windows.register_fake
 def _(x, dim, layout, windows, group):
-    plan = _decode(tuple(windows), SequenceLayout.decode(layout).world_size)
+    plan = decode_windows(tuple(windows), SequenceLayout.decode(layout).world_size)
     return x.new_empty(_with(x.shape, dim, _width(plan, _pg(group).rank())))
 
 
@@ -128,7 +129,7 @@ def _seq_windows_backward(g: torch.Tensor, dim: int, layout: list[int], windows:
                           group: str) -> torch.Tensor:
     pg = _pg(group)
     src = SequenceLayout.decode(layout)
-    keep, sends, recvs = window_plan(src, _decode(tuple(windows), src.world_size), pg.rank())
+    keep, sends, recvs = window_plan(src, decode_windows(tuple(windows), src.world_size), pg.rank())
     out = g.new_zeros(_with(g.shape, dim, src.local_length(pg.rank())))
     return _move_runs(g, dim, out, [(frm, to, n) for to, frm, n in keep], recvs, sends, pg, "add_", "halo_exchange")
 

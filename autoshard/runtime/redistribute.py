@@ -31,7 +31,8 @@ import torch
 from .collectives import _p2p, _pg, _with, all_gather_impl, all_reduce_impl
 from .layouts import SequenceLayout
 
-__all__ = ["reduce_partial", "grad_sync", "grad_sync_bucket", "grad_scale", "seq_realign", "seq_cumsum", "realign_plan"]
+__all__ = ["reduce_partial", "grad_sync", "grad_sync_bucket", "grad_scale", "seq_realign", "seq_cumsum", "realign_plan",
+           "realign_bytes", "cumsum_totals_bytes"]
 
 
 # ---------------------------------------------------------------------------- reduce_partial
@@ -158,6 +159,17 @@ def realign_plan(src: SequenceLayout, dst: SequenceLayout, rank: int):
     return tuple(keep), sends, recvs
 
 
+def realign_bytes(src: SequenceLayout, dst: SequenceLayout, row_bytes: int, phase: str) -> list[int]:
+    """Bytes every rank sends to move ``row_bytes``-a-position values from ``src`` to ``dst`` (``"forward"``) or their
+    gradients back (``"backward"``)."""
+    out = []
+    for rank in range(src.world_size):
+        _, sends, recvs = realign_plan(src, dst, rank)
+        runs = sends if phase == "forward" else recvs
+        out.append(sum(n for peer_runs in runs.values() for _, n in peer_runs) * row_bytes)
+    return out
+
+
 def _move_runs(x: torch.Tensor, dim: int, out: torch.Tensor, keep, outgoing: dict, incoming: dict, pg,
                combine: str, kind: str = "realign") -> torch.Tensor:
     """Runs of ``x`` along ``dim`` into ``out`` (``combine``: ``"copy_"`` or ``"add_"``): ``keep`` holds the
@@ -239,7 +251,7 @@ def _cumsum_impl(x: torch.Tensor, dim: int, layout: SequenceLayout, reverse: boo
     flip = (lambda t: t.flip(dim)) if reverse else (lambda t: t)  # noqa: E731
     local = [flip(flip(p).cumsum(dim)) for p in pieces]
     # per-interval totals of every rank, padded to the largest interval count
-    width = max(len(layout.local_intervals(r)) for r in range(world))
+    width = _interval_width(layout)
     zero = torch.zeros_like(x.sum(dim))
     totals = torch.stack([p.sum(dim) for p in pieces] + [zero] * (width - len(pieces)))
     gathered = all_gather_impl(totals, 0, [width] * world, pg).unflatten(0, (world, width))
@@ -252,6 +264,16 @@ def _cumsum_impl(x: torch.Tensor, dim: int, layout: SequenceLayout, reverse: boo
     if not out:
         return x.clone()
     return torch.cat(out, dim) if len(out) > 1 else out[0]
+
+
+def _interval_width(layout: SequenceLayout) -> int:
+    """The most intervals of ``layout`` a rank holds (every rank's totals are padded to as many)."""
+    return max(len(layout.local_intervals(r)) for r in range(layout.world_size))
+
+
+def cumsum_totals_bytes(layout: SequenceLayout, row_bytes: int) -> int:
+    """Bytes of the per-interval totals one rank contributes to :func:`seq_cumsum`'s all-gather."""
+    return _interval_width(layout) * row_bytes
 
 
 @torch.library.custom_op("autoshard::seq_cumsum", mutates_args=())

@@ -34,10 +34,9 @@ import datetime
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from .groups import resolve_group
+from .groups import default_store, resolve_group
 from .layouts import SequenceLayout
 
 __all__ = ["SplitTensor", "wrap", "local_of"]
@@ -56,14 +55,14 @@ _GATHERS: dict[str, int] = {}
 """Group name -> how many SplitTensor gathers this rank has made in it."""
 
 
-def _all_ranks_gather(group: str) -> None:
+def _all_ranks_gather(group_name: str) -> None:
     """Meet the group's other ranks in the rendezvous store before a gather outside compiled code, and raise
     a clear error instead of hanging when they do not come (code that uses a SplitTensor on some ranks only,
     such as ``if rank == 0: print(logits)``)."""
-    pg = resolve_group(group)
-    store = dist.distributed_c10d._get_default_store()
-    count = _GATHERS[group] = _GATHERS.get(group, 0) + 1
-    key = f"autoshard/split_gather/{group}/{count}"
+    pg = resolve_group(group_name)
+    store = default_store()
+    count = _GATHERS[group_name] = _GATHERS.get(group_name, 0) + 1
+    key = f"autoshard/split_gather/{group_name}/{count}"
     if store.add(key, 1) == pg.size():
         store.set(key + "/all", "1")
     try:
@@ -75,8 +74,8 @@ def _all_ranks_gather(group: str) -> None:
             f"{GATHER_TIMEOUT.seconds} s. Use it on every rank (e.g. whole = x.full_tensor() on every rank, then "
             f"print on one), or compile with outputs='gathered'") from exc
     if count > 2:  # every rank is past the gather before the last: its keys are read
-        store.delete_key(f"autoshard/split_gather/{group}/{count - 2}")
-        store.delete_key(f"autoshard/split_gather/{group}/{count - 2}/all")
+        store.delete_key(f"autoshard/split_gather/{group_name}/{count - 2}")
+        store.delete_key(f"autoshard/split_gather/{group_name}/{count - 2}/all")
 
 
 _WARNED = False
@@ -96,13 +95,13 @@ class SplitTensor(torch.Tensor):
     """The sequence group's name."""
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, dim: int, layout: SequenceLayout, group: str, shape=None):
+    def __new__(cls, local: torch.Tensor, dim: int, layout: SequenceLayout, group_name: str, shape=None):
         if shape is None:
             shape = list(local.shape)
             shape[dim] = layout.length
         out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
                                                   requires_grad=False)
-        out.local, out.seq_dim, out.seq_layout, out.group_name = local, dim, layout, group
+        out.local, out.seq_dim, out.seq_layout, out.group_name = local, dim, layout, group_name
         return out
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -112,8 +111,8 @@ class SplitTensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner, context, outer_size, outer_stride):
-        dim, layout, group = context
-        return SplitTensor(inner["local"], dim, layout, group, outer_size)
+        dim, layout, group_name = context
+        return SplitTensor(inner["local"], dim, layout, group_name, outer_size)
 
     def __repr__(self) -> str:
         return (f"SplitTensor(shape={tuple(self.shape)}, seq_dim={self.seq_dim}, layout={self.seq_layout.kind}, "
@@ -162,32 +161,32 @@ class SplitTensor(torch.Tensor):
 
 class _Wrap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local, dim, layout, group):
-        ctx.dim, ctx.layout, ctx.group = dim, layout, group
-        return SplitTensor(local.detach(), dim, layout, group)
+    def forward(ctx, local, dim, layout, group_name):
+        ctx.dim, ctx.layout, ctx.group_name = dim, layout, group_name
+        return SplitTensor(local.detach(), dim, layout, group_name)
 
     @staticmethod
     def backward(ctx, grad):
         if isinstance(grad, SplitTensor):
             return grad.local, None, None, None
-        shard = torch.ops.autoshard.seq_shard.default(grad.contiguous(), ctx.dim, ctx.layout.encode(), ctx.group)
+        shard = torch.ops.autoshard.seq_shard.default(grad.contiguous(), ctx.dim, ctx.layout.encode(), ctx.group_name)
         return shard, None, None, None
 
 
 class _Local(torch.autograd.Function):
     @staticmethod
     def forward(ctx, split):
-        ctx.dim, ctx.layout, ctx.group = split.seq_dim, split.seq_layout, split.group_name
+        ctx.dim, ctx.layout, ctx.group_name = split.seq_dim, split.seq_layout, split.group_name
         return split.local.detach()  # a new tensor on the same storage, not a view: AOTAutograd would replay a view from its base
 
     @staticmethod
     def backward(ctx, grad):
-        return SplitTensor(grad.contiguous(), ctx.dim, ctx.layout, ctx.group)
+        return SplitTensor(grad.contiguous(), ctx.dim, ctx.layout, ctx.group_name)
 
 
-def wrap(local: torch.Tensor, dim: int, layout: SequenceLayout, group: str) -> SplitTensor:
-    """The carrier of this rank's shard ``local`` (split along ``dim`` as ``layout`` over ``group``)."""
-    return _Wrap.apply(local, dim, layout, group)
+def wrap(local: torch.Tensor, dim: int, layout: SequenceLayout, group_name: str) -> SplitTensor:
+    """The carrier of this rank's shard ``local`` (split along ``dim`` as ``layout`` over ``group_name``)."""
+    return _Wrap.apply(local, dim, layout, group_name)
 
 
 def local_of(split: SplitTensor) -> torch.Tensor:

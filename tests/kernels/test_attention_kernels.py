@@ -21,13 +21,10 @@ import triton
 import triton.language as tl
 
 from autoshard.kernels import attention as attn
-from autoshard.kernels.attention import (
-    triton_attention,
-    triton_attention_backward,
-    triton_attention_forward,
-    triton_available,
-    triton_merge,
-)
+from autoshard.kernels import autotune
+from autoshard.kernels.attention import triton_attention, triton_attention_backward, triton_attention_forward
+from autoshard.kernels.common import triton_available
+from autoshard.kernels.merge import triton_merge
 from autoshard.runtime.attention import local as local_module
 from autoshard.runtime.attention.dropout import AttentionDropout
 from autoshard.runtime.attention.local import local_attention, local_attention_backward
@@ -385,7 +382,7 @@ def test_alibi_autograd_function_single_block():
 
 
 def test_alibi_is_a_compile_time_flag():
-    assert "HAS_ALIBI" in attn._TUNING_KEY
+    assert "HAS_ALIBI" in autotune.TUNING_KEY
 
 
 @pytest.mark.parametrize("slopes", [
@@ -581,7 +578,7 @@ def test_dropout_autograd_function_single_block():
 
 
 def test_dropout_is_a_compile_time_flag_and_p_zero_is_off():
-    assert "HAS_DROPOUT" in attn._TUNING_KEY
+    assert "HAS_DROPOUT" in autotune.TUNING_KEY
     case = Case("drop_zero", sq=33, sk=40, q_offset=7, causal=True)
     q, k, v, dout, mask_args = make_inputs(case, torch.float32)
     out, lse = triton_attention_forward(q, k, v, **mask_args)
@@ -770,25 +767,25 @@ def test_config_pruning(kernel, head_dim, v_dim, masked):
     estimates were calibrated on sm_90 compiles); the compiled kernels' configurations, not the
     interpreter's single one, are checked here. (256, 128): MLA's padded D = 192, Dv = 128."""
     candidates = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-                  for m, n, w, s in attn._CANDIDATES[kernel] + attn._FP32_CANDIDATES]
+                  for m, n, w, s in autotune.CANDIDATES[kernel] + autotune.FP32_CANDIDATES]
     flags = dict(BLOCK_D=head_dim, BLOCK_DV=v_dim, SQ_BUCKET=1 << 14, SK_BUCKET=1 << 14, HAS_LEFT=False,
                  HAS_RIGHT=True, HAS_KEY_MASK=masked, HAS_SEG=False)
     bf16 = torch.empty(0, dtype=torch.bfloat16)
-    kept = attn._fitting_configs(kernel, candidates, dict(Q=bf16, **flags), H100_SMEM)
-    assert kept and all(attn._shape(c) in attn._CANDIDATES[kernel] for c in kept)
+    kept = autotune.fitting_configs(kernel, candidates, dict(Q=bf16, **flags), H100_SMEM)
+    assert kept and all(autotune.shape(c) in autotune.CANDIDATES[kernel] for c in kept)
     for c in kept:
-        m, n, warps, stages = attn._shape(c)
-        smem, live = attn._resources(kernel, m, n, head_dim, v_dim, stages, 2, masked)
+        m, n, warps, stages = autotune.shape(c)
+        smem, live = autotune.resources(kernel, m, n, head_dim, v_dim, stages, 2, masked)
         assert (n if kernel == "dkdv" else m) >= 16 * warps
-        assert smem <= H100_SMEM and live <= attn._REGISTER_BUDGET * 32 * warps or len(kept) == 1
+        assert smem <= H100_SMEM and live <= autotune.REGISTER_BUDGET * 32 * warps or len(kept) == 1
     if max(head_dim, v_dim) <= 128:  # the preferred (first) candidate fits at the head dims that matter most
-        assert attn._shape(kept[0]) == attn._CANDIDATES[kernel][0]
-    fp32 = attn._fitting_configs(kernel, candidates, dict(Q=bf16.float(), **flags), H100_SMEM)
-    assert [attn._shape(c) for c in fp32] == attn._FP32_CANDIDATES
-    short = attn._fitting_configs(kernel, candidates, dict(Q=bf16, **{**flags, "SQ_BUCKET": 32, "SK_BUCKET": 64}),
-                                  H100_SMEM)
+        assert autotune.shape(kept[0]) == autotune.CANDIDATES[kernel][0]
+    fp32 = autotune.fitting_configs(kernel, candidates, dict(Q=bf16.float(), **flags), H100_SMEM)
+    assert [autotune.shape(c) for c in fp32] == autotune.FP32_CANDIDATES
+    short = autotune.fitting_configs(kernel, candidates, dict(Q=bf16, **{**flags, "SQ_BUCKET": 32, "SK_BUCKET": 64}),
+                                     H100_SMEM)
     assert all(c.kwargs["BLOCK_M"] <= 32 and c.kwargs["BLOCK_N"] <= 64 for c in short) or short == kept
-    small_gpu = attn._fitting_configs(kernel, candidates, dict(Q=bf16, **flags), 48 * 1024)
+    small_gpu = autotune.fitting_configs(kernel, candidates, dict(Q=bf16, **flags), 48 * 1024)
     assert len(small_gpu) >= 1  # a GPU with little shared memory still gets a configuration
 
 
@@ -912,8 +909,8 @@ def test_gpu_every_candidate_config():
                  HAS_KEY_MASK=True, HAS_SEG=False)
     try:
         for name, kernel in kernels.items():
-            for config in attn._fitting_configs(name, saved[name][0], dict(Q=q, **flags),
-                                                attn._max_shared_memory(q.device)):
+            for config in autotune.fitting_configs(name, saved[name][0], dict(Q=q, **flags),
+                                                   autotune.max_shared_memory(q.device)):
                 kernel.configs = [config]
                 kernel.cache.clear()
                 run_and_check(replace(case, name=f"{name} {config}"), torch.bfloat16)

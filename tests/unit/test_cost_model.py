@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from autoshard.config import STRATEGIES as STRATEGY_CHOICES
 from autoshard.cost import AttentionShape, Topology, attention_costs, choose_strategy
+from autoshard.runtime.attention import STRATEGIES
 
 
 def _pick(world, heads, causal, topology=Topology(), seq=1 << 16, kv_heads=8, hybrid_possible=True, budget=None):
@@ -50,3 +52,16 @@ def test_topology_rejects_values_the_model_would_divide_by():
     for bad in ({"memory_bandwidth": 0}, {"memory_bytes": 0}, {"inter_node_latency": -1e-6}, {"ranks_per_node": 0}):
         with pytest.raises(ValueError, match="Topology"):
             Topology(**bad)
+
+
+def test_config_strategies_are_the_registered_ones_in_order():
+    """``config.STRATEGIES`` (the option's choices) lists "auto" and the registry, in the cost model's order."""
+    assert STRATEGY_CHOICES == ("auto", *STRATEGIES)
+
+
+def test_every_registered_strategy_is_priced_ranked_and_explained():
+    costs = attention_costs(AttentionShape(1, 1 << 16, 32, 8, 128, torch.bfloat16, True), 64, Topology())
+    assert [c.strategy for c in costs] == list(STRATEGIES)
+    assert sorted(s.rank for s in STRATEGIES.values()) == list(range(len(STRATEGIES)))
+    assert all(s.reason and s.reason in choose_strategy([c])[1] for s, c in zip(STRATEGIES.values(), costs)
+               if c.feasible)

@@ -5,6 +5,7 @@ printing."""
 import ast
 import dataclasses
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,54 @@ def test_placements_are_not_public_names():
     constructor): they live in ``autoshard.placements``, not at the top level where they would read as DTensor's."""
     assert not {"Shard", "Replicate", "Partial"} & set(dir(autoshard))
     assert set(autoshard.__all__) <= set(dir(autoshard))
+
+
+# ----------------------------------------------------------------------------- groups, meshes, private torch APIs
+
+
+def test_one_mesh_parser_for_the_compiler_and_the_runtime():
+    """The compiler and ``runtime.attention`` read a 2-D mesh's axes alike (by name, else ring first); the compiler
+    also needs the ring axis first, since it lays the sequence out over the flattened mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoshard.runtime.attention import hybrid_axes, hybrid_sequence_rank
+    from autoshard.runtime.groups import check_sequence_mesh, hybrid_mesh_axes, sequence_groups
+
+    with fake_world(4, rank=1):
+        ordered = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+        swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring"))
+        unnamed = init_device_mesh("cpu", (2, 2))
+        assert hybrid_mesh_axes(ordered) == hybrid_axes(ordered) == (0, 1)
+        assert hybrid_mesh_axes(swapped) == hybrid_axes(swapped) == (1, 0)
+        assert hybrid_mesh_axes(unnamed) == hybrid_axes(unnamed) == (0, 1)
+        assert hybrid_sequence_rank(ordered) == 1 and hybrid_sequence_rank(swapped) == 2
+        check_sequence_mesh(ordered)
+        with pytest.raises(ValueError, match=r"order the hybrid mesh as \(ring, ulysses\)"):
+            check_sequence_mesh(swapped)
+        with pytest.raises(ValueError, match="unnamed"):
+            check_sequence_mesh(unnamed)
+        groups = sequence_groups(ordered)
+        assert (groups.rank, groups.world, groups.heads_axis_size) == (1, 4, 2)
+        assert groups.heads == ordered.get_group(1).group_name and groups.ring == ordered.get_group(0).group_name
+        plain = sequence_groups(None)
+        assert (plain.rank, plain.world, plain.sequence, plain.ring, plain.heads_axis_size) == \
+            (1, 4, torch.distributed.group.WORLD.group_name, "", None)
+
+
+def test_planned_hybrid_groups_name_the_mesh_the_plan_chose():
+    from autoshard.runtime.groups import SequenceGroups, resolve_group
+
+    groups = SequenceGroups.planned(5, 8).planned_hybrid(2)
+    assert groups.heads_axis_size == 2
+    ring, heads = resolve_group(groups.ring), resolve_group(groups.heads)
+    assert (ring.rank(), ring.size(), heads.rank(), heads.size()) == (2, 4, 1, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        groups.rank = 0
+
+
+def test_a_missing_private_torch_api_is_a_clear_error(monkeypatch):
+    from autoshard.runtime import groups
+
+    monkeypatch.delattr(torch.distributed.distributed_c10d, "_get_default_store")
+    with pytest.raises(RuntimeError, match=rf"torch {re.escape(torch.__version__)} has no .*_get_default_store"):
+        groups.default_store()

@@ -25,6 +25,9 @@ through a :class:`~autoshard.passes.rewrite.Rewriter`. The rewriter asks a rule 
 touches: a node whose value and inputs are in no family and whose inputs are all whole is re-emitted as it is,
 replicated (``always=True``: the rule emits even those itself). Ops without a rule fall back: their inputs are
 gathered whole and the fallback is recorded in the plan with the reason.
+
+:func:`link_graph` (the ``link`` pass) runs every node's link rule into a :class:`~autoshard.passes.infer.LinkContext`;
+the rule files import :mod:`autoshard.passes.infer` for it, never the other way round.
 """
 
 from __future__ import annotations
@@ -32,7 +35,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["Rule", "RULES", "register"]
+import torch.fx as fx
+
+from ..infer import LinkContext, token_local_nodes
+from ..ops import is_tensor_node, op_of
+
+__all__ = ["Rule", "RULES", "register", "load_all", "link_graph"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +69,29 @@ def load_all() -> None:
     """Import every rule file (each registers itself)."""
     from . import (attention, conv, embedding, factories, loss, markers, matmul, norms, pointwise,  # noqa: F401
                    reductions, selection, views)
+
+
+def link_graph(gm: fx.GraphModule) -> LinkContext:
+    """Run every node's link rule (seeds come from the attention rule and from markers). Ops without a rule
+    inside token-local regions link like elementwise ops."""
+    from .pointwise import link_broadcast
+
+    load_all()
+    ctx = LinkContext()
+    ctx.token_local = token_local_nodes(gm)
+    for node in gm.graph.nodes:
+        op = op_of(node)
+        rule = RULES.get(op.name) if op is not None else None
+        if rule is not None:
+            rule.link(ctx, node, op)
+        inputs = [n for n in node.all_input_nodes if is_tensor_node(n)]
+        if node in ctx.token_local and is_tensor_node(node) and getattr(op, "name", None) not in ("view", "expand"):
+            # per-position code: equal-sized dims are the same positions, even along a sort or a gather
+            link_broadcast(ctx, node, inputs, set_factors=rule is None)
+        elif node in ctx.token_local and not is_tensor_node(node) and len(inputs) > 1:
+            link_broadcast(ctx, inputs[0], inputs[1:], set_factors=False)  # x[i] = y: y is placed like x
+        if op is not None and op.name == "tuple_get" and op["input"] in ctx.token_local:
+            producer = op["input"]  # an output of a token-local op with several outputs
+            link_broadcast(ctx, node, [n for n in producer.all_input_nodes if is_tensor_node(n)],
+                           set_factors=RULES.get(getattr(op_of(producer), "name", None)) is None)
+    return ctx

@@ -39,11 +39,13 @@ import torch.nn.functional as F
 
 from ...placements import REPLICATE, Shard
 from ...runtime.collectives import all_gather, all_reduce
-from ...runtime.attention import formulas
+from ...runtime.attention import STRATEGIES, formulas
 from ...runtime.attention import dropout as _dropout  # noqa: F401 -- defines autoshard::attention_seed
+from ...runtime.attention.api import OpConfig
 from ...runtime.attention.local import without_autocast
 from ...strategy import attention_shape
-from ..ops import shape_of, value_of
+from ..comms import declares
+from ..ops import op_of, shape_of, value_of
 from . import register
 from .pointwise import OUTPUT_WHOLE, run_whole, whole_args
 
@@ -208,33 +210,35 @@ def _fill_gathered_backward(ctx, grad):
 _fill_gathered_op.register_autograd(_fill_gathered_backward, setup_context=_fill_gathered_setup)
 
 
-def _record_attention_bytes(rw, node, op, strategy: str, sq: Shard) -> None:
+@declares(torch.ops.autoshard.attention.default)
+def _attention_traffic(book, call) -> None:
     """The attention's own traffic, forward and (when its inputs need gradients) backward: the exact bytes of
     every rank (uneven shards and head splits included) and the strategy's formula."""
-    s = attention_shape(node, sq.layout.length)
+    strategy, layout = call.arguments["strategy"], call.layout()
+    s = attention_shape(call.value, layout.length)
     sizes = dict(B=s.batch, H=s.heads, Hkv=s.kv_heads, D=s.head_dim, Dv=s.dv, dtype=s.dtype, key_mask=s.key_mask,
-                 segment_ids_dtype=s.segment_ids_dtype, P_u=rw.heads_axis_size if strategy == "hybrid" else None)
-    needs_grad = any(rw.requires_grad(op[t]) for t in ("q", "k", "v"))
-    for phase in ("forward", "backward") if needs_grad else ("forward",):
-        rw.book.attention(node.name, strategy, phase,
-                          formulas.bytes_sent_by_rank(strategy, phase, sq.layout.local_lengths, **sizes),
-                          formulas.bytes_sent(strategy, phase))
+                 segment_ids_dtype=s.segment_ids_dtype, P_u=book.heads_axis_size)  # read by 2-D mesh strategies only
+    for phase in call.phases:
+        book.attention(call.value.name, strategy, phase,
+                       formulas.bytes_sent_by_rank(strategy, phase, layout.local_lengths, **sizes),
+                       formulas.bytes_sent(strategy, phase))
 
 
-def _record_empty_row_bytes(rw, node, op, mode: str, softcap: float) -> None:
+@declares(fill_empty_rows)
+def _empty_row_traffic(book, call) -> None:
     """What :func:`fill_empty_rows` always sends: the three all-reduces of :func:`uniform_attention` (and their
     backward), or the one-integer all-reduce that asks whether any rank has an empty row (the gather that
     follows when one has is not planned for)."""
-    k, v = value_of(op["k"]), value_of(op["v"])
-    if _gathers_for_empty_rows(mode, softcap):
-        rw.book.all_reduce(node.name, 1, 4, "forward", reason="any row with no visible key")
+    if _gathers_for_empty_rows(call.arguments["mode"], call.arguments["softcap"]):
+        book.all_reduce(call.value.name, 1, 4, "forward", "any row with no visible key")
         return
+    op = op_of(call.value)
+    k, v = value_of(op["k"]), value_of(op["v"])
     b, hkv, d, dv = k.shape[0], k.shape[1], k.shape[3], v.shape[3]
-    needs_grad = any(rw.requires_grad(op[t]) for t in ("q", "k", "v"))
     for numel in (b * hkv * d * dv, b * hkv * d, b * hkv * dv):
-        for phase in ("forward", "backward") if needs_grad else ("forward",):
-            rw.book.all_reduce(node.name, numel, value_of(node).element_size(), phase,  # the attention's dtype
-                               reason="rows with no visible key")
+        for phase in call.phases:
+            book.all_reduce(call.value.name, numel, call.itemsize, phase,  # the attention's dtype
+                            "rows with no visible key")
 
 
 def link_attention(ctx, node, op):
@@ -274,20 +278,18 @@ def rewrite_attention(rw, node, op):
         args.append(rw.input(bias, REPLICATE, partial_grad=True) if bias is not None else None)  # a rank's share
         args.append(rw.call(torch.ops.autoshard.attention_seed.default, node.name, value_of(q).device)
                     if dropout_p else None)
-        # the hybrid's group is its Ulysses axis; the layout spans the whole (flattened) mesh
-        groups = (rw.heads_group, rw.ring_group) if strategy == "hybrid" else (rw.group, "")
-        call = rw.call(torch.ops.autoshard.attention.default, *args, strategy, sq.layout.encode(), *groups,
-                       bool(op.get("causal")),
-                       window[0] if window else -1, window[1] if window else -1, int(op.get("chunk") or 0),
-                       float(op["scale"]), softcap, dropout_p, rw.config.kernels)
+        # a 2-D mesh strategy's (the hybrid's) group is its Ulysses axis; the layout spans the whole (flattened) mesh
+        groups = (rw.heads_group, rw.ring_group) if STRATEGIES[strategy].mesh_groups else (rw.group, "")
+        config = OpConfig(strategy, sq.layout.encode(), *groups, bool(op.get("causal")),
+                          window[0] if window else -1, window[1] if window else -1, int(op.get("chunk") or 0),
+                          float(op["scale"]), softcap, dropout_p, rw.config.kernels)
+        call = rw.call(torch.ops.autoshard.attention.default, *args, *config.args())
         result = rw.call(operator.getitem, call, 0)
-        _record_attention_bytes(rw, node, op, strategy, sq)
         empty_rows = op.get("empty_rows", "zero")
         if empty_rows != "zero":
             lse = rw.call(operator.getitem, call, 1)
             result = rw.call(fill_empty_rows, result, lse, *args[:3], float(op["scale"]), softcap,
                              list(sq.layout.local_lengths), empty_rows, rw.group)
-            _record_empty_row_bytes(rw, node, op, empty_rows, softcap)
         rw.done(node, result, out)
         rw.report.attention.append({"node": node.name, "strategy": strategy, "layout": sq.layout.kind,
                                     "length": sq.layout.length, "causal": bool(op.get("causal")),

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ...placements import REPLICATE, Shard
 from ...runtime.conv_halo import encode_windows
-from ..ops import numel, shape_of, value_of
+from ..ops import shape_of
 from . import register
 from .pointwise import mapped_args, run_whole, whole_args
 
@@ -127,9 +127,6 @@ def _split_conv(rw, node: fx.Node, op, params, out: Shard, have) -> fx.Node:
     if isinstance(have, Shard):
         fetched = rw.call(torch.ops.autoshard.seq_windows.default, rw.input(src, have), dim, have.layout.encode(),
                           encode_windows(windows), rw.group)
-        row_bytes = numel(shape_of(src)) // length * value_of(src).element_size()
-        for phase in ("forward", "backward") if rw.requires_grad(src) else ("forward",):
-            rw.book.windows(src.name, have.layout, windows, row_bytes, phase)
         starts = [sum(hi - lo for lo, hi in mine[:i]) for i in range(len(mine))]
         pieces = [fetched if len(mine) == 1 else rw.call(torch.narrow, fetched, dim, start, hi - lo)
                   for start, (lo, hi) in zip(starts, mine)]

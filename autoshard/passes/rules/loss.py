@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from ...placements import REPLICATE, Partial
 from ...runtime.chunked_loss import chunks_for
 from ...runtime.redistribute import reduce_partial
-from ..ops import is_tensor_node, numel, shape_of, value_of
+from ..comms import declares
+from ..ops import is_tensor_node, numel, op_of, shape_of, value_of
 from . import register
 from .pointwise import OUTPUT_WHOLE, link_broadcast, run_whole, want_broadcast
 
@@ -65,6 +66,22 @@ def mean_of_sums(total: torch.Tensor, denominator: torch.Tensor, group: str) -> 
     return reduce_partial(total, "sum", group) / reduce_partial(denominator, "sum", group).to(total.dtype)
 
 
+_CLASS_WEIGHT = {"cross_entropy": "weight", "linear_cross_entropy": "class_weight"}
+"""Loss op -> its class-weight argument: its mean divides by the summed class weights, or by a float32 count."""
+
+
+@declares(mean_of_sums)
+def _mean_traffic(book, call) -> None:
+    """The all-reduces of the loss sum and of the denominator: a count or summed class weights, or (an elementwise
+    loss) summed weights in the loss's dtype."""
+    op, itemsize = op_of(call.value), call.itemsize
+    book.all_reduce(call.value.name, 1, itemsize, "forward", "loss sum")
+    if op.name in _CLASS_WEIGHT:
+        weight = op[_CLASS_WEIGHT[op.name]]
+        itemsize = 4 if weight is None else value_of(weight).element_size()
+    book.all_reduce(call.value.name, 1, itemsize, "forward", "loss denominator")
+
+
 def rewrite_cross_entropy(rw, node, op):
     inp, tgt = op["input"], op["target"]
     s_in, s_t = rw.out_shard(inp), rw.out_shard(tgt)
@@ -99,9 +116,6 @@ def rewrite_cross_entropy(rw, node, op):
         return
     denom = rw.call(loss_denominator, t, w, op["ignore_index"])
     rw.done(node, rw.call(mean_of_sums, total, denom, rw.group), REPLICATE)
-    rw.book.all_reduce(node.name, 1, value_of(node).element_size(), "forward", reason="loss sum")
-    rw.book.all_reduce(node.name, 1, 4 if weight is None else value_of(weight).element_size(), "forward",
-                       reason="loss denominator")
 
 
 register("cross_entropy", link=link_cross_entropy, rewrite=rewrite_cross_entropy)
@@ -146,9 +160,6 @@ def rewrite_linear_cross_entropy(rw, node, op):
         return
     denom = rw.call(loss_denominator, t, class_weight, op["ignore_index"])
     rw.done(node, rw.call(mean_of_sums, total, denom, rw.group), REPLICATE)
-    rw.book.all_reduce(node.name, 1, value_of(node).element_size(), "forward", reason="loss sum")
-    rw.book.all_reduce(node.name, 1, 4 if class_weight is None else value_of(op["class_weight"]).element_size(),
-                       "forward", reason="loss denominator")
 
 
 register("linear_cross_entropy", link=link_linear_cross_entropy, rewrite=rewrite_linear_cross_entropy)
@@ -213,8 +224,6 @@ def rewrite_elementwise_loss(rw, node, op):
         rw.done(node, total, Partial())
     elif node.target in _MEAN_OVER_WEIGHTS and options.get("weight") is not None:
         rw.done(node, rw.call(mean_of_sums, total, rw.call(torch.sum, options["weight"]), rw.group), REPLICATE)
-        for reason in ("loss sum", "loss denominator"):
-            rw.book.all_reduce(node.name, 1, value_of(node).element_size(), "forward", reason=reason)
     else:
         rw.done(node, rw.call(torch.mul, total, 1.0 / numel(loss_shape)), Partial())
 

@@ -1,166 +1,206 @@
-"""Matrix products: linear, matmul/bmm/mm, addmm/baddbmm.
+"""Matrix products: linear, matmul/bmm/mm, addmm/baddbmm, each one einsum equation.
 
-Rows of a product are positions of the left operand, columns positions of the right one, and the
-contracted dim is shared. So a sequence split on rows (tokens through a linear layer, GPT-2's
-``Conv1D`` addmm over merged batch*sequence rows) stays split and the weight is used whole (its
-gradient is this rank's share, summed by ``grad_sync``). When the contracted dim is the split one
-(token mixing, ``probs @ v`` of an attention that was not captured), both operands are taken split and
-the result is a partial sum; a bias is added once, after the all-reduce, in the product's dtype (under
-autocast the lower precision, as one device's linear / addmm casts it). When the output is split on one
-operand's positions and the other operand carries a split of its own (its rows are another sequence
-dim), that operand is gathered.
+``PRODUCTS`` holds one line per op: its equation over the operands (``linear`` is ``"...k,nk->...n"``, the
+matmul family ``"...mk,...kn->...mn"`` with matmul's vector cases), which operands are *weights*, and its bias.
+One link and one rewrite read every line (DTensor's ``_mm_like_strategy("mk,kn->mn")`` is the model):
+
+* a letter of the output is the same positions in every operand that has it (a ``...`` dim where its size is
+  the output's: matmul broadcasts), and a contracted letter links the operands that share it. A weight's own
+  letters are no positions (a linear layer's output features); a weight bias is not linked, another bias is
+  broadcast into the output;
+* output split on a letter: the operands that have it are taken split the same way, the others whole. So a
+  sequence split on rows (tokens through a linear layer, GPT-2's ``Conv1D`` addmm over merged batch*sequence
+  rows) stays split and the weight is used whole (its gradient is this rank's share, summed by ``grad_sync``);
+  when the other operand carries a split of its own (its rows are another sequence dim), it is gathered;
+* output whole and a contracted letter split in every operand but the weights (token mixing, ``probs @ v`` of
+  an attention that was not captured): the operands are taken split (a weight sliced alike) and the product is
+  a partial sum; a bias is added once, after the all-reduce, in the product's dtype (under autocast the lower
+  precision, as one device's linear / addmm casts it);
+* otherwise the product runs whole.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import torch
+import torch.fx as fx
 
 from ...placements import REPLICATE, Partial, Shard
-from ..ops import numel, shape_of, value_of
+from ..comms import REASON
+from ..ops import Op, shape_of
 from . import register
+from .pointwise import link_broadcast, want_broadcast
 
 __all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside
 
 
-def _matmul_dims(a_shape, b_shape, out_shape):
-    """Per output dim: ((input, dim) of a, (input, dim) of b) that carry its positions; and the k dims."""
-    a_nd, b_nd, o_nd = len(a_shape), len(b_shape), len(out_shape)
-    a_k = a_nd - 1
-    b_k = b_nd - 2 if b_nd >= 2 else 0
-    maps: list[list[tuple[str, int]]] = [[] for _ in range(o_nd)]
-    if a_nd >= 2:
-        maps[o_nd - (2 if b_nd >= 2 else 1)].append(("a", a_nd - 2))
-    if b_nd >= 2:
-        maps[o_nd - 1].append(("b", b_nd - 1))
-    batch_o = o_nd - (a_nd >= 2) - (b_nd >= 2)
-    for d in range(batch_o):
-        for name, shape in (("a", a_shape), ("b", b_shape)):
-            nd = len(shape) - 2
-            dd = d - (batch_o - nd)
-            if nd > 0 and dd >= 0 and shape[dd] == out_shape[d]:
-                maps[d].append((name, dd))
-    return maps, a_k, b_k
+@dataclass(frozen=True)
+class Product:
+    """A product op: its equation and how it runs."""
+
+    equation: str | Callable[..., str]
+    """Einsum equation over ``operands`` (``...``: broadcast batch dims), or a function of their ranks giving it."""
+    operands: tuple[str, ...]
+    """The op's arguments the equation multiplies, in its order."""
+    emit: Callable[..., fx.Node]
+    """``(rw, node, op, operands, *bias)``: the product of new-graph operands, plus the bias when one is given."""
+    weights: frozenset[str] = frozenset()
+    """Operands (and a bias) whose own letters are no positions."""
+    bias: str | None = None
+    """The argument added to the product (None: no bias)."""
+    always: bool = False
+    """The rule rewrites every node (:class:`~autoshard.passes.rules.Rule`): it emits the op under another name."""
 
 
-def _link_product(ctx, node, a, b, extra=None):
-    a_shape, b_shape, out_shape = shape_of(a), shape_of(b), shape_of(node)
-    maps, a_k, b_k = _matmul_dims(a_shape, b_shape, out_shape)
-    inputs = {"a": a, "b": b}
-    factors = []
-    for d, sources in enumerate(maps):
-        factors.append(list(ctx.factorization(inputs[sources[0][0]])[sources[0][1]]) if sources else [out_shape[d]])
-    ctx.set_factorization(node, factors)
-    for d, sources in enumerate(maps):
-        for name, dd in sources:
-            ctx.link_dims(node, d, inputs[name], dd)
-    if a_shape[a_k] == b_shape[b_k]:
-        ctx.link_dims(a, a_k, b, b_k)
-    if extra is not None:  # a bias broadcast over the output
-        from .pointwise import link_broadcast
-
-        link_broadcast(ctx, node, [extra], set_factors=False)
+def _matmul_equation(a_ndim: int, b_ndim: int) -> str:
+    """``torch.matmul``'s equation: a vector operand has no row (column) letter, batch dims broadcast."""
+    a = "...mk" if a_ndim >= 2 else "k"
+    b = "...kn" if b_ndim >= 2 else "k"
+    return f"{a},{b}->...{'m' if a_ndim >= 2 else ''}{'n' if b_ndim >= 2 else ''}"
 
 
-def _product_inputs(rw, node, a, b):
-    """(placement of a, of b, output placement) for a product node."""
-    out = rw.out_shard(node)
-    maps, a_k, b_k = _matmul_dims(shape_of(a), shape_of(b), shape_of(node))
-    if out is not None:
-        wants = {"a": None, "b": None}
-        for name, dd in maps[out.dim]:
-            wants[name] = out.moved(dd)
-        return wants["a"], wants["b"], out
-    sa, sb = rw.out_shard(a), rw.out_shard(b)
-    if sa is not None and sb is not None and sa.dim == a_k and sb.dim == b_k and sa.layout == sb.layout:
-        return sa, sb, Partial()
-    return None, None, REPLICATE
+def _emit_linear(rw, node, op, operands, *bias):
+    return rw.call(torch.nn.functional.linear, *operands, *bias)
 
 
-def link_matmul(ctx, node, op):
-    _link_product(ctx, node, op["a"], op["b"])
+def _emit_matmul(rw, node, op, operands, *bias):
+    return rw.call(torch.matmul, *operands)
 
 
-def rewrite_matmul(rw, node, op):
-    a, b = op["a"], op["b"]
-    want_a, want_b, out = _product_inputs(rw, node, a, b)
-    pg = out != REPLICATE
-    new_a = rw.input(a, want_a or REPLICATE, partial_grad=pg and want_a is None)
-    new_b = rw.input(b, want_b or REPLICATE, partial_grad=pg and want_b is None)
-    rw.done(node, rw.call(torch.matmul, new_a, new_b), out)
+def _emit_addmm(rw, node, op, operands, *bias):
+    """The op itself with its bias; the bare product (``torch.matmul``) without."""
+    if not bias:
+        return rw.call(torch.matmul, *operands)
+    return rw.reemit(node, (*bias, *operands), rw.value(node.kwargs))
 
 
-register("matmul", link=link_matmul, rewrite=rewrite_matmul, always=True)  # emits torch.matmul, unnamed
+PRODUCTS: dict[str, Product] = {
+    "linear": Product("...k,nk->...n", ("input", "weight"), _emit_linear, frozenset({"weight", "bias"}), "bias",
+                      always=True),  # emits F.linear, unnamed
+    "matmul": Product(_matmul_equation, ("a", "b"), _emit_matmul, always=True),  # emits torch.matmul, unnamed
+    "addmm": Product(_matmul_equation, ("a", "b"), _emit_addmm, bias="bias"),
+}
+
+
+@dataclass(eq=False)
+class _Term:
+    """One operand of a product node: its node, the letter of each of its dims, whether it is a weight."""
+
+    node: fx.Node
+    letters: list[str]
+    weight: bool
+
+
+def _dim_letters(term: str, ndim: int) -> list[str]:
+    """The letter of each dim of an operand of ``ndim`` dims spelled ``term``; the dims ``...`` stands for are named
+    by their place from the right, as broadcasting aligns them."""
+    if "..." not in term:
+        return list(term)
+    head, tail = term.split("...")
+    batch = ndim - len(head) - len(tail)
+    return list(head) + [f"...{batch - i}" for i in range(batch)] + list(tail)
+
+
+def _terms(product: Product, node: fx.Node, op: Op) -> tuple[list[_Term], list[str]]:
+    """The operands of ``node`` with their letters, and the output's letters."""
+    nodes = [op[name] for name in product.operands]
+    equation = product.equation
+    if not isinstance(equation, str):
+        equation = equation(*(len(shape_of(x)) for x in nodes))
+    inputs, output = equation.split("->")
+    terms = [_Term(x, _dim_letters(term, len(shape_of(x))), name in product.weights)
+             for x, term, name in zip(nodes, inputs.split(","), product.operands)]
+    return terms, _dim_letters(output, len(shape_of(node)))
+
+
+def _sources(terms: list[_Term], letter: str, size: int) -> list[tuple[_Term, int]]:
+    """The (operand, dim) that hold the positions of an output dim: its letter, its size, not a weight."""
+    return [(t, d) for t in terms if not t.weight
+            for d, mine in enumerate(t.letters) if mine == letter and shape_of(t.node)[d] == size]
+
+
+def _contracted(terms: list[_Term], out_letters: list[str]) -> list[str]:
+    """The letters summed over, in order."""
+    seen = [letter for t in terms for letter in t.letters if letter not in out_letters]
+    return list(dict.fromkeys(seen))
+
+
+def link_product(ctx, node, op):
+    product = PRODUCTS[op.name]
+    terms, out_letters = _terms(product, node, op)
+    out_shape = shape_of(node)
+    sources = [_sources(terms, letter, size) for letter, size in zip(out_letters, out_shape)]
+    ctx.set_factorization(node, [list(ctx.factorization(found[0][0].node)[found[0][1]]) if found else [size]
+                                 for found, size in zip(sources, out_shape)])
+    for d, found in enumerate(sources):
+        for t, dd in found:
+            ctx.link_dims(node, d, t.node, dd)
+    for letter in _contracted(terms, out_letters):
+        (first, d0), *others = [(t, t.letters.index(letter)) for t in terms if letter in t.letters]
+        for t, d in others:
+            if shape_of(first.node)[d0] == shape_of(t.node)[d]:
+                ctx.link_dims(first.node, d0, t.node, d)
+    bias = op[product.bias] if product.bias else None
+    if bias is not None and product.bias not in product.weights:  # broadcast over the output
+        link_broadcast(ctx, node, [bias], set_factors=False)
 
 
 def _reduced(rw, node, partial):
-    """The all-reduced sum of ``partial``, this rank's part of ``node``'s product (before its bias), booked."""
-    rw.book.all_reduce(node.name, numel(shape_of(node)), value_of(node).element_size(), "forward",
-                       reason="product over the split dim")
-    return rw.call(torch.ops.autoshard.reduce_partial.default, partial, "sum", rw.group)
+    """The all-reduced sum of ``partial``, this rank's part of ``node``'s product (before its bias)."""
+    summed = rw.call(torch.ops.autoshard.reduce_partial.default, partial, "sum", rw.group)
+    summed.meta[REASON] = "product over the split dim"
+    return summed
 
 
-def link_addmm(ctx, node, op):
-    _link_product(ctx, node, op["a"], op["b"], extra=op["bias"])
+def _contracted_split(rw, terms: list[_Term], out_letters: list[str]) -> list[Any] | None:
+    """The placement of each operand for a partial product: a contracted letter split alike (one layout) in every
+    operand but the weights, which are sliced as the first one (an operand without the letter whole); None when
+    no contracted letter is split so."""
+    for letter in _contracted(terms, out_letters):
+        dims = [t.letters.index(letter) if letter in t.letters else None for t in terms]
+        shards = [rw.out_shard(t.node) if d is not None and not t.weight else None for t, d in zip(terms, dims)]
+        split = [(s, d) for t, s, d in zip(terms, shards, dims) if d is not None and not t.weight]
+        if split and all(s is not None and s.dim == d and s.layout == split[0][0].layout for s, d in split):
+            return [REPLICATE if d is None else s or split[0][0].moved(d) for s, d in zip(shards, dims)]
+    return None
 
 
-def rewrite_addmm(rw, node, op):
-    a, b, bias = op["a"], op["b"], op["bias"]
-    want_a, want_b, out = _product_inputs(rw, node, a, b)
-    if isinstance(out, Partial):  # the bias must be added once: reduce the product first
-        prod = rw.call(torch.matmul, rw.input(a, want_a), rw.input(b, want_b))
-        summed = _reduced(rw, node, prod)
-        scaled = rw.call(torch.mul, summed, op["alpha"]) if op["alpha"] != 1 else summed
-        base = rw.in_dtype_of(node, bias, rw.input(bias, REPLICATE))
-        base = rw.call(torch.mul, base, op["beta"]) if op["beta"] != 1 else base
-        rw.done(node, rw.call(torch.add, base, scaled), REPLICATE)
-        return
-    pg = out != REPLICATE
-    new_a = rw.input(a, want_a or REPLICATE, partial_grad=pg and want_a is None)
-    new_b = rw.input(b, want_b or REPLICATE, partial_grad=pg and want_b is None)
-    if isinstance(out, Shard):
-        from .pointwise import want_broadcast
-
-        bias_want, bias_pg = want_broadcast(rw, node, bias, out)
-        new_bias = rw.input(bias, bias_want, partial_grad=bias_pg)
-    else:
-        new_bias = rw.input(bias, REPLICATE)
-    rw.done(node, rw.reemit(node, (new_bias, new_a, new_b), rw.value(node.kwargs)), out)
-
-
-register("addmm", link=link_addmm, rewrite=rewrite_addmm)
-
-
-def link_linear(ctx, node, op):
-    x, w = op["input"], op["weight"]
-    x_shape = shape_of(x)
-    factors = [list(f) for f in ctx.factorization(x)[:-1]] + [[shape_of(node)[-1]]]
-    ctx.set_factorization(node, factors)
-    for d in range(len(x_shape) - 1):
-        ctx.link_dims(node, d, x, d)
-    ctx.link_dims(x, len(x_shape) - 1, w, len(shape_of(w)) - 1)
-
-
-def rewrite_linear(rw, node, op):
-    x, w, bias = op["input"], op["weight"], op["bias"]
+def rewrite_product(rw, node, op):
+    product = PRODUCTS[op.name]
+    terms, out_letters = _terms(product, node, op)
     out = rw.out_shard(node)
-    sx = rw.out_shard(x)
-    last = len(shape_of(x)) - 1
-    if out is None and sx is not None and sx.dim == last:  # contracting over the split dim
-        part = rw.call(torch.nn.functional.linear, rw.input(x, sx), rw.input(w, sx.moved(len(shape_of(w)) - 1)))
+    bias = op[product.bias] if product.bias else None
+    split = _contracted_split(rw, terms, out_letters) if out is None else None
+    if split is not None:  # the bias must be added once: reduce the product first
+        part = product.emit(rw, node, op, [rw.input(t.node, want) for t, want in zip(terms, split)])
         if bias is None:
             rw.done(node, part, Partial())
             return
         summed = _reduced(rw, node, part)
-        rw.done(node, rw.call(torch.add, summed, rw.in_dtype_of(node, bias, rw.input(bias, REPLICATE))), REPLICATE)
+        scaled = rw.call(torch.mul, summed, op["alpha"]) if op.get("alpha", 1) != 1 else summed
+        base = rw.in_dtype_of(node, bias, rw.input(bias, REPLICATE))
+        base = rw.call(torch.mul, base, op["beta"]) if op.get("beta", 1) != 1 else base
+        rw.done(node, rw.call(torch.add, base, scaled), REPLICATE)
         return
-    if out is None:
-        args = [rw.input(x, REPLICATE), rw.input(w, REPLICATE), rw.input(bias, REPLICATE) if bias is not None else None]
-        rw.done(node, rw.call(torch.nn.functional.linear, *args), REPLICATE)
-        return
-    new_x = rw.input(x, out)
-    new_w = rw.input(w, REPLICATE, partial_grad=True)
-    new_b = rw.input(bias, REPLICATE, partial_grad=True) if bias is not None else None
-    rw.done(node, rw.call(torch.nn.functional.linear, new_x, new_w, new_b), out)
+    wants = {t: out.moved(d) for t, d in _sources(terms, out_letters[out.dim], shape_of(node)[out.dim])} if out else {}
+    operands = [rw.input(t.node, wants.get(t, REPLICATE), partial_grad=out is not None and t not in wants)
+                for t in terms]
+    rw.done(node, product.emit(rw, node, op, operands, *_bias_input(rw, node, product, bias, out)), out or REPLICATE)
 
 
-register("linear", link=link_linear, rewrite=rewrite_linear, always=True)  # emits F.linear, unnamed
+def _bias_input(rw, node, product: Product, bias, out: Shard | None) -> tuple[Any, ...]:
+    """The bias argument in the placement the product's output needs (a weight bias whole), or none."""
+    if not product.bias:
+        return ()
+    if bias is None or out is None:
+        return (rw.input(bias, REPLICATE) if bias is not None else None,)
+    if product.bias in product.weights:
+        return (rw.input(bias, REPLICATE, partial_grad=True),)
+    want, partial_grad = want_broadcast(rw, node, bias, out)
+    return (rw.input(bias, want, partial_grad=partial_grad),)
+
+
+for _name, _product in PRODUCTS.items():
+    register(_name, link=link_product, rewrite=rewrite_product, always=_product.always)

@@ -14,6 +14,7 @@ import torch
 from ...placements import REPLICATE
 from ...runtime.collectives import all_reduce
 from ...runtime.redistribute import reduce_partial
+from ..comms import declares
 from ..ops import numel, shape_of, value_of
 from . import register
 from .reductions import local_extreme
@@ -80,11 +81,16 @@ def rewrite_softmax(rw, node, op):
         return
     log = "log_softmax" in str(getattr(node.target, "__name__", node.target))
     rw.done(node, rw.call(softmax_over_split, x, dim, log, value_of(node).dtype, rw.group), out)
-    v = value_of(node)
+
+
+@declares(softmax_over_split)
+def _softmax_traffic(book, call) -> None:
+    """The maximum's all-reduce, and the normalizer's, whose backward sums its gradient shares."""
+    v, dim = value_of(call.value), call.arguments["dim"]
     reduced = numel(v.shape) // v.shape[dim]
-    rw.book.all_reduce(node.name, reduced, v.element_size(), "forward", reason="softmax maximum")
-    for phase in ("forward", "backward") if rw.requires_grad(op["input"]) else ("forward",):
-        rw.book.all_reduce(node.name, reduced, v.element_size(), phase, reason="softmax normalizer")
+    book.all_reduce(call.value.name, reduced, v.element_size(), "forward", "softmax maximum")
+    for phase in call.phases:
+        book.all_reduce(call.value.name, reduced, v.element_size(), phase, "softmax normalizer")
 
 
 register("softmax", link=link_same, rewrite=rewrite_softmax)

@@ -33,9 +33,8 @@ import torch
 from ...placements import REPLICATE, Partial, Shard
 from ...runtime.collectives import all_reduce
 from ...runtime.redistribute import reduce_partial
-from ...runtime.accounting import all_gather_bytes
-from ..comms import Comm
-from ..ops import numel, shape_of, value_of
+from ..comms import declares
+from ..ops import shape_of, value_of
 from . import register
 from .pointwise import OUTPUT_WHOLE, link_same, run_whole
 from .selection import arg_extreme
@@ -144,7 +143,7 @@ def rewrite_reduce(rw, node, op):
             new = rw.reemit(node, (rw.input(src, have),) + tuple(node.args[1:]), dict(node.kwargs))
             rw.done(node, new, (kept, kept))
         elif isinstance(have, Shard) and not have.factors:
-            rw.done(node, arg_extreme(rw, node, src, have, bool(op["keepdim"]), kind == "max"), (REPLICATE, REPLICATE))
+            rw.done(node, arg_extreme(rw, src, have, bool(op["keepdim"]), kind == "max"), (REPLICATE, REPLICATE))
         else:
             rw.fallback(node, f"{kind} with indices over the split sequence")
         return
@@ -174,32 +173,39 @@ def rewrite_reduce(rw, node, op):
         rw.done(node, rw.call(torch.mul, local_sum, 1.0 / count), Partial())
     elif kind in ("amax", "amin") or (kind in ("max", "min") and op["dim"] is None):
         rw.done(node, rw.call(extreme_over_split, x, dims, keepdim, kind in ("amax", "max"), rw.group), REPLICATE)
-        _record(rw, node, ["extreme", "tie count", "picked"], [])
     elif kind == "logsumexp":
         rw.done(node, rw.call(logsumexp_over_split, x, dims, keepdim, rw.group), REPLICATE)
-        _record(rw, node, ["maximum", "sum"], [])
     elif kind in ("var", "std"):
         correction = op.get("correction", 1)
         rw.done(node, rw.call(var_over_split, x, dims, keepdim, correction, count, kind == "std", rw.group), REPLICATE)
-        _record(rw, node, ["mean", "squares"], ["mean"] if rw.requires_grad(src) else [])
     elif kind in ("argmax", "argmin") and op["dim"] is not None and not have.factors:
-        pair = arg_extreme(rw, node, src, have, keepdim, kind == "argmax")
+        pair = arg_extreme(rw, src, have, keepdim, kind == "argmax")
         rw.done(node, rw.call(operator.getitem, pair, 1), REPLICATE)
     elif kind in ("all", "any"):
         rw.done(node, rw.call(truth_over_split, x, dims, keepdim, kind == "all", rw.group), REPLICATE)
-        _record(rw, node, ["truth"], [], itemsize=4)
     else:
         rw.fallback(node, f"{kind} over the split sequence")
 
 
-def _record(rw, node, forward: list[str], backward: list[str], itemsize: int | None = None) -> None:
-    """The all-reduces of a reduction helper: one per name, of the (keepdim) result's size."""
-    v = value_of(node)
-    size = itemsize or v.element_size()
+_HELPER_ALL_REDUCES = {
+    extreme_over_split: (("extreme", "tie count", "picked"), ()),
+    logsumexp_over_split: (("maximum", "sum"), ()),
+    var_over_split: (("mean", "squares"), ("mean",)),
+    truth_over_split: (("truth",), ()),
+}
+"""Reduction helper -> the all-reduces it runs forward and those its backward adds, each named by what it reduces."""
+
+
+@declares(*_HELPER_ALL_REDUCES)
+def _helper_traffic(book, call) -> None:
+    """A reduction helper's all-reduces, each of the result's size (``all`` / ``any`` reduce int32 flags)."""
+    forward, backward = _HELPER_ALL_REDUCES[call.node.target]
+    v = value_of(call.value)
+    itemsize = 4 if call.node.target is truth_over_split else v.element_size()
     for what in forward:
-        rw.book.all_reduce(node.name, v.numel(), size, "forward", reason=what)
-    for what in backward:
-        rw.book.all_reduce(node.name, v.numel(), size, "backward", reason=what)
+        book.all_reduce(call.value.name, v.numel(), itemsize, "forward", what)
+    for what in backward if call.needs_grad else ():
+        book.all_reduce(call.value.name, v.numel(), itemsize, "backward", what)
 
 
 register("reduce", link=link_reduce, rewrite=rewrite_reduce)
@@ -223,11 +229,6 @@ def rewrite_cumsum(rw, node, op):
     if value_of(src).dtype != out_dtype:  # cumsum of bool / int promotes
         x = rw.method("to", x, out_dtype)
     rw.done(node, rw.call(torch.ops.autoshard.seq_cumsum.default, x, dim, out.layout.encode(), False, rw.group), out)
-    width = max(len(out.layout.local_intervals(r)) for r in range(rw.world))
-    totals = width * numel(shape_of(node)) // shape_of(node)[dim] * value_of(node).element_size()
-    for phase in ("forward", "backward") if rw.requires_grad(src) else ("forward",):
-        rw.book.comms.append(Comm("all_gather", node.name, phase, [all_gather_bytes(totals, rw.world)] * rw.world,
-                                  None, reason="cumsum prefix"))
 
 
 register("cumsum", link=link_same, rewrite=rewrite_cumsum)

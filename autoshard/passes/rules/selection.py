@@ -19,26 +19,29 @@ import torch.fx as fx
 
 from ...placements import Partial, Shard
 from ...runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines autoshard::seq_arg_extreme
-from ...runtime.accounting import all_gather_bytes
 from ...runtime.attention.formulas import P
-from ..comms import Comm
-from ..ops import is_tensor_node, numel, shape_of, value_of
+from ..comms import declares
+from ..ops import is_tensor_node, numel, op_of, shape_of, value_of
 from . import register
 from .pointwise import TUPLE_LINKS
 
 __all__ = ["arg_extreme"]
 
 
-def arg_extreme(rw, node: fx.Node, src: fx.Node, have: Shard, keepdim: bool, largest: bool) -> fx.Node:
+def arg_extreme(rw, src: fx.Node, have: Shard, keepdim: bool, largest: bool) -> fx.Node:
     """(values, global indices) of the max (``largest``) / min of ``src``, split as ``have``, along its split
-    dim, for ``node``; replicated. Books the all-gather of the candidates."""
-    new = rw.call(torch.ops.autoshard.seq_arg_extreme.default, rw.input(src, have), have.dim, keepdim, largest,
-                  have.layout.encode(), rw.group)
+    dim; replicated."""
+    return rw.call(torch.ops.autoshard.seq_arg_extreme.default, rw.input(src, have), have.dim, keepdim, largest,
+                   have.layout.encode(), rw.group)
+
+
+@declares(torch.ops.autoshard.seq_arg_extreme.default)
+def _candidates(book, call) -> None:
+    """The all-gather of every rank's candidates: a value and an int64 index per output element."""
+    src, dim = op_of(call.value)["input"], call.arguments["dim"]
     shape = shape_of(src)
-    row = numel(shape) // shape[have.dim] * (value_of(src).element_size() + 8)  # a value and an int64 per output
-    rw.book.comms.append(Comm("all_gather", node.name, "forward", [all_gather_bytes(row, rw.world)] * rw.world,
-                              (P - 1) * row, reason="extreme candidates"))
-    return new
+    row = numel(shape) // shape[dim] * (value_of(src).element_size() + 8)
+    book.all_gather_rows(call.value.name, row, "forward", "extreme candidates", (P - 1) * row)
 
 
 def _outputs(node) -> list:

@@ -8,14 +8,16 @@ Structure (one file per concern; the strategies share everything below them):
 
 * :mod:`.api` -- the public :func:`attention` and the custom ops ``autoshard::attention`` /
   ``autoshard::attention_backward`` (fake implementations, registered autograd) the compiler emits;
-* :mod:`.ring`, :mod:`.zigzag`, :mod:`.allgather`, :mod:`.ulysses`, :mod:`.hybrid` -- the algorithms,
-  each with ``_check``, ``_forward``, ``_backward``, its registration and one public function;
+* :mod:`.ring`, :mod:`.zigzag`, :mod:`.allgather`, :mod:`.ulysses`, :mod:`.hybrid` -- the strategies,
+  each with ``_check``, ``_forward``, ``_backward``, its byte formulas and cost, its registration
+  (:class:`.base.Strategy`) and one public function;
 * :mod:`.blocks` -- attention between local tensors made of pieces of the global sequence;
 * :mod:`.local` -- the one local primitive (:func:`local_attention`), Triton or torch; LSE in base e;
   it applies ``softcap`` (Gemma2's ``softcap * tanh(s / softcap)`` on the scaled scores, before the
   mask), which every strategy passes through unchanged: elementwise on scores, it leaves the merge as is;
 * :mod:`.merge` -- the fp32 LSE merge; :mod:`.masks` -- structured masks and block classification;
-* :mod:`.formulas` -- bytes sent per rank as sympy expressions (for the planner);
+* :mod:`.formulas` -- bytes sent per rank as sympy expressions (for the planner): the shared symbols,
+  and lookups of each strategy's formulas;
 * :mod:`.flops` -- attention FLOPs per rank, counted.
 
 Chunked local attention (``chunk=C``: query ``i`` sees key ``j`` only if ``i // C == j // C``, Llama-4's
@@ -29,7 +31,8 @@ the tiles that straddle a chunk boundary (the Triton kernels narrow each query t
 chunks, the same per key tile in the backward).
 """
 
-from . import allgather, hybrid, ring, ulysses, zigzag  # noqa: F401  (registers the strategies)
+# registers the strategies, in the order the cost model lists them (that of config.STRATEGIES)
+from . import ring, zigzag, allgather, ulysses, hybrid  # noqa: F401, I001
 from .allgather import allgather_attention
 from .api import attention
 from .base import STRATEGIES, AttentionInputError

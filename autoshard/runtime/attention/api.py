@@ -9,6 +9,8 @@ shares the wiring and the checks::
                                   layout, group, ring_group, causal, window_left, window_right, chunk, scale, softcap,
                                   dropout_p, kernels) -> (out, lse)
 
+Its schema, its implementations and its callers take the arguments after the tensors from :class:`OpConfig`.
+
 ``chunk`` (0: none) is chunked local attention, query ``i`` sees key ``j`` only if ``i // chunk == j //
 chunk`` (Llama-4's local layers; see :class:`.masks.MaskSpec`).
 
@@ -45,9 +47,10 @@ provides on every call: pass ``seq_len`` to skip it after the first call.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
-from typing import Optional
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -59,11 +62,10 @@ from ..redistribute import grad_sync
 from ..layouts import LAYOUTS, SequenceLayout
 from .backend import KERNELS, check_triton_dtype
 from .base import STRATEGIES, AttentionInputError, Call, Strategy
-from .hybrid import hybrid_axes
 from .local import compute_dtype, without_autocast
 from .masks import MaskSpec
 
-__all__ = ["attention"]
+__all__ = ["attention", "OpConfig"]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -190,28 +192,56 @@ def _laid_out(*items: tuple[torch.Tensor, torch.Tensor | None, torch.dtype]) -> 
     return tuple(out)
 
 
-_TERMS = 3
-"""The op's optional tensors after the masks: ``alibi_slopes``, ``position_bias``, ``dropout_seed``."""
+@dataclass(frozen=True)
+class OpConfig:
+    """The op's arguments after its tensors, in their order: the op schemas, the implementations and every
+    caller (:func:`attention`, the compiler's rewrite) take them from here."""
+
+    strategy: str
+    layout: list[int]
+    """:meth:`SequenceLayout.encode`."""
+    group: str
+    ring_group: str
+    causal: bool
+    window_left: int
+    window_right: int
+    chunk: int
+    scale: float
+    softcap: float
+    dropout_p: float
+    kernels: str
+
+    def args(self) -> tuple:
+        """The arguments, in the op's order."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def call(self, alibi_slopes, position_bias, dropout_seed, position_bias_grad=None) -> Call:
+        """The :class:`Call` these arguments and the op's score-term tensors describe."""
+        return Call(strategy=self.strategy, layout=SequenceLayout.decode(self.layout), group=self.group,
+                    ring_group=self.ring_group, spec=MaskSpec(self.causal, (self.window_left, self.window_right),
+                                                              self.chunk),
+                    scale=self.scale, softcap=self.softcap, alibi_slopes=alibi_slopes, dropout_p=self.dropout_p,
+                    dropout_seed=dropout_seed, position_bias=position_bias, position_bias_grad=position_bias_grad,
+                    kernels=self.kernels)
 
 
-def _call(terms, strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale, softcap,
-          dropout_p, kernels, position_bias_grad=None) -> Call:
-    alibi_slopes, position_bias, dropout_seed = terms
-    return Call(strategy=strategy, layout=SequenceLayout.decode(layout), group=group, ring_group=ring_group,
-                spec=MaskSpec(causal, (window_left, window_right), chunk), scale=scale, softcap=softcap,
-                alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed, position_bias=position_bias,
-                position_bias_grad=position_bias_grad, kernels=kernels)
+_SCHEMA_TYPES = {"str": "str", "list[int]": "SymInt[]", "bool": "bool", "int": "SymInt", "float": "float"}
+_MASKS = ("key_mask", "segment_ids")
+_TERMS = ("alibi_slopes", "position_bias", "dropout_seed")
+"""The op's optional tensors after the masks."""
 
 
-@torch.library.custom_op("autoshard::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
-                  segment_ids: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                  position_bias: Optional[torch.Tensor], dropout_seed: Optional[torch.Tensor], strategy: str,
-                  layout: list[int], group: str, ring_group: str, causal: bool, window_left: int, window_right: int,
-                  chunk: int, scale: float, softcap: float, dropout_p: float,
-                  kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
-    call = _call((alibi_slopes, position_bias, dropout_seed), strategy, layout, group, ring_group, causal,
-                 window_left, window_right, chunk, scale, softcap, dropout_p, kernels)
+def _schema(tensors: tuple[str, ...], returns: int) -> str:
+    """An op schema: the required ``tensors``, the optional masks and score terms, :class:`OpConfig`, and ``returns``
+    tensors."""
+    args = ([f"Tensor {name}" for name in tensors] + [f"Tensor? {name}" for name in _MASKS + _TERMS]
+            + [f"{_SCHEMA_TYPES[f.type]} {f.name}" for f in dataclasses.fields(OpConfig)])
+    return f"({', '.join(args)}) -> ({', '.join(['Tensor'] * returns)})"
+
+
+@torch.library.custom_op("autoshard::attention", mutates_args=(), schema=_schema(("q", "k", "v"), 2))
+def _attention_op(q, k, v, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed, *config):
+    call = OpConfig(*config).call(alibi_slopes, position_bias, dropout_seed)
     with without_autocast(q):
         out, lse = _validate(q, k, v, key_mask, segment_ids, call).forward(q, k, v, key_mask, segment_ids, call)
     return _laid_out((out, _like_q(q, v.size(-1)), q.dtype), (lse, None, compute_dtype(q.dtype)))
@@ -223,22 +253,17 @@ def _(q, k, v, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed,
             q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype)))
 
 
-@torch.library.custom_op("autoshard::attention_backward", mutates_args=())
-def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                           lse: torch.Tensor, key_mask: Optional[torch.Tensor], segment_ids: Optional[torch.Tensor],
-                           alibi_slopes: Optional[torch.Tensor], position_bias: Optional[torch.Tensor],
-                           dropout_seed: Optional[torch.Tensor], strategy: str, layout: list[int], group: str,
-                           ring_group: str, causal: bool, window_left: int, window_right: int, chunk: int,
-                           scale: float, softcap: float, dropout_p: float,
-                           kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("autoshard::attention_backward", mutates_args=(),
+                         schema=_schema(("dout", "q", "k", "v", "out", "lse"), 4))
+def _attention_backward_op(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed,
+                           *config):
     """``(dq, dk, dv, d_position_bias)``; the last is this rank's share of the bias's gradient (its queries' scores),
     empty without a bias."""
     bias_grad = _bias_grad_like(position_bias, q)
-    call = _call((alibi_slopes, position_bias, dropout_seed), strategy, layout, group, ring_group, causal,
-                 window_left, window_right, chunk, scale, softcap, dropout_p, kernels,
-                 bias_grad if position_bias is not None else None)
+    call = OpConfig(*config).call(alibi_slopes, position_bias, dropout_seed,
+                                  bias_grad if position_bias is not None else None)
     with without_autocast(q):
-        dq, dk, dv = STRATEGIES[strategy].backward(dout, q, k, v, out, lse, key_mask, segment_ids, call)
+        dq, dk, dv = STRATEGIES[call.strategy].backward(dout, q, k, v, out, lse, key_mask, segment_ids, call)
     like = position_bias if position_bias is not None else bias_grad
     return _laid_out((dq, q, q.dtype), (dk, k, k.dtype), (dv, v, v.dtype), (bias_grad, like, like.dtype))
 
@@ -258,7 +283,7 @@ def _(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, position_bia
 
 def _setup(ctx, inputs, output):
     q, k, v, key_mask, segment_ids, *rest = inputs
-    terms, config = rest[:_TERMS], rest[_TERMS:]
+    terms, config = rest[:len(_TERMS)], rest[len(_TERMS):]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_mask, segment_ids, *terms)
     ctx.config = config
@@ -341,9 +366,9 @@ def _agree(table: torch.Tensor, error: AttentionInputError | None) -> None:
 
 
 def _groups(group, strategy: str) -> list[dist.ProcessGroup]:
-    if strategy == "hybrid":
-        ring_axis, ulysses_axis = hybrid_axes(group)
-        return [group.get_group(ulysses_axis), group.get_group(ring_axis)]
+    mesh_groups = STRATEGIES[strategy].mesh_groups
+    if mesh_groups is not None:
+        return mesh_groups(group)
     if isinstance(group, DeviceMesh) and group.ndim != 1:
         raise AttentionInputError(
             f"autoshard.attention: a {group.ndim}-D DeviceMesh is for strategy 'hybrid'; for {strategy!r} pass the "
@@ -471,8 +496,8 @@ def _autocast_input(t):
 
 
 def _run(q, k, v, key_mask, segment_ids, call: Call) -> torch.Tensor:
+    config = OpConfig(call.strategy, call.layout.encode(), call.group, call.ring_group, call.spec.causal,
+                      *call.spec.window, call.spec.chunk, call.scale, call.softcap, 0.0, call.kernels)
     out, _ = torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, call.alibi_slopes, call.position_bias, None,
-                                           call.strategy, call.layout.encode(), call.group, call.ring_group,
-                                           call.spec.causal, *call.spec.window, call.spec.chunk, call.scale,
-                                           call.softcap, 0.0, call.kernels)
+                                           *config.args())
     return out

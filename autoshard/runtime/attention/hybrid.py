@@ -12,20 +12,35 @@ shards. For any other mesh, :func:`hybrid_sequence_rank` names the rank and
 Each Ulysses group moves to head-split over the union of its members' shards (:mod:`.ulysses`), then
 the ranks that hold the same heads (the ring axis) run the ring of :mod:`.ring` over those unions. With
 the zigzag layout every union holds balanced early and late chunks, so causal work stays balanced.
-Bytes: the Ulysses formulas on ``P_u`` ranks plus the ring formulas on ``P_r`` ranks for ``H / P_u`` heads
-(see :mod:`.formulas`).
+Bytes (:func:`hybrid_bytes`): the Ulysses formulas on ``P_u`` ranks plus the ring formulas on ``P_r`` ranks
+for ``H / P_u`` heads. Cost: the all-to-alls inside a node exposed, the ring across nodes overlapped; the cost
+model places the Ulysses axis inside a node (the largest node-sized axis that splits the heads) and reports
+the hybrid impossible without a 2-D mesh or for a group inside one node.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import sympy
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..groups import hybrid_mesh_axes
 from ..layouts import SequenceLayout
-from .base import AttentionInputError, Call, Strategy, register
+from . import ring, ulysses
+from .api import attention
+from .base import AttentionInputError, Call, Strategy, register, zigzag_layout_when_causal
+from .formulas import P, P_r, P_u, S, Hkv, Sizes
 from .ulysses import check_heads, ulysses_backward, ulysses_forward
 
-__all__ = ["hybrid_attention", "hybrid_axes", "hybrid_sequence_rank", "hybrid_layout"]
+if TYPE_CHECKING:
+    from ...cost import Pricing, StrategyCost
+
+__all__ = ["hybrid_attention", "hybrid_axes", "hybrid_sequence_rank", "hybrid_layout", "hybrid_bytes"]
 
 
 _NEEDS_MESH = ("autoshard.attention: strategy 'hybrid' needs group= a 2-D DeviceMesh, e.g. init_device_mesh(device, "
@@ -33,15 +48,14 @@ _NEEDS_MESH = ("autoshard.attention: strategy 'hybrid' needs group= a 2-D Device
 
 
 def hybrid_axes(mesh: DeviceMesh) -> tuple[int, int]:
-    """``(ring_axis, ulysses_axis)`` of a 2-D mesh: the axes named ``"ring"`` / ``"ulysses"``, else 0 / 1."""
+    """``(ring_axis, ulysses_axis)`` of a 2-D mesh, as the compiler reads it too
+    (:func:`~autoshard.runtime.groups.hybrid_mesh_axes`): the axes named ``"ring"`` / ``"ulysses"``, else 0 / 1."""
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
         raise AttentionInputError(_NEEDS_MESH)
-    names = tuple(mesh.mesh_dim_names or ())
-    ulysses = names.index("ulysses") if "ulysses" in names else 1
-    ring = names.index("ring") if "ring" in names else 1 - ulysses
-    if ring == ulysses:
-        raise AttentionInputError(f"autoshard.attention: the mesh axes {names} name no distinct ring and ulysses axes")
-    return ring, ulysses
+    try:
+        return hybrid_mesh_axes(mesh)
+    except ValueError as e:
+        raise AttentionInputError(str(e).replace("autoshard:", "autoshard.attention:", 1)) from None
 
 
 def hybrid_sequence_rank(mesh: DeviceMesh) -> int:
@@ -87,12 +101,69 @@ def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
                             terms=call.terms, kernels=call.kernels)
 
 
-register(Strategy("hybrid", _check, _forward, _backward))
+def _mesh_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
+    """The Ulysses axis' group, then the ring axis' (the order :class:`~.base.Call` takes them in)."""
+    ring_axis, ulysses_axis = hybrid_axes(mesh)
+    return [mesh.get_group(ulysses_axis), mesh.get_group(ring_axis)]
+
+
+# ---------------------------------------------------------------------------- bytes and cost
+
+
+def hybrid_bytes(backward: bool = False) -> sympy.Expr:
+    """``hybrid``: Ulysses inside groups of ``P_u`` ranks (``S / P`` tokens each, ``P = P_r * P_u``), then a ring of
+    ``P_r`` blocks of ``S / P_r`` tokens with the ``ceiling(Hkv / P_u)`` kv heads a rank holds."""
+    total = P_r * P_u
+    return (ulysses.ulysses_terms(P_u, S / total, backward)
+            + ring.ring_terms(P_r, S / P_r, sympy.ceiling(Hkv / P_u), backward)).subs(P, total)
+
+
+def _bytes_by_rank(lengths: list[int], n: Sizes, backward: bool, P_u: int | None = None) -> list[int]:
+    if P_u is None or P_u < 1 or len(lengths) % P_u:
+        raise ValueError(f"hybrid needs P_u, a Ulysses axis size dividing the {len(lengths)} ranks; got {P_u}")
+    return ulysses.ulysses_ring_bytes(lengths, P_u, n, backward)
+
+
+def _node_axis(p: Pricing) -> int:
+    """The Ulysses axis the cost model plans: the largest power-of-two share of a node and of the ranks that splits
+    the heads."""
+    inner = math.gcd(p.topology.ranks_per_node, p.world)
+    while inner > 1 and p.shape.heads % inner:
+        inner //= 2
+    return inner
+
+
+def _cost(p: Pricing) -> StrategyCost:
+    world, topology = p.world, p.topology
+    inner = _node_axis(p)
+    if not p.hybrid_possible:
+        return p.impossible("needs a 2-D device mesh (ring axis, ulysses axis)")
+    if world <= topology.ranks_per_node:
+        return p.impossible("the group fits in one node (Ulysses alone is the inner part)")
+    if inner <= 1:
+        return p.impossible("no node-sized head split")
+    outer = world // inner
+    sent = p.sent({"P_r": outer, "P_u": inner})
+    # Ulysses inside the node (fast, exposed; its shape without the masks, whose gather counts with the ring's
+    # traffic), the ring across nodes (slow, overlapped)
+    inner_sent = p.sent({"P": inner}, ulysses.ulysses_bytes,
+                        dataclasses.replace(p.shape, seq=p.shape.seq // outer, key_mask=False, segment_ids_dtype=None))
+    inner_comm = sum(inner_sent) / topology.intra_node_bandwidth
+    ring_comm = max(0, sum(sent) - sum(inner_sent)) / topology.inter_node_bandwidth
+    latency = (10 * topology.intra_node_latency + 2 * outer * (topology.inter_node_latency + topology.step_overhead)
+               + p.merge_time(outer))
+    return p.cost(compute=p.balanced, comm=inner_comm + ring_comm,
+                  exposed=inner_comm + max(0.0, ring_comm - p.balanced), latency=latency, sent=sent,
+                  memory=p.inputs_bytes, mesh=(outer, inner))
+
+
+register(Strategy(name="hybrid", check=_check, forward=_forward, backward=_backward, bytes_sent=hybrid_bytes,
+                  bytes_by_rank=_bytes_by_rank, cost=_cost, preferred_layout=zigzag_layout_when_causal, rank=4,
+                  reason="the group spans nodes: all-to-all inside a node, ring across nodes",
+                  mesh_groups=_mesh_groups))
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: DeviceMesh,
                      **options) -> torch.Tensor:
     """:func:`~autoshard.runtime.attention.attention` with ``strategy="hybrid"`` over the 2-D mesh ``group``."""
-    from .api import attention
-
     return attention(q, k, v, group=group, strategy="hybrid", **options)

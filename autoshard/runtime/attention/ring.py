@@ -14,8 +14,11 @@ blocks travel again, and the dK/dV accumulator of a block follows it one step be
 rank after the block's owner, collects every rank's contribution and reaches the owner after ``P - 1``
 hops, where the owner adds its own (computed at step 0). Accumulators travel in fp32 (fp64 for fp64).
 
-Bytes sent per rank (see :mod:`.formulas`): forward ``P - 1`` blocks of K, V (and masks); backward
-``P - 1`` blocks of K, V (and masks) plus ``P - 1`` blocks of dK, dV.
+Bytes sent per rank (:func:`ring_bytes`, in the symbols of :mod:`.formulas`): forward ``P - 1`` blocks of
+K, V (and masks); backward ``P - 1`` blocks of K, V (and masks) plus ``P - 1`` blocks of dK, dV.
+
+Cost: the blocks' traffic overlaps their compute (:meth:`autoshard.cost.Pricing.ring`); on the contiguous
+layout a causal mask leaves the last rank the most work.
 
 The ring core (:func:`ring_forward`, :func:`ring_backward`) takes the pieces every ring rank holds and a
 head plan, so the zigzag strategy (this ring over the zigzag layout) and the hybrid strategy (this ring
@@ -24,19 +27,26 @@ across Ulysses groups) reuse it unchanged.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
+import sympy
 import torch
 import torch.distributed as dist
 
 from ..collectives import RingCommunicator
+from .api import attention
 from .base import AttentionInputError, Call, Strategy, register
 from .blocks import HeadSegment, Piece, attend, attend_backward, empty_result, pieces
+from .formulas import B, D, Dv, Hkv, M, P, S, Sizes, a, e
 from .local import compute_dtype, row_delta
 from .masks import MaskSpec
 from .terms import ScoreTerms
 
-__all__ = ["ring_attention", "ring_forward", "ring_backward", "block_source"]
+if TYPE_CHECKING:
+    from ...cost import Pricing, StrategyCost
+
+__all__ = ["ring_attention", "ring_forward", "ring_backward", "block_source", "ring_terms", "ring_bytes",
+           "ring_rank_bytes", "RING"]
 
 
 def _block(k, v, key_mask, segment_ids) -> list[torch.Tensor]:
@@ -164,6 +174,39 @@ def ring_backward(
     return dq, dk, dv
 
 
+# ---------------------------------------------------------------------------- bytes
+
+
+def ring_terms(ranks, tokens, kv_heads, backward: bool) -> sympy.Expr:
+    """A ring of ``ranks`` blocks of ``tokens`` tokens: every rank forwards ``ranks - 1`` K/V blocks (with their
+    masks); the backward forwards them again plus ``ranks - 1`` dK/dV accumulators."""
+    per_token = kv_heads * (D + Dv) * e + M + (kv_heads * (D + Dv) * a if backward else 0)
+    return (ranks - 1) * tokens * B * per_token
+
+
+def ring_bytes(backward: bool = False) -> sympy.Expr:
+    """``ring`` (and ``zigzag``): ``P - 1`` K/V blocks of ``S / P`` tokens (plus masks); backward adds as many
+    dK/dV blocks."""
+    return ring_terms(P, S / P, Hkv, backward)
+
+
+def ring_rank_bytes(block_lengths: list[int], rank: int, kv_heads: int, n: Sizes, backward: bool) -> int:
+    """One rank of a ring over blocks of ``block_lengths`` tokens: it forwards the K/V block (and masks) it holds
+    at every step but the last; backward again, plus the dK/dV accumulator (compute dtype) of the block it holds
+    at every step but the first."""
+    world = len(block_lengths)
+    forwarded = sum(block_lengths[block_source(rank, step, world)] for step in range(world - 1))
+    sent = forwarded * n.B * (kv_heads * (n.D + n.Dv) * n.e + n.M)
+    if backward:
+        accumulated = sum(block_lengths[block_source(rank, step, world)] for step in range(1, world))
+        sent += accumulated * n.B * kv_heads * (n.D + n.Dv) * n.a
+    return sent
+
+
+def _bytes_by_rank(lengths: list[int], n: Sizes, backward: bool, P_u: int | None = None) -> list[int]:
+    return [ring_rank_bytes(lengths, rank, n.Hkv, n, backward) for rank in range(len(lengths))]
+
+
 # ---------------------------------------------------------------------------- the strategy
 
 
@@ -183,22 +226,25 @@ def _shards(call: Call) -> list[tuple[Piece, ...]]:
 def _forward(q, k, v, key_mask, segment_ids, call: Call):
     return ring_forward(q, k, v, key_mask, segment_ids, pg=call.pg, block_pieces=_shards(call),
                         heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, scale=call.scale,
-                        softcap=call.softcap, terms=call.terms,
-                        kernels=call.kernels)
+                        softcap=call.softcap, terms=call.terms, kernels=call.kernels)
 
 
 def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
     return ring_backward(dout, q, k, v, out, lse, key_mask, segment_ids, pg=call.pg, block_pieces=_shards(call),
                          heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, scale=call.scale,
-                         softcap=call.softcap, terms=call.terms,
-                        kernels=call.kernels)
+                         softcap=call.softcap, terms=call.terms, kernels=call.kernels)
 
 
-register(Strategy("ring", _check, _forward, _backward))
+def _cost(p: Pricing) -> StrategyCost:
+    return p.ring(p.contiguous)
+
+
+RING = register(Strategy(name="ring", check=_check, forward=_forward, backward=_backward, bytes_sent=ring_bytes,
+                         bytes_by_rank=_bytes_by_rank, cost=_cost, rank=0,
+                         reason="a ring hides its traffic behind computation"))
+"""The ring over any layout (the zigzag ring derives from it)."""
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
     """:func:`~autoshard.runtime.attention.attention` with ``strategy="ring"`` (same keywords)."""
-    from .api import attention
-
     return attention(q, k, v, strategy="ring", **options)

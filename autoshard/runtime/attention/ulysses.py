@@ -20,26 +20,39 @@ input dtype; duplicated kv heads are summed in fp32 after arrival). Tensors move
 which keeps the transient copies an all-to-all makes small.
 
 :func:`ulysses_forward` / :func:`ulysses_backward` take an optional ring group: with it, the attention
-in head space is the ring of :mod:`.ring` across Ulysses groups -- the hybrid strategy.
+in head space is the ring of :mod:`.ring` across Ulysses groups -- the hybrid strategy. So do the byte
+counts: :func:`ulysses_terms` and :func:`ulysses_ring_bytes` serve both.
+
+Cost: the all-to-alls are exposed (before and after the compute); the uneven head split sets the compute.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import sympy
 import torch
 import torch.distributed as dist
 
+from ..accounting import all_gather_bytes
 from ..collectives import all_gather_impl, all_to_all_impl
 from ..layouts import SequenceLayout, split_sizes
 from . import ring
+from .api import attention
 from .base import AttentionInputError, Call, Strategy, register
 from .blocks import HeadSegment, pieces
+from .formulas import B, D, Dv, H, Hkv, M, P, S, Sizes, a, e
 from .local import compute_dtype
 from .masks import MaskSpec
 from .terms import ScoreTerms
 
-__all__ = ["ulysses_attention", "HeadShare", "head_plan", "group_members", "ulysses_forward", "ulysses_backward"]
+if TYPE_CHECKING:
+    from ...cost import Pricing, StrategyCost
+
+__all__ = ["ulysses_attention", "HeadShare", "head_plan", "group_members", "ulysses_forward", "ulysses_backward",
+           "ulysses_terms", "ulysses_bytes", "ulysses_ring_bytes"]
 
 
 @dataclass(frozen=True)
@@ -195,11 +208,68 @@ def ulysses_backward(dout, q, k, v, out, lse, key_mask, segment_ids, *, pg, ring
     return dq, _kv_to_sequence(dkh, plan, k), _kv_to_sequence(dvh, plan, v)
 
 
+# ---------------------------------------------------------------------------- bytes
+
+
+def ulysses_terms(ranks, tokens, backward: bool) -> sympy.Expr:
+    """An all-to-all group of ``ranks`` ranks holding ``tokens`` tokens each, ``H`` heads split over it."""
+    heads_out = H - H / ranks  # heads of this rank's tokens that leave it
+    rows = B * tokens * heads_out * e  # per unit of head dim: one [B, H, tokens, *] tensor to head-split (or back)
+    kv = B * tokens * (ranks - 1) * sympy.ceiling(Hkv / ranks) * (D + Dv) * e  # K and V, kv heads each rank needs
+    lse = B * tokens * heads_out * a
+    masks = (ranks - 1) * sympy.ceiling(S / P) * B * M  # all-gathered, padded to the largest shard
+    if backward:  # q, out, dout and K, V, lse to head-split; dq and dK, dV back
+        return rows * (2 * D + 2 * Dv) + 2 * kv + lse + masks
+    return rows * (D + Dv) + kv + lse + masks  # q and K, V to head-split; out and lse back
+
+
+def ulysses_bytes(backward: bool = False) -> sympy.Expr:
+    """``ulysses``: all-to-alls of q, K, V to head-split and of out, lse back (masks all-gathered); the
+    backward moves q, out, dout, K, V, lse to head-split and dq, dK, dV back."""
+    return ulysses_terms(P, S / P, backward)
+
+
+def ulysses_ring_bytes(lengths: list[int], ulysses_ranks: int, n: Sizes, backward: bool) -> list[int]:
+    """Every sequence rank of Ulysses groups of ``ulysses_ranks`` ranks joined by a ring, exactly."""
+    groups = group_members(len(lengths) // ulysses_ranks, ulysses_ranks)
+    shares = head_plan(n.H, n.Hkv, ulysses_ranks)
+    kv_heads = _head_counts(shares)[1]
+    union_lengths = [sum(lengths[s] for s in group) for group in groups]  # the ring's blocks
+    return [_member_bytes([lengths[s] for s in group], member, shares, n, backward)
+            + ring.ring_rank_bytes(union_lengths, ring_rank, kv_heads[member], n, backward)
+            for ring_rank, group in enumerate(groups) for member in range(ulysses_ranks)]
+
+
+def _member_bytes(lengths: list[int], member: int, shares, n: Sizes, backward: bool) -> int:
+    """One member of a Ulysses group whose members hold ``lengths`` tokens: the heads other members compute leave
+    with this member's tokens (q, K, V; backward also out, dout, LSE), this member's heads of the other members'
+    tokens go back to them (out, LSE; backward dq, dK, dV), and the masks are all-gathered."""
+    q_heads, kv_heads = _head_counts(shares)
+    own, others = lengths[member], sum(lengths) - lengths[member]
+    q_out = (n.H - q_heads[member]) * own  # (head, token) rows that leave for head-split
+    kv_out = (sum(kv_heads) - kv_heads[member]) * own  # a kv head goes to every member whose query heads read it
+    q_back, kv_back = q_heads[member] * others, kv_heads[member] * others  # rows that go back to sequence-split
+    qk, v, kv, lse = n.B * n.D * n.e, n.B * n.Dv * n.e, n.B * (n.D + n.Dv) * n.e, n.B * n.a  # bytes of one row
+    masks = all_gather_bytes(n.B * max(lengths) * n.M, len(lengths))
+    if backward:  # q, out, dout, LSE and K, V out; dq, dK, dV back
+        return (qk + 2 * v + lse) * q_out + kv * kv_out + qk * q_back + kv * kv_back + masks
+    return qk * q_out + kv * kv_out + (v + lse) * q_back + masks  # q, K, V out; out, LSE back
+
+
+def _head_counts(shares) -> tuple[list[int], list[int]]:
+    """Query and kv heads of every member of a Ulysses group (:func:`head_plan`)."""
+    return [s.q[1] - s.q[0] for s in shares], [s.kv[1] - s.kv[0] for s in shares]
+
+
+def _bytes_by_rank(lengths: list[int], n: Sizes, backward: bool, P_u: int | None = None) -> list[int]:
+    return ulysses_ring_bytes(lengths, len(lengths), n, backward)  # one group, no ring
+
+
 # ---------------------------------------------------------------------------- the strategy
 
 
 def _check(q, k, v, call: Call) -> int:
-    rank = ring._check(q, k, v, call)
+    rank = ring.RING.check(q, k, v, call)
     check_heads(q.size(1), call.pg.size(), "strategy 'ulysses'")
     return rank
 
@@ -216,11 +286,22 @@ def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
                             terms=call.terms, kernels=call.kernels)
 
 
-register(Strategy("ulysses", _check, _forward, _backward))
+def _cost(p: Pricing) -> StrategyCost:
+    s, world, topology = p.shape, p.world, p.topology
+    if s.heads < world:
+        return p.impossible(f"{s.heads} heads cannot cover {world} ranks; the all-to-all splits heads")
+    sent = p.sent({"P": world})
+    compute = p.balanced * (math.ceil(s.heads / world) / (s.heads / world))  # the rank with the most heads
+    comm = sum(sent) / topology.bandwidth(world)
+    return p.cost(compute=compute, comm=comm, exposed=comm, latency=10 * topology.latency(world), sent=sent,
+                  memory=p.inputs_bytes)
+
+
+register(Strategy(name="ulysses", check=_check, forward=_forward, backward=_backward, bytes_sent=ulysses_bytes,
+                  bytes_by_rank=_bytes_by_rank, cost=_cost, rank=2,
+                  reason="the heads split evenly enough and the all-to-alls are cheap at this bandwidth"))
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
     """:func:`~autoshard.runtime.attention.attention` with ``strategy="ulysses"`` (same keywords)."""
-    from .api import attention
-
     return attention(q, k, v, strategy="ulysses", **options)

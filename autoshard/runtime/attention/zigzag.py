@@ -7,22 +7,31 @@ its last; against a later rank's block only the local late chunk sees its first 
 two causal diagonals and one full rectangle. Every rank computes the same number of visible pairs
 (exactly, when ``2P`` divides the length), counted by :mod:`.flops`.
 
-Bytes sent are the ring's. The strategy requires inputs sharded with ``layout="zigzag"``.
+Bytes sent are the ring's, and so is the cost, with the work balanced. The strategy requires inputs
+sharded with ``layout="zigzag"``: in the registry it is the ring algorithm over the zigzag layout (see
+:mod:`.base` for why it stays a strategy of its own).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..layouts import SequenceLayout
 from . import ring
-from .base import AttentionInputError, Call, Strategy, register
+from .api import attention
+from .base import AttentionInputError, Call, register, zigzag_layout
+
+if TYPE_CHECKING:
+    from ...cost import Pricing, StrategyCost
 
 __all__ = ["zigzag_attention"]
 
 
 def _check(q, k, v, call: Call) -> int:
-    rank = ring._check(q, k, v, call)
+    rank = ring.RING.check(q, k, v, call)
     layout = call.layout
     if layout.length < 2 * layout.world_size or layout != SequenceLayout.zigzag(layout.length, layout.world_size):
         raise AttentionInputError(
@@ -32,14 +41,18 @@ def _check(q, k, v, call: Call) -> int:
     return rank
 
 
-_forward, _backward = ring._forward, ring._backward
+def _cost(p: Pricing) -> StrategyCost:
+    if p.shape.seq < 2 * p.world:
+        return p.impossible(f"the zigzag layout needs 2P = {2 * p.world} positions, the sequence has {p.shape.seq}")
+    return p.ring(p.balanced)
 
-register(Strategy("zigzag", _check, _forward, _backward))
+
+register(dataclasses.replace(  # the ring's forward, backward and bytes over the zigzag layout
+    ring.RING, name="zigzag", check=_check, cost=_cost, preferred_layout=zigzag_layout, rank=1, layout="zigzag",
+    reason="a ring hides its traffic behind computation, and the zigzag layout balances the causal mask"))
 
 
 def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
     """:func:`~autoshard.runtime.attention.attention` with ``strategy="zigzag"`` and ``layout="zigzag"``."""
-    from .api import attention
-
     options.setdefault("layout", "zigzag")
     return attention(q, k, v, strategy="zigzag", **options)
