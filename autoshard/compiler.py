@@ -3,7 +3,7 @@
 Dynamo hands the backend one graph per captured region; the backend runs the passes of
 :data:`autoshard.passes.pipeline.PASSES` in order (canonical ops, capture, decompose, link, families,
 strategy, rewrite; ``AUTOSHARD_DUMP=<dir>`` writes what each produced) and lowers the per-rank graph
-with the inner compiler (eager by default).
+with the inner compiler (by default inductor on CUDA, eager elsewhere).
 
 Every rank compiles its own graph (uneven shards make ranks' shapes differ) and, before the first
 run, checks through the rendezvous store that all ranks compiled the same graph for the same shapes:
@@ -133,7 +133,7 @@ class AutoshardBackend:
         record = GraphRecord(compiled.report, compiled.gathered_output_shapes, bool(compiled.families.families))
         self._warn_if_whole_from_earlier_graph(record, example_inputs)
         self.compiled.append(record)
-        lowered = _lower(compiled.graph_module, example_inputs, self.config.inner)
+        lowered = _lower(compiled.graph_module, example_inputs, self.config.inner_for(_device_type(example_inputs)))
         if not carried and not compiled.carried_outputs:
             return lowered
         return _carrying(lowered, set(carried), compiled.carried_outputs, pg.group_name)
@@ -265,6 +265,11 @@ def _carrying(fn: Callable, carried_inputs: set[int], carried_outputs: dict, gro
         return type(out)(wrap(o, carried_outputs[i].dim, carried_outputs[i].layout, group_name) if i in carried_outputs
                          else o for i, o in enumerate(out))
     return run
+
+
+def _device_type(example_inputs: list) -> str:
+    """The device type of a graph: its first tensor input's (``"cpu"`` for a graph without one)."""
+    return next((x.device.type for x in example_inputs if isinstance(x, torch.Tensor)), "cpu")
 
 
 def _lower(gm: fx.GraphModule, example_inputs: list, inner) -> Callable:

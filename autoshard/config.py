@@ -51,9 +51,11 @@ class BackendConfig:
     sequence group, or over the flattened (dp, sp) ranks. (With True, DDP/FSDP on top is still correct,
     only one all-reduce more.)"""
 
-    inner: Union[str, Callable] = "eager"
-    """The compiler the rewritten graph is handed to: ``"eager"``, ``"aot_eager"``, ``"inductor"`` or
-    any torch.compile backend callable."""
+    inner: Union[str, Callable] = "auto"
+    """The compiler the rewritten graph is handed to: ``"eager"``, ``"aot_eager"``, ``"inductor"``, any
+    torch.compile backend callable, or ``"auto"``: inductor for graphs on CUDA (the fused kernels a GPU
+    user compiles for, around the distributed attention's own), eager elsewhere and with ``offload`` (its
+    host copies must run, not be traced)."""
 
     kernels: str = "auto"
     """Local attention implementation: ``"triton"``, ``"torch"``, or ``"auto"`` (Triton on CUDA)."""
@@ -108,6 +110,13 @@ class BackendConfig:
     recomputed they are what a rank still holds, ``layers x tokens x hidden``. Each costs one copy to the host
     and one back. Runs with the ``"eager"`` inner compiler only. ``memory_budget`` may turn it on."""
 
+    def inner_for(self, device_type: str) -> Union[str, Callable]:
+        """The inner compiler for a graph whose inputs are on ``device_type``: ``inner``, with ``"auto"``
+        resolved."""
+        if self.inner != "auto":
+            return self.inner
+        return "inductor" if device_type == "cuda" and not self.offload else "eager"
+
     def __post_init__(self):
         def check(name, value, allowed):
             if value not in allowed:
@@ -119,7 +128,7 @@ class BackendConfig:
         check("outputs", self.outputs, ("split", "gathered", "sharded"))
         check("kernels", self.kernels, ("auto", "torch", "triton"))
         if not callable(self.inner):
-            check("inner", self.inner, ("eager", "aot_eager", "inductor"))
+            check("inner", self.inner, ("auto", "eager", "aot_eager", "inductor"))
         if self.strategy == "zigzag" and self.layout == "contiguous":
             raise ValueError("autoshard.backend: strategy='zigzag' is the ring over the zigzag layout; "
                              "use layout='zigzag' (or 'auto'), or strategy='ring' for the contiguous layout")
@@ -130,7 +139,7 @@ class BackendConfig:
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError("autoshard.backend: memory_budget must be a positive number of bytes")
         check("recompute", self.recompute, ("none", "layers"))
-        if self.offload and self.inner != "eager":
+        if self.offload and self.inner not in ("eager", "auto"):
             raise ValueError("autoshard.backend: offload=True runs with inner='eager' only (a tracing compiler would "
                              f"trace the host copies instead of running them), got inner={self.inner!r}")
         if self.chunk_mlp is not None and (isinstance(self.chunk_mlp, bool) or not isinstance(self.chunk_mlp, int)

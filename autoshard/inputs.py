@@ -6,8 +6,9 @@ loader can load only that part:
     batch = autoshard.shard_inputs({"input_ids": ids, "labels": labels}, layout="contiguous")
     loss, logits = model(**batch)
 
-``shard_inputs`` keeps this rank's positions of every tensor that carries the sequence (size
-``seq_len`` along ``dim``) and marks that dim dynamic for dynamo (``torch._dynamo.mark_dynamic``), so
+``shard_inputs`` keeps this rank's positions of the inputs that carry the sequence -- every tensor, or
+the ones ``names`` says (``shard_inputs(batch, ["input_ids", "labels"])``: a batch that also holds, say,
+``pixel_values`` whose dim 1 happens to have the sequence's size) -- and marks that dim dynamic for dynamo (``torch._dynamo.mark_dynamic``), so
 the model is traced with a symbolic length. The backend then rebuilds the *global* graph (the local
 lengths of all ranks sum to the global one) and compiles it exactly as for whole inputs, except that
 these inputs start split. Anything the model derives from them -- positions, masks, shifted labels --
@@ -20,7 +21,7 @@ added by broadcasting, as in ViT) cannot be traced on shards; pass those inputs 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -30,27 +31,55 @@ from .runtime.sequence import shard_sequence
 __all__ = ["shard_inputs"]
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+def _entries(inputs: Any) -> list[tuple[Any, Any]]:
+    """(name, value) of the top level of ``inputs``: keys of a dict, positions of a tuple or list, ``None`` for a
+    lone tensor."""
+    if isinstance(inputs, dict):
+        return list(inputs.items())
+    if isinstance(inputs, (tuple, list)):
+        return list(enumerate(inputs))
+    return [(None, inputs)]
 
 
-def shard_inputs(inputs: Any, *, seq_len: int | None = None, dim: int = 1, group: GroupLike = None,
-                 layout: str = "contiguous") -> Any:
-    """This rank's part of every tensor in ``inputs`` (a tensor, tuple, list or dict) whose size along
-    ``dim`` is the sequence length ``seq_len`` (default: the size along ``dim`` of the first tensor with
-    more than ``dim`` dims); other values pass through unchanged."""
-    pg = resolve_group(group)
+def shard_inputs(inputs: Any, names: Sequence[Any] | None = None, *, seq_len: int | None = None, dim: int = 1,
+                 group: GroupLike = None, layout: str = "contiguous") -> Any:
+    """This rank's part of the sequence inputs in ``inputs`` (a tensor, or a dict, tuple or list of them).
+
+    ``names``: which entries carry the sequence -- dict keys, or positions of a tuple or list; they are split
+    along ``dim`` and everything else passes through unchanged. ``None``: every tensor entry carries it
+    (``{"input_ids": ..., "labels": ...}``). A named entry that is not a tensor with the sequence length along
+    ``dim`` is an error, never skipped: a size that only happens to match is not taken for a sequence, and one
+    that does not match is not passed on whole. ``seq_len``: the sequence length (default: the first named
+    tensor's size along ``dim``)."""
+    entries = dict(_entries(inputs))
+    if names is None:
+        names = [name for name, value in entries.items() if isinstance(value, torch.Tensor)]
+    missing = [name for name in names if name not in entries]
+    if missing:
+        raise KeyError(f"shard_inputs: no input named {', '.join(map(repr, missing))}; the inputs are "
+                       f"{', '.join(map(repr, entries))}")
+    if not names:
+        raise ValueError("shard_inputs: no tensor to split")
     if seq_len is None:
-        candidates = [t for t in _tensors(inputs) if t.dim() > dim]
-        if not candidates:
-            raise ValueError(f"shard_inputs: no tensor with a dim {dim} to take the sequence length from")
-        seq_len = candidates[0].size(dim)
+        first = entries[names[0]]
+        seq_len = first.size(dim) if isinstance(first, torch.Tensor) and first.dim() > dim else None
+    wrong = {name: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+             for name, v in ((n, entries[n]) for n in names)
+             if not (isinstance(v, torch.Tensor) and v.dim() > dim and v.size(dim) == seq_len)}
+    if wrong:
+        raise ValueError(f"shard_inputs: the inputs to split must carry the sequence (length {seq_len}) along dim "
+                         f"{dim}; {', '.join(f'{name!r} is {what}' for name, what in wrong.items())}. Pass names= "
+                         f"with only the inputs that carry the sequence")
+    pg = resolve_group(group)
 
-    def shard(x):
-        if isinstance(x, torch.Tensor) and x.dim() > dim and x.size(dim) == seq_len:
-            local = shard_sequence(x, dim, group=pg, layout=layout)
-            torch._dynamo.mark_dynamic(local, dim)
-            return local
-        return x
+    def shard(x: torch.Tensor) -> torch.Tensor:
+        local = shard_sequence(x, dim, group=pg, layout=layout)
+        torch._dynamo.mark_dynamic(local, dim)
+        return local
 
-    return torch.utils._pytree.tree_map(shard, inputs)
+    split = {name: shard(entries[name]) for name in names}
+    if isinstance(inputs, dict):
+        return {name: split.get(name, value) for name, value in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(split.get(i, value) for i, value in enumerate(inputs))
+    return split[None]

@@ -114,7 +114,7 @@ def _options(config: BackendConfig, mlp_chunk: int = CHUNK_MLP_TOKENS) -> list[d
     layers recomputed, and only with the eager inner compiler."""
     mlp = [config.chunk_mlp] if config.chunk_mlp is not None else [None, mlp_chunk]
     layers = [config.recompute] if config.recompute != "none" else ["none", "layers"]
-    offload = [True] if config.offload else [False] + ([True] if config.inner == "eager" else [])
+    offload = [True] if config.offload else [False] + ([True] if config.inner in ("eager", "auto") else [])
     out = []
     for host in offload:
         for recompute in layers:

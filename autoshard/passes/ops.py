@@ -410,8 +410,8 @@ def _bind_token_local(x):
 
 
 @register_canonical("attention", functions=_marker_targets("marked_attention"))
-def _bind_marked_attention(q, k, v, causal, scale):
-    return {"q": q, "k": k, "v": v, "attn_mask": None, "dropout_p": 0.0, "is_causal": causal, "scale": scale,
+def _bind_marked_attention(q, k, v, attn_mask, causal, scale):
+    return {"q": q, "k": k, "v": v, "attn_mask": attn_mask, "dropout_p": 0.0, "is_causal": causal, "scale": scale,
             "enable_gqa": True}
 
 
