@@ -35,8 +35,9 @@ from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
 def compile_overhead(layers: int, repeats: int = 3) -> tuple[list[float], dict[str, float]]:
     """Seconds of ``compile_graph`` on the dynamo graph of a ``layers``-layer model (rank 0 of 2, fake world),
     and each pass's seconds in the run of median total."""
-    from autoshard.compiler import compile_graph
     from autoshard.config import BackendConfig
+    from autoshard.passes.pipeline import compile_graph
+    from autoshard.runtime.groups import sequence_groups
     from autoshard.testing import fake_world
 
     graphs = []
@@ -54,8 +55,7 @@ def compile_overhead(layers: int, repeats: int = 3) -> tuple[list[float], dict[s
             torch._dynamo.reset()
             torch.compile(model, backend=grab)(ids, ids)
             start = time.perf_counter()
-            compiled = compile_graph(graphs[0], config=BackendConfig(), rank=0, world=2,
-                                     group=dist.group.WORLD.group_name)
+            compiled = compile_graph(graphs[0], config=BackendConfig(), groups=sequence_groups(dist.group.WORLD))
             times.append(time.perf_counter() - start)
             per_pass.append({name: stats.seconds for name, stats in compiled.report.passes.items()})
     middle = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]

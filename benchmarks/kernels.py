@@ -45,6 +45,7 @@ def main() -> int:
     from torch.nn.functional import scaled_dot_product_attention
 
     from autoshard.kernels import attention as attn
+    from autoshard.kernels import autotune
 
     def sdpa(q, k, v, causal):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -57,7 +58,7 @@ def main() -> int:
         return triton.testing.do_bench(fn, warmup=25, rep=args.rep, grad_to_none=grads)
 
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
-          f"autotune {'on' if attn._AUTOTUNE else 'off'}")
+          f"autotune {'on' if autotune.AUTOTUNE else 'off'}")
     header = (f"{'S':>6} {'D':>4} {'causal':>6} {'B':>3} {'H':>3} | {'fwd ours':>9} {'fwd sdpa':>9} {'ratio':>6} | "
               f"{'f+b ours':>9} {'f+b sdpa':>9} {'ratio':>6} | {'max rel diff':>12} | configs fwd / dq / dkdv")
     print("TFLOP/s (bf16)")

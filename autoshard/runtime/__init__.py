@@ -15,7 +15,7 @@
 
 from .accounting import CommCounter, comm_counter
 from .attention import attention
-from .collectives import RingCommunicator, all_gather, all_reduce, all_to_all, halo_exchange, reduce_scatter, ring_shift
+from .collectives import RingCommunicator, all_gather, all_reduce, all_to_all, reduce_scatter
 from .groups import resolve_group
 from .layouts import SequenceLayout
 from .sequence import sequence_positions, shard_sequence, unshard_sequence
@@ -28,8 +28,6 @@ __all__ = [
     "reduce_scatter",
     "all_reduce",
     "all_to_all",
-    "halo_exchange",
-    "ring_shift",
     "RingCommunicator",
     "resolve_group",
     "SequenceLayout",

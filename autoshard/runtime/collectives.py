@@ -20,8 +20,6 @@ forward            backward
 ``all_reduce``     ``all_reduce`` (sum) of the output gradient (``max``: split evenly among the
                    ranks that hold the maximum, as ``torch.amax`` splits it among tied elements)
 ``all_to_all``     the reverse ``all_to_all``
-``halo_exchange``  halo gradients sent back to their owners and added there
-``ring_shift``     the opposite shift
 =================  ==========================================================================
 
 Sequence layouts (``shard_sequence`` / ``unshard_sequence`` in :mod:`autoshard.runtime.sequence`)
@@ -53,8 +51,6 @@ __all__ = [
     "reduce_scatter",
     "all_reduce",
     "all_to_all",
-    "halo_exchange",
-    "ring_shift",
     "RingCommunicator",
     "all_gather_impl",
     "reduce_scatter_impl",
@@ -104,6 +100,11 @@ def _sizes_or_even(sizes: Sequence[int], local: int, world: int) -> list[int]:
 
 def _dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim() if x.dim() else 0
+
+
+def _per_position(x: torch.Tensor, dim: int) -> int:
+    """Elements of ``x`` per position along ``dim``."""
+    return _prod(_with(x.shape, dim, 1))
 
 
 def _p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], pg: dist.ProcessGroup,
@@ -365,158 +366,6 @@ def all_to_all(
         raise ValueError(f"all_to_all: cat_sizes {cats} must have {world} entries, this rank's equal to "
                          f"{x.size(cat_dim)}")
     return torch.ops.autoshard.all_to_all(x, split_dim, cat_dim, cuts, cats, pg.group_name)
-
-
-# ---------------------------------------------------------------------------- halo_exchange
-
-
-def _per_position(x: torch.Tensor, dim: int) -> int:
-    """Elements of ``x`` per position along ``dim``."""
-    return _prod(_with(x.shape, dim, 1))
-
-
-def _check_halo(x: torch.Tensor, dim: int, left: int, right: int, pg: dist.ProcessGroup) -> None:
-    """Raise, on every rank alike, unless the ranks agree on the halo and the shape of a position, and every
-    rank holds the positions it sends: its last ``left`` (all but the last rank), its first ``right`` (all but
-    the first)."""
-    facts = gather_facts([x.size(dim), left, right, _per_position(x, dim)], pg)
-    if len({tuple(f[1:]) for f in facts}) > 1:
-        raise ValueError(f"halo_exchange: the ranks differ in (left, right, elements per position along dim {dim}): "
-                         f"{[tuple(f[1:]) for f in facts]} by rank")
-    world = len(facts)
-    short = [r for r, (n, *_) in enumerate(facts) if (r < world - 1 and n < left) or (r > 0 and n < right)]
-    if short:
-        raise ValueError(
-            f"halo_exchange: rank(s) {short} hold {[facts[r][0] for r in short]} positions along dim {dim}, fewer "
-            f"than the halo they send ({left} left, {right} right); use fewer ranks or a longer sequence")
-
-
-def _halo_impl(x: torch.Tensor, dim: int, left: int, right: int, fill: float, pg: dist.ProcessGroup) -> torch.Tensor:
-    world, rank = pg.size(), pg.rank()
-    _check_halo(x, dim, left, right, pg)
-    left_halo = x.new_full(_with(x.shape, dim, left), fill)
-    right_halo = x.new_full(_with(x.shape, dim, right), fill)
-    sends, recvs = [], []
-    if left and rank > 0:
-        recvs.append((left_halo, rank - 1))
-    if left and rank < world - 1:
-        sends.append((x.narrow(dim, x.size(dim) - left, left), rank + 1))
-    if right and rank < world - 1:
-        recvs.append((right_halo, rank + 1))
-    if right and rank > 0:
-        sends.append((x.narrow(dim, 0, right), rank - 1))
-    for w in _p2p(sends, recvs, pg, "halo_exchange"):
-        w.wait()
-    return torch.cat([left_halo, x, right_halo], dim)
-
-
-def _halo_backward_impl(g: torch.Tensor, dim: int, left: int, right: int, pg: dist.ProcessGroup) -> torch.Tensor:
-    world, rank = pg.size(), pg.rank()
-    n = g.size(dim) - left - right
-    gx = g.narrow(dim, left, n).clone()
-    from_next = gx.new_zeros(_with(gx.shape, dim, left))
-    from_prev = gx.new_zeros(_with(gx.shape, dim, right))
-    sends, recvs = [], []
-    if left and rank > 0:
-        sends.append((g.narrow(dim, 0, left), rank - 1))
-    if left and rank < world - 1:
-        recvs.append((from_next, rank + 1))
-    if right and rank < world - 1:
-        sends.append((g.narrow(dim, left + n, right), rank + 1))
-    if right and rank > 0:
-        recvs.append((from_prev, rank - 1))
-    for w in _p2p(sends, recvs, pg, "halo_exchange"):
-        w.wait()
-    if left and rank < world - 1:
-        gx.narrow(dim, n - left, left).add_(from_next)
-    if right and rank > 0:
-        gx.narrow(dim, 0, right).add_(from_prev)
-    return gx
-
-
-@torch.library.custom_op("autoshard::halo_exchange", mutates_args=())
-def _halo_op(x: torch.Tensor, dim: int, left: int, right: int, fill: float, group: str) -> torch.Tensor:
-    return _halo_impl(x, dim, left, right, fill, _pg(group))
-
-
-@_halo_op.register_fake
-def _(x, dim, left, right, fill, group):
-    return x.new_empty(_with(x.shape, dim, x.size(dim) + left + right))
-
-
-@torch.library.custom_op("autoshard::halo_exchange_backward", mutates_args=())
-def _halo_backward_op(grad: torch.Tensor, dim: int, left: int, right: int, group: str) -> torch.Tensor:
-    return _halo_backward_impl(grad, dim, left, right, _pg(group))
-
-
-@_halo_backward_op.register_fake
-def _(grad, dim, left, right, group):
-    return grad.new_empty(_with(grad.shape, dim, grad.size(dim) - left - right))
-
-
-def _halo_setup(ctx, inputs, output):
-    ctx.dim, ctx.left, ctx.right, ctx.group = inputs[1], inputs[2], inputs[3], inputs[5]
-
-
-def _halo_backward(ctx, grad):
-    return (torch.ops.autoshard.halo_exchange_backward(grad, ctx.dim, ctx.left, ctx.right, ctx.group),
-            None, None, None, None, None)
-
-
-_halo_op.register_autograd(_halo_backward, setup_context=_halo_setup)
-
-
-def halo_exchange(x: torch.Tensor, dim: int, *, left: int = 0, right: int = 0, fill: float = 0.0,
-                  group: GroupLike = None) -> torch.Tensor:
-    """Extend this rank's contiguous shard along ``dim`` with the previous rank's last ``left`` positions
-    and the next rank's first ``right`` positions; at the global ends the halo holds ``fill`` (zero by
-    default, which is what a zero-padded convolution expects). Every rank must hold at least the positions it
-    sends; the ranks check that together (their lengths travel as ``"metadata"``), so a short rank fails on
-    every rank. Backward: halo gradients return to their owners and are added there."""
-    if left < 0 or right < 0:
-        raise ValueError("halo_exchange: left and right must be >= 0")
-    return torch.ops.autoshard.halo_exchange(x, _dim(x, dim), left, right, float(fill), group_name(group))
-
-
-# ---------------------------------------------------------------------------- ring_shift
-
-
-def _ring_shift_impl(x: torch.Tensor, shift: int, pg: dist.ProcessGroup) -> torch.Tensor:
-    world, rank = pg.size(), pg.rank()
-    if shift % world == 0:
-        return x.clone()
-    out = torch.empty_like(x)
-    works = _p2p([(x, (rank + shift) % world)], [(out, (rank - shift) % world)], pg, "send_recv")
-    for w in works:
-        w.wait()
-    return out
-
-
-@torch.library.custom_op("autoshard::ring_shift", mutates_args=())
-def _ring_shift_op(x: torch.Tensor, shift: int, group: str) -> torch.Tensor:
-    return _ring_shift_impl(x, shift, _pg(group))
-
-
-@_ring_shift_op.register_fake
-def _(x, shift, group):
-    return torch.empty_like(x)
-
-
-def _ring_shift_setup(ctx, inputs, output):
-    ctx.shift, ctx.group = inputs[1], inputs[2]
-
-
-def _ring_shift_backward(ctx, grad):
-    return torch.ops.autoshard.ring_shift(grad, -ctx.shift, ctx.group), None, None
-
-
-_ring_shift_op.register_autograd(_ring_shift_backward, setup_context=_ring_shift_setup)
-
-
-def ring_shift(x: torch.Tensor, shift: int = 1, *, group: GroupLike = None) -> torch.Tensor:
-    """Send ``x`` to rank ``r + shift`` and receive from rank ``r - shift`` (mod P); every rank's ``x`` has the
-    same shape. Backward: the opposite shift."""
-    return torch.ops.autoshard.ring_shift(x, int(shift), group_name(group))
 
 
 # ---------------------------------------------------------------------------- ring neighbours

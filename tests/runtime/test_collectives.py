@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoshard.runtime import all_gather, all_reduce, all_to_all, comm_counter, halo_exchange, reduce_scatter, ring_shift
+from autoshard.runtime import all_gather, all_reduce, all_to_all, comm_counter, reduce_scatter
 from autoshard.testing import run_on_ranks
 
 WORLD_SIZES = [2, 3, 4]
@@ -30,7 +30,7 @@ def _on_rank(collective: str, shapes: list[tuple], out_shapes: list[tuple], make
     rank = dist.get_rank()
     x = make(rank, *shapes[rank]).requires_grad_()
     fn = {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce,
-          "all_to_all": all_to_all, "halo_exchange": halo_exchange, "ring_shift": ring_shift}[collective]
+          "all_to_all": all_to_all}[collective]
     with comm_counter() as cc:
         y = fn(x, **kw)
         w = _rand(1000 + rank, *out_shapes[rank])
@@ -115,31 +115,6 @@ def test_all_to_all_uneven(world):
     _check(res, *_reference(shapes, out_shape, linear))
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_halo_exchange(world):
-    shapes = [(2, 4, 3)] * world
-    left, right = 2, 1
-    out_shape = [(2, 4 + left + right, 3) for r in range(world)]
-    res = run_on_ranks(_on_rank, world, "halo_exchange", shapes, out_shape, dim=1, left=left, right=right)
-
-    def linear(xs):
-        full = torch.cat(xs, 1)
-        padded = torch.nn.functional.pad(full, (0, 0, left, right))
-        return [padded[:, 4 * r: 4 * r + 4 + left + right] for r in range(world)]
-
-    _check(res, *_reference(shapes, out_shape, linear))
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_ring_shift(world):
-    shapes = [(3, 2)] * world
-    out_shape = [(3, 2) for r in range(world)]
-    res = run_on_ranks(_on_rank, world, "ring_shift", shapes, out_shape, shift=1)
-    _check(res, *_reference(shapes, out_shape, lambda xs: [xs[(r - 1) % world] for r in range(world)]))
-    for _, _, sent, received in res:
-        assert sent == received == 2 * 3 * 2 * 8  # forward + backward
-
-
 def _compiled_all_gather():
     x = torch.arange(4.0) + dist.get_rank()
     fn = torch.compile(lambda t: all_gather(t * 2, 0) + 1, backend="aot_eager", fullgraph=True)
@@ -151,40 +126,6 @@ def test_collectives_trace_under_torch_compile():
     expected = torch.cat([torch.arange(4.0) * 2, (torch.arange(4.0) + 1) * 2]) + 1
     for out in res:
         torch.testing.assert_close(out, expected)
-
-
-def _halo_errors(cases: list[dict]) -> list[str]:
-    """Each case's halo exchange on this rank: the error it raised, or "no error"."""
-    rank = dist.get_rank()
-    out = []
-    for case in cases:
-        x = torch.zeros(2, case["lengths"][rank], 3)
-        try:
-            halo_exchange(x, 1, left=case["left"][rank], right=case["right"])
-            out.append("no error")
-        except ValueError as exc:
-            out.append(str(exc))
-    return out
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_halo_exchange_rejects_bad_shards_on_every_rank(world):
-    """A rank too short for the halo it sends (rank 1, which sends its first position left), or ranks asking
-    for different halos, fail on every rank with the same error -- not on one while the others wait. A last
-    rank that holds fewer positions than the left halo sends nothing, so that is no error."""
-    short = [4] * world
-    short[1] = 0
-    empty_last = [4] * (world - 1) + [0]
-    cases = [dict(lengths=short, left=[2] * world, right=1),
-             dict(lengths=[4] * world, left=[1 + r for r in range(world)], right=0),
-             dict(lengths=empty_last, left=[2] * world, right=0)]
-    results = run_on_ranks(_halo_errors, world, cases, timeout=30)
-    for case, messages in zip(cases, zip(*results)):
-        assert len(set(messages)) == 1, (case, messages)  # the same on every rank
-    too_short, differ, fine = results[0]
-    assert "rank(s) [1] hold [0] positions" in too_short
-    assert "the ranks differ in (left, right" in differ
-    assert fine == "no error"
 
 
 def test_metadata_lives_where_the_backend_takes_it():
