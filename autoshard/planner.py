@@ -506,11 +506,18 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
+def _fake_leaf(mode: FakeTensorMode, x: torch.Tensor) -> torch.Tensor:
+    """``x`` in ``mode`` as a leaf: an input that an earlier graph computed (past a graph break) arrives with a
+    gradient history that ends here -- backward stops at it, as it stops at the graph's boundary."""
+    fake = mode.from_tensor(x)
+    return fake.detach().requires_grad_() if fake.grad_fn is not None else fake
+
+
 def _memory(compiled, example_inputs: list, world: int, root_length: int) -> _GraphMemory:
     """Run the per-rank graph forward and backward on fake tensors (the caller's gradient of every differentiable
     output: ones) and follow its live bytes (see the module docstring)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    inputs = [_fake_leaf(mode, x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     placeholders = [n.name for n in compiled.graph_module.graph.nodes if n.op == "placeholder"]
     parameters = {id(orig): (name, x) for name, x, orig in zip(placeholders, inputs, example_inputs)
                   if isinstance(orig, torch.nn.Parameter)}

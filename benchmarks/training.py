@@ -53,6 +53,7 @@ def _model():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True  # transformers >= 5.25
     return model.train()
 
 

@@ -55,6 +55,28 @@ _GATHERS: dict[str, int] = {}
 """Group name -> how many SplitTensor gathers this rank has made in it."""
 
 
+_GATHER_WARNING = (
+    "autoshard: a value split along the sequence (an autoshard.SplitTensor: an output such as the logits, or a "
+    "value passed between compiled graphs) is used outside compiled code, so it is all-gathered whole for that "
+    "use, and again for every later use. In user code, x.full_tensor() once keeps a whole copy, and "
+    "outputs='gathered' returns plain whole tensors; in model code that dynamo did not compile (a graph break: "
+    "TORCH_LOGS=graph_breaks says where), that code runs undistributed")
+_HUB_KERNELS_HINT = (
+    ". The `kernels` package is loaded: with it, transformers' layers break dynamo's tracing under gradient "
+    "checkpointing (a side effect inside the checkpointed function), so every checkpointed layer runs this way. "
+    "Use backend(recompute='layers') instead of model.gradient_checkpointing_enable(), or set "
+    "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True before compiling")
+
+
+def _hub_kernels_break_checkpoints() -> bool:
+    """Whether the likely cause of a gather between graphs is transformers' hub-kernel layers (transformers
+    >= 5.25 loads the ``kernels`` package) under gradient checkpointing, which dynamo cannot trace unless told to
+    skip replaying forward side effects at recomputation."""
+    import sys
+
+    return "kernels" in sys.modules and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+
+
 def _all_ranks_gather(group_name: str) -> None:
     """Meet the group's other ranks in the rendezvous store before a gather outside compiled code, and raise
     a clear error instead of hanging when they do not come (code that uses a SplitTensor on some ranks only,
@@ -132,11 +154,7 @@ class SplitTensor(torch.Tensor):
         global _WARNED
         if not _WARNED:
             _WARNED = True
-            warnings.warn(
-                "autoshard: an output split along the sequence (an autoshard.SplitTensor, e.g. the logits) is used "
-                "outside compiled code, so it is all-gathered whole for that use, and again for every later use; "
-                "x.full_tensor() once keeps a whole copy, and outputs='gathered' returns plain whole tensors",
-                stacklevel=3)
+            warnings.warn(_GATHER_WARNING + (_HUB_KERNELS_HINT if _hub_kernels_break_checkpoints() else ""), stacklevel=3)
         return torch.ops.autoshard.seq_unshard.default(self.local, self.seq_dim, self.seq_layout.encode(),
                                                        self.group_name)
 
