@@ -38,7 +38,7 @@ import torch.fx as fx
 from .config import BackendConfig
 from .passes.ops import value_of
 from .passes.pipeline import compile_graph
-from .passes.rewrite import CompileReport
+from .passes.report import CompileReport
 from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
 from .planner import memory_policy_for, plan_graph, resolve_config

@@ -38,6 +38,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..runtime.attention.empty_rows import soft_capped_attention, uniform_attention
 from .graph import eliminate_dead_code, is_module_state, new_node, real_value, unused_impure
 from .masks import MASKING_FILL, StructuredMask, Unstructurable, empty_rows_of, structure_mask
 from .ops import canonical, is_tensor_node, register_canonical, shape_of, value_of
@@ -99,15 +100,11 @@ def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None
         return _with_bias(q, k, v, mask, alibi_slopes, position_bias, scale=scale, softcap=softcap,
                           dropout_p=dropout_p, empty_rows=empty_rows)
     if softcap:
-        from .rules.attention import soft_capped_attention
-
         return soft_capped_attention(q, k, v, mask, scale=1.0 / math.sqrt(q.size(-1)) if scale is None else scale,
                                      softcap=softcap, dropout_p=dropout_p, empty_rows=empty_rows)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                          enable_gqa=k.size(-3) != q.size(-3))
     if empty_rows != "zero" and mask is not None and mask.dtype == torch.bool:  # what the additive fill gives
-        from .rules.attention import uniform_attention
-
         empty = ~mask.any(-1, keepdim=True)
         scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
         every_key = (uniform_attention(q, k, v, scale, k.size(-2)) if empty_rows == "uniform" else
@@ -134,8 +131,6 @@ def _with_bias(q, k, v, mask, alibi_slopes, position_bias, *, scale, softcap, dr
     elif mask is not None:
         additive = additive + mask
     if softcap:
-        from .rules.attention import soft_capped_attention
-
         out = soft_capped_attention(q, k, v, additive, scale=scale, softcap=softcap, dropout_p=dropout_p)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout_p, scale=scale,

@@ -55,7 +55,8 @@ from .normalize import annotate, decompose
 from .ops import op_of, value_of
 from .regions import Region, fill_regions, inline_regions, outline_regions
 from .recompute import recompute_layers
-from .rewrite import CompileReport, Rewriter, is_parameter
+from .report import CompileReport
+from .rewrite import Rewriter, is_parameter
 from .rules import link_graph
 
 __all__ = ["PipelineState", "PassStats", "PASSES", "run_pipeline", "CompiledGraph", "compile_graph"]

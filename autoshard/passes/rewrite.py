@@ -15,7 +15,7 @@ P           R            ``reduce_partial``: all-reduce
 R           R (local)    ``grad_sync``: identity whose backward sums the gradient over ranks
 ==========  ===========  ==================================================================
 
-Every transition that moves data and every fallback is recorded in the :class:`CompileReport`,
+Every transition that moves data and every fallback is recorded in the :class:`~.report.CompileReport`,
 with the node it serves and the bytes this rank sends. Collectives are not booked as they are emitted:
 every emitted node is marked with the node whose rewrite emitted it, a transition's collective with the
 value it moves, and once the graph is built the comm book is derived from it (:mod:`.comms`).
@@ -23,7 +23,6 @@ value it moves, and once the graph is built the comm book is derived from it (:m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import operator
@@ -42,63 +41,13 @@ from .graph import is_module_state, mutates
 from .infer import Families, Family
 from .ops import is_tensor_node, numel, op_of, shape_of, value_of
 from .regions import REGION
+from .report import CompileReport, Fallback, Transition
 from .rules import RULES
 
-__all__ = ["Rewriter", "CompileReport", "Transition", "Fallback", "GRAD_BUCKET_BYTES", "is_parameter"]
+__all__ = ["Rewriter", "GRAD_BUCKET_BYTES", "is_parameter"]
 
 GRAD_BUCKET_BYTES = 25 * 2**20
 """Largest gradient bucket (as DDP's default)."""
-
-
-@dataclass
-class Transition:
-    """A placement change that communicates."""
-
-    kind: str
-    """``all_gather``, ``all_reduce``, ``realign``."""
-    node: str
-    """The value moved."""
-    have: str
-    want: str
-    bytes_sent: int
-    """Bytes this rank sends (the accountant's convention)."""
-    reason: str = ""
-
-
-@dataclass
-class Fallback:
-    """An op the rules could not run on shards: its inputs were gathered."""
-
-    node: str
-    op: str
-    reason: str
-
-
-@dataclass
-class CompileReport:
-    """What the rewrite did on this rank."""
-
-    placements: dict[str, str] = field(default_factory=dict)
-    transitions: list[Transition] = field(default_factory=list)
-    fallbacks: list[Fallback] = field(default_factory=list)
-    attention: list[dict] = field(default_factory=list)
-    """One entry per distributed attention: node, strategy, layout, mask, the dtype it computes in."""
-    grad_buckets: dict[str, list[str]] = field(default_factory=dict)
-    """Gradient buckets: bucket node -> the parameters whose gradients it sums in one all-reduce."""
-    comms: list = field(default_factory=list)
-    """Every collective this rank performs, forward and backward, with every rank's bytes
-    (:class:`~autoshard.passes.comms.Comm`)."""
-    square_values: list[str] = field(default_factory=list)
-    """Values that carry the sequence on two dims (an S x S mask or score matrix would be one): they are
-    computed whole along one of them."""
-    recomputed: dict[int, int] = field(default_factory=dict)
-    """Checkpointed region (:mod:`.regions`) -> bytes this rank sends again when backward recomputes it: the
-    whole region reruns, its forward collectives too."""
-    passes: dict = field(default_factory=dict)
-    """Pass name -> its :class:`~autoshard.passes.pipeline.PassStats` (seconds, counts), in pass order."""
-    memory_policy: Any = None
-    """What the memory policy weighed and chose for this graph (:class:`~autoshard.policy.MemoryPolicy`), or None
-    without a budget."""
 
 
 class Rewriter:
@@ -110,10 +59,8 @@ class Rewriter:
         self.gm = gm
         self.groups = groups
         """This rank and the groups the emitted collectives run over."""
-        self.rank, self.world, self.group = groups.rank, groups.world, groups.sequence
-        """Shorthands of ``groups`` the rules read (``group``: the sequence group's name, what runtime ops take)."""
-        self.ring_group, self.heads_group, self.heads_axis_size = groups.ring, groups.heads, groups.heads_axis_size
-        """Shorthands of ``groups`` for the hybrid attention rule."""
+        self.rank, self.world = groups.rank, groups.world
+        """Shorthands of ``groups`` (the rules and the chunked MLP read them for shapes and layouts)."""
         self.sharded_inputs = sharded_inputs or {}
         self.families = families
         self.layouts = layouts
@@ -258,7 +205,7 @@ class Rewriter:
         key = (node, "grad_sync" if self.config.grad_sync or not parameter else "grad_scale")
         if key not in self._cache:
             if not parameter:
-                self._cache[key] = _serving(self.call(grad_sync, new, self.group), node)
+                self._cache[key] = _serving(self.call(grad_sync, new, self.groups.sequence), node)
             elif self.config.grad_sync:
                 self._cache[key] = self._bucketed(node, new)
             else:
@@ -272,7 +219,7 @@ class Rewriter:
         bucket = self._bucket
         if bucket is None or bucket[1] + nbytes > GRAD_BUCKET_BYTES or bucket[2] != value_of(node).dtype:
             with self.graph.inserting_after(self._last_placeholder):
-                bucket_node = self.call(grad_sync_bucket, self.group)
+                bucket_node = self.call(grad_sync_bucket, self.groups.sequence)
             self._last_placeholder = bucket_node
             bucket = self._bucket = [bucket_node, 0, value_of(node).dtype]
         bucket_node = bucket[0]
@@ -302,8 +249,8 @@ class Rewriter:
     def shard_value(self, node: fx.Node, new: fx.Node, want: Shard) -> fx.Node:
         """This rank's part of ``new``, a new-graph node holding ``node``'s whole value."""
         x, dim = self._split_factors(node, new, want, local=False)
-        x = _serving(self.call(torch.ops.autoshard.seq_shard.default, x, dim, want.layout.encode(), self.group), node,
-                     layout=want.layout)
+        x = _serving(self.call(torch.ops.autoshard.seq_shard.default, x, dim, want.layout.encode(),
+                               self.groups.sequence), node, layout=want.layout)
         return self._merge_factors(node, x, want, local=True)
 
     def _unshard(self, node: fx.Node, new: fx.Node, have: Shard, expected: bool, reason: str,
@@ -312,7 +259,8 @@ class Rewriter:
         reduce-scatters the gradient shares (instead of keeping this rank's part of one gradient)."""
         x, dim = self._split_factors(node, new, have, local=True)
         op = torch.ops.autoshard.seq_unshard_for_local_use if local_use else torch.ops.autoshard.seq_unshard
-        x = _serving(self.call(op.default, x, dim, have.layout.encode(), self.group), node, reason, have.layout)
+        x = _serving(self.call(op.default, x, dim, have.layout.encode(), self.groups.sequence), node, reason,
+                     have.layout)
         nbytes = all_gather_bytes(have.layout.max_local_length * self._row_bytes(node, have), self.world)
         self.report.transitions.append(Transition("all_gather", node.name, str(have), "R", nbytes, reason))
         if not expected:
@@ -331,7 +279,7 @@ class Rewriter:
     def _realign(self, node: fx.Node, new: fx.Node, have: Shard, want: Shard) -> fx.Node:
         x, dim = self._split_factors(node, new, have, local=True)
         x = _serving(self.call(torch.ops.autoshard.seq_realign.default, x, dim, have.layout.encode(),
-                               want.layout.encode(), self.group), node)
+                               want.layout.encode(), self.groups.sequence), node)
         sent = realign_bytes(have.layout, want.layout, self._row_bytes(node, have), "forward")[self.rank]
         self.report.transitions.append(Transition("realign", node.name, str(have), str(want), sent, "positions moved"))
         return self._merge_factors(node, x, want, local=True)
@@ -341,7 +289,7 @@ class Rewriter:
         return numel(self.shape(node)) // shard.layout.length * _itemsize(node)
 
     def _reduce(self, node: fx.Node, new: fx.Node, have: Partial) -> fx.Node:
-        out = _serving(self.call(reduce_partial, new, have.op, self.group), node)
+        out = _serving(self.call(reduce_partial, new, have.op, self.groups.sequence), node)
         nbytes = all_reduce_bytes(numel(self.shape(node)), _itemsize(node), self.world)
         self.report.transitions.append(Transition("all_reduce", node.name, str(have), "R", nbytes))
         return out
@@ -406,7 +354,7 @@ class Rewriter:
                 tail = next(iter(reversed(self.graph.nodes)), None)
                 self._rewrite(node)
                 self._mark_emitted(node, tail)
-        book = CommBook(self.world, self.root_length, self.heads_axis_size)
+        book = CommBook(self.world, self.root_length, self.groups.heads_axis_size)
         for region, sent in derive_comms(self.graph, book, self.rank).items():
             self.report.recomputed[region] += sent
         self.report.comms = book.comms

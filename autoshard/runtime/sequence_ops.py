@@ -15,6 +15,9 @@ whose values the compiler read as a mask.
     position (negative positions count from the end, as indexing does). The rules read rows at
     data-dependent positions with it: each rank reads the rows it holds and zeros elsewhere, a partial
     sum whose all-reduce moves only the rows read.
+``local_arange``, ``select_owned``
+    The same for positions the compiler knows: an ``arange`` built at this rank's positions only, and the
+    row at one global position on the rank that holds it, zeros elsewhere (``hidden[:, 0]``).
 ``check_band``
     A guard on a constant buffer that the compiler read as a structured mask (nanoGPT's
     ``tril(ones(N, N))``): each call checks, in O(1), that the buffer is the same tensor at the same
@@ -22,12 +25,12 @@ whose values the compiler read as a mask.
     verified again (:func:`constant_band`) and a buffer that no longer holds the band fails loudly
     instead of running a wrong mask.
 
-Every op is a ``torch.library`` custom op with a fake implementation, so the inner compilers trace it.
+Every op is a ``torch.library`` custom op with a fake implementation, so the inner compilers trace it
+(``local_arange`` and ``select_owned`` are plain functions, traced through).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +38,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .collectives import _pg, all_gather_impl
 from .layouts import SequenceLayout
+from .reductions import extreme_identity
 
-__all__ = ["Band", "constant_band", "local_index"]
+__all__ = ["Band", "constant_band", "local_index", "local_arange", "select_owned"]
 
 
 # ---------------------------------------------------------------------------- positions on this rank
@@ -53,6 +57,25 @@ def local_index(index: torch.Tensor, layout: SequenceLayout, rank: int) -> torch
     return out
 
 
+def local_arange(start, step, layout_code: list[int], rank: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``start + step * p`` for the global positions ``p`` of ``rank`` under the layout (a split ``arange``)."""
+    positions = SequenceLayout.decode(layout_code).positions(rank, device=device)
+    return (positions * step + start).to(dtype)
+
+
+def select_owned(x: torch.Tensor, dim: int, position: int, layout_code: list[int], rank: int) -> torch.Tensor:
+    """``x.select(dim, position)`` on the rank that holds global ``position``, zeros elsewhere (a partial sum)."""
+    layout = SequenceLayout.decode(layout_code)
+    local = 0
+    for s, e in layout.local_intervals(rank):
+        if s <= position < e:
+            return x.select(dim, local + position - s)
+        local += e - s
+    # zeros that stay connected to ``x`` (every rank must run the same backward, and its collectives): the sum of
+    # an empty slice, so no inf or NaN of ``x`` reaches them, in ``x``'s dtype (bool and integers too)
+    return x.narrow(dim, 0, 0).sum(dim, dtype=x.dtype)
+
+
 @torch.library.custom_op("autoshard::seq_local_index", mutates_args=())
 def _seq_local_index(index: torch.Tensor, layout: list[int], rank: int) -> torch.Tensor:
     return local_index(index, SequenceLayout.decode(layout), rank)
@@ -64,15 +87,6 @@ def _(index, layout, rank):
 
 
 # ---------------------------------------------------------------------------- max / min with indices
-
-
-def _identity(dtype: torch.dtype, largest: bool):
-    """What a rank without positions offers: the identity of a maximum (``largest``) or minimum."""
-    if dtype.is_floating_point:
-        return -math.inf if largest else math.inf
-    if dtype == torch.bool:
-        return not largest
-    return torch.iinfo(dtype).min if largest else torch.iinfo(dtype).max
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -89,7 +103,7 @@ def _seq_arg_extreme(x: torch.Tensor, dim: int, keepdim: bool, largest: bool, la
         index = lay.positions(pg.rank(), device=x.device)[index]
     else:
         shape = [1 if d == dim else n for d, n in enumerate(x.shape)]
-        value = x.new_full(shape, _identity(x.dtype, largest))
+        value = x.new_full(shape, extreme_identity(x.dtype, largest))
         index = torch.full(shape, lay.length, dtype=torch.long, device=x.device)
     packed = torch.cat([_as_bytes(value), _as_bytes(index)])
     table = all_gather_impl(packed[None], 0, [1] * pg.size(), pg)  # [P, bytes]: every rank's candidates

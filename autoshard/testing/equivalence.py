@@ -43,7 +43,7 @@ class Comparison:
     """Ops that were computed on gathered inputs."""
     transitions: list[str] = field(default_factory=list)
     compiled_reports: list = field(default_factory=list)
-    """The :class:`~autoshard.passes.rewrite.CompileReport` of every graph compiled on this rank."""
+    """The :class:`~autoshard.passes.report.CompileReport` of every graph compiled on this rank."""
     op_dtypes: dict[str, set[tuple[str, ...]]] = field(default_factory=dict)
     """With ``autocast``: op name (``aten.mm``, ``autoshard.attention``) -> the output dtypes it ran with in the
     compiled forward on this rank (``("bfloat16",)``; one entry per distinct tuple)."""

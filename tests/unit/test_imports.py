@@ -19,14 +19,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "autoshard"
 
-KNOWN_CYCLES = [
-    {"autoshard.passes.rules.reductions", "autoshard.passes.rules.selection"},
-    {"autoshard.passes.rewrite", "autoshard.passes.rules", "autoshard.passes.rules.conv"},
-]
-"""Cycles left in modules whose owners have not untied them yet (rules/selection.py imports reductions'
-``link_reduce`` in a function; rules/conv.py imports rewrite's ``Fallback`` in a function)."""
-
-
 def _modules() -> dict[str, Path]:
     """Module name -> source file, for every module of the package."""
     out = {}
@@ -121,14 +113,6 @@ def test_the_graph_finds_a_cycle_hidden_in_a_function():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_cycle_but_the_known_ones():
-    """No new cycle; the known ones may only shrink."""
-    new = [c for c in cycles(import_graph()) if not any(c <= known for known in KNOWN_CYCLES)]
-    assert not new, f"import cycles: {[sorted(c) for c in new]}"
-
-
-@pytest.mark.xfail(strict=True, reason="cycles in rules/selection.py and rules/conv.py (KNOWN_CYCLES); remove "
-                                       "this marker and KNOWN_CYCLES once they are gone")
 def test_the_import_graph_has_no_cycle():
     found = cycles(import_graph())
     assert not found, f"import cycles: {[sorted(c) for c in found]}"

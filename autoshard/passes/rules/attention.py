@@ -20,14 +20,10 @@ computed in (its output's): under ``torch.autocast`` SDPA and a hand-written att
 their inputs, a custom op is not cast, so the rewrite emits the casts. The op computes in the dtype it
 is given (its blocks accumulate and merge in float32), as a fused kernel does.
 
-Rows that see no key under an additive mask (:func:`fill_empty_rows`) get what one device gives them.
-Such rows can sit on some ranks only (left padding under a causal mask leaves the first rank's rows
-empty), so every rank takes the same path whatever its own rows are: a ~finfo.min fill is always
-computed from all-reduced sums; for a milder fill (or soft-capped scores) the ranks first all-reduce
-whether any row anywhere is empty (one integer), and only then all gather the keys and values,
-together. That decision is a branch on a value, so it runs inside the custom op
-``autoshard::fill_gathered_empty_rows``, opaque to AOTAutograd and Inductor; its backward recomputes the
-forward (the same collectives, in the same order on every rank) and differentiates it.
+Rows that see no key under an additive mask get what one device gives them: the rule emits
+:func:`~autoshard.runtime.attention.empty_rows.fill_empty_rows` after the op, which every rank runs alike
+(those rows can sit on some ranks only) and whose all-reduces, or the one-integer question that precedes
+a gather, are declared here (``TRAFFIC``).
 """
 
 from __future__ import annotations
@@ -38,176 +34,17 @@ import torch
 import torch.nn.functional as F
 
 from ...placements import REPLICATE, Shard
-from ...runtime.collectives import all_gather, all_reduce
 from ...runtime.attention import STRATEGIES, formulas
 from ...runtime.attention import dropout as _dropout  # noqa: F401 -- defines autoshard::attention_seed
 from ...runtime.attention.api import OpConfig
-from ...runtime.attention.local import without_autocast
+from ...runtime.attention.empty_rows import fill_empty_rows, gathers_for_empty_rows
 from ...strategy import attention_shape
 from ..comms import declares
 from ..ops import op_of, shape_of, value_of
 from . import register
 from .pointwise import OUTPUT_WHOLE, run_whole, whole_args
 
-__all__ = ["uniform_attention", "soft_capped_attention", "attend_to_every_key", "fill_empty_rows"]
-
-
-def uniform_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, length: int,
-                      total=lambda t: t) -> torch.Tensor:
-    """Attention in which every score is equal -- what softmax gives rows whose scores all round to an
-    additive mask's ~finfo.min fill. The value is the mean of ``v`` over all ``length`` keys; the gradient is
-    softmax's at equal scores (the scores still depend on q and k for autograd), written with the
-    first-order expansion ``p_j = (1 + e_j - mean(e)) / length`` of zero-valued ``e = s - s.detach()``, which
-    has exactly that value and that gradient. ``total`` sums a per-rank partial over ranks (the keys are
-    split), identity on one device."""
-    group_size = q.size(-3) // k.size(-3)
-    expand = lambda t: t.repeat_interleave(group_size, dim=-3)  # noqa: E731  kv heads -> query heads
-    kv = expand(total(torch.einsum("bhsd,bhse->bhde", k, v.detach())))  # the scores' part: no gradient to v
-    k_mean = expand(total(k.sum(-2, keepdim=True))) / length
-    v_mean = expand(total(v.sum(-2, keepdim=True))) / length
-    first = torch.einsum("bhsd,bhde->bhse", q, kv) * (scale / length)
-    centre = (q * k_mean).sum(-1, keepdim=True) * scale
-    return v_mean + (first - first.detach()) - (centre - centre.detach()) * v_mean
-
-
-def soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-                          scale: float, softcap: float, dropout_p: float = 0.0,
-                          empty_rows: str = "zero") -> torch.Tensor:
-    """Attention whose scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask (Gemma2), on
-    whole tensors with the scores materialized (SDPA has no soft-cap). ``mask``: bool (True = attend), an
-    additive float mask, or None. A row a bool mask hides entirely gets what ``empty_rows`` says (see
-    :class:`~autoshard.passes.masks.StructuredMask`): 0 (``"zero"``), uniform attention to every key with
-    the gradient softmax has at equal scores (``"uniform"``, a ~finfo.min fill), or attention with the
-    unmasked scores (``"scores"``, a milder fill)."""
-    group_size = q.size(-3) // k.size(-3)
-    k, v = (t.repeat_interleave(group_size, dim=-3) for t in (k, v))
-    s = q @ k.transpose(-1, -2) * scale
-    s = softcap * torch.tanh(s / softcap)
-    empty = None
-    if mask is not None and mask.dtype != torch.bool:
-        s = s + mask
-    elif mask is not None:
-        empty = ~mask.any(-1, keepdim=True)
-        on_empty_rows = s - s.detach() if empty_rows == "uniform" else s if empty_rows == "scores" else 0.0
-        s = torch.where(empty, on_empty_rows, s.masked_fill(~mask, float("-inf")))
-    p = torch.softmax(s, -1, dtype=torch.promote_types(s.dtype, torch.float32)).to(q.dtype)
-    if empty is not None and empty_rows == "zero":
-        p = p.masked_fill(empty, 0.0)
-    if dropout_p:
-        p = F.dropout(p, dropout_p)
-    return p @ v
-
-
-def attend_to_every_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float,
-                        sizes: list[int], group: str, uniform: bool) -> torch.Tensor:
-    """Unmasked attention of this rank's queries to every key -- what softmax gives a row whose scores are all
-    shifted by the same mild fill -- or, when ``uniform``, the uniform attention of a ~finfo.min fill with
-    its gradient (for soft-capped scores, which :func:`uniform_attention` cannot serve). Keys and values
-    are gathered in rank order (``sizes``: every rank's number of keys), which softmax does not mind;
-    all_gather's backward sums every rank's share of their gradient."""
-    keys, values = (all_gather(t, -2, group=group, sizes=sizes) for t in (k, v))
-    if softcap:  # rows that see no key, given what the fill gives them
-        no_key_visible = torch.zeros((), dtype=torch.bool, device=q.device).expand(*q.shape[:-1], keys.size(-2))
-        return soft_capped_attention(q, keys, values, no_key_visible, scale=scale, softcap=softcap,
-                                     empty_rows="uniform" if uniform else "scores")
-    return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=k.size(-3) != q.size(-3))
-
-
-def _anywhere(flags: torch.Tensor, group: str) -> bool:
-    """Whether any element of ``flags`` is set on any rank: the same answer on every rank."""
-    return bool(all_reduce(flags.any().to(torch.int32).reshape(1), "max", group=group))
-
-
-def _gathers_for_empty_rows(mode: str, softcap: float) -> bool:
-    """Whether :func:`fill_empty_rows` asks if any row is empty and gathers the keys only then (a mild fill, or
-    soft-capped scores), rather than always computing :func:`uniform_attention` from all-reduced sums."""
-    return mode == "scores" or bool(softcap)
-
-
-def fill_empty_rows(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    scale: float, softcap: float, sizes: list[int], mode: str, group: str) -> torch.Tensor:
-    """Query rows that see no key, as an additive mask makes them (``sizes``: every rank's number of keys):
-    ``"uniform"`` (a ~finfo.min fill) attends uniformly to all keys (:func:`uniform_attention`); ``"scores"``
-    (a milder fill) attends to all keys with the unmasked scores (:func:`attend_to_every_key`), gathering
-    them only when some rank has such a row. With soft-capped scores (``softcap``) the uniform rows'
-    gradient goes through each key's cap, so they too are computed on gathered keys, only when some rank
-    has such a row (through ``autoshard::fill_gathered_empty_rows``)."""
-    if _gathers_for_empty_rows(mode, softcap):
-        return torch.ops.autoshard.fill_gathered_empty_rows(out, lse, q, k, v, scale, softcap, sizes, mode, group)
-    empty = torch.isneginf(lse).unsqueeze(-1)
-    # the sums feed this rank's rows: their gradients are per-rank shares, summed by all_reduce's backward
-    uniform = uniform_attention(q, k, v, scale, sum(sizes), lambda t: all_reduce(t, "sum", group=group))
-    return torch.where(empty, uniform.to(out.dtype), out)
-
-
-def _fill_gathered(out, lse, q, k, v, scale, softcap, sizes, mode, group) -> torch.Tensor:
-    """The gathering branch of :func:`fill_empty_rows`, as plain autograd code."""
-    empty = torch.isneginf(lse).unsqueeze(-1)
-    if not _anywhere(empty, group):
-        return out
-    every_key = attend_to_every_key(q, k, v, scale, softcap, sizes, group, uniform=mode == "uniform")
-    return torch.where(empty, every_key.to(out.dtype), out)
-
-
-def _own_storage(result: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-    """``result``, copied when it shares storage with an input (a custom op's outputs may not alias)."""
-    ptr = result.untyped_storage().data_ptr()
-    return result.clone() if any(t.untyped_storage().data_ptr() == ptr for t in inputs) else result
-
-
-@torch.library.custom_op("autoshard::fill_gathered_empty_rows", mutates_args=())
-def _fill_gathered_op(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      scale: float, softcap: float, sizes: list[int], mode: str, group: str) -> torch.Tensor:
-    with without_autocast(q):
-        result = _fill_gathered(out, lse, q, k, v, scale, softcap, sizes, mode, group).contiguous()
-    return _own_storage(result, out, lse, q, k, v)
-
-
-@_fill_gathered_op.register_fake
-def _(out, lse, q, k, v, scale, softcap, sizes, mode, group):
-    return out.new_empty(out.shape)
-
-
-def _autograd_inside_op():
-    """Autograd on again inside a custom op's kernel, which the dispatcher runs below autograd (the autograd
-    keys excluded, grad mode off), so the recomputed forward records a graph to differentiate."""
-    keys = torch._C.DispatchKey
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in (keys.AutogradOther, keys.AutogradNestedTensor, keys.AutogradFunctionality):
-        exclude = exclude.remove(key)
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
-
-
-@torch.library.custom_op("autoshard::fill_gathered_empty_rows_backward", mutates_args=())
-def _fill_gathered_backward_op(grad: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor,
-                               k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float, sizes: list[int],
-                               mode: str, group: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for ``out``, ``q``, ``k``, ``v``: the forward recomputed with autograd and differentiated
-    (every rank takes the same branch, so the collectives and their backwards match)."""
-    with torch.enable_grad(), _autograd_inside_op(), without_autocast(q):
-        inputs = [t.detach().requires_grad_() for t in (out, q, k, v)]
-        result = _fill_gathered(inputs[0], lse, *inputs[1:], scale, softcap, sizes, mode, group)
-        grads = torch.autograd.grad(result, inputs, grad, allow_unused=True)
-    return tuple(torch.zeros_like(t) if g is None else _own_storage(g.contiguous(), grad, out, lse, q, k, v)
-                 for g, t in zip(grads, inputs))
-
-
-@_fill_gathered_backward_op.register_fake
-def _(grad, out, lse, q, k, v, scale, softcap, sizes, mode, group):
-    return tuple(t.new_empty(t.shape) for t in (out, q, k, v))
-
-
-def _fill_gathered_setup(ctx, inputs, output):
-    out, lse, q, k, v, *ctx.options = inputs
-    ctx.save_for_backward(out, lse, q, k, v)
-
-
-def _fill_gathered_backward(ctx, grad):
-    d_out, dq, dk, dv = torch.ops.autoshard.fill_gathered_empty_rows_backward(grad, *ctx.saved_tensors, *ctx.options)
-    return (d_out, None, dq, dk, dv) + (None,) * len(ctx.options)
-
-
-_fill_gathered_op.register_autograd(_fill_gathered_backward, setup_context=_fill_gathered_setup)
+__all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside
 
 
 @declares(torch.ops.autoshard.attention.default)
@@ -226,10 +63,10 @@ def _attention_traffic(book, call) -> None:
 
 @declares(fill_empty_rows)
 def _empty_row_traffic(book, call) -> None:
-    """What :func:`fill_empty_rows` always sends: the three all-reduces of :func:`uniform_attention` (and their
+    """What :func:`fill_empty_rows` always sends: the three all-reduces of ``uniform_attention`` (and their
     backward), or the one-integer all-reduce that asks whether any rank has an empty row (the gather that
     follows when one has is not planned for)."""
-    if _gathers_for_empty_rows(call.arguments["mode"], call.arguments["softcap"]):
+    if gathers_for_empty_rows(call.arguments["mode"], call.arguments["softcap"]):
         book.all_reduce(call.value.name, 1, 4, "forward", "any row with no visible key")
         return
     op = op_of(call.value)
@@ -279,7 +116,7 @@ def rewrite_attention(rw, node, op):
         args.append(rw.call(torch.ops.autoshard.attention_seed.default, node.name, value_of(q).device)
                     if dropout_p else None)
         # a 2-D mesh strategy's (the hybrid's) group is its Ulysses axis; the layout spans the whole (flattened) mesh
-        groups = (rw.heads_group, rw.ring_group) if STRATEGIES[strategy].mesh_groups else (rw.group, "")
+        groups = (rw.groups.heads, rw.groups.ring) if STRATEGIES[strategy].mesh_groups else (rw.groups.sequence, "")
         config = OpConfig(strategy, sq.layout.encode(), *groups, bool(op.get("causal")),
                           window[0] if window else -1, window[1] if window else -1, int(op.get("chunk") or 0),
                           float(op["scale"]), softcap, dropout_p, rw.config.kernels)
@@ -289,7 +126,7 @@ def rewrite_attention(rw, node, op):
         if empty_rows != "zero":
             lse = rw.call(operator.getitem, call, 1)
             result = rw.call(fill_empty_rows, result, lse, *args[:3], float(op["scale"]), softcap,
-                             list(sq.layout.local_lengths), empty_rows, rw.group)
+                             list(sq.layout.local_lengths), empty_rows, rw.groups.sequence)
         rw.done(node, result, out)
         rw.report.attention.append({"node": node.name, "strategy": strategy, "layout": sq.layout.kind,
                                     "length": sq.layout.length, "causal": bool(op.get("causal")),

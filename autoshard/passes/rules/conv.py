@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ...placements import REPLICATE, Shard
 from ...runtime.conv_halo import encode_windows
 from ..ops import shape_of
+from ..report import Fallback
 from . import register
 from .pointwise import mapped_args, run_whole, whole_args
 
@@ -96,8 +97,6 @@ def rewrite_conv(rw, node, op):
         reason = "a rank holds none of the convolution's output positions"
         whole = rw.reemit(node, *whole_args(rw, node, reason))
         if not isinstance(have, Shard):  # nothing was gathered (that is recorded): the convolution itself ran whole
-            from ..rewrite import Fallback
-
             rw.report.fallbacks.append(Fallback(node.name, str(node.target), reason))
         rw.done(node, rw.shard_value(node, whole, out), out)
         return
@@ -126,7 +125,7 @@ def _split_conv(rw, node: fx.Node, op, params, out: Shard, have) -> fx.Node:
     mine = windows[rw.rank]
     if isinstance(have, Shard):
         fetched = rw.call(torch.ops.autoshard.seq_windows.default, rw.input(src, have), dim, have.layout.encode(),
-                          encode_windows(windows), rw.group)
+                          encode_windows(windows), rw.groups.sequence)
         starts = [sum(hi - lo for lo, hi in mine[:i]) for i in range(len(mine))]
         pieces = [fetched if len(mine) == 1 else rw.call(torch.narrow, fetched, dim, start, hi - lo)
                   for start, (lo, hi) in zip(starts, mine)]

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from ...runtime.layouts import SequenceLayout
 from ...runtime import random as _random  # noqa: F401 -- defines autoshard::sequence_draw
+from ...runtime.sequence_ops import local_arange
 from ..ops import is_tensor_node, shape_of, value_of
 from . import register
 from .pointwise import OUTPUT_WHOLE, link_identity, run_whole, whole_args
 
-__all__ = ["local_arange"]
+__all__: list[str] = []  # the rules register themselves on import
 
 _FILLS = {"zeros": 0, "ones": 1, "new_zeros": 0, "new_ones": 1, "zeros_like": 0, "ones_like": 1}
 _RANDOM_KINDS = {"rand": "rand", "randn": "randn", "rand_like": "rand", "randn_like": "randn"}
@@ -29,12 +29,6 @@ _RANDOM_KINDS = {"rand": "rand", "randn": "randn", "rand_like": "rand", "randn_l
 
 def _name(node) -> str:
     return node.target if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
-
-
-def local_arange(start, step, layout_code: list[int], rank: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """``start + step * p`` for the global positions ``p`` of ``rank`` under the layout."""
-    positions = SequenceLayout.decode(layout_code).positions(rank, device=device)
-    return (positions * step + start).to(dtype)
 
 
 def link_factory(ctx, node, op):

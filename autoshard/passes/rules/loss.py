@@ -26,13 +26,13 @@ import torch.nn.functional as F
 
 from ...placements import REPLICATE, Partial
 from ...runtime.chunked_loss import chunks_for
-from ...runtime.redistribute import reduce_partial
+from ...runtime.reductions import loss_denominator, mean_of_sums
 from ..comms import declares
 from ..ops import is_tensor_node, numel, op_of, shape_of, value_of
 from . import register
 from .pointwise import OUTPUT_WHOLE, link_broadcast, run_whole, want_broadcast
 
-__all__ = ["loss_denominator", "mean_of_sums"]
+__all__: list[str] = []  # the rules register themselves on import
 
 
 def link_cross_entropy(ctx, node, op):
@@ -50,20 +50,6 @@ def link_cross_entropy(ctx, node, op):
         ctx.set_factorization(node, [list(f) for f in ctx.factorization(tgt)])
         for d in range(len(t_shape)):
             ctx.link_dims(node, d, tgt, d)
-
-
-def loss_denominator(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
-    """What ``reduction="mean"`` divides by: the counted targets, or their summed class weights."""
-    valid = target != ignore_index
-    if weight is None:
-        return valid.sum().to(torch.float32 if not torch.is_floating_point(target) else target.dtype)
-    safe = torch.where(valid, target, torch.zeros_like(target))
-    return torch.where(valid, weight[safe], torch.zeros((), dtype=weight.dtype, device=weight.device)).sum()
-
-
-def mean_of_sums(total: torch.Tensor, denominator: torch.Tensor, group: str) -> torch.Tensor:
-    """The global mean from every rank's partial sum and partial denominator."""
-    return reduce_partial(total, "sum", group) / reduce_partial(denominator, "sum", group).to(total.dtype)
 
 
 _CLASS_WEIGHT = {"cross_entropy": "weight", "linear_cross_entropy": "class_weight"}
@@ -115,7 +101,7 @@ def rewrite_cross_entropy(rw, node, op):
         rw.done(node, rw.call(torch.mul, total, 1.0 / rows), Partial())
         return
     denom = rw.call(loss_denominator, t, w, op["ignore_index"])
-    rw.done(node, rw.call(mean_of_sums, total, denom, rw.group), REPLICATE)
+    rw.done(node, rw.call(mean_of_sums, total, denom, rw.groups.sequence), REPLICATE)
 
 
 register("cross_entropy", link=link_cross_entropy, rewrite=rewrite_cross_entropy)
@@ -159,7 +145,7 @@ def rewrite_linear_cross_entropy(rw, node, op):
         rw.done(node, total, Partial())
         return
     denom = rw.call(loss_denominator, t, class_weight, op["ignore_index"])
-    rw.done(node, rw.call(mean_of_sums, total, denom, rw.group), REPLICATE)
+    rw.done(node, rw.call(mean_of_sums, total, denom, rw.groups.sequence), REPLICATE)
 
 
 register("linear_cross_entropy", link=link_linear_cross_entropy, rewrite=rewrite_linear_cross_entropy)
@@ -223,7 +209,8 @@ def rewrite_elementwise_loss(rw, node, op):
     if reduction == "sum":
         rw.done(node, total, Partial())
     elif node.target in _MEAN_OVER_WEIGHTS and options.get("weight") is not None:
-        rw.done(node, rw.call(mean_of_sums, total, rw.call(torch.sum, options["weight"]), rw.group), REPLICATE)
+        weights = rw.call(torch.sum, options["weight"])
+        rw.done(node, rw.call(mean_of_sums, total, weights, rw.groups.sequence), REPLICATE)
     else:
         rw.done(node, rw.call(torch.mul, total, 1.0 / numel(loss_shape)), Partial())
 

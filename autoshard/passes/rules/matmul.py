@@ -149,7 +149,7 @@ def link_product(ctx, node, op):
 
 def _reduced(rw, node, partial):
     """The all-reduced sum of ``partial``, this rank's part of ``node``'s product (before its bias)."""
-    summed = rw.call(torch.ops.autoshard.reduce_partial.default, partial, "sum", rw.group)
+    summed = rw.call(torch.ops.autoshard.reduce_partial.default, partial, "sum", rw.groups.sequence)
     summed.meta[REASON] = "product over the split dim"
     return summed
 

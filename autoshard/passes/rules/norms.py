@@ -3,24 +3,21 @@
 Norms over the hidden dims (LayerNorm, RMSNorm) are per token: they stay local and their weights are
 used whole. Softmax / log-softmax over a dim other than the sequence are per token too; over the
 sequence itself they become collective: the maximum and the sum of exponentials are all-reduced
-(:func:`softmax_over_split`). Norms whose statistics span the sequence (group norm over a split
-spatial dim, batch norm over a split length) gather their input, recorded as a fallback.
+(:func:`~autoshard.runtime.reductions.softmax_over_split`). Norms whose statistics span the sequence
+(group norm over a split spatial dim, batch norm over a split length) gather their input, recorded as a
+fallback.
 """
 
 from __future__ import annotations
 
-import torch
-
 from ...placements import REPLICATE
-from ...runtime.collectives import all_reduce
-from ...runtime.redistribute import reduce_partial
+from ...runtime.reductions import softmax_over_split
 from ..comms import declares
 from ..ops import numel, shape_of, value_of
 from . import register
-from .reductions import local_extreme
 from .pointwise import OUTPUT_WHOLE, link_broadcast, link_same, mapped_args, run_whole
 
-__all__ = ["softmax_over_split"]
+__all__: list[str] = []  # the rules register themselves on import
 
 
 def link_norm(ctx, node, op):
@@ -54,18 +51,6 @@ def rewrite_norm(rw, node, op):
 register("layer_norm", "rms_norm", "group_norm", "batch_norm", link=link_norm, rewrite=rewrite_norm)
 
 
-def softmax_over_split(x: torch.Tensor, dim: int, log: bool, dtype: torch.dtype, group: str) -> torch.Tensor:
-    """(log-)softmax along a dim split over ranks: the max and the normalizer are all-reduced. Computed in
-    ``dtype``, the one-device softmax's output dtype: its ``dtype=`` argument, or float32 where autocast
-    runs softmax in float32 (CUDA)."""
-    x = x.to(dtype)
-    m = reduce_partial(local_extreme(x, [dim]), "max", group)  # an empty shard joins with -inf
-    shifted = x - m
-    # the normalizer feeds this rank's positions: its gradient is a share, summed by all_reduce's backward
-    total = all_reduce(shifted.exp().sum(dim, keepdim=True), "sum", group=group)
-    return shifted - total.log() if log else shifted.exp() / total
-
-
 def rewrite_softmax(rw, node, op):
     out = rw.out_shard(node)
     if out is None:
@@ -80,7 +65,7 @@ def rewrite_softmax(rw, node, op):
         rw.fallback(node, "softmax over a merged split dim")
         return
     log = "log_softmax" in str(getattr(node.target, "__name__", node.target))
-    rw.done(node, rw.call(softmax_over_split, x, dim, log, value_of(node).dtype, rw.group), out)
+    rw.done(node, rw.call(softmax_over_split, x, dim, log, value_of(node).dtype, rw.groups.sequence), out)
 
 
 @declares(softmax_over_split)

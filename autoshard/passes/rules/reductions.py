@@ -5,19 +5,17 @@ split dim:
 
 * ``sum`` / ``count_nonzero`` give a partial sum; ``mean`` is the local sum scaled by one over the
   *global* count, also a partial sum -- exact for uneven shards;
-* ``amax`` / ``amin``: the extreme is all-reduced; the gradient goes to every position that holds it,
-  split evenly across ranks exactly as one device splits it among ties;
-* ``logsumexp``, ``var`` / ``std``: all-reduced maximum / mean, then all-reduced sums;
-* ``all`` / ``any``: an all-reduce of the local answer;
+* ``amax`` / ``amin``, ``logsumexp``, ``var`` / ``std``, ``all`` / ``any``: all-reduced, by the functions of
+  :mod:`autoshard.runtime.reductions` (the gradient of an extreme goes to every position that holds it, split
+  evenly across ranks exactly as one device splits it among ties);
 * ``argmax`` / ``argmin`` and ``max`` / ``min`` with indices: every rank's extreme and its global
   position, all-gathered (:func:`~autoshard.passes.rules.selection.arg_extreme`);
 * others (``prod``, ``norm``, ``argmax`` of the flattened input) gather, recorded as fallbacks.
 
 A rank's shard may be empty (a slice of the sequence can leave a rank no position of it). Every rank
-still joins every all-reduce, with the reduction's identity as its part: ``-inf`` for a maximum
-(:func:`local_extreme`), zero for sums, true for ``all`` and false for ``any`` (what torch's own
-reductions of an empty tensor give), so the all-reduced answer is the one over the ranks that hold
-positions.
+still joins every all-reduce, with the reduction's identity as its part: ``-inf`` for a maximum, zero for
+sums, true for ``all`` and false for ``any`` (what torch's own reductions of an empty tensor give), so the
+all-reduced answer is the one over the ranks that hold positions.
 
 A partial input stays partial through ``sum`` and ``mean`` (they are linear). ``cumsum`` along the
 split dim adds the sums of all earlier positions held by other ranks (``seq_cumsum``).
@@ -25,21 +23,19 @@ split dim adds the sums of all earlier positions held by other ranks (``seq_cums
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
 
 from ...placements import REPLICATE, Partial, Shard
-from ...runtime.collectives import all_reduce
-from ...runtime.redistribute import reduce_partial
+from ...runtime.reductions import extreme_over_split, logsumexp_over_split, truth_over_split, var_over_split
 from ..comms import declares
 from ..ops import shape_of, value_of
 from . import register
-from .pointwise import OUTPUT_WHOLE, link_same, run_whole
+from .pointwise import OUTPUT_WHOLE, TUPLE_LINKS, link_same, run_whole
 from .selection import arg_extreme
 
-__all__ = ["local_extreme", "extreme_over_split", "logsumexp_over_split", "var_over_split", "truth_over_split"]
+__all__: list[str] = []  # the rules register themselves on import; the runtime functions are in runtime/reductions
 
 
 def _reduced_dims(op, ndim: int) -> list[int]:
@@ -78,61 +74,6 @@ def _source_shard(op, out: Shard | None, ndim: int, reduced: list[int]) -> Shard
     return out.moved(kept[out.dim])
 
 
-def _lowest(dtype: torch.dtype, largest: bool) -> float | int | bool:
-    """The identity of a maximum (``largest``) or minimum of ``dtype`` values."""
-    if dtype.is_floating_point:
-        return -math.inf if largest else math.inf
-    if dtype == torch.bool:
-        return not largest
-    return torch.iinfo(dtype).min if largest else torch.iinfo(dtype).max
-
-
-def local_extreme(x: torch.Tensor, dims: list[int], largest: bool = True) -> torch.Tensor:
-    """This rank's part of an amax (``largest``) / amin over ``dims`` (keepdim, no gradient); where the shard
-    has no position along a reduced dim, the all-reduce's identity, which torch's amax refuses to give."""
-    x = x.detach()
-    if all(x.size(d) for d in dims):
-        return x.amax(dims, keepdim=True) if largest else x.amin(dims, keepdim=True)
-    return x.new_full([1 if d in dims else n for d, n in enumerate(x.shape)], _lowest(x.dtype, largest))
-
-
-def extreme_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, largest: bool, group: str) -> torch.Tensor:
-    """amax / amin over dims one of which is split: value all-reduced, gradient shared among all ties."""
-    value = reduce_partial(local_extreme(x, dims, largest), "max" if largest else "min", group)
-    hit = (x == value).to(x.dtype)
-    count = reduce_partial(hit.sum(dims, keepdim=True), "sum", group)
-    picked = reduce_partial((x * hit).sum(dims, keepdim=True), "sum", group) / count
-    out = value + (picked - picked.detach())  # exactly the extreme; gradient 1/count to each tie
-    return out if keepdim else out.squeeze(dims)
-
-
-def logsumexp_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, group: str) -> torch.Tensor:
-    m = reduce_partial(local_extreme(x, dims), "max", group)
-    total = reduce_partial((x - m).exp().sum(dims, keepdim=True), "sum", group)
-    out = total.log() + m
-    return out if keepdim else out.squeeze(dims)
-
-
-def var_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, correction: int, count: int, std: bool,
-                   group: str) -> torch.Tensor:
-    # the mean feeds this rank's positions: its gradient is a share, summed by all_reduce's backward
-    mean = all_reduce(x.sum(dims, keepdim=True), "sum", group=group) / count
-    sq = reduce_partial((x - mean).square().sum(dims, keepdim=True), "sum", group)
-    out = sq / max(count - correction, 0)
-    out = out.sqrt() if std else out
-    return out if keepdim else out.squeeze(dims)
-
-
-def truth_over_split(x: torch.Tensor, dims: list[int], keepdim: bool, every: bool, group: str) -> torch.Tensor:
-    local = (x.all(dims[0], keepdim=True) if every else x.any(dims[0], keepdim=True))
-    for d in dims[1:]:
-        local = local.all(d, keepdim=True) if every else local.any(d, keepdim=True)
-    flag = local.to(torch.int32)
-    merged = reduce_partial(1 - flag if every else flag, "max", group)
-    out = (merged == 0) if every else (merged > 0)
-    return out if keepdim else out.squeeze(dims)
-
-
 def rewrite_reduce(rw, node, op):
     src, kind = op["input"], op["kind"]
     if not isinstance(value_of(node), torch.Tensor):  # max / min with indices
@@ -166,23 +107,24 @@ def rewrite_reduce(rw, node, op):
     count = 1
     for d in dims:
         count *= shape_of(src)[d]
+    group = rw.groups.sequence
     if kind in ("sum", "nansum", "count_nonzero"):
         rw.done(node, rw.reemit(node, (x,) + tuple(node.args[1:]), dict(node.kwargs)), Partial())
     elif kind == "mean":
         local_sum = rw.call(torch.sum, x, dims, keepdim, dtype=value_of(node).dtype)
         rw.done(node, rw.call(torch.mul, local_sum, 1.0 / count), Partial())
     elif kind in ("amax", "amin") or (kind in ("max", "min") and op["dim"] is None):
-        rw.done(node, rw.call(extreme_over_split, x, dims, keepdim, kind in ("amax", "max"), rw.group), REPLICATE)
+        rw.done(node, rw.call(extreme_over_split, x, dims, keepdim, kind in ("amax", "max"), group), REPLICATE)
     elif kind == "logsumexp":
-        rw.done(node, rw.call(logsumexp_over_split, x, dims, keepdim, rw.group), REPLICATE)
+        rw.done(node, rw.call(logsumexp_over_split, x, dims, keepdim, group), REPLICATE)
     elif kind in ("var", "std"):
         correction = op.get("correction", 1)
-        rw.done(node, rw.call(var_over_split, x, dims, keepdim, correction, count, kind == "std", rw.group), REPLICATE)
+        rw.done(node, rw.call(var_over_split, x, dims, keepdim, correction, count, kind == "std", group), REPLICATE)
     elif kind in ("argmax", "argmin") and op["dim"] is not None and not have.factors:
         pair = arg_extreme(rw, src, have, keepdim, kind == "argmax")
         rw.done(node, rw.call(operator.getitem, pair, 1), REPLICATE)
     elif kind in ("all", "any"):
-        rw.done(node, rw.call(truth_over_split, x, dims, keepdim, kind == "all", rw.group), REPLICATE)
+        rw.done(node, rw.call(truth_over_split, x, dims, keepdim, kind == "all", group), REPLICATE)
     else:
         rw.fallback(node, f"{kind} over the split sequence")
 
@@ -208,7 +150,13 @@ def _helper_traffic(book, call) -> None:
         book.all_reduce(call.value.name, v.numel(), itemsize, "backward", what)
 
 
+def link_reduce_with_indices(ctx, producer, producer_op, index, node):
+    """``max(x, dim)`` / ``min(x, dim)``: values and indices keep the other dims."""
+    link_reduce(ctx, node, producer_op)
+
+
 register("reduce", link=link_reduce, rewrite=rewrite_reduce)
+TUPLE_LINKS["reduce"] = link_reduce_with_indices
 
 
 def rewrite_cumsum(rw, node, op):
@@ -228,7 +176,8 @@ def rewrite_cumsum(rw, node, op):
     out_dtype = value_of(node).dtype
     if value_of(src).dtype != out_dtype:  # cumsum of bool / int promotes
         x = rw.method("to", x, out_dtype)
-    rw.done(node, rw.call(torch.ops.autoshard.seq_cumsum.default, x, dim, out.layout.encode(), False, rw.group), out)
+    rw.done(node, rw.call(torch.ops.autoshard.seq_cumsum.default, x, dim, out.layout.encode(), False,
+                          rw.groups.sequence), out)
 
 
 register("cumsum", link=link_same, rewrite=rewrite_cumsum)

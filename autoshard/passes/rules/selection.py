@@ -32,7 +32,7 @@ def arg_extreme(rw, src: fx.Node, have: Shard, keepdim: bool, largest: bool) -> 
     """(values, global indices) of the max (``largest``) / min of ``src``, split as ``have``, along its split
     dim; replicated."""
     return rw.call(torch.ops.autoshard.seq_arg_extreme.default, rw.input(src, have), have.dim, keepdim, largest,
-                   have.layout.encode(), rw.group)
+                   have.layout.encode(), rw.groups.sequence)
 
 
 @declares(torch.ops.autoshard.seq_arg_extreme.default)
@@ -79,13 +79,3 @@ def rewrite_along_dim(rw, node, op):
 
 register("along_dim", link=link_along_dim, rewrite=rewrite_along_dim)
 TUPLE_LINKS["along_dim"] = lambda ctx, producer, producer_op, index, node: _link_output(ctx, producer, producer_op, node)
-
-
-def link_reduce_with_indices(ctx, producer, producer_op, index, node):
-    """``max(x, dim)`` / ``min(x, dim)``: values and indices keep the other dims."""
-    from .reductions import link_reduce
-
-    link_reduce(ctx, node, producer_op)
-
-
-TUPLE_LINKS["reduce"] = link_reduce_with_indices

@@ -31,13 +31,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...placements import REPLICATE, Partial, Shard
-from ...runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines autoshard::seq_local_index
+from ...runtime.sequence_ops import select_owned  # the module defines autoshard::seq_local_index too
 from ..ops import Op, is_tensor_node, shape_of, value_of
 from . import register
 from .dim_maps import Broadcast, DimMap, InputDim, NewDim, Repeat, output_factors, pieces, reshape_map, source_of
 from .pointwise import OUTPUT_WHOLE, TUPLE_LINKS, link_nothing, run_whole, whole_args
 
-__all__ = ["SHAPE_OPS", "ShapeOp", "link_shape_op", "permutation", "select_owned"]
+__all__ = ["SHAPE_OPS", "ShapeOp", "link_shape_op", "permutation"]
 
 SPLIT_STARTS = "the split starts at this value"
 """Why a view, repeat or index whose output starts a split takes its input whole: an expected gather."""
@@ -456,21 +456,6 @@ def _build_index(rw, items, out, node, adv_dims):
                     want = out.moved(d_idx)
             result.append(rw.input(idx, want))
     return tuple(result)
-
-
-def select_owned(x: torch.Tensor, dim: int, position: int, layout_code: list[int], rank: int) -> torch.Tensor:
-    """``x.select(dim, position)`` on the rank that holds global ``position``, zeros elsewhere (a partial sum)."""
-    from ...runtime.layouts import SequenceLayout
-
-    layout = SequenceLayout.decode(layout_code)
-    local = 0
-    for s, e in layout.local_intervals(rank):
-        if s <= position < e:
-            return x.select(dim, local + position - s)
-        local += e - s
-    # zeros that stay connected to ``x`` (every rank must run the same backward, and its collectives): the sum of
-    # an empty slice, so no inf or NaN of ``x`` reaches them, in ``x``'s dtype (bool and integers too)
-    return x.narrow(dim, 0, 0).sum(dim, dtype=x.dtype)
 
 
 register("getitem", "narrow", "select", link=link_index, rewrite=rewrite_index)
