@@ -208,6 +208,16 @@ def _bind_matmul(input, other, *, out=None):
     return {"a": input, "b": other}
 
 
+@register_canonical("einsum", functions=[torch.einsum])
+def _bind_einsum(equation, *operands):
+    """A two-operand einsum (``einsum(eq, a, b)`` or ``einsum(eq, [a, b])``); other counts are not this op."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if len(operands) != 2 or not isinstance(equation, str):
+        raise TypeError(f"einsum of {len(operands)} operands: the product rule takes two")
+    return {"equation": equation, "a": operands[0], "b": operands[1]}
+
+
 @register_canonical("outer", functions=[torch.outer, torch.ger], methods=["outer", "ger"])
 def _bind_outer(input, vec2, *, out=None):
     return {"a": input, "b": vec2}

@@ -1,7 +1,8 @@
 """Matrix products: linear, matmul/bmm/mm, addmm/baddbmm, each one einsum equation.
 
 ``PRODUCTS`` holds one line per op: its equation over the operands (``linear`` is ``"...k,nk->...n"``, the
-matmul family ``"...mk,...kn->...mn"`` with matmul's vector cases), which operands are *weights*, and its bias.
+matmul family ``"...mk,...kn->...mn"`` with matmul's vector cases, ``einsum`` its own of two operands), which
+operands are *weights*, and its bias.
 One link and one rewrite read every line (DTensor's ``_mm_like_strategy("mk,kn->mn")`` is the model):
 
 * a letter of the output is the same positions in every operand that has it (a ``...`` dim where its size is
@@ -41,7 +42,8 @@ class Product:
     """A product op: its equation and how it runs."""
 
     equation: str | Callable[..., str]
-    """Einsum equation over ``operands`` (``...``: broadcast batch dims), or a function of their ranks giving it."""
+    """Einsum equation over ``operands`` (``...``: broadcast batch dims), or a function of the op and the operands'
+    ranks giving it."""
     operands: tuple[str, ...]
     """The op's arguments the equation multiplies, in its order."""
     emit: Callable[..., fx.Node]
@@ -54,11 +56,22 @@ class Product:
     """The rule rewrites every node (:class:`~autoshard.passes.rules.Rule`): it emits the op under another name."""
 
 
-def _matmul_equation(a_ndim: int, b_ndim: int) -> str:
+def _matmul_equation(op: Op, a_ndim: int, b_ndim: int) -> str:
     """``torch.matmul``'s equation: a vector operand has no row (column) letter, batch dims broadcast."""
     a = "...mk" if a_ndim >= 2 else "k"
     b = "...kn" if b_ndim >= 2 else "k"
     return f"{a},{b}->...{'m' if a_ndim >= 2 else ''}{'n' if b_ndim >= 2 else ''}"
+
+
+def _einsum_equation(op: Op, a_ndim: int, b_ndim: int) -> str:
+    """``torch.einsum``'s own equation, spaces dropped and an implicit output written out (the letters used once,
+    in alphabetical order, after ``...`` when an operand has it)."""
+    equation = op["equation"].replace(" ", "")
+    if "->" in equation:
+        return equation
+    letters = equation.replace("...", "").replace(",", "")
+    once = sorted(c for c in set(letters) if letters.count(c) == 1)
+    return f"{equation}->{'...' if '...' in equation else ''}{''.join(once)}"
 
 
 def _emit_linear(rw, node, op, operands, *bias):
@@ -67,6 +80,10 @@ def _emit_linear(rw, node, op, operands, *bias):
 
 def _emit_matmul(rw, node, op, operands, *bias):
     return rw.call(torch.matmul, *operands)
+
+
+def _emit_einsum(rw, node, op, operands, *bias):
+    return rw.call(torch.einsum, op["equation"], *operands)
 
 
 def _emit_addmm(rw, node, op, operands, *bias):
@@ -81,6 +98,7 @@ PRODUCTS: dict[str, Product] = {
                       always=True),  # emits F.linear, unnamed
     "matmul": Product(_matmul_equation, ("a", "b"), _emit_matmul, always=True),  # emits torch.matmul, unnamed
     "addmm": Product(_matmul_equation, ("a", "b"), _emit_addmm, bias="bias"),
+    "einsum": Product(_einsum_equation, ("a", "b"), _emit_einsum),
 }
 
 
@@ -108,7 +126,7 @@ def _terms(product: Product, node: fx.Node, op: Op) -> tuple[list[_Term], list[s
     nodes = [op[name] for name in product.operands]
     equation = product.equation
     if not isinstance(equation, str):
-        equation = equation(*(len(shape_of(x)) for x in nodes))
+        equation = equation(op, *(len(shape_of(x)) for x in nodes))
     inputs, output = equation.split("->")
     terms = [_Term(x, _dim_letters(term, len(shape_of(x))), name in product.weights)
              for x, term, name in zip(nodes, inputs.split(","), product.operands)]
