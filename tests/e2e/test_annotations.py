@@ -1,9 +1,11 @@
 """Annotations on real ranks: each changes what the compiler does, and results stay exact. The models are
 the README example's (``examples/annotations.py``), plus a mixture of experts."""
 
+import functools
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -43,34 +45,48 @@ class Experts(nn.Module):
         return self.dispatch(autoshard.mark_sequence(x, 1))
 
 
+CASES = {
+    "mark_sequence": (example.TokenMLP, lambda: (torch.randn(2, 7, 8),)),
+    "whole": (example.Reverse, lambda: (torch.randn(2, 7, 8),)),
+    "token_local": (example.Sparse, lambda: (torch.randn(2, 7, 8),)),
+    "attention_function": (example.WithMyAttention, lambda: (torch.randn(2, 9, 16),)),
+    "token_local_moe": (Experts, lambda: (torch.randn(2, 9, 8),)),
+}
+
+
 def _check_all():
-    cases = {
-        "mark_sequence": (example.TokenMLP, lambda: (torch.randn(2, 7, 8),)),
-        "whole": (example.Reverse, lambda: (torch.randn(2, 7, 8),)),
-        "token_local": (example.Sparse, lambda: (torch.randn(2, 7, 8),)),
-        "attention_function": (example.WithMyAttention, lambda: (torch.randn(2, 9, 16),)),
-        "token_local_moe": (Experts, lambda: (torch.randn(2, 9, 8),)),
-    }
     out = {}
-    for name, (model, inputs) in cases.items():
+    for name, (model, inputs) in CASES.items():
         torch._dynamo.reset()
         r = compare_with_one_process(model, inputs, dtype=torch.float64, strategy="ring")
         out[name] = (r.max_error(), r.summary(), r.fallbacks, r.transitions, r.attention)
     return out
 
 
-def test_annotations_change_the_plan_and_keep_results_exact():
-    for result in run_on_ranks(_check_all, 2, timeout=300):
-        for name, (err, summary, fallbacks, transitions, attention) in result.items():
-            assert err < 1e-9, f"{name}: {summary}"
-            assert fallbacks == [], f"{name}: {fallbacks}"
-        # mark_sequence split the MLP (a partial mean was reduced)
-        assert any(t.startswith("all_reduce") for t in result["mark_sequence"][3])
-        # whole gathered the value before the flip
-        assert any(t.startswith("all_gather h") for t in result["whole"][3]), result["whole"][3]
-        # token_local kept topk / scatter on shards: nothing is gathered, the output leaves split
-        assert result["token_local"][3] == [], result["token_local"][3]
-        # the mixture of experts dispatched each rank's tokens locally: nothing is gathered
-        assert result["token_local_moe"][3] == [], result["token_local_moe"][3]
-        # the marked attention became distributed attention
-        assert [a["strategy"] for a in result["attention_function"][4]] == ["ring"]
+@functools.cache
+def _results() -> list[dict]:
+    """Every rank's results by case: one launch."""
+    return run_on_ranks(_check_all, 2, timeout=300)
+
+
+CHANGES = {  # what each annotation changed, from (transitions, attention records)
+    # mark_sequence split the MLP (a partial mean was reduced)
+    "mark_sequence": lambda transitions, attention: any(t.startswith("all_reduce") for t in transitions),
+    # whole gathered the value before the flip
+    "whole": lambda transitions, attention: any(t.startswith("all_gather h") for t in transitions),
+    # token_local kept topk / scatter on shards: nothing is gathered, the output leaves split
+    "token_local": lambda transitions, attention: transitions == [],
+    # the marked attention became distributed attention
+    "attention_function": lambda transitions, attention: [a["strategy"] for a in attention] == ["ring"],
+    # the mixture of experts dispatched each rank's tokens locally: nothing is gathered
+    "token_local_moe": lambda transitions, attention: transitions == [],
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_annotation_changes_the_plan_and_keeps_results_exact(name):
+    for rank, result in enumerate(_results()):
+        err, summary, fallbacks, transitions, attention = result[name]
+        assert err < 1e-9, f"{name} rank {rank}: {summary}"
+        assert fallbacks == [], f"{name} rank {rank}: {fallbacks}"
+        assert CHANGES[name](transitions, attention), f"{name} rank {rank}: {transitions}, {attention}"

@@ -7,6 +7,8 @@ soft-caps its attention scores; its random weights are scaled up (initializer_ra
 low so that the cap bends the scores.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -121,24 +123,43 @@ CASES_4 = [("llama_pad", 62, "sdpa", "zigzag"), ("mistral", 64, "eager", "ring")
            ("vit", 17, "eager", "ring"), ("gpt2", 61, "sdpa", "ring")]
 
 
+def _check_case(where: str, case: tuple, result: tuple) -> None:
+    name, seq, impl, strategy, err, summary, fallbacks, attention, squares = result
+    assert (name, seq, impl, strategy) == case, (where, case, result[:4])
+    assert err <= 1e-4, f"{where}: {summary}"
+    assert fallbacks == [], f"{where}: {fallbacks}"
+    assert squares == [], f"{where}: S x S values {squares}"
+    assert attention and all(a["strategy"] == strategy for a in attention), f"{where}: {attention}"
+
+
 def _check(world, cases, inner="eager"):
     """Run ``cases`` on ``world`` ranks, the graphs lowered with ``inner``, and check every rank; returns every
     case's attention records."""
     records = []
     for rank, results in enumerate(run_on_ranks(_run, world, cases, inner, timeout=900)):
-        for name, seq, impl, strategy, err, summary, fallbacks, attention, squares in results:
-            where = f"{name} {impl} S={seq} {strategy} P={world} rank {rank}"
-            assert err <= 1e-4, f"{where}: {summary}"
-            assert fallbacks == [], f"{where}: {fallbacks}"
-            assert squares == [], f"{where}: S x S values {squares}"
-            assert attention and all(a["strategy"] == strategy for a in attention), f"{where}: {attention}"
-            records.append((where, attention))
+        for case, result in zip(cases, results):
+            where = f"{result[0]} {result[2]} S={result[1]} {result[3]} P={world} rank {rank}"
+            _check_case(where, case, result)
+            records.append((where, result[7]))
     return records
 
 
-@pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)], ids=["P2", "P4"])
-def test_hf_models_match_one_process(world, cases):
-    _check(world, cases)
+@functools.cache
+def _results(world: int) -> list[list[tuple]]:
+    """Every rank's results, one per case of the world size: one launch per world size."""
+    return run_on_ranks(_run, world, CASES[world], "eager", timeout=900)
+
+
+CASES = {2: CASES_2, 4: CASES_4}
+ITEMS = [(world, case) for world, cases in CASES.items() for case in cases]
+
+
+@pytest.mark.parametrize("world,case", ITEMS, ids=[f"P{w}-" + "-".join(map(str, c)) for w, c in ITEMS])
+def test_hf_models_match_one_process(world, case):
+    for rank, results in enumerate(_results(world)):
+        name, seq, impl, strategy = case
+        _check_case(f"{name} {impl} S={seq} {strategy} P={world} rank {rank}", case,
+                    results[CASES[world].index(case)])
 
 
 def test_gemma2_soft_capped_attention_is_distributed():

@@ -9,8 +9,10 @@
 * ``unbind`` off the sequence dim keeps the split (timm-style ``q, k, v = qkv.unbind(0)``), along it
   gathers.
 
-Every case of one world size runs in one launch (a launch costs seconds).
+Every case of one world size runs in one launch (a launch costs seconds); one pytest item per case.
 """
+
+import functools
 
 import pytest
 import torch
@@ -149,18 +151,45 @@ def _run_cases(seq):
     return results
 
 
-@pytest.mark.parametrize("world,seq", [(2, 9), (3, 13)])
-def test_rule_edge_cases_match_one_process(world, seq):
-    for rank_results in run_on_ranks(_run_cases, world, seq, timeout=300):
-        for name, r in rank_results.items():
-            assert r["error"] < 1e-9, f"{name}: {r['summary']}"
-        unbind = rank_results["unbind"]
-        assert not unbind["fallbacks"], unbind["fallbacks"]
-        placed = unbind["placements"]  # [B, H, S, D] queries, keys and values split along S
-        assert [placed[name] for name in ("q", "k", "v", "first", "second")] == ["S(2)"] * 3 + ["S(0)"] * 2, placed
-        assert [a["strategy"] for a in unbind["attention"]] not in ([], ["whole"], ["gathered-kv"]), unbind["attention"]
-        assert any("splitting along the split sequence dim" in f for f in rank_results["unbind_along_sequence"]["fallbacks"])
-        assert any("not causal" in f for f in rank_results["aranges"]["fallbacks"])  # the stepped mask stays dense
+SEQ = {2: 9, 3: 13}
+"""World size -> the length the cases run at (neither divides it)."""
+
+
+@functools.cache
+def _results(world: int) -> list[dict]:
+    """Every rank's results by case: one launch per world size."""
+    return run_on_ranks(_run_cases, world, SEQ[world], timeout=300)
+
+
+def _unbind_keeps_the_split(r) -> None:
+    assert not r["fallbacks"], r["fallbacks"]
+    placed = r["placements"]  # [B, H, S, D] queries, keys and values split along S
+    assert [placed[name] for name in ("q", "k", "v", "first", "second")] == ["S(2)"] * 3 + ["S(0)"] * 2, placed
+    assert [a["strategy"] for a in r["attention"]] not in ([], ["whole"], ["gathered-kv"]), r["attention"]
+
+
+def _split_along_the_sequence_is_gathered(r) -> None:
+    assert any("splitting along the split sequence dim" in f for f in r["fallbacks"]), r["fallbacks"]
+
+
+def _stepped_mask_stays_dense(r) -> None:
+    assert any("not causal" in f for f in r["fallbacks"]), r["fallbacks"]
+
+
+EXPECTED = {"unbind": _unbind_keeps_the_split, "unbind_along_sequence": _split_along_the_sequence_is_gathered,
+            "aranges": _stepped_mask_stays_dense}
+"""What a case must also show, beyond matching one process."""
+ITEMS = [(world, name) for world in SEQ for name in CASES]
+
+
+@pytest.mark.parametrize("world,name", ITEMS, ids=[f"P{w}-{n}" for w, n in ITEMS])
+def test_rule_edge_cases_match_one_process(world, name):
+    for rank, rank_results in enumerate(_results(world)):
+        r = rank_results[name]
+        where = f"{name} P={world} rank {rank}"
+        assert r["error"] < 1e-9, f"{where}: {r['summary']}"
+        if name in EXPECTED:
+            EXPECTED[name](r)
 
 
 class InPlace(nn.Module):
