@@ -631,7 +631,8 @@ def _decisions(compiled, index: int, world: int, config: BackendConfig, topology
             dense = node.meta.get(DENSE_MASK)
             # the rewrite's reason where it did not distribute the attention as the strategy pass chose
             reason = decided.get("reason") or compiled.reasons.get(node, "")
-            if dense is not None:  # an unknown mask is not one that is "not causal / window / ...": its own reason
+            if dense is not None and (dense.unknown_buffers or dense.reason not in reason):
+                # an unknown mask is not one that is "not causal / window / ...": its own reason
                 reason = dense.reason if dense.unknown_buffers or not reason else f"{reason}: {dense.reason}"
             mask = ", ".join([k if k != "chunk" else f"chunk {decided[k]}"
                               for k in MASK_TERMS if decided.get(k)]

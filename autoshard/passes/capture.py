@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ..runtime.attention.empty_rows import soft_capped_attention, uniform_attention
 from .graph import eliminate_dead_code, is_module_state, new_node, real_value, unused_impure
 from .masks import MASKING_FILL, StructuredMask, Unstructurable, empty_rows_of, structure_mask
-from .ops import canonical, is_tensor_node, register_canonical, shape_of, value_of
+from .ops import canonical, is_tensor_node, permutation, register_canonical, shape_of, value_of
 
 __all__ = ["captured_attention", "capture_attention", "dense_mask_of", "DenseMask", "DENSE_MASK"]
 
@@ -191,8 +191,6 @@ def _transposed_last(node: fx.Node) -> fx.Node | None:
     op = _op(node)
     if op is None or op.name != "permute":
         return None
-    from .rules.views import permutation
-
     perm = permutation(node)
     n = len(perm)
     return op["input"] if perm == list(range(n - 2)) + [n - 1, n - 2] else None
@@ -351,6 +349,9 @@ def _unknown_buffers(mask) -> tuple[str, ...]:
 def _dense(reason: str, mask) -> DenseMask:
     """Why ``mask`` stays dense, ``reason`` being why it could not be structured."""
     unknown = _unknown_buffers(mask)
+    if isinstance(mask, fx.Node) and mask.op == "placeholder" and not is_module_state(mask):
+        reason = ("its mask is an input of this graph, made by an earlier one (a graph break, or FSDP2's per-layer "
+                  "graphs: the model builds the mask before its layers), so its structure cannot be read here")
     if unknown:
         reason = (f"its mask is computed from module state {', '.join(unknown)}, whose values are unknown here (a "
                   f"model on the meta device): planned as a dense mask; plan the model with its buffers' values "

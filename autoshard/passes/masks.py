@@ -51,8 +51,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ..runtime.sequence_ops import Band, constant_band
 from .graph import new_node as _new
 from .graph import real_value
-from .ops import canonical, is_tensor_node, shape_of, value_of
-from .rules.views import permutation
+from .ops import canonical, is_tensor_node, permutation, shape_of, value_of
 
 __all__ = ["StructuredMask", "structure_mask", "Unstructurable", "empty_rows_of", "MASKING_FILL", "SWAMPING_FILL"]
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines autoshard::check_band
 
-__all__ = ["Op", "OP_KEY", "canonical", "op_of", "register_canonical", "value_of", "is_tensor_node", "shape_of",
+__all__ = ["Op", "OP_KEY", "canonical", "op_of", "permutation", "register_canonical", "value_of", "is_tensor_node", "shape_of",
            "numel"]
 
 OP_KEY = "autoshard_op"
@@ -487,6 +487,16 @@ def canonical(node: fx.Node) -> Op | None:
     if name is not None and _aten_pointwise(name):
         return Op("pointwise", {"fn": name})
     return None
+
+
+def permutation(node: fx.Node) -> list[int]:
+    """Output dim i is input dim perm[i]: found by running the op on a meta tensor of distinct sizes."""
+    src = node.args[0]
+    ndim = len(shape_of(src))
+    probe = torch.empty(tuple(range(2, 2 + ndim)), device="meta")
+    args = (probe,) + tuple(node.args[1:])
+    out = getattr(probe, node.target)(*args[1:], **node.kwargs) if node.op == "call_method" else node.target(*args, **node.kwargs)
+    return [s - 2 for s in out.shape]
 
 
 def op_of(node: Any) -> Op | None:

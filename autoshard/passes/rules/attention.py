@@ -39,6 +39,7 @@ from ...runtime.attention import dropout as _dropout  # noqa: F401 -- defines au
 from ...runtime.attention.api import OpConfig
 from ...runtime.attention.empty_rows import fill_empty_rows, gathers_for_empty_rows
 from ...strategy import attention_shape
+from ..capture import DENSE_MASK
 from ..comms import declares
 from ..ops import op_of, shape_of, value_of
 from . import register
@@ -141,7 +142,9 @@ def rewrite_attention(rw, node, op):
                   or op.get("segment_ids"))
     if (dense is not None and dropout_p == 0.0 and not softcap and out is not None and out.dim == 2
             and not out.factors and not structured):
-        reason = "attention with a mask that is not causal / window / padding / segments"
+        why = node.meta.get(DENSE_MASK)
+        reason = ("attention with a mask that is not causal / window / padding / segments"
+                  + (f": {why.reason}" if why is not None else ""))
         nd = len(shape_of(dense))
         mask_rows = out.moved(nd - 2) if shape_of(dense)[nd - 2] == shape_of(q)[2] else REPLICATE
         new = rw.call(F.scaled_dot_product_attention, rw.input(q, out),

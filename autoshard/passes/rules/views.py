@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ...placements import REPLICATE, Partial, Shard
 from ...runtime.sequence_ops import select_owned  # the module defines autoshard::seq_local_index too
-from ..ops import Op, is_tensor_node, shape_of, value_of
+from ..ops import Op, is_tensor_node, permutation, shape_of, value_of
 from . import register
 from .dim_maps import Broadcast, DimMap, InputDim, NewDim, Repeat, output_factors, pieces, reshape_map, source_of
 from .pointwise import OUTPUT_WHOLE, TUPLE_LINKS, link_nothing, run_whole, whole_args
@@ -101,16 +101,6 @@ def _repeated_dim(op: Op) -> int | None:
     if isinstance(repeats, int) and not isinstance(repeats, bool) and dim is not None:
         return dim % len(shape_of(op["input"]))
     return None
-
-
-def permutation(node: fx.Node) -> list[int]:
-    """Output dim i is input dim perm[i]: found by running the op on a meta tensor of distinct sizes."""
-    src = node.args[0]
-    ndim = len(shape_of(src))
-    probe = torch.empty(tuple(range(2, 2 + ndim)), device="meta")
-    args = (probe,) + tuple(node.args[1:])
-    out = getattr(probe, node.target)(*args[1:], **node.kwargs) if node.op == "call_method" else node.target(*args, **node.kwargs)
-    return [s - 2 for s in out.shape]
 
 
 def _to_local_shape(method: str) -> Callable:
