@@ -14,6 +14,11 @@ what capture and decompose inserted between them, and ``outline`` cuts each one 
 ``tag_activation_checkpoint`` call after the rewrite, collectives included (the compile report books them a
 second time, phase backward). The pass runs after every pass that changes the graph before inference.
 
+A graph that *is* one layer -- a block compiled by itself: FSDP2's hooks cut a model into one graph per layer,
+and ``layer.compile()`` does so by hand -- has no module list inside it (its module paths start at the traced
+module, ``L['self'].self_attn``...). Such a graph, when it holds an attention, is one layer: its whole body
+becomes the region (its inputs are what the checkpoint keeps, as a layer's would be).
+
 A layer is left as it is (and counted) when:
 
 * the model already checkpoints some of it (``already``): its own checkpoint stays;
@@ -29,6 +34,7 @@ import re
 
 import torch.fx as fx
 
+from .capture import captured_attention
 from .ops import op_of
 from .regions import REGION, Region
 
@@ -48,6 +54,12 @@ def layer_of(node: fx.Node) -> str | None:
         if _INDEXED.search(path):
             return path
     return None
+
+
+def _is_one_layer(order: list[fx.Node]) -> bool:
+    """Whether the graph of ``order``, which holds no module list, is a layer's own forward (see the module
+    docstring): it holds an attention."""
+    return any(n.target is captured_attention for n in order)
 
 
 def _draws_random(node: fx.Node) -> bool:
@@ -70,6 +82,8 @@ def recompute_layers(gm: fx.GraphModule, regions: list[Region], mode: str) -> di
         path = layer_of(node)
         if path is not None:
             layers.setdefault(path, []).append(node)
+    if not layers and _is_one_layer(order):
+        layers["L['self']"] = order
     position = {n: i for i, n in enumerate(order)}
     for path, nodes in layers.items():
         first, last = position[nodes[0]], position[nodes[-1]]
