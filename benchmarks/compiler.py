@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.models import LlamaConfig, LlamaLM
-from autoshard.models.llama import rope, rotate
+from autoshard.testing.models import LlamaConfig, LlamaLM
+from autoshard.testing.models.llama import rope, rotate
 from autoshard.runtime import attention, sequence_positions, shard_sequence
 from autoshard.runtime.redistribute import reduce_partial
 from autoshard.testing import run_on_ranks

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.models import LlamaConfig, LlamaLM
+from autoshard.testing.models import LlamaConfig, LlamaLM
 
 
 def main(seq_len: int = 250):

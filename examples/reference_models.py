@@ -3,7 +3,7 @@
     python examples/reference_models.py --model vit --strategy zigzag --seq-len 65 --ranks 2
     torchrun --nproc-per-node 4 examples/reference_models.py --model bert --strategy ulysses
 
-Models (autoshard/models): llama (RoPE, GQA, tied head, shifted labels), bert (padding mask,
+Models (autoshard/testing/models): llama (RoPE, GQA, tied head, shifted labels), bert (padding mask,
 masked mean pooling), vit (conv patches, CLS token, full positional parameter), handwritten
 (attention written as matmul / masked_fill / softmax / matmul). Prints what the compiler did and
 the largest relative difference of outputs and gradients from the plain model on one process.
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.models import BertClassifier, HandwrittenLM, LlamaLM, ViTClassifier, ViTConfig
+from autoshard.testing.models import BertClassifier, HandwrittenLM, LlamaLM, ViTClassifier, ViTConfig
 from autoshard.testing.equivalence import compare_with_one_process
 
 

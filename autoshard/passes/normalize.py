@@ -1,4 +1,4 @@
-"""Normalize: give every node its canonical op (``annotate``), and decompose the few composites rules need
+"""Normalize: give every node its canonical op (``canonicalize``), and decompose the few composites rules need
 no table for (``decompose``; it runs after attention capture, which reads masks in their original form).
 
 ``torch.diff(x, prepend=p)`` along a dim becomes ``X = cat(p, x); X[1:] - X[:-1]``: slices and a
@@ -19,7 +19,7 @@ import torch.fx as fx
 from .graph import new_node
 from .ops import OP_KEY, canonical, op_of, shape_of
 
-__all__ = ["annotate", "decompose"]
+__all__ = ["canonicalize", "decompose"]
 
 
 def _slice_along(graph: fx.Graph, x: fx.Node, dim: int, start, stop) -> fx.Node:
@@ -56,7 +56,7 @@ def _decompose_outer(graph: fx.Graph, node: fx.Node, op) -> fx.Node:
     return _replace(graph, node, out)
 
 
-def annotate(gm: fx.GraphModule) -> None:
+def canonicalize(gm: fx.GraphModule) -> None:
     """Record ``node.meta[OP_KEY]``, the canonical op, for every node."""
     for node in gm.graph.nodes:
         node.meta[OP_KEY] = canonical(node)

@@ -51,7 +51,7 @@ from .chunk_mlp import chunk_mlps
 from .chunking import chunk_losses
 from .functionalize import functionalize
 from .infer import Families, LinkContext, find_families
-from .normalize import annotate, decompose
+from .normalize import canonicalize, decompose
 from .ops import op_of, value_of
 from .regions import Region, fill_regions, inline_regions, outline_regions
 from .recompute import recompute_layers
@@ -126,7 +126,7 @@ def _inline(state: PipelineState) -> dict[str, int]:
 
 
 def _canonical(state: PipelineState) -> dict[str, int]:
-    annotate(state.gm)
+    canonicalize(state.gm)
     return {"nodes": len(state.gm.graph.nodes)}
 
 
@@ -136,7 +136,7 @@ def _functionalize(state: PipelineState) -> dict[str, int]:
 
 def _capture(state: PipelineState) -> dict[str, int]:
     captured = capture_attention(state.gm, state.missed)
-    annotate(state.gm)  # rewired nodes: their canonical ops must name the new inputs
+    canonicalize(state.gm)  # rewired nodes: their canonical ops must name the new inputs
     layers = sum(getattr(op_of(n), "name", None) in ("linear", "matmul", "addmm") for n in state.gm.graph.nodes)
     return {"attention": len(captured), "dense_masks": sum(reason is not None for _, reason in captured),
             "missed": len(state.missed), "layers": layers}

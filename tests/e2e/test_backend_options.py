@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.models import BertClassifier, BertConfig, LlamaLM
+from autoshard.testing.models import BertClassifier, BertConfig, LlamaLM
 from autoshard.runtime import all_reduce, unshard_sequence
 from autoshard.testing import RankFailure, run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process

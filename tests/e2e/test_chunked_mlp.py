@@ -3,8 +3,8 @@
 
 Cases, each at length 61 (neither world size divides it), batch 2, ``chunk_mlp=10``:
 
-* ``llama`` -- :class:`autoshard.models.LlamaLM`, SwiGLU ``down(silu(gate(x)) * up(x))``, no biases;
-* ``bert`` -- :class:`autoshard.models.BertClassifier`, ``ff2(gelu(ff1(x)))`` with biases, a padding mask;
+* ``llama`` -- :class:`autoshard.testing.models.LlamaLM`, SwiGLU ``down(silu(gate(x)) * up(x))``, no biases;
+* ``bert`` -- :class:`autoshard.testing.models.BertClassifier`, ``ff2(gelu(ff1(x)))`` with biases, a padding mask;
 * ``hf_llama`` -- transformers' ``LlamaForCausalLM`` from a tiny config (what users run);
 * ``mixed`` -- a GELU MLP spelled out in GPT-2's tanh form (several pointwise ops), chunked, and a ReLU MLP whose
   activation is used outside it too, left whole (``unchunked_mlps``);
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import autoshard
-from autoshard.models import BertClassifier, BertConfig, LlamaConfig, LlamaLM
+from autoshard.testing.models import BertClassifier, BertConfig, LlamaConfig, LlamaLM
 from autoshard.passes.chunk_mlp import split_sizes
 from autoshard.testing import run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process

@@ -102,7 +102,7 @@ def test_aot_eager_attention_on_strided_heads():
 
 
 def _reference_models_under_aot_eager():
-    from autoshard.models import BertClassifier, LlamaLM
+    from autoshard.testing.models import BertClassifier, LlamaLM
     from autoshard.testing.equivalence import compare_with_one_process
 
     ids = lambda: torch.randint(0, 256, (2, 13))  # noqa: E731

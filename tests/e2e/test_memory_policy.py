@@ -20,7 +20,7 @@ import torch
 
 import autoshard
 from autoshard.config import BackendConfig
-from autoshard.models import LlamaConfig, LlamaLM
+from autoshard.testing.models import LlamaConfig, LlamaLM
 from autoshard.policy import CHUNK_MLP_TOKENS, MemoryBudgetError, _options, choose_memory_policy
 from autoshard.testing import run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process

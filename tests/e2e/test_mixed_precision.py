@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.models import HandwrittenConfig, HandwrittenLM, LlamaConfig, LlamaLM
+from autoshard.testing.models import HandwrittenConfig, HandwrittenLM, LlamaConfig, LlamaLM
 from autoshard.runtime import attention, comm_counter, shard_sequence
 from autoshard.testing import run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process

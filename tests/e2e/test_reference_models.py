@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard.cost import Topology
-from autoshard.models import BertClassifier, BertConfig, HandwrittenLM, LlamaLM, ViTClassifier, ViTConfig
+from autoshard.testing.models import BertClassifier, BertConfig, HandwrittenLM, LlamaLM, ViTClassifier, ViTConfig
 from autoshard.runtime import comm_counter
 from autoshard.testing import run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard.cost import Topology
-from autoshard.models import BertClassifier, HandwrittenLM, LlamaConfig, LlamaLM, ViTClassifier, ViTConfig
+from autoshard.testing.models import BertClassifier, HandwrittenLM, LlamaConfig, LlamaLM, ViTClassifier, ViTConfig
 from autoshard.planner import Plan
 from autoshard.runtime import comm_counter
 from autoshard.runtime.attention import formulas
@@ -153,7 +153,7 @@ def test_dry_run_logs_the_plan_and_runs_unsharded():
 def test_command_line(tmp_path):
     factory = tmp_path / "factory.py"
     factory.write_text(
-        "import torch\nfrom autoshard.models import LlamaLM\n"
+        "import torch\nfrom autoshard.testing.models import LlamaLM\n"
         "def make(seq_len):\n"
         "    with torch.device('meta'):\n"
         "        m = LlamaLM(); ids = torch.randint(0, 256, (1, seq_len))\n"

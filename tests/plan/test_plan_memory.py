@@ -60,6 +60,7 @@ def _model(vocab: int, hidden: int, seq: int, checkpointed: bool) -> nn.Module:
     llama = transformers.LlamaForCausalLM(cfg).float()
     if checkpointed:
         llama.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True  # transformers >= 5.25
     return _LossOnly(llama).train()
 
 

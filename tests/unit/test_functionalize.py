@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autoshard.passes.functionalize import functionalize
-from autoshard.passes.normalize import annotate
+from autoshard.passes.normalize import canonicalize
 
 
 def _graph(fn, *inputs):
@@ -21,7 +21,7 @@ def _graph(fn, *inputs):
     torch._dynamo.reset()
     torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
     (gm,) = graphs
-    annotate(gm)
+    canonicalize(gm)
     return gm
 
 

@@ -4,7 +4,7 @@ produced (planned on a fake world: no process group)."""
 import torch
 
 import autoshard
-from autoshard.models import HandwrittenLM, LlamaLM
+from autoshard.testing.models import HandwrittenLM, LlamaLM
 from autoshard.passes.pipeline import PASSES
 
 

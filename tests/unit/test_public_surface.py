@@ -13,8 +13,8 @@ import torch
 
 import autoshard
 from autoshard import BackendConfig
-from autoshard.models import LlamaLM
-from autoshard.models.llama import LlamaConfig
+from autoshard.testing.models import LlamaLM
+from autoshard.testing.models.llama import LlamaConfig
 from autoshard.testing import fake_world
 
 TINY = LlamaConfig(vocab_size=64, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.models import LlamaLM
+from autoshard.testing.models import LlamaLM
 from autoshard.passes.rules import RULES, load_all
 
 

@@ -1,12 +1,13 @@
-"""Reference models in plain PyTorch: what the examples, tests, benchmarks and plans run.
+"""Reference models in plain PyTorch that the examples, tests, benchmarks and plans run: test models, not a
+model zoo (a user brings their own model, or transformers' unmodified).
 
-* :mod:`~autoshard.models.llama` -- causal LM: RoPE from arange positions, RMSNorm, GQA attention
+* :mod:`~autoshard.testing.models.llama` -- causal LM: RoPE from arange positions, RMSNorm, GQA attention
   through ``scaled_dot_product_attention(is_causal=True)``, SwiGLU, tied LM head, shifted-label loss;
-* :mod:`~autoshard.models.bert` -- encoder classifier: padding mask from ``attention_mask``, learned
+* :mod:`~autoshard.testing.models.bert` -- encoder classifier: padding mask from ``attention_mask``, learned
   positions, LayerNorm, masked mean pooling over the sequence;
-* :mod:`~autoshard.models.vit` -- vision encoder: convolutional patches, a CLS token prepended (odd
+* :mod:`~autoshard.testing.models.vit` -- vision encoder: convolutional patches, a CLS token prepended (odd
   length), a full learned positional parameter, CLS readout;
-* :mod:`~autoshard.models.handwritten` -- causal LM whose attention is written out
+* :mod:`~autoshard.testing.models.handwritten` -- causal LM whose attention is written out
   (``matmul -> scale -> masked_fill -> softmax -> matmul``).
 
 Nothing here knows about autoshard: they are the models a user would write.
