@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from ..runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines autoshard::check_band
 
-__all__ = ["Op", "OP_KEY", "canonical", "op_of", "permutation", "register_canonical", "value_of", "is_tensor_node", "shape_of",
-           "numel"]
+__all__ = ["Op", "OP_KEY", "UNBOUND", "canonical", "op_of", "permutation", "register_canonical", "value_of",
+           "is_tensor_node", "shape_of", "numel"]
 
 OP_KEY = "autoshard_op"
 """Where the normalize pass stores each node's canonical op (``node.meta[OP_KEY]``)."""
@@ -480,7 +480,8 @@ def canonical(node: fx.Node) -> Op | None:
         name, binder = entry
         try:
             args = binder(*node.args, **node.kwargs)
-        except TypeError:
+        except TypeError as exc:  # a spelling of the op its binder does not take: no op, and why
+            node.meta[UNBOUND] = f"{name}: {exc}"
             return None
         return args if isinstance(args, Op) else Op(name, args)
     name = _target_name(node)
@@ -497,6 +498,11 @@ def permutation(node: fx.Node) -> list[int]:
     args = (probe,) + tuple(node.args[1:])
     out = getattr(probe, node.target)(*args[1:], **node.kwargs) if node.op == "call_method" else node.target(*args, **node.kwargs)
     return [s - 2 for s in out.shape]
+
+
+UNBOUND = "autoshard_unbound"
+"""``node.meta`` key of a call whose op is known but whose arguments its binder does not take: why (the rewrite then
+reports it as unbound, not as an op without a rule)."""
 
 
 def op_of(node: Any) -> Op | None:

@@ -39,7 +39,7 @@ from ..runtime.redistribute import grad_scale, grad_sync, grad_sync_bucket, real
 from .comms import EMITTED_BY, LAYOUT, REASON, SERVES, CommBook, derive_comms
 from .graph import is_module_state, mutates
 from .infer import Families, Family
-from .ops import is_tensor_node, numel, op_of, shape_of, value_of
+from .ops import UNBOUND, is_tensor_node, numel, op_of, shape_of, value_of
 from .regions import REGION
 from .report import CompileReport, Fallback, Transition
 from .rules import RULES
@@ -369,7 +369,9 @@ class Rewriter:
         try:
             op = op_of(node)
             rule = RULES.get(op.name) if op is not None else None
-            if rule is None:
+            if rule is None and UNBOUND in node.meta:
+                self.fallback(node, f"unbound {node.meta[UNBOUND]}")
+            elif rule is None:
                 self.fallback(node, f"no rule for {node.target if node.op == 'call_function' else '.' + str(node.target)}")
             elif rule.always or self.touches_sequence(node):
                 rule.rewrite(self, node, op)

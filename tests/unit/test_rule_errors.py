@@ -35,3 +35,17 @@ def test_an_error_inside_a_rule_names_the_node(monkeypatch):
     assert "user code: " in message and "embed" in message.split("user code: ")[1].splitlines()[0], message
     assert "_Broken: the rule broke" in message, message
     assert isinstance(error.__cause__, _Broken)
+
+
+class _ThreeWay(torch.nn.Module):
+    def forward(self, x):
+        x = autoshard.mark_sequence(x, 1)
+        return torch.einsum("bsd,bse,bsf->def", x, x, x)  # einsum's binder takes two operands
+
+
+def test_a_call_its_binder_does_not_take_is_unbound_not_without_a_rule():
+    torch._dynamo.reset()
+    plan = autoshard.plan(_ThreeWay(), torch.randn(2, 8, 3), world_size=2)
+    why = "unbound einsum: einsum of 3 operands: the product rule takes two"
+    expected = [("g0.x", "gather", why), ("g0.einsum", str(torch.einsum), why)]  # its input gathered, the call whole
+    assert [(f.node, f.op, f.reason) for f in plan.fallbacks] == expected, plan.fallbacks
