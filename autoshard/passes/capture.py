@@ -271,6 +271,11 @@ def _masked_once(graph: fx.Graph, node: fx.Node, before: fx.Node):
     if fn == "add" and len(node.args) == 2 and all(is_tensor_node(a) for a in node.args):
         a, b = node.args
         return ((a, b) if shape_of(a) == shape_of(node) else (b, a)) + (None,)
+    if (fn == "sub" and len(node.args) == 2 and not node.kwargs and all(is_tensor_node(a) for a in node.args)
+            and shape_of(node.args[0]) == shape_of(node)):  # scores - bias: the mask is -bias
+        with graph.inserting_before(before):
+            negated = new_node(graph, operator.neg, (node.args[1],))
+        return node.args[0], negated, None
     if fn == "masked_fill" and _is_masking_fill(node.args[2]):
         with graph.inserting_before(before):
             keep = new_node(graph, operator.invert, (node.args[1],))

@@ -12,9 +12,10 @@
 * ``latent_attention`` -- DeepSeek's multi-head latent attention: a value head dim (4) other than the query
   and key head dim (8), keys written into a ``new_empty`` buffer by slice assignment and ``copy_`` (made
   out-of-place by the ``functionalize`` pass, then split), a router gate ``zeros_like(s).scatter_(-1, topk, 1)``;
-* ``alibi`` -- ALiBi as the paper writes it (``-slope * (q - k)`` added to hand-written scores, then a causal
-  ``masked_fill``) and as Bloom does (``slope * k`` plus an additive causal mask, through SDPA): the slopes
-  are found from the graph and carried to the distributed op, which adds the bias from global positions;
+* ``alibi`` -- ALiBi as the paper writes it (``-slope * (q - k)`` added to hand-written scores, or ``slope * (q -
+  k)`` subtracted from them, then a causal ``masked_fill``) and as Bloom does (``slope * k`` plus an additive
+  causal mask, through SDPA): the slopes are found from the graph and carried to the distributed op, which adds
+  the bias from global positions;
 * ``relative_bias`` -- T5's learned relative-position buckets (``relative_attention_bias(bucket(k - q))``, the
   bucketing with ``log``, ``where``, ``min``), in an encoder layer and a causal decoder layer: the bucket
   computation is emitted again on the vector of every distance, the table looked up there (a ``[H, 2S - 1]``
@@ -197,8 +198,9 @@ def alibi_slopes(heads: int) -> torch.Tensor:
 
 
 class AlibiAttention(nn.Module):
-    """ALiBi, as the paper writes it (hand-written: ``-slope * (q - k)`` added to the scores, then a causal
-    ``masked_fill``) or as Bloom does (``slope * k`` plus an additive causal mask, through SDPA)."""
+    """ALiBi, as the paper writes it (hand-written: ``-slope * (q - k)`` added to the scores, or ``slope * (q - k)``
+    subtracted from them, then a causal ``masked_fill``) or as Bloom does (``slope * k`` plus an additive causal
+    mask, through SDPA)."""
 
     def __init__(self, form: str):
         super().__init__()
@@ -210,9 +212,11 @@ class AlibiAttention(nn.Module):
         b, s, _ = x.shape
         q, k, v = (t.view(b, s, HEADS, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
         pos = torch.arange(s, device=x.device)
-        if self.form == "paper":
-            bias = -self.slopes[:, None, None] * (pos[None, :, None] - pos[None, None, :])
-            att = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + bias
+        if self.form in ("paper", "subtracted"):  # subtracted: scores - slope * (q - k), the same bias
+            distance = pos[None, :, None] - pos[None, None, :]
+            scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+            att = (scores + -self.slopes[:, None, None] * distance if self.form == "paper"
+                   else scores - self.slopes[:, None, None] * distance)
             att = att.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
             y = att.softmax(-1) @ v
         else:
@@ -338,7 +342,8 @@ def latent_lm():
 
 
 def alibi_lm():
-    return StackLM([AlibiAttention("paper"), AlibiAttention("bloom")], nn.LayerNorm(HIDDEN), head_bias=False)
+    return StackLM([AlibiAttention(form) for form in ("paper", "bloom", "subtracted")], nn.LayerNorm(HIDDEN),
+                   head_bias=False)
 
 
 def relative_lm():
@@ -413,11 +418,11 @@ def test_construct_matches_one_process(name, world):
             assert r["attention"] == [], f"{where}: {r['attention']}"
             assert any("runs whole on every rank" in w for w in r["warnings"]), f"{where}: {r['warnings']}"
             continue
-        attention = r["attention"]
-        assert len(attention) == LAYERS and all(a["strategy"] == strategy for a in attention), f"{where}: {attention}"
-        assert [a["causal"] for a in attention] == ([False, True] if name == "relative_bias" else [True] * LAYERS), \
+        attention, layers = r["attention"], 3 if name.startswith("alibi") else LAYERS
+        assert len(attention) == layers and all(a["strategy"] == strategy for a in attention), f"{where}: {attention}"
+        assert [a["causal"] for a in attention] == ([False, True] if name == "relative_bias" else [True] * layers), \
             f"{where}: {attention}"
-        if name.startswith("alibi"):  # both forms: the slopes carried to the distributed op
+        if name.startswith("alibi"):  # every form: the slopes carried to the distributed op
             assert all(a["alibi"] for a in attention), f"{where}: {attention}"
         if name == "relative_bias":  # the learned table tabulated per distance, its gradient summed over ranks
             assert all(a["position_bias"] for a in attention), f"{where}: {attention}"

@@ -366,7 +366,5 @@ def test_scores_through_another_function_are_not_attention():
     assert _plan(relu_scores, strategy="ring").attention == []
 
 
-@pytest.mark.xfail(strict=True, reason="capture reads a mask added to the scores, not subtracted: scores - bias "
-                                       "is not captured (runs as matmuls, no distributed attention)")
 def test_subtracted_bias_is_captured():
     assert [a.mask for a in _plan(alibi_subtracted, strategy="ring").attention] == ["causal, alibi"]
