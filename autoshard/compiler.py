@@ -35,13 +35,13 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from .config import BackendConfig
+from .config import BackendConfig, resolve_config
 from .passes.ops import value_of
 from .passes.pipeline import compile_graph
 from .passes.report import CompileReport
 from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
-from .planner import memory_policy_for, plan_graph, resolve_config
+from .planner import memory_policy_for, plan_graph
 from .policy import device_budget
 from .runtime.collectives import gather_facts
 from .runtime.layouts import SequenceLayout

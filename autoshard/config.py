@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Union
 
-__all__ = ["BackendConfig", "STRATEGIES", "LAYOUT_CHOICES"]
+__all__ = ["BackendConfig", "STRATEGIES", "LAYOUT_CHOICES", "resolve_config"]
 
 STRATEGIES = ("auto", "ring", "zigzag", "allgather", "ulysses", "hybrid")
 LAYOUT_CHOICES = ("auto", "contiguous", "zigzag")
@@ -150,3 +151,18 @@ class BackendConfig:
                                             or self.chunk_loss <= 0):
             raise ValueError("autoshard.backend: chunk_loss is a positive number of tokens or None, "
                              f"got {self.chunk_loss!r}")
+
+
+def resolve_config(config: BackendConfig | None, overrides: dict, caller: str = "autoshard.backend") -> BackendConfig:
+    """``config`` (None: the defaults) with the keyword ``overrides`` (:class:`~autoshard.config.BackendConfig`
+    fields) applied on top; raises TypeError on a ``config`` that is not a BackendConfig or an unknown option."""
+    if config is not None and not isinstance(config, BackendConfig):
+        raise TypeError(f"{caller}: config must be an autoshard.BackendConfig, got {type(config).__name__}")
+    names = [f.name for f in dataclasses.fields(BackendConfig)]
+    unknown = [name for name in overrides if name not in names]
+    if unknown:
+        raise TypeError(f"{caller}: unknown option(s) {', '.join(map(repr, unknown))}; the options are the fields "
+                        f"of autoshard.BackendConfig: {', '.join(names)}")
+    if config is None:
+        return BackendConfig(**overrides)
+    return dataclasses.replace(config, **overrides) if overrides else config

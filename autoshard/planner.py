@@ -60,7 +60,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .config import BackendConfig
+from .config import BackendConfig, resolve_config
 from .cost import Topology, attention_costs
 from .passes.capture import DENSE_MASK
 from .passes.graph import keep_real_values
@@ -73,7 +73,7 @@ from .runtime.groups import SequenceGroups
 from .strategy import attention_shape
 
 __all__ = ["Plan", "AttentionDecision", "Collective", "MemoryEstimate", "PlanFallback", "plan", "plan_graph",
-           "plan_graphs", "resolve_config"]
+           "plan_graphs"]
 
 
 MASK_TERMS = ("causal", "window", "chunk", "key_mask", "segment_ids", "alibi", "position_bias", "dropout")
@@ -742,21 +742,6 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
 def plan_graph(gm: fx.GraphModule, example_inputs: list, *, world_size: int, config: BackendConfig) -> Plan:
     """The plan of one dynamo graph."""
     return plan_graphs([(gm, example_inputs)], world_size=world_size, config=config)
-
-
-def resolve_config(config: BackendConfig | None, overrides: dict, caller: str = "autoshard.backend") -> BackendConfig:
-    """``config`` (None: the defaults) with the keyword ``overrides`` (:class:`~autoshard.config.BackendConfig`
-    fields) applied on top; raises TypeError on a ``config`` that is not a BackendConfig or an unknown option."""
-    if config is not None and not isinstance(config, BackendConfig):
-        raise TypeError(f"{caller}: config must be an autoshard.BackendConfig, got {type(config).__name__}")
-    names = [f.name for f in dataclasses.fields(BackendConfig)]
-    unknown = [name for name in overrides if name not in names]
-    if unknown:
-        raise TypeError(f"{caller}: unknown option(s) {', '.join(map(repr, unknown))}; the options are the fields "
-                        f"of autoshard.BackendConfig: {', '.join(names)}")
-    if config is None:
-        return BackendConfig(**overrides)
-    return dataclasses.replace(config, **overrides) if overrides else config
 
 
 def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict | None = None, *, world_size: int,

@@ -27,7 +27,7 @@ import torch
 
 from .collectives import _pg, _with
 from .layouts import SequenceLayout
-from .redistribute import _move_runs
+from .redistribute import _move_runs, runs_bytes
 
 __all__ = ["window_plan", "window_bytes", "encode_windows", "decode_windows"]
 
@@ -96,12 +96,7 @@ def window_bytes(layout: SequenceLayout, windows: Sequence[Sequence[tuple[int, i
                  phase: str) -> list[int]:
     """Bytes every rank sends to fetch ``windows`` (``"forward"``) or to return their gradients (``"backward"``)."""
     frozen = tuple(tuple(map(tuple, w)) for w in windows)
-    out = []
-    for rank in range(layout.world_size):
-        _, sends, recvs = window_plan(layout, frozen, rank)
-        runs = sends if phase == "forward" else recvs
-        out.append(sum(n for peer_runs in runs.values() for _, n in peer_runs) * row_bytes)
-    return out
+    return runs_bytes(functools.partial(window_plan, layout, frozen), layout.world_size, row_bytes, phase)
 
 
 def _width(windows: Windows, rank: int) -> int:

@@ -32,7 +32,7 @@ from .collectives import _p2p, _pg, _with, all_gather_impl, all_reduce_impl
 from .layouts import SequenceLayout
 
 __all__ = ["reduce_partial", "grad_sync", "grad_sync_bucket", "grad_scale", "seq_realign", "seq_cumsum", "realign_plan",
-           "realign_bytes", "cumsum_totals_bytes"]
+           "realign_bytes", "runs_bytes", "cumsum_totals_bytes"]
 
 
 # ---------------------------------------------------------------------------- reduce_partial
@@ -159,15 +159,21 @@ def realign_plan(src: SequenceLayout, dst: SequenceLayout, rank: int):
     return tuple(keep), sends, recvs
 
 
-def realign_bytes(src: SequenceLayout, dst: SequenceLayout, row_bytes: int, phase: str) -> list[int]:
-    """Bytes every rank sends to move ``row_bytes``-a-position values from ``src`` to ``dst`` (``"forward"``) or their
-    gradients back (``"backward"``)."""
+def runs_bytes(plan_of, world: int, row_bytes: int, phase: str) -> list[int]:
+    """Bytes every rank sends under a point-to-point plan (``plan_of(rank)``: (kept, sends, receives), each run a
+    number of ``row_bytes`` positions): its sends forward, its receives (the gradients going back) backward."""
     out = []
-    for rank in range(src.world_size):
-        _, sends, recvs = realign_plan(src, dst, rank)
+    for rank in range(world):
+        _, sends, recvs = plan_of(rank)
         runs = sends if phase == "forward" else recvs
         out.append(sum(n for peer_runs in runs.values() for _, n in peer_runs) * row_bytes)
     return out
+
+
+def realign_bytes(src: SequenceLayout, dst: SequenceLayout, row_bytes: int, phase: str) -> list[int]:
+    """Bytes every rank sends to move ``row_bytes``-a-position values from ``src`` to ``dst`` (``"forward"``) or their
+    gradients back (``"backward"``)."""
+    return runs_bytes(functools.partial(realign_plan, src, dst), src.world_size, row_bytes, phase)
 
 
 def _move_runs(x: torch.Tensor, dim: int, out: torch.Tensor, keep, outgoing: dict, incoming: dict, pg,
