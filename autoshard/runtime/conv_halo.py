@@ -5,7 +5,7 @@ A convolution's output positions ``[a, b)`` read the input positions ``[s*a - p,
 by a layout, each rank needs, for every interval of output positions it owns, one such *window*: mostly its
 own positions plus a halo from its neighbours, with zeros where the window passes the sequence's ends (the
 convolution's zero padding). The windows of different ranks may overlap (a halo is read by two ranks), so
-they are not a layout, and their sizes differ by rank (uneven shards, strides): ``halo_exchange`` with one
+they are not a layout, and their sizes differ by rank (uneven shards, strides): a halo exchange with one
 fixed ``left``/``right`` for all ranks cannot serve them.
 
 ``autoshard::seq_windows(x, dim, layout, windows, group)`` fetches them: every rank knows every rank's
