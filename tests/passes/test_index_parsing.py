@@ -10,7 +10,7 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 
-from autoshard.passes.rules.views import parse_index
+from autoshard.passes.rules.views import IndexList, IndexNew, IndexSelect, IndexSlice, parse_index
 
 
 def _item(size: int):
@@ -43,17 +43,15 @@ def _rebuilt(items) -> tuple:
     """The torch index the parsed items stand for."""
     out = []
     for item in items:
-        kind = item[0]
-        if kind == "new":
+        if isinstance(item, IndexNew):
             out.append(None)
-        elif kind == "slice":
-            _, _, start, stop, step = item
-            out.append(slice(start, stop, step))
-        elif kind == "select":
-            out.append(item[2])
+        elif isinstance(item, IndexSlice):
+            out.append(slice(item.start, item.stop, item.step))
+        elif isinstance(item, IndexSelect):
+            out.append(item.at)
         else:
-            assert kind == "list", item
-            out.append(list(item[2]))
+            assert isinstance(item, IndexList), item
+            out.append(list(item.indices))
     return tuple(out)
 
 
@@ -63,15 +61,15 @@ def test_parsed_index_selects_what_torch_selects(case):
     shape, index = case
     x = torch.arange(torch.Size(shape).numel()).view(shape)
     items = parse_index(shape, index)
-    consuming = [it for it in items if it[0] != "new"]
-    assert [it[1] for it in consuming] == list(range(len(shape))), items  # one item per input dim, in order
+    consuming = [it for it in items if not isinstance(it, IndexNew)]
+    assert [it.dim for it in consuming] == list(range(len(shape))), items  # one item per input dim, in order
     for it in consuming:
-        size = shape[it[1]]
-        if it[0] == "slice":
-            assert 0 <= it[2] <= it[3] <= size and it[4] >= 1, (it, size)
-        elif it[0] == "select":
-            assert 0 <= it[2] < size, (it, size)
-        elif it[0] == "list":
-            assert all(0 <= i < size for i in it[2]), (it, size)
-    assert sum(it[0] == "new" for it in items) == sum(it is None for it in index)
+        size = shape[it.dim]
+        if isinstance(it, IndexSlice):
+            assert 0 <= it.start <= it.stop <= size and it.step >= 1, (it, size)
+        elif isinstance(it, IndexSelect):
+            assert 0 <= it.at < size, (it, size)
+        elif isinstance(it, IndexList):
+            assert all(0 <= i < size for i in it.indices), (it, size)
+    assert sum(isinstance(it, IndexNew) for it in items) == sum(it is None for it in index)
     assert torch.equal(x[_rebuilt(items)], x[index]), (index, items)

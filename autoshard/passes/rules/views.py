@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 import torch.fx as fx
@@ -37,7 +37,8 @@ from . import register
 from .dim_maps import Broadcast, DimMap, InputDim, NewDim, Repeat, output_factors, pieces, reshape_map, source_of
 from .pointwise import OUTPUT_WHOLE, TUPLE_LINKS, link_nothing, run_whole, whole_args
 
-__all__ = ["SHAPE_OPS", "ShapeOp", "link_shape_op", "permutation"]
+__all__ = ["SHAPE_OPS", "ShapeOp", "link_shape_op", "parse_index", "IndexItem", "IndexSlice", "IndexSelect", "IndexNew",
+           "IndexTensor", "IndexList"]
 
 SPLIT_STARTS = "the split starts at this value"
 """Why a view, repeat or index whose output starts a split takes its input whole: an expected gather."""
@@ -207,10 +208,54 @@ for _name in SHAPE_OPS:
 # ============================================================================= indexing
 
 
-def parse_index(shape, index) -> list[tuple]:
-    """Items of a ``x[index]``: ("slice", in_dim, start, stop, step), ("select", in_dim, i), ("new",),
-    ("tensor", in_dim, node), ("list", in_dim, indices) with start/stop clamped to the dim and the
-    indices of a constant list made nonnegative. Tensors and lists are the advanced items."""
+@dataclass(frozen=True, eq=False)
+class IndexSlice:
+    """``start:stop:step`` over input dim ``dim`` (clamped to it; ``stop`` None: to its end)."""
+
+    dim: int
+    start: int
+    stop: int | None
+    step: int
+
+
+@dataclass(frozen=True, eq=False)
+class IndexSelect:
+    """One position ``at`` (nonnegative) of input dim ``dim``: the dim goes away."""
+
+    dim: int
+    at: int
+
+
+@dataclass(frozen=True, eq=False)
+class IndexNew:
+    """``None``: a new dim of size 1; it reads no input dim."""
+
+    dim = None
+
+
+@dataclass(frozen=True, eq=False)
+class IndexTensor:
+    """A tensor of positions (a graph value) over input dim ``dim``: an advanced item."""
+
+    dim: int
+    node: fx.Node
+
+
+@dataclass(frozen=True, eq=False)
+class IndexList:
+    """A constant list of positions (nonnegative) over input dim ``dim``: an advanced item."""
+
+    dim: int
+    indices: tuple[int, ...]
+
+
+IndexItem = Union[IndexSlice, IndexSelect, IndexNew, IndexTensor, IndexList]
+_ADVANCED = (IndexTensor, IndexList)
+
+
+def parse_index(shape, index) -> list[IndexItem]:
+    """The items of ``x[index]``, one per input dim in order (plus one per ``None``), slices clamped to their dim
+    and the positions of selects and constant lists made nonnegative."""
     if not isinstance(index, tuple):
         index = (index,)
     consuming = sum(1 for it in index if it is not None and it is not Ellipsis)
@@ -218,27 +263,27 @@ def parse_index(shape, index) -> list[tuple]:
     for it in index:
         if it is Ellipsis:
             for _ in range(len(shape) - consuming):
-                items.append(("slice", d, 0, shape[d], 1))
+                items.append(IndexSlice(d, 0, shape[d], 1))
                 d += 1
         elif it is None:
-            items.append(("new",))
+            items.append(IndexNew())
         elif isinstance(it, slice):
             start, stop, step = it.indices(shape[d])
-            items.append(("slice", d, start, max(stop, start), step))
+            items.append(IndexSlice(d, start, max(stop, start), step))
             d += 1
         elif isinstance(it, int):
-            items.append(("select", d, it % shape[d]))
+            items.append(IndexSelect(d, it % shape[d]))
             d += 1
         elif isinstance(it, fx.Node) and is_tensor_node(it) and value_of(it).dtype != torch.bool:
-            items.append(("tensor", d, it))
+            items.append(IndexTensor(d, it))
             d += 1
         elif _int_list(it):
-            items.append(("list", d, tuple(i % shape[d] for i in it)))
+            items.append(IndexList(d, tuple(i % shape[d] for i in it)))
             d += 1
         else:
             raise _Unsupported(f"index item {it!r}")
     while d < len(shape):
-        items.append(("slice", d, 0, shape[d], 1))
+        items.append(IndexSlice(d, 0, shape[d], 1))
         d += 1
     return items
 
@@ -253,15 +298,12 @@ def _int_list(item) -> bool:
             and all(isinstance(i, int) and not isinstance(i, bool) for i in item))
 
 
-_ADVANCED = ("tensor", "list")
-
-
-def _advanced_shape(item: tuple) -> tuple[int, ...]:
+def _advanced_shape(item: IndexTensor | IndexList) -> tuple[int, ...]:
     """The index shape of an advanced item: the tensor's, or ``(len(list),)``."""
-    return shape_of(item[2]) if item[0] == "tensor" else (len(item[2]),)
+    return shape_of(item.node) if isinstance(item, IndexTensor) else (len(item.indices),)
 
 
-def _index_items(node: fx.Node, op: Op) -> list[tuple]:
+def _index_items(node: fx.Node, op: Op) -> list[IndexItem]:
     src = op["input"]
     shape = shape_of(src)
     if op.name == "narrow":
@@ -273,9 +315,9 @@ def _index_items(node: fx.Node, op: Op) -> list[tuple]:
     return parse_index(shape, op["index"])
 
 
-def _output_dims(items: list[tuple], out_ndim: int) -> tuple[dict[int, int], list[int]]:
+def _output_dims(items: list[IndexItem], out_ndim: int) -> tuple[dict[int, int], list[int]]:
     """Output dim of each basic item (by item position) and the output dims of the advanced block."""
-    advanced = [k for k, it in enumerate(items) if it[0] in _ADVANCED]
+    advanced = [k for k, it in enumerate(items) if isinstance(it, _ADVANCED)]
     adv_ndim = max((len(_advanced_shape(items[k])) for k in advanced), default=0)
     adjacent = not advanced or advanced == list(range(advanced[0], advanced[-1] + 1))
     out_of, od = {}, 0
@@ -283,12 +325,12 @@ def _output_dims(items: list[tuple], out_ndim: int) -> tuple[dict[int, int], lis
     if adv_start == 0:
         od = adv_ndim
     for k, it in enumerate(items):
-        if it[0] in _ADVANCED:
+        if isinstance(it, _ADVANCED):
             if adv_start is None:
                 adv_start = od
                 od += adv_ndim
             continue
-        if it[0] == "select":
+        if isinstance(it, IndexSelect):
             continue
         out_of[k] = od
         od += 1
@@ -306,16 +348,16 @@ def link_index(ctx, node, op):
     out_of, adv_dims = _output_dims(items, len(out_shape))
     factors = [[s] for s in out_shape]
     for k, it in enumerate(items):
-        if it[0] == "slice" and k in out_of and it[4] == 1:
-            d_in, od = it[1], out_of[k]
-            if it[2] == 0 and it[3] == shape_of(src)[d_in]:
+        if isinstance(it, IndexSlice) and k in out_of and it.step == 1:
+            d_in, od = it.dim, out_of[k]
+            if it.start == 0 and it.stop == shape_of(src)[d_in]:
                 factors[od] = list(ctx.factorization(src)[d_in])
     ctx.set_factorization(node, factors)
     for k, it in enumerate(items):
-        if it[0] == "slice" and k in out_of and it[4] == 1:
-            ctx.link_dims(node, out_of[k], src, it[1], it[2])
-        elif it[0] == "tensor":
-            idx = it[2]
+        if isinstance(it, IndexSlice) and k in out_of and it.step == 1:
+            ctx.link_dims(node, out_of[k], src, it.dim, it.start)
+        elif isinstance(it, IndexTensor):
+            idx = it.node
             idx_shape = shape_of(idx)
             for j, od in enumerate(adv_dims):
                 d_idx = j - (len(adv_dims) - len(idx_shape))
@@ -332,34 +374,34 @@ def rewrite_index(rw, node, op):
         return
     out = rw.out_shard(node)
     out_of, adv_dims = _output_dims(items, len(shape_of(node)))
-    tensor_items = [it for it in items if it[0] == "tensor"]  # the advanced items that are graph values
+    tensor_items = [it for it in items if isinstance(it, IndexTensor)]  # the advanced items that are graph values
     have = rw.out_shard(src) or rw.placement(src)
 
     if isinstance(have, Shard):
-        k, item = next((k, it) for k, it in enumerate(items) if it[0] != "new" and it[1] == have.dim)
+        k, item = next((k, it) for k, it in enumerate(items) if it.dim == have.dim)
         x = rw.input(src, have)
-        if item[0] == "slice" and item[4] == 1 and not tensor_items and (not have.factors or
-                                                                         (item[2], item[3]) == (0, shape_of(src)[have.dim])):
+        if isinstance(item, IndexSlice) and item.step == 1 and not tensor_items and (
+                not have.factors or (item.start, item.stop) == (0, shape_of(src)[have.dim])):
             if have.factors:
                 placement = have.moved(out_of[k])
                 local_items = items
             else:
-                lo, hi = _local_range(have, rw.rank, item[2], item[3])
-                placement = Shard(out_of[k], have.layout.derive(item[2], item[3] - item[2]))
-                local_items = [("slice", it[1], lo, hi, 1) if it is item else it for it in items]
+                lo, hi = _local_range(have, rw.rank, item.start, item.stop)
+                placement = Shard(out_of[k], have.layout.derive(item.start, item.stop - item.start))
+                local_items = [IndexSlice(it.dim, lo, hi, 1) if it is item else it for it in items]
             new = rw.call(operator.getitem, x, _build_index(rw, local_items, None, node, adv_dims))
             if out is not None and out != placement:  # the kept positions sit elsewhere: move them (not the source)
                 new = rw.realign_value(node, new, placement, out)
                 placement = out
             rw.done(node, new, placement)
             return
-        if item[0] == "select" and not any(it[0] in _ADVANCED for it in items) and not have.factors:
-            kept = [("slice", it[1], 0, None, 1) if it is item else it for it in items]
+        if isinstance(item, IndexSelect) and not any(isinstance(it, _ADVANCED) for it in items) and not have.factors:
+            kept = [IndexSlice(it.dim, 0, None, 1) if it is item else it for it in items]
             local = rw.call(operator.getitem, x, _build_index(rw, kept, None, node, adv_dims))
-            owned = rw.call(select_owned, local, _dim_after(items, item), item[2], have.layout.encode(), rw.rank)
+            owned = rw.call(select_owned, local, _dim_after(items, item), item.at, have.layout.encode(), rw.rank)
             rw.done(node, owned, Partial())
             return
-        if item[0] == "tensor" and out is None and not have.factors:
+        if isinstance(item, IndexTensor) and out is None and not have.factors:
             rw.done(node, _read_owned_rows(rw, node, src, items, item, x, have, adv_dims), Partial())
             return
         rw.fallback(node, "indexing a split dim with a step, a tensor, a list or a merged dim")
@@ -382,7 +424,7 @@ def rewrite_index(rw, node, op):
 def _read_owned_rows(rw, node, src, items, item, x, have: Shard, adv_dims) -> fx.Node:
     """``x[index]`` where ``item`` indexes the split dim with a tensor of positions: the rows this rank holds,
     zeros where another rank holds the position (a partial sum; see the module docstring)."""
-    local = rw.call(torch.ops.autoshard.seq_local_index.default, rw.input(item[2], REPLICATE),
+    local = rw.call(torch.ops.autoshard.seq_local_index.default, rw.input(item.node, REPLICATE),
                     have.layout.encode(), rw.rank)
     row = rw.local_shape(src, have)
     if row[have.dim] == 0:  # no rows here: read a zero row
@@ -392,7 +434,7 @@ def _read_owned_rows(rw, node, src, items, item, x, have: Shard, adv_dims) -> fx
     index[items.index(item)] = rw.call(torch.clamp, local, min=0)
     picked = rw.call(operator.getitem, x, tuple(index))
     # where the rows landed: the advanced block of the output (the index broadcast with the other tensors)
-    block = (1,) * (len(adv_dims) - len(shape_of(item[2]))) + shape_of(item[2])
+    block = (1,) * (len(adv_dims) - len(shape_of(item.node))) + shape_of(item.node)
     view = [1] * len(shape_of(node))
     for j, od in enumerate(adv_dims):
         view[od] = block[j]
@@ -419,7 +461,7 @@ def _dim_after(items, item) -> int:
     for it in items:
         if it is item:
             return d
-        if it[0] != "select":
+        if not isinstance(it, IndexSelect):
             d += 1
     raise ValueError
 
@@ -428,16 +470,16 @@ def _build_index(rw, items, out, node, adv_dims):
     """The index tuple of ``items`` with tensor indices taken in the placement the output needs."""
     result = []
     for it in items:
-        if it[0] == "new":
+        if isinstance(it, IndexNew):
             result.append(None)
-        elif it[0] == "slice":
-            result.append(slice(it[2], it[3], it[4]))
-        elif it[0] == "select":
-            result.append(it[2])
-        elif it[0] == "list":
-            result.append(list(it[2]))
+        elif isinstance(it, IndexSlice):
+            result.append(slice(it.start, it.stop, it.step))
+        elif isinstance(it, IndexSelect):
+            result.append(it.at)
+        elif isinstance(it, IndexList):
+            result.append(list(it.indices))
         else:
-            idx = it[2]
+            idx = it.node
             want = REPLICATE
             if out is not None and out.dim in adv_dims:
                 idx_shape = shape_of(idx)
