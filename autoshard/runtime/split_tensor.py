@@ -31,6 +31,7 @@ name. So:
 from __future__ import annotations
 
 import datetime
+import sys
 import warnings
 
 import torch
@@ -72,8 +73,6 @@ def _hub_kernels_break_checkpoints() -> bool:
     """Whether the likely cause of a gather between graphs is transformers' hub-kernel layers (transformers
     >= 5.25 loads the ``kernels`` package) under gradient checkpointing, which dynamo cannot trace unless told to
     skip replaying forward side effects at recomputation."""
-    import sys
-
     return "kernels" in sys.modules and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
 
 
