@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .config import BackendConfig, resolve_config
+from .passes.deferred import inline_deferred
 from .passes.ops import value_of
 from .passes.pipeline import compile_graph
 from .passes.report import CompileReport
@@ -45,6 +46,7 @@ from .planner import memory_policy_for, plan_graph
 from .policy import device_budget
 from .runtime.collectives import gather_facts
 from .runtime.layouts import SequenceLayout
+from .runtime.deferred import DeferredTensor, defer
 from .runtime.split_tensor import SplitTensor, local_of, wrap
 from .runtime.groups import GroupLike, check_sequence_mesh, default_store, sequence_group, sequence_groups
 
@@ -116,6 +118,12 @@ class AutoshardBackend:
         Shard placement its (local) input arrives in; ``global_inputs``: the inputs' global shapes, when
         they differ from ``example_inputs``'."""
         pg = self._sequence_group()
+        deferred = {i: x for i, x in enumerate(example_inputs) if isinstance(x, DeferredTensor)}
+        if deferred:  # values an earlier graph left uncomputed: their recipes are computed here, from their inputs
+            gm = inline_deferred(gm, {i: x.recipe for i, x in deferred.items()},
+                                 {i: list(x.recipe_inputs) for i, x in deferred.items()})
+            example_inputs = _flatten_deferred(example_inputs)
+            global_inputs = _flatten_deferred(global_inputs, deferred) if global_inputs is not None else None
         carried = {i: x for i, x in enumerate(example_inputs) if isinstance(x, SplitTensor) and x.group_name == pg.group_name}
         if carried:  # values an earlier graph returned split: they arrive split, the graph gets their shards
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -134,9 +142,10 @@ class AutoshardBackend:
         self._warn_if_whole_from_earlier_graph(record, example_inputs)
         self.compiled.append(record)
         lowered = _lower(compiled.graph_module, example_inputs, self.config.inner_for(_device_type(example_inputs)))
-        if not carried and not compiled.carried_outputs:
+        if not (deferred or carried or compiled.carried_outputs or compiled.deferred_outputs):
             return lowered
-        return _carrying(lowered, set(carried), compiled.carried_outputs, pg.group_name)
+        return _carrying(lowered, bool(deferred), set(carried), compiled.carried_outputs, compiled.deferred_outputs,
+                         pg.group_name)
 
     def _memory_policy(self, gm: fx.GraphModule, example_inputs: list, world: int) -> tuple[BackendConfig, Any]:
         """The config the memory policy chooses for this graph (:mod:`autoshard.policy`) and what it weighed;
@@ -257,14 +266,30 @@ def _split_dims(gm: fx.GraphModule, example_inputs: list) -> list[tuple[int, int
             if d in getattr(example_inputs[i], "_dynamo_dynamic_indices", ())]
 
 
-def _carrying(fn: Callable, carried_inputs: set[int], carried_outputs: dict, group_name: str) -> Callable:
-    """``fn`` (a compiled per-rank graph) called with the shards of the SplitTensor inputs at
-    ``carried_inputs``, its outputs at ``carried_outputs`` handed back as SplitTensor."""
+def _carrying(fn: Callable, flatten: bool, carried_inputs: set[int], carried_outputs: dict, deferred_outputs: dict,
+              group_name: str) -> Callable:
+    """``fn`` (a compiled per-rank graph) called with the inner tensors of its DeferredTensor inputs in their
+    place (``flatten``) and the shards of the SplitTensor inputs at ``carried_inputs`` (positions among those
+    flattened inputs); its outputs at ``carried_outputs`` handed back as SplitTensor, at ``deferred_outputs``
+    (None from the graph) as DeferredTensor of the inputs their recipes read."""
     def run(*args):
+        args = _flatten_deferred(args) if flatten else args
         out = fn(*(local_of(a) if i in carried_inputs else a for i, a in enumerate(args)))
         return type(out)(wrap(o, carried_outputs[i].dim, carried_outputs[i].layout, group_name) if i in carried_outputs
-                         else o for i, o in enumerate(out))
+                         else defer(deferred_outputs[i].recipe, [args[j] for j in deferred_outputs[i].inputs])
+                         if i in deferred_outputs else o for i, o in enumerate(out))
     return run
+
+
+def _flatten_deferred(args, like: dict | None = None) -> list:
+    """``args`` with every DeferredTensor (or, given ``like``, the argument at each of its positions) replaced by
+    its inner tensors (those of ``like[i]``)."""
+    like = like or {}
+    out = []
+    for i, a in enumerate(args):
+        carrier = like.get(i, a)
+        out.extend(carrier.recipe_inputs if isinstance(carrier, DeferredTensor) else (a,))
+    return out
 
 
 def _device_type(example_inputs: list) -> str:

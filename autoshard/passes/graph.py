@@ -33,7 +33,8 @@ __all__ = ["new_node", "fake_mode_of", "mutates", "has_side_effects", "is_pure",
 REAL_VALUE = "autoshard_real_value"
 """``node.meta`` key: a weak reference to the real value of a module-state placeholder (:func:`keep_real_values`)."""
 
-_IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv)
+_IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand,
+                       operator.ior, operator.ixor)
 _RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli",
            "multinomial", "normal", "poisson", "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
            "feature_alpha_dropout"}
@@ -74,9 +75,11 @@ def _inplace_flag(node: fx.Node) -> bool:
 def mutates(node: fx.Node) -> bool:
     """True for ops that change their first argument in place (``x.add_(y)``, ``x[i] = y``, ``x /= y``,
     ``F.dropout(x, inplace=True)``)."""
+    if node.op == "call_function" and node.target in vars(operator).values():  # operator.and_ is not in place
+        return node.target in _IN_PLACE_OPERATORS
     name = _name(node)
     return ((name.endswith("_") and not name.endswith("__")) or name in ("setitem", "__setitem__")
-            or node.target in _IN_PLACE_OPERATORS or _inplace_flag(node))
+            or _inplace_flag(node))
 
 
 def has_side_effects(node: fx.Node) -> bool:

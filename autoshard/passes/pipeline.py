@@ -5,6 +5,7 @@
 ``canonical``      record every node's canonical op (:mod:`.normalize`, :mod:`.ops`)
 ``functionalize``  in-place writes into fresh tensors become out-of-place ops (:mod:`.functionalize`)
 ``capture``        attention calls become ``captured_attention`` with a structured mask (:mod:`.capture`)
+``defer``          masks and other cheap large outputs are handed on uncomputed (:mod:`.deferred`)
 ``decompose``      composites (``diff``) become ops that have rules (:mod:`.normalize`)
 ``chunking``       the LM head and its cross-entropy become one chunked op (:mod:`.chunking`)
 ``recompute``      with ``recompute="layers"``, every layer becomes a checkpointed region (:mod:`.recompute`)
@@ -49,6 +50,7 @@ from ..strategy import choose
 from .capture import capture_attention
 from .chunk_mlp import chunk_mlps
 from .chunking import chunk_losses
+from .deferred import DeferredOutput, defer_outputs
 from .functionalize import functionalize
 from .infer import Families, LinkContext, find_families
 from .normalize import canonicalize, decompose
@@ -103,6 +105,8 @@ class PipelineState:
     """inline: the checkpointed regions of the original graph."""
     missed: list[str] = field(default_factory=list)
     """capture: attention-like patterns that were not captured, with the reason."""
+    deferred_outputs: dict[int, DeferredOutput] = field(default_factory=dict)
+    """defer: output position -> how the value the graph no longer computes is computed where it is used."""
     links: LinkContext | None = None
     """link: the dims every rule linked."""
     families: Families | None = None
@@ -140,6 +144,11 @@ def _capture(state: PipelineState) -> dict[str, int]:
     layers = sum(getattr(op_of(n), "name", None) in ("linear", "matmul", "addmm") for n in state.gm.graph.nodes)
     return {"attention": len(captured), "dense_masks": sum(reason is not None for _, reason in captured),
             "missed": len(state.missed), "layers": layers}
+
+
+def _defer(state: PipelineState) -> dict[str, int]:
+    state.deferred_outputs = defer_outputs(state.gm, excluded=set(state.sharded_inputs or {}))
+    return {"deferred": len(state.deferred_outputs)}
 
 
 def _decompose(state: PipelineState) -> dict[str, int]:
@@ -225,6 +234,7 @@ PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[Pi
     ("canonical", _canonical, _graph_code),
     ("functionalize", _functionalize, _graph_code),
     ("capture", _capture, _graph_code),
+    ("defer", _defer, _graph_code),
     ("decompose", _decompose, _graph_code),
     ("chunking", _chunking, _graph_code),
     ("recompute", _recompute, _graph_code),
@@ -269,6 +279,9 @@ class CompiledGraph:
     """Attention node -> why its strategy was chosen."""
     carried_outputs: dict = None
     """Position in the output tuple -> Shard placement of the outputs handed back as SplitTensor."""
+    deferred_outputs: dict = None
+    """Position in the output tuple -> :class:`~.deferred.DeferredOutput` of the outputs handed back as
+    DeferredTensor (the graph returns None there)."""
 
 
 
@@ -299,7 +312,7 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, groups: Sequence
     rewriter.report.passes = state.stats
     gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
     return CompiledGraph(state.gm, rewriter.report, families, state.strategies, gathered, state.reasons,
-                         rewriter.carried_outputs)
+                         rewriter.carried_outputs, state.deferred_outputs)
 
 
 def input_name(node: fx.Node) -> str | None:

@@ -1,0 +1,176 @@
+"""``DeferredTensor``: a value one compiled graph leaves uncomputed, as the small inputs it is made from.
+
+The second carrier across graph boundaries (the first is :class:`~autoshard.runtime.split_tensor.SplitTensor`).
+A model often builds, in one graph, a value that is large but cheap and determined by a few small inputs, and
+uses it in the next graphs: transformers builds the ``[B, 1, S, S]`` attention mask once from ``position_ids``
+(packed documents), a 2-D ``attention_mask`` (padding), ``cache_position``, before its layers, and FSDP2's
+per-layer graphs (or any graph break, or per-block compilation) hand it to every layer graph as an input. Read
+there as a tensor it has no structure left: the attention would need it dense, ``S x S`` per rank.
+
+Two carriers were possible. One holds the *classified* structure (causal, window, key mask, segments...), which
+the layer graph would have to re-read as a formula, and which cannot say what the classification drops (a row
+constant in an ALiBi bias) or what it cannot read in one graph but can in another (a FlexAttention block mask
+next to its ``mask_mod``). The other holds the *recipe*: the producing graph's own nodes that compute the value,
+and the tensors they read. That is this one: the producing graph does not compute the value; it returns a
+``DeferredTensor`` holding a :class:`Recipe` (an FX graph) and its inputs (``position_ids``: ``O(S)`` data).
+A graph compiled by the same backend that takes it as an input gets the recipe's nodes inlined in place of the
+input (:func:`autoshard.passes.deferred.inline_deferred`), so its passes see the mask exactly as a whole-model
+compile would -- built from aranges, comparisons and positions -- and turn it into a structured mask the same
+way; the dense nodes then have no user and are removed. A rank never holds the dense value, in no graph.
+
+Anywhere else -- user code between graphs, a graph of another backend -- the value is computed where it is used
+(``__torch_dispatch__`` runs the recipe; warned once), so every use sees the one-process value. Metadata reads
+(shape, dtype) compute nothing; a cast (FSDP2's mixed precision casts floating inputs) stays deferred (the
+cast is one more node of the recipe); in-place changes raise.
+
+Which outputs are deferred (:func:`autoshard.passes.deferred.defer_outputs`): values that need no gradient,
+computed by pure, deterministic ops from inputs that need none, whose largest value is many times their inputs
+(a mask of ``S x S`` from ``S`` positions; RoPE's ``[S, D]`` cos and sin from ``S`` positions, which each layer
+then computes for its own tokens only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+__all__ = ["Recipe", "DeferredTensor", "defer"]
+
+_METADATA_OPS = {torch.ops.aten.is_floating_point.default, torch.ops.aten.is_complex.default,
+                 torch.ops.aten.dim.default, torch.ops.aten.numel.default, torch.ops.aten.sym_numel.default,
+                 torch.ops.aten.size.default, torch.ops.aten.sym_size.default, torch.ops.aten.stride.default,
+                 torch.ops.aten.sym_stride.default, torch.ops.aten.is_contiguous.default,
+                 torch.ops.aten.is_same_size.default}
+"""Ops that read only shape, dtype or device: answered from a meta stand-in, without computing the value."""
+_SAME_VALUE_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+"""Ops whose result is the deferred value itself (no gradient ever flows through it)."""
+
+_WARNED = False
+"""Whether a deferred value computed outside compiled code was warned about (once per process)."""
+
+
+class Recipe:
+    """How a deferred value is computed: ``graph_module(*inputs)`` (see the module docstring). Two recipes are
+    equal when their code and constants are (dynamo guards a graph on its deferred inputs' recipes: a new packing
+    of the same shapes is the same recipe, so nothing recompiles)."""
+
+    def __init__(self, graph_module: fx.GraphModule, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.graph_module = graph_module
+        """Placeholders: the inputs, in order; output: the value."""
+        self.shape, self.dtype, self.device = tuple(int(s) for s in shape), dtype, torch.device(device)
+        digest = hashlib.sha256(graph_module.code.encode())
+        for name, buffer in sorted(graph_module.named_buffers()):
+            digest.update(name.encode() + buffer.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(repr((self.shape, self.dtype, self.device)).encode())
+        self.key = digest.hexdigest()[:24]
+        """A digest of the code, its constants and the value's shape, dtype and device."""
+
+    @property
+    def inputs(self) -> int:
+        """How many inputs the recipe reads."""
+        return sum(1 for n in self.graph_module.graph.nodes if n.op == "placeholder")
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.graph_module(*inputs)
+
+    def cast(self, dtype: torch.dtype | None, device: torch.device | None) -> "Recipe":
+        """This recipe followed by ``.to(device, dtype)``."""
+        graph = fx.Graph()
+        env = {}
+        for node in self.graph_module.graph.nodes:
+            if node.op == "output":
+                value = env[node.args[0]]
+                kwargs = {k: v for k, v in (("dtype", dtype), ("device", device)) if v is not None}
+                graph.output(graph.call_method("to", (value,), kwargs))
+            else:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+        gm = fx.GraphModule(self.graph_module, graph)
+        return Recipe(gm, self.shape, dtype or self.dtype, device or self.device)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Recipe) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return f"Recipe({self.key[:8]}: {self.inputs} input(s) -> {list(self.shape)} {self.dtype})"
+
+
+class DeferredTensor(torch.Tensor):
+    """A value computed where it is used, from the small inputs it is made from (see the module docstring)."""
+
+    recipe: Recipe
+    """How the value is computed."""
+    recipe_inputs: tuple[torch.Tensor, ...]
+    """What the recipe reads (at least one: a recipe without inputs reads an empty anchor tensor)."""
+
+    @staticmethod
+    def __new__(cls, recipe: Recipe, inputs, shape=None):
+        out = torch.Tensor._make_wrapper_subclass(cls, shape if shape is not None else recipe.shape,
+                                                  dtype=recipe.dtype, device=recipe.device, requires_grad=False)
+        out.recipe, out.recipe_inputs = recipe, tuple(inputs)
+        for i, value in enumerate(out.recipe_inputs):
+            setattr(out, f"input{i}", value)  # dynamo reads the inner tensors as attributes
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __tensor_flatten__(self):
+        return [f"input{i}" for i in range(len(self.recipe_inputs))], self.recipe
+
+    @staticmethod
+    def __tensor_unflatten__(inner, recipe, outer_size, outer_stride):
+        return DeferredTensor(recipe, [inner[f"input{i}"] for i in range(len(inner))], outer_size)
+
+    def __repr__(self) -> str:
+        return f"DeferredTensor(shape={tuple(self.shape)}, dtype={self.dtype}, {self.recipe!r})"
+
+    def materialize(self) -> torch.Tensor:
+        """The value, computed (a plain tensor)."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        if not any(is_fake(x) or x.device.type == "meta" for x in self.recipe_inputs):
+            global _WARNED
+            if not _WARNED:
+                _WARNED = True
+                warnings.warn(
+                    f"autoshard: a value a compiled graph left uncomputed (a {list(self.shape)} {self.dtype} tensor "
+                    "such as an attention mask: an autoshard.runtime.deferred.DeferredTensor) is used outside code "
+                    "autoshard compiles, so it is computed whole for that use, and again for every later use. A "
+                    "graph compiled by the same backend computes only what it needs of it (a mask as its structure)",
+                    stacklevel=4)
+        return self.recipe(*self.recipe_inputs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA_OPS:
+            stand_in = tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
+                                if isinstance(x, DeferredTensor) else x, (args, kwargs))
+            return func(*stand_in[0], **stand_in[1])
+        if func in _SAME_VALUE_OPS:
+            return args[0]
+        if func is torch.ops.aten._to_copy.default and not set(kwargs) - {"dtype", "device"}:
+            source = args[0]
+            return DeferredTensor(source.recipe.cast(kwargs.get("dtype"), kwargs.get("device")), source.recipe_inputs)
+        if func._schema.is_mutable:
+            written = [a for a, arg in zip(args, func._schema.arguments)
+                       if isinstance(a, DeferredTensor) and arg.alias_info is not None and arg.alias_info.is_write]
+            if written:
+                raise RuntimeError(
+                    f"autoshard: {func} changes in place a value a compiled graph left uncomputed (a DeferredTensor, "
+                    "such as an attention mask); take a computed copy first (x = x.materialize())")
+        value = tree_map(lambda x: x.materialize() if isinstance(x, DeferredTensor) else x, (args, kwargs))
+        return func(*value[0], **value[1])
+
+
+def defer(recipe: Recipe, inputs: list[torch.Tensor]) -> DeferredTensor:
+    """The deferred value of ``recipe`` on ``inputs`` (copies: the value must not change when the caller later
+    changes its inputs in place); a recipe without inputs reads an empty anchor tensor."""
+    held = [x.detach().clone() for x in inputs] or [torch.empty(0, device=recipe.device)]
+    return DeferredTensor(recipe, held)
