@@ -63,6 +63,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .config import BackendConfig, resolve_config
 from .cost import Topology, attention_costs
 from .passes.capture import DENSE_MASK
+from .passes.deferred import inline_deferred
 from .passes.graph import keep_real_values
 from .passes.pipeline import compile_graph
 from .policy import MemoryBudgetError, choose_memory_policy, format_bytes, mlp_chunk_tokens
@@ -399,6 +400,24 @@ def _carried(sources: list, carried_outputs: dict, example_inputs: list, rank: i
     return shards, local
 
 
+def _inline_deferred(gm: fx.GraphModule, example_inputs: list, sources: list, deferred: dict) -> tuple:
+    """What the run does with the values earlier graphs leave uncomputed (``deferred``: (graph, output position) ->
+    (DeferredOutput, that graph's inputs, their sources)): the graph with their recipes inlined, its inputs and
+    their sources with each such input replaced by the inputs its recipe reads
+    (:func:`~autoshard.passes.deferred.inline_deferred`)."""
+    taken = {i: deferred[src] for i, src in enumerate(sources) if src in deferred}
+    if not taken:
+        return gm, example_inputs, sources
+    read = {i: ([inputs[j] for j in out.inputs] or [torch.empty(0)], [origins[j] for j in out.inputs] or [None])
+            for i, (out, inputs, origins) in taken.items()}
+    gm = inline_deferred(gm, {i: out.recipe for i, (out, _, _) in taken.items()}, {i: v for i, (v, _) in read.items()})
+    flat_inputs, flat_sources = [], []
+    for i, (x, src) in enumerate(zip(example_inputs, sources)):
+        flat_inputs += read[i][0] if i in read else [x]
+        flat_sources += read[i][1] if i in read else [src]
+    return gm, flat_inputs, flat_sources
+
+
 def _chunked_loss_working_set(args: tuple) -> int:
     """The chunked LM head + loss: a chunk's ``[tokens / chunks, V]`` values alive at once
     (:func:`~autoshard.runtime.chunked_loss.working_set_bytes`), forward or backward."""
@@ -694,21 +713,26 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
     symbols: dict[str, int] = {"P": world_size}
     memories = []
     carried_outputs: dict[tuple[int, int], Any] = {}  # (graph, output position) -> Shard it leaves split in
-    for index, (gm, example_inputs, *sources) in enumerate(graphs):
+    deferred_outputs: dict[tuple[int, int], tuple] = {}  # (graph, output position) -> (DeferredOutput, the producer's
+    for index, (gm, example_inputs, *sources) in enumerate(graphs):  # inputs and their sources)
+        sources = list(sources[0]) if sources else [None] * len(example_inputs)
+        gm, example_inputs, sources = _inline_deferred(gm, example_inputs, sources, deferred_outputs)
         graph_config = config
         if config.memory_budget is not None:
             graph_config, policy = memory_policy_for(gm, example_inputs, world_size=world_size, config=config,
                                                      budget=config.memory_budget, dp_shard=dp_shard,
                                                      optimizer=optimizer)
             result.memory_policy.append(f"g{index} {policy.describe()}")
-        shards, example_inputs = _carried(sources[0] if sources else [None] * len(example_inputs),
-                                             carried_outputs, example_inputs, rank)
+        whole_inputs = example_inputs
+        shards, example_inputs = _carried(sources, carried_outputs, example_inputs, rank)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         names = {placeholders[i].name: shard for i, shard in shards.items()}
         compiled = compile_graph(gm, config=graph_config, groups=SequenceGroups.planned(rank, world_size),
                                  topology=topology, planning=True,
                                  sharded_inputs=names or None, carried_inputs=set(names) or None)
         carried_outputs.update({(index, position): shard for position, shard in compiled.carried_outputs.items()})
+        deferred_outputs.update({(index, position): (out, whole_inputs, sources)
+                                 for position, out in compiled.deferred_outputs.items()})
         report = compiled.report
         prefix = f"g{index}."
         result.placements.update({prefix + k: v for k, v in report.placements.items()})

@@ -39,11 +39,18 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..runtime.attention.empty_rows import soft_capped_attention, uniform_attention
-from .graph import eliminate_dead_code, is_module_state, new_node, real_value, unused_impure
-from .masks import MASKING_FILL, StructuredMask, Unstructurable, empty_rows_of, structure_mask
+from .graph import eliminate_dead_code, is_module_state, new_node, real_value, unused_impure, user_line
+from .masks import MASKING_FILL, StructuredMask, Unstructurable, empty_rows_of, structure_mask, structure_mask_mod
 from .ops import canonical, is_tensor_node, permutation, register_canonical, shape_of, value_of
+from .report import Fallback
 
 __all__ = ["captured_attention", "capture_attention", "dense_mask_of", "DenseMask", "DENSE_MASK"]
+
+_FLEX_ATTENTION = torch.ops.higher_order.flex_attention
+_VMAP_LEVEL = "_vmap_"
+"""In the name of torch.vmap's level bookkeeping (``_vmap_increment_nesting`` / ``_vmap_decrement_nesting``), which
+dynamo emits around a traced ``vmap`` (FlexAttention builds its default block mask with one): a pair must stay or go
+together, so capture never removes one of them as dead code."""
 
 DENSE_MASK = "autoshard_dense_mask"
 """``node.meta`` key of a captured attention whose mask stays dense: its :class:`DenseMask`."""
@@ -364,15 +371,56 @@ def _dense(reason: str, mask) -> DenseMask:
     return DenseMask(reason, unknown)
 
 
-def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> list[tuple[fx.Node, str | None]]:
+def _capture_flex(gm: fx.GraphModule, node: fx.Node) -> fx.Node | str:
+    """``flex_attention(q, k, v, score_mod, block_mask, scale, ...)`` (dynamo's higher-order op) as a
+    ``captured_attention`` that replaces its output, its ``mask_mod`` and ``score_mod`` read as structure
+    (:func:`~.masks.structure_mask_mod`); the reason when it cannot be (it stays as it is, computed whole)."""
+    q, k, v, score_mod, block_mask, scale = node.args[:6]
+    score_buffers, mask_buffers = node.args[7], node.args[8]
+    where = f"flex_attention {node.name} (at {user_line(node)})"
+    uses = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+    if len(uses) != len(node.users) or any(i != 0 and user.users for i, user in uses.items()):
+        return f"{where}: its log-sum-exp is used, which the distributed attention does not return"
+    if not all(is_tensor_node(t) and len(shape_of(t)) == 4 for t in (q, k, v)):
+        return f"{where}: queries, keys or values are not [B, H, S, D]"
+    mask_mod = getattr(gm, block_mask[-1].target) if isinstance(block_mask[-1], fx.Node) else None
+    try:
+        spec, softcap = structure_mask_mod(gm.graph, node, mask_mod, mask_buffers, getattr(gm, score_mod.target),
+                                           score_buffers, shape_of(q)[-2], shape_of(k)[-2], shape_of(q)[0],
+                                           shape_of(q)[-3])
+    except Unstructurable as exc:
+        return f"{where}: its mask_mod / score_mod cannot be read as structure ({exc})"
+    kwargs = {"causal": spec.causal, "window": spec.window, "chunk": spec.chunk, "scale": float(scale),
+              "softcap": softcap, "empty_rows": "zero"}
+    kwargs.update({key: value for key in ("alibi_slopes", "position_bias") if (value := getattr(spec, key)) is not None})
+    out = uses.get(0)
+    with gm.graph.inserting_before(node):
+        new = new_node(gm.graph, captured_attention, (q, k, v, spec.key_mask, spec.segment_ids, None), kwargs,
+                       example_value=value_of(out) if out is not None else None)
+    for user in uses.values():
+        user.replace_all_uses_with(new)
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(node)
+    return new
+
+
+def capture_attention(gm: fx.GraphModule, missed: list[Fallback] | None = None) -> list[tuple[fx.Node, str | None]]:
     """Replace every attention of ``gm`` by ``captured_attention``; returns (node, reason the mask stayed dense).
-    Attention-like patterns that could not be captured are appended to ``missed`` with the reason."""
+    Attention-like patterns that could not be captured are appended to ``missed`` as fallbacks: they run whole."""
     graph = gm.graph
-    keep = unused_impure(graph)
+    keep = unused_impure(graph) | {n for n in graph.nodes if _VMAP_LEVEL in str(n.target)}
     captured = []
     mask_cache: dict[tuple, StructuredMask | DenseMask] = {}
     for node in list(graph.nodes):
         op = _op(node)
+        if node.op == "call_function" and node.target is _FLEX_ATTENTION:
+            found = _capture_flex(gm, node)
+            if isinstance(found, str):
+                if missed is not None:
+                    missed.append(Fallback(node.name, "flex_attention", found))
+            else:
+                captured.append((found, None))
+            continue
         if op is not None and op.name == "attention" and node.target is not captured_attention:
             q, k, v = op["q"], op["k"], op["v"]
             mask, causal, scale, dropout_p = op["attn_mask"], bool(op["is_causal"]), op["scale"], float(op["dropout_p"])
@@ -380,7 +428,7 @@ def capture_attention(gm: fx.GraphModule, missed: list[str] | None = None) -> li
         elif op is not None and op.name == "matmul":
             found = _handwritten(graph, node)
             if isinstance(found, str) and missed is not None:
-                missed.append(found)
+                missed.append(Fallback(node.name, "matmul", found))
             if not isinstance(found, tuple):
                 continue
             q, k, v, mask, scale, softcap, dropout_p, fill = found

@@ -14,12 +14,17 @@ docstring says why a recipe and not a classified mask):
 An output is deferred when (every condition is a reason the recomputation could differ, or cost more):
 
 * it needs no gradient, and neither does anything it is computed from (a recipe has no autograd history);
-* every op computing it is pure and deterministic (:func:`~autoshard.passes.graph.is_pure`: no in-place write,
-  no random draw, no op outside the canonical vocabulary such as ``torch.vmap``'s nesting levels) and none is
-  one that autocast runs in a lower precision (matmuls, linear, convolutions, attention: the layer graph may run
-  under another autocast state than the graph that built the value);
+* every op computing it is deterministic (:func:`~autoshard.passes.graph.has_side_effects`: no in-place write,
+  no random draw) and none is one that autocast runs in a lower precision (matmuls, linear, convolutions,
+  attention: the layer graph may run under another autocast state than the graph that built the value);
 * it reads only whole inputs of the graph (not a value split along the sequence), no module attribute;
-* its recipe's largest value is at least :data:`DEFER_RATIO` times the elements of everything it reads.
+* it is at least :data:`DEFER_RATIO` times the elements of everything it reads (a mask, cos and sin; not
+  FlexAttention's block mask, whose graph computes it once from a vmap of ``mask_mod`` -- fused away by
+  inductor -- and which the layer graphs do not read: they read ``mask_mod``).
+
+A deferred value never reaches a higher-order op while dynamo traces (FlexAttention's op does not dispatch a
+tensor subclass next to fake tensors): values that do -- the block mask -- are not deferred by the conditions
+above, and ``mask_mod``'s own inputs (positions, segment ids) are as small as what they are made from.
 """
 
 from __future__ import annotations
@@ -31,20 +36,20 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
 
 from ..runtime.deferred import Recipe
-from .graph import eliminate_dead_code, fake_mode_of, is_pure, new_node, unused_impure
+from .graph import eliminate_dead_code, fake_mode_of, has_side_effects, new_node, unused_impure
 from .ops import canonical, is_tensor_node, numel, shape_of, value_of
 
 __all__ = ["DeferredOutput", "defer_outputs", "inline_deferred", "DEFER_RATIO"]
 
 DEFER_RATIO = 8
-"""An output is deferred only when its recipe's largest value has at least this many times the elements of the
-inputs it reads (a mask: ``S`` times; RoPE's cos: the head dim)."""
+"""An output is deferred only when it has at least this many times the elements of the inputs its recipe reads
+(a mask: ``S`` times; RoPE's cos: the head dim)."""
 
 _LOWER_PRECISION = {"linear", "matmul", "addmm", "einsum", "conv", "attention", "outer", "linear_cross_entropy"}
 """Canonical ops that autocast runs in a lower precision: a recipe with one could compute differently where it is
 inlined."""
-
-
+_LOWER_PRECISION_NAMES = ("mm", "matmul", "linear", "conv", "einsum", "attention")
+"""The same, in the names of ops outside the canonical vocabulary (``aten.bmm``)."""
 @dataclass(frozen=True)
 class DeferredOutput:
     """An output the graph leaves uncomputed."""
@@ -55,9 +60,26 @@ class DeferredOutput:
     """The graph inputs (placeholder positions) the recipe reads, in the recipe's placeholder order."""
 
 
+def _name(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+
+
+def _deterministic(node: fx.Node) -> bool:
+    """Whether ``node`` computes the same value wherever and whenever it runs: no side effect, no random draw, and
+    no precision autocast would change (see the module docstring)."""
+    if node.op not in ("call_function", "call_method") or has_side_effects(node):
+        return False
+    if "functorch" in str(getattr(node.target, "__module__", "")):  # a vmap's batch dims: they need its levels
+        return False
+    op = canonical(node)
+    if op is not None:
+        return op.name not in _LOWER_PRECISION
+    return not any(name in _name(node) for name in _LOWER_PRECISION_NAMES)
+
+
 def _recipe_nodes(output: fx.Node, excluded: set[str]) -> list[fx.Node] | None:
-    """The nodes computing ``output`` back to the graph's inputs, in graph order, or None when it is not
-    deferrable (see the module docstring)."""
+    """The nodes computing ``output`` back to the graph's inputs, in graph order; None when it is not deferrable
+    (see the module docstring)."""
     seen, stack = set(), [output]
     while stack:
         node = stack.pop()
@@ -70,24 +92,22 @@ def _recipe_nodes(output: fx.Node, excluded: set[str]) -> list[fx.Node] | None:
         if node.op == "placeholder":
             if node.name in excluded or not is_tensor_node(node):
                 return None
-            continue
-        if node.op not in ("call_function", "call_method") or not is_pure(node):
-            return None
-        op = canonical(node)
-        if op is None or op.name in _LOWER_PRECISION:
+        elif not _deterministic(node):
             return None
         stack.extend(node.all_input_nodes)
-    order = {n: i for i, n in enumerate(output.graph.nodes)}
-    return sorted(seen, key=order.__getitem__)
+    position = {n: i for i, n in enumerate(output.graph.nodes)}
+    return sorted(seen, key=position.__getitem__)
 
 
-def _recipe_of(nodes: list[fx.Node], output: fx.Node, placeholders: list[fx.Node]) -> DeferredOutput | None:
-    """The recipe computing ``output`` from ``nodes`` (its inputs first), or None when it is not worth deferring."""
+def _worth_deferring(nodes: list[fx.Node], output: fx.Node) -> bool:
+    """Whether the value is large next to what it is made from (:data:`DEFER_RATIO`)."""
+    read = sum(numel(shape_of(n)) for n in nodes if n.op == "placeholder")
+    return numel(shape_of(output)) >= DEFER_RATIO * max(read, 1)
+
+
+def _recipe_of(nodes: list[fx.Node], output: fx.Node, placeholders: list[fx.Node]) -> DeferredOutput:
+    """The recipe computing ``output`` from ``nodes`` (:func:`_recipe_nodes`)."""
     inputs = [n for n in nodes if n.op == "placeholder"]
-    read = sum(numel(shape_of(n)) for n in inputs)
-    largest = max(numel(shape_of(n)) for n in nodes if is_tensor_node(n))
-    if largest < DEFER_RATIO * max(read, 1):
-        return None
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in nodes:
@@ -119,9 +139,8 @@ def defer_outputs(gm: fx.GraphModule, excluded: set[str]) -> dict[int, DeferredO
         if not is_tensor_node(node) or node.op == "placeholder" or len(shape_of(node)) < 2:
             continue
         nodes = _recipe_nodes(node, excluded)
-        found = _recipe_of(nodes, node, placeholders) if nodes is not None else None
-        if found is not None:
-            deferred[position] = found
+        if nodes is not None and _worth_deferring(nodes, node):
+            deferred[position] = _recipe_of(nodes, node, placeholders)
     if deferred:
         output.args = (type(results)(None if i in deferred else n for i, n in enumerate(results)),)
         eliminate_dead_code(gm.graph, keep)

@@ -27,7 +27,7 @@ from torch.utils.weak import TensorWeakRef
 
 from .ops import canonical, value_of
 
-__all__ = ["new_node", "fake_mode_of", "mutates", "has_side_effects", "is_pure", "eliminate_dead_code",
+__all__ = ["new_node", "user_line", "fake_mode_of", "mutates", "has_side_effects", "is_pure", "eliminate_dead_code",
            "unused_impure", "is_module_state", "keep_real_values", "real_value", "REAL_VALUE"]
 
 REAL_VALUE = "autoshard_real_value"
@@ -169,3 +169,14 @@ def new_node(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, o
         fn = getattr(vals[0], target) if op == "call_method" else target
         node.meta["example_value"] = fn(*vals[1:], **kvals) if op == "call_method" else fn(*vals, **kvals)
     return node
+
+
+def user_line(node: fx.Node) -> str:
+    """The user's source line that made ``node`` (the last of its stack trace, with where it is), or "unknown"."""
+    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()
+             if line.strip().strip("^~")]  # not the carets under the expression
+    code = [i for i, line in enumerate(lines) if not line.startswith("File ")]
+    if not code:
+        return "unknown"
+    where = f"  ({lines[code[-1] - 1]})" if code[-1] and lines[code[-1] - 1].startswith("File ") else ""
+    return lines[code[-1]] + where

@@ -18,7 +18,10 @@ gives one boolean formula in ``b, h, q, k``; its conjuncts are classified:
   offset, ``(q - pad[b]) // C``), materialized as ``[B, S]``;
 * ``P(b, k) <= P(b, q)`` for a position tensor ``P`` next to segment ids that are the runs of ``P``
   (``cumsum(diff(P) != 1)``, how transformers detects packed sequences): ``k <= q``, because inside a
-  segment positions grow by one per token;
+  segment positions grow by one per token. When both come from outside the graph (an earlier graph made
+  them: FlexAttention's ``mask_mod`` reads them from its closure), the graph cannot see that the segments are
+  runs of ``P``: an ``autoshard::check_runs`` node before the attention checks it on every call (segment ids
+  that never decrease, positions that grow by one inside a segment) and raises when it does not hold;
 * anything else: not structurable -- the attention keeps its dense mask and is computed on gathered
   keys (recorded in the plan), never on a wrong mask.
 
@@ -53,7 +56,7 @@ from .graph import new_node as _new
 from .graph import real_value
 from .ops import canonical, is_tensor_node, permutation, shape_of, value_of
 
-__all__ = ["StructuredMask", "structure_mask", "Unstructurable", "empty_rows_of", "MASKING_FILL", "SWAMPING_FILL"]
+__all__ = ["StructuredMask", "structure_mask", "structure_mask_mod", "Unstructurable", "empty_rows_of", "MASKING_FILL", "SWAMPING_FILL"]
 
 B, H, Q, K = sympy.symbols("b h q k", integer=True, nonnegative=True)
 
@@ -161,6 +164,10 @@ class _Evaluator:
             self.cache[node] = _settle(self._eval(node))
         return self.cache[node]
 
+    def bind(self, node: fx.Node, value: _Abs) -> None:
+        """Evaluate ``node`` as ``value`` (the arguments of a FlexAttention ``mask_mod``)."""
+        self.cache[node] = value
+
     def leaf(self, node: fx.Node) -> _Abs:
         self.leaves[f"T_{node.name}"] = node
         return _leaf(node)
@@ -229,6 +236,9 @@ class _Evaluator:
         floor_division = fn == "floor_divide" or (fn == "div" and node.kwargs.get("rounding_mode") == "floor")
         if floor_division and len(vals) == 2 and sympy.sympify(vals[1].expr).is_Integer and vals[1].expr != 0:
             return _Abs(sympy.floor(vals[0].expr / vals[1].expr), shape)
+        if (fn == "div" and len(vals) == 2 and node.kwargs.get("rounding_mode") is None
+                and vals[0].fill is None and vals[1].fill is None):  # a score over a soft-cap (score_mod)
+            return _Abs(vals[0].expr / vals[1].expr, shape)
         if fn in binary and len(vals) == 2:
             a, b = vals
             if fn == "mul" and value_of(node).dtype == torch.bool:
@@ -244,7 +254,7 @@ class _Evaluator:
             return _Abs(binary[fn](a.expr, b.expr), shape)
         if fn in ("bitwise_not", "logical_not") and len(tensor_args) == 1:
             return _Abs(sympy.Not(vals[0].expr), shape)
-        unary = {"neg": operator.neg, "abs": sympy.Abs}
+        unary = {"neg": operator.neg, "abs": sympy.Abs, "tanh": sympy.tanh}
         if fn in unary and len(vals) == 1:
             return _Abs(unary[fn](vals[0].expr), shape)
         return self.leaf(node)
@@ -495,6 +505,11 @@ def _is_run_segments(seg: fx.Node, pos: fx.Node) -> bool:
     return _same_values(diff_op["input"], pos)
 
 
+def _per_position(node: fx.Node) -> bool:
+    """Whether ``node`` holds one value per (batch row, position): ``[B, S]`` or ``[1, S]``."""
+    return is_tensor_node(node) and len(shape_of(node)) == 2 and not value_of(node).is_floating_point()
+
+
 def _same_values(a: fx.Node, b: fx.Node) -> bool:
     """True when ``a`` and ``b`` are the same tensor up to expand / identity / broadcast-only views."""
     def root(n):
@@ -521,16 +536,16 @@ def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bo
       learned relative-position buckets, ``table[bucket(k - q), h]``): the index computation is emitted again
       on the vector of every distance, ``-(q_len - 1) .. k_len - 1``, and the table looked up there, so the bias
       is a ``[H, q_len + k_len - 1]`` value (``position_bias``) that carries the table's gradient."""
-    spec = StructuredMask()
     atoms = []
     if is_causal:
         atoms.append(sympy.Le(K, Q))
     evaluator = _Evaluator()
+    bias, empty_rows = sympy.Integer(0), "zero"
     if attn_mask is not None:
         v = evaluator(attn_mask)
         if value_of(attn_mask).dtype != torch.bool and v.fill is None:  # a bias alone
             v = _Abs(sympy.true, v.shape, bias=v.expr)
-        spec.empty_rows = empty_rows_of(v.fill)
+        empty_rows = empty_rows_of(v.fill)
         full = _broadcast_to(v, (1,) * max(0, 4 - len(v.shape)) + v.shape)
         n = len(full.shape)
         names = {n - 1: K, n - 2: Q, n - 3: H, n - 4: B}
@@ -538,18 +553,87 @@ def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bo
         expr = sympy.sympify(full.expr).xreplace(renamed)
         if full.shape[-2] not in (1, q_len) or full.shape[-1] not in (1, k_len):
             raise Unstructurable("mask shape does not match the attention")
-        bias, table = _relative_table(sympy.sympify(full.bias).xreplace(renamed), evaluator.leaves)
-        if table is not None:
-            with graph.inserting_before(attention):
-                spec.position_bias = _tabulate(graph, table, evaluator.leaves, q_len, k_len)
-        slopes = _alibi_slopes(bias, evaluator.leaves)
-        if slopes is not None:
-            if spec.empty_rows == "scores":
-                raise Unstructurable("ALiBi with a mild fill (rows that see no key attend by their scores)")
-            with graph.inserting_before(attention):
-                spec.alibi_slopes = _materialize_slopes(graph, slopes, heads, evaluator.leaves)
+        bias = sympy.sympify(full.bias).xreplace(renamed)
         expr = sympy.simplify_logic(expr) if expr.has(sympy.Or) else expr
         atoms += list(expr.args) if isinstance(expr, sympy.And) else [expr]
+    return _classify(graph, attention, evaluator, atoms, bias, empty_rows, q_len, k_len, batch, heads)
+
+
+def structure_mask_mod(graph: fx.Graph, attention: fx.Node, mask_mod: fx.GraphModule | None, mask_buffers,
+                       score_mod: fx.GraphModule | None, score_buffers, q_len: int, k_len: int, batch: int,
+                       heads: int) -> tuple[StructuredMask, float]:
+    """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` and ``score_mod(score, b, h, q_idx, kv_idx)`` (their
+    traced graphs; the tensors they read from outside, ``*_buffers``, are nodes of ``graph``) as a structured mask
+    and a soft-cap: the two graphs are evaluated abstractly with the index arguments bound to the symbols ``b, h,
+    q, k`` and ``score`` to a symbol of its own, so ``kv_idx <= q_idx`` is causal, ``doc[q_idx] == doc[kv_idx]``
+    segments of ``doc``, and what ``score_mod`` adds to ``score`` a bias (ALiBi's ``slope[h] * (kv_idx -
+    q_idx)``); ``cap * tanh(score / cap)`` is a soft-cap. Rows that see no key get 0, as FlexAttention gives
+    them. Raises :class:`Unstructurable`."""
+    evaluator = _Evaluator()
+    atoms = []
+    if mask_mod is not None:
+        expr = _evaluate_mod(evaluator, graph, mask_mod, (B, H, Q, K), mask_buffers)
+        expr = sympy.simplify_logic(expr) if isinstance(expr, sympy.Basic) and expr.has(sympy.Or) else expr
+        atoms = list(expr.args) if isinstance(expr, sympy.And) else [expr]
+    bias, softcap = sympy.Integer(0), 0.0
+    if score_mod is not None:
+        bias, softcap = _score_terms(_evaluate_mod(evaluator, graph, score_mod, (SCORE, B, H, Q, K), score_buffers))
+    return _classify(graph, attention, evaluator, atoms, bias, "zero", q_len, k_len, batch, heads), softcap
+
+
+SCORE = sympy.Symbol("score", real=True)
+"""``score_mod``'s score argument, in :func:`structure_mask_mod`."""
+
+
+def _evaluate_mod(evaluator: "_Evaluator", graph: fx.Graph, mod: fx.GraphModule, symbols: tuple, buffers) -> object:
+    """The value of a FlexAttention ``mask_mod`` / ``score_mod`` graph with its leading arguments bound to
+    ``symbols`` and the rest to the abstract values of ``buffers`` (nodes of ``graph``)."""
+    placeholders = [n for n in mod.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(symbols) + len(buffers):
+        raise Unstructurable(f"a mask_mod / score_mod of {len(placeholders)} arguments")
+    for node, symbol in zip(placeholders, symbols):
+        evaluator.bind(node, _Abs(symbol, ()))
+    for node, outer in zip(placeholders[len(symbols):], buffers):
+        evaluator.bind(node, evaluator(outer))
+    output = next(n for n in mod.graph.nodes if n.op == "output").args[0]
+    value = evaluator(output)
+    foreign = [name for name, leaf in evaluator.leaves.items() if leaf.graph is not graph]
+    if foreign or value.shape != ():
+        raise Unstructurable(f"{mod.__class__.__name__} computes what the mask pass cannot read "
+                             f"({', '.join(evaluator.leaves[n].format_node() for n in foreign) or value.shape})")
+    return value.expr
+
+
+def _score_terms(value) -> tuple[object, float]:
+    """(bias, soft-cap) of a ``score_mod``'s value: ``score + bias`` or ``cap * tanh(score / cap) + bias`` with a
+    bias free of the score."""
+    terms = sympy.Add.make_args(sympy.expand(value))
+    scored = [t for t in terms if t.has(SCORE)]
+    bias = sympy.Add(*(t for t in terms if not t.has(SCORE)))
+    if scored == [SCORE]:
+        return bias, 0.0
+    if len(scored) == 1:
+        cap, tanh = scored[0].as_coeff_Mul()
+        if isinstance(tanh, sympy.tanh) and cap > 0 and sympy.simplify(tanh.args[0] * cap - SCORE) == 0:
+            return bias, float(cap)
+    raise Unstructurable(f"a score_mod that computes {value}: not the score plus a bias, or a soft-cap of it")
+
+
+def _classify(graph: fx.Graph, attention: fx.Node, evaluator: "_Evaluator", atoms: list, bias, empty_rows: str,
+              q_len: int, k_len: int, batch: int, heads: int) -> StructuredMask:
+    """The structured mask of the conjuncts ``atoms`` (formulas in ``b, h, q, k``) and the additive ``bias`` (see
+    :func:`structure_mask`); materialized tensors are inserted before ``attention``."""
+    spec = StructuredMask(empty_rows=empty_rows)
+    bias, table = _relative_table(bias, evaluator.leaves)
+    if table is not None:
+        with graph.inserting_before(attention):
+            spec.position_bias = _tabulate(graph, table, evaluator.leaves, q_len, k_len)
+    slopes = _alibi_slopes(bias, evaluator.leaves)
+    if slopes is not None:
+        if spec.empty_rows == "scores":
+            raise Unstructurable("ALiBi with a mild fill (rows that see no key attend by their scores)")
+        with graph.inserting_before(attention):
+            spec.alibi_slopes = _materialize_slopes(graph, slopes, heads, evaluator.leaves)
 
     lo, hi = -sympy.oo, sympy.oo
     key_atoms, segments, position_atoms = [], [], []
@@ -581,13 +665,16 @@ def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bo
         else:
             position_atoms.append(atom)
 
+    guards = []
     for atom in position_atoms:  # P(b, k) OP P(b, q) inside runs of P: the same as k OP q
         lhs, rhs = atom.lhs, atom.rhs
         same_fn = isinstance(lhs, AppliedUndef) and isinstance(rhs, AppliedUndef) and lhs.func == rhs.func
         pos = evaluator.leaves.get(str(lhs.func)) if same_fn else None
-        runs = [s for s in segments if isinstance(s, AppliedUndef)
-                and _is_run_segments(evaluator.leaves[str(s.func)], pos)] if pos is not None else []
-        if not runs:
+        tables = [evaluator.leaves[str(s.func)] for s in segments if isinstance(s, AppliedUndef)]
+        runs = [seg for seg in tables if _is_run_segments(seg, pos)] if pos is not None else []
+        if not runs and pos is not None and len(tables) == 1 and _per_position(pos) and _per_position(tables[0]):
+            guards.append((tables[0], pos))  # made elsewhere (an earlier graph): checked where it is used
+        elif not runs:
             raise Unstructurable(f"a data-dependent comparison {atom}")
         lhs_k, rhs_k = lhs.xreplace({B: 0}).free_symbols, rhs.xreplace({B: 0}).free_symbols
         bounds = _k_minus_q_bounds(type(atom)(K if K in lhs_k else Q, K if K in rhs_k else Q))
@@ -615,6 +702,8 @@ def structure_mask(graph: fx.Graph, attention: fx.Node, attn_mask, is_causal: bo
         for buffer, band in evaluator.bands.items():  # the mask relies on the values read: guard them
             _new(graph, torch.ops.autoshard.check_band.default,
                  (buffer, band.inside, band.outside, band.lo, band.hi, _buffer_name(buffer)))
+        for seg, pos in guards:
+            _new(graph, torch.ops.autoshard.check_runs.default, (seg, pos, f"{seg.name}, {pos.name}"))
     return spec
 
 

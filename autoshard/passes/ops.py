@@ -427,7 +427,8 @@ def _bind_marked_attention(q, k, v, attn_mask, causal, scale):
 
 # --- nodes that carry no tensor computation (a guard on a buffer read as a mask among them)
 _NOOPS = {torch._C._log_api_usage_once, torch._C._set_grad_enabled, torch.autograd.function.FunctionCtx,
-          builtins.isinstance, torch._C._get_tracing_state, torch.ops.autoshard.check_band.default}
+          builtins.isinstance, torch._C._get_tracing_state, torch.ops.autoshard.check_band.default,
+          torch.ops.autoshard.check_runs.default}
 
 
 # ----------------------------------------------------------------------------- pointwise recognition

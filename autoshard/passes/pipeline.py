@@ -103,8 +103,8 @@ class PipelineState:
 
     regions: list[Region] = field(default_factory=list)
     """inline: the checkpointed regions of the original graph."""
-    missed: list[str] = field(default_factory=list)
-    """capture: attention-like patterns that were not captured, with the reason."""
+    missed: list = field(default_factory=list)
+    """capture: attention-like patterns that were not captured (:class:`~.report.Fallback`: they run whole)."""
     deferred_outputs: dict[int, DeferredOutput] = field(default_factory=dict)
     """defer: output position -> how the value the graph no longer computes is computed where it is used."""
     links: LinkContext | None = None
@@ -304,12 +304,13 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, groups: Sequence
         dump_dir=os.path.join(dump, f"graph{next(_DUMPS)}-rank{groups.rank}") if dump else None))
     families, rewriter = state.families, state.rewriter
     if not families.families and groups.world > 1 and (state.missed or state.stats["capture"].counts["layers"]):
-        detail = "; ".join(state.missed) if state.missed else (
+        detail = "; ".join(f.reason for f in state.missed) if state.missed else (
             "no scaled_dot_product_attention or softmax(QK^T)V in it, and no input marked with "
             "autoshard.mark_sequence or seq_dims")
         warnings.warn(f"autoshard: nothing in this graph is split along a sequence, so it runs whole on every "
                       f"rank: {detail}", stacklevel=3)
     rewriter.report.passes = state.stats
+    rewriter.report.fallbacks[:0] = state.missed
     gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
     return CompiledGraph(state.gm, rewriter.report, families, state.strategies, gathered, state.reasons,
                          rewriter.carried_outputs, state.deferred_outputs)

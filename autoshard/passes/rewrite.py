@@ -37,7 +37,7 @@ from ..runtime.groups import SequenceGroups
 from ..runtime.layouts import SequenceLayout
 from ..runtime.redistribute import grad_scale, grad_sync, grad_sync_bucket, realign_bytes, reduce_partial
 from .comms import EMITTED_BY, LAYOUT, REASON, SERVES, CommBook, derive_comms
-from .graph import is_module_state, mutates
+from .graph import is_module_state, mutates, user_line
 from .infer import Families, Family
 from .ops import UNBOUND, is_tensor_node, numel, op_of, shape_of, value_of
 from .regions import REGION
@@ -379,7 +379,7 @@ class Rewriter:
                 self.done(node, self.reemit(node), _replicated(node))
         except Exception as e:
             raise RuntimeError(f"autoshard pass 'rewrite' failed on {op.name if op is not None else node.target} node "
-                               f"{node.format_node()}\n  user code: {_user_line(node)}\n  {type(e).__name__}: {e}") from e
+                               f"{node.format_node()}\n  user code: {user_line(node)}\n  {type(e).__name__}: {e}") from e
 
     def touches_sequence(self, node: fx.Node) -> bool:
         """Whether ``node``'s value or an input is in a sequence family, or an input is not whole (split, partial)."""
@@ -432,17 +432,6 @@ def _replicated(node: fx.Node) -> Any:
     """The placement of ``node``'s value held whole: REPLICATE, or one per element of a tuple value."""
     value = value_of(node)
     return tuple(REPLICATE for _ in value) if isinstance(value, (tuple, list)) else REPLICATE
-
-
-def _user_line(node: fx.Node) -> str:
-    """The user's source line that made ``node`` (the last of its stack trace, with where it is), or "unknown"."""
-    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()
-             if line.strip().strip("^~")]  # not the carets under the expression
-    code = [i for i, line in enumerate(lines) if not line.startswith("File ")]
-    if not code:
-        return "unknown"
-    where = f"  ({lines[code[-1] - 1]})" if code[-1] and lines[code[-1] - 1].startswith("File ") else ""
-    return lines[code[-1]] + where
 
 
 def _whole(placement: Any) -> bool:

@@ -18,12 +18,14 @@ whose values the compiler read as a mask.
 ``local_arange``, ``select_owned``
     The same for positions the compiler knows: an ``arange`` built at this rank's positions only, and the
     row at one global position on the rank that holds it, zeros elsewhere (``hidden[:, 0]``).
-``check_band``
+``check_band`` / ``check_runs``
     A guard on a constant buffer that the compiler read as a structured mask (nanoGPT's
     ``tril(ones(N, N))``): each call checks, in O(1), that the buffer is the same tensor at the same
     version as when it was last verified; when it was replaced or changed in place, its values are
     verified again (:func:`constant_band`) and a buffer that no longer holds the band fails loudly
-    instead of running a wrong mask.
+    instead of running a wrong mask. ``check_runs`` guards positions compared inside segments that an earlier
+    graph made (the compiler read ``P[k] <= P[q]`` inside a segment as ``k <= q``): on every call, in O(S),
+    segment ids never decrease and positions grow by one inside a segment, or it raises.
 
 Every op is a ``torch.library`` custom op with a fake implementation, so the inner compilers trace it
 (``local_arange`` and ``select_owned`` are plain functions, traced through).
@@ -211,3 +213,23 @@ def _(x, inside, outside, lo, hi, name):
 
 
 torch.fx.node.has_side_effect(torch.ops.autoshard.check_band.default)
+
+
+@torch.library.custom_op("autoshard::check_runs", mutates_args=())
+def _check_runs(segments: torch.Tensor, positions: torch.Tensor, names: str) -> None:
+    segments, positions = torch.broadcast_tensors(segments, positions)
+    same = segments[..., 1:] == segments[..., :-1]
+    if not (bool((segments[..., 1:] >= segments[..., :-1]).all())
+            and bool(((positions[..., 1:] - positions[..., :-1]) == 1)[same].all())):
+        raise RuntimeError(
+            f"autoshard: the attention mask compares positions inside segments ({names}), which the compiler read as "
+            f"a causal mask inside each segment: that holds only when segment ids never decrease along the sequence "
+            f"and positions grow by one inside a segment, and these do not")
+
+
+@_check_runs.register_fake
+def _(segments, positions, names):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.autoshard.check_runs.default)
