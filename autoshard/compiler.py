@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from .config import BackendConfig, resolve_config
+from .config import BackendConfig, dynamo_settings, resolve_config
 from .passes.deferred import inline_deferred
 from .passes.ops import value_of
 from .passes.pipeline import compile_graph
@@ -48,9 +48,10 @@ from .runtime.collectives import gather_facts
 from .runtime.layouts import SequenceLayout
 from .runtime.deferred import DeferredTensor, defer
 from .runtime.split_tensor import SplitTensor, local_of, wrap
-from .runtime.groups import GroupLike, check_sequence_mesh, default_store, sequence_group, sequence_groups
+from .runtime.groups import (GroupLike, check_sequence_mesh, default_store, private_torch_api, sequence_group,
+                             sequence_groups)
 
-__all__ = ["backend", "AutoshardBackend", "autoshard_backend", "GraphRecord", "explain"]
+__all__ = ["backend", "compile", "AutoshardBackend", "autoshard_backend", "GraphRecord", "explain"]
 
 logger = logging.getLogger("autoshard")
 """The package's logger: ``backend(dry_run=True)`` logs its plan here (INFO, rank 0)."""
@@ -87,6 +88,10 @@ class AutoshardBackend:
         self.config = config or BackendConfig()
         self.compiled: deque[GraphRecord] = deque(maxlen=RECORDS_KEPT)
         """What reports need of the graphs compiled on this rank, newest last (the last ``RECORDS_KEPT``)."""
+        self.backend_ctx_ctor = dynamo_settings
+        """What dynamo enters around every call of a model compiled with this backend through
+        ``torch._dynamo.optimize`` (:func:`compile`); ``torch.compile`` drops it (see :func:`compile`). An instance
+        attribute: dynamo reads it from the backend's wrapper, which copies the instance's attributes only."""
 
     @property
     def sharded_layout(self) -> str:
@@ -140,6 +145,7 @@ class AutoshardBackend:
         compiled.report.memory_policy = policy
         record = GraphRecord(compiled.report, compiled.gathered_output_shapes, bool(compiled.families.families))
         self._warn_if_whole_from_earlier_graph(record, example_inputs)
+        _warn_undistributed(compiled.report)
         self.compiled.append(record)
         lowered = _lower(compiled.graph_module, example_inputs, self.config.inner_for(_device_type(example_inputs)))
         if not (deferred or carried or compiled.carried_outputs or compiled.deferred_outputs):
@@ -266,6 +272,21 @@ def _split_dims(gm: fx.GraphModule, example_inputs: list) -> list[tuple[int, int
             if d in getattr(example_inputs[i], "_dynamo_dynamic_indices", ())]
 
 
+_WARNED_ATTENTION: set[tuple[str, str]] = set()
+"""(user line, reason) of the attentions warned about as not distributed (once each per process)."""
+
+
+def _warn_undistributed(report: CompileReport) -> None:
+    """Warn once per place and reason about an attention that runs on gathered keys or whole (the plan and
+    :func:`explain` say it too)."""
+    for a in report.attention:
+        key = (a.get("line", "unknown"), a.get("reason", ""))
+        if a["strategy"] in ("gathered-kv", "whole") and key not in _WARNED_ATTENTION:
+            _WARNED_ATTENTION.add(key)
+            warnings.warn(f"autoshard: the attention at {key[0]} is not distributed ({a['strategy']}): {key[1]}",
+                          stacklevel=3)
+
+
 def _carrying(fn: Callable, flatten: bool, carried_inputs: set[int], carried_outputs: dict, deferred_outputs: dict,
               group_name: str) -> Callable:
     """``fn`` (a compiled per-rank graph) called with the inner tensors of its DeferredTensor inputs in their
@@ -371,6 +392,31 @@ def _check_same_graph(pg: dist.ProcessGroup, index: int, gm: fx.GraphModule, exa
             "autoshard.shard_inputs and inputs='sharded'")
 
 
+def compile(model: torch.nn.Module | Callable, group: GroupLike = None, config: BackendConfig | None = None, *,
+            dynamic: bool | None = None, fullgraph: bool = False, **overrides):
+    """``model`` compiled with :func:`backend` (``group``, ``config`` and ``overrides`` as there), like
+    ``torch.compile(model, backend=autoshard.backend(...))``, with autoshard's dynamo settings in effect while the
+    compiled model is traced and run, and only then (:func:`~autoshard.config.dynamo_settings`).
+
+    Why it exists: transformers (5.25 and later, with the ``kernels`` package) keeps bookkeeping in a module-level
+    object inside every attention layer, and dynamo refuses a side effect inside a checkpointed function unless
+    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` is set: under
+    ``model.gradient_checkpointing_enable()`` it breaks the graph at every layer, the layers run uncompiled and
+    their attention is not distributed. Dynamo reads the flag while it traces, before any backend sees a graph;
+    a backend can scope a setting to its own frames only through its ``backend_ctx_ctor``, which
+    ``torch._dynamo.optimize`` honours and ``torch.compile`` drops (it wraps every backend in a wrapper that does
+    not forward it). So ``torch.compile(model, backend=autoshard.backend(...))`` cannot set it without setting it
+    for every model in the process; this does, for this model only. The side effect skipped is the bookkeeping's
+    replay when backward recomputes a checkpointed layer; the bookkeeping itself runs in forward."""
+    optimize = private_torch_api(torch._dynamo, "optimize",
+                                 "use torch.compile(model, backend=autoshard.backend(...)) and set "
+                                 "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True")
+    compiled_by = backend(group, config, **overrides)
+    compiled = optimize(compiled_by, dynamic=dynamic, nopython=fullgraph)(model)
+    compiled.autoshard_backend = compiled_by  # autoshard.explain(compiled) reads it
+    return compiled
+
+
 def backend(group: GroupLike = None, config: BackendConfig | None = None, **overrides) -> AutoshardBackend:
     """The backend for ``torch.compile``: ``group`` is a ProcessGroup, a DeviceMesh (2-D for the hybrid
     strategy) or None for the default group; ``config`` a :class:`~autoshard.config.BackendConfig` (None: the
@@ -395,9 +441,13 @@ def _describe(index: int, report: CompileReport) -> list[str]:
     """A compiled graph's report, as :func:`explain` prints it."""
     strategies = Counter(a["strategy"] for a in report.attention)
     counts = {name: stats.counts for name, stats in report.passes.items()}
+    deferred = counts.get("defer", {}).get("deferred", 0)
     lines = [f"graph {index}: {len(report.attention)} attention call(s)"
              + (f" ({', '.join(f'{n} {k}' for k, n in strategies.items())})" if strategies else "")
-             + f", {len(report.comms)} collective(s), {len(report.fallbacks)} fallback(s)"]
+             + f", {len(report.comms)} collective(s), {len(report.fallbacks)} fallback(s)"
+             + (f", {deferred} output(s) handed on uncomputed" if deferred else "")]
+    if report.square_values:
+        lines.append(f"  sequence x sequence values: {', '.join(report.square_values)}")
     lines += [f"  fallback {f.node} ({f.op}): {f.reason}" for f in report.fallbacks]
     lines += [f"  attention {a['node']}: {a['strategy']}" + (f" -- {a['reason']}" if a.get("reason") else "")
               for a in report.attention if a["strategy"] in ("gathered-kv", "whole")]
@@ -412,12 +462,12 @@ def _describe(index: int, report: CompileReport) -> list[str]:
     return lines
 
 
-def explain(compiled_by: AutoshardBackend | None = None) -> str:
+def explain(compiled_by: AutoshardBackend | Any = None) -> str:
     """What a backend did to the graphs it compiled on this rank (the last ``RECORDS_KEPT``), oldest first:
     attention strategies, fallbacks, the memory levers and the memory policy's choice. ``compiled_by``: the
-    backend ``autoshard.backend(...)`` returned; None: the one ``torch.compile(model, backend="autoshard")``
-    uses. Each report in full is ``backend.compiled[i].report``."""
-    source = compiled_by if compiled_by is not None else _default_backend
+    backend ``autoshard.backend(...)`` returned, or a model :func:`compile` returned; None: the one
+    ``torch.compile(model, backend="autoshard")`` uses. Each report in full is ``backend.compiled[i].report``."""
+    source = getattr(compiled_by, "autoshard_backend", compiled_by) if compiled_by is not None else _default_backend
     if source is None or not source.compiled:
         return "autoshard: nothing compiled on this rank yet"
     return "\n".join(line for i, record in enumerate(source.compiled) for line in _describe(i, record.report))

@@ -6,7 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Union
 
-__all__ = ["BackendConfig", "STRATEGIES", "LAYOUT_CHOICES", "resolve_config"]
+import torch
+
+__all__ = ["BackendConfig", "STRATEGIES", "LAYOUT_CHOICES", "resolve_config", "dynamo_settings"]
 
 STRATEGIES = ("auto", "ring", "zigzag", "allgather", "ulysses", "hybrid")
 LAYOUT_CHOICES = ("auto", "contiguous", "zigzag")
@@ -166,3 +168,10 @@ def resolve_config(config: BackendConfig | None, overrides: dict, caller: str = 
     if config is None:
         return BackendConfig(**overrides)
     return dataclasses.replace(config, **overrides) if overrides else config
+
+
+def dynamo_settings():
+    """The dynamo settings autoshard traces a model with (a context manager): a checkpointed function may have side
+    effects (``skip_fwd_side_effects_in_bwd_under_checkpoint``; :func:`autoshard.compile` says why). Plans trace
+    under them too."""
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)

@@ -60,7 +60,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .config import BackendConfig, resolve_config
+from .config import BackendConfig, dynamo_settings, resolve_config
 from .cost import Topology, attention_costs
 from .passes.capture import DENSE_MASK
 from .passes.deferred import inline_deferred
@@ -357,22 +357,24 @@ def _meta_as_fake(model: torch.nn.Module, args: tuple, kwargs: dict):
             state[name] = value
 
 
-def _capture(model, args: tuple, kwargs: dict) -> list[tuple[fx.GraphModule, list, list]]:
-    """Dynamo's graphs of ``model(*args, **kwargs)``, each with its example inputs and, per input, the (graph,
-    output position) that produced it, or None: a value one graph returns and the next takes (a graph break)
-    is the same tensor object. Meta tensors are captured as fake CPU tensors (:func:`_meta_as_fake`): nothing
-    is computed."""
-    graphs = []
+def _capture(model, args: tuple, kwargs: dict, *, per_layer_graphs: bool = False) -> list[tuple]:
+    """Dynamo's graphs of ``model(*args, **kwargs)``, one entry per *call* of a graph -- (graph, the call's inputs,
+    per input the (call, output position) that produced it, or None): a value one call returns and a later one
+    takes (a graph break) is the same tensor object; a graph dynamo runs again (FSDP2's one graph for every layer
+    of a kind) is one entry per run, the same graph module. Meta tensors are captured as fake CPU tensors
+    (:func:`_meta_as_fake`): nothing is computed. ``per_layer_graphs``: a graph break before and after every
+    block of the model's layer lists, where FSDP2's hooks cut it (``fully_shard`` on every layer)."""
+    calls = []
     produced: dict[int, tuple[int, int]] = {}
     alive: list = []  # the outputs seen, so that their ids stay theirs during the capture
 
-    with _meta_as_fake(model, args, kwargs) as (running, args, kwargs):
+    with _meta_as_fake(model, args, kwargs) as (running, args, kwargs), _cut_layers(model, per_layer_graphs):
         def grab(gm, example_inputs):
             keep_real_values(gm, example_inputs)  # dynamo drops them when this returns; masks may read buffers
-            index = len(graphs)
-            graphs.append((gm, list(example_inputs), [produced.get(id(x)) for x in example_inputs]))
 
             def run(*inputs):
+                index = len(calls)
+                calls.append((gm, list(inputs), [produced.get(id(x)) for x in inputs]))
                 with running:  # on fake inputs, the tensors the graph makes are fake too
                     out = gm.forward(*inputs)
                 for position, value in enumerate(out):
@@ -384,11 +386,30 @@ def _capture(model, args: tuple, kwargs: dict) -> list[tuple[fx.GraphModule, lis
 
         # every plan compiles the model anew (its own capturing backend): dynamo's per-frame recompile limit would
         # otherwise make the ninth plan of one model run it eagerly, capturing nothing
-        with torch._dynamo.config.patch(recompile_limit=1 << 30, accumulated_recompile_limit=1 << 30):
+        with torch._dynamo.config.patch(recompile_limit=1 << 30, accumulated_recompile_limit=1 << 30), dynamo_settings():
             torch.compile(model, backend=grab, dynamic=False)(*args, **kwargs)
-    if not graphs:
+    if not calls:
         raise RuntimeError("autoshard.plan: dynamo captured no graph of the model (it ran eagerly); nothing to plan")
-    return graphs
+    return calls
+
+
+@contextlib.contextmanager
+def _cut_layers(model: torch.nn.Module, cut: bool):
+    """With ``cut``, a graph break before and after every element of the model's outermost layer lists while the
+    block runs (what FSDP2's hooks do to a model whose every layer is ``fully_shard``-ed)."""
+    handles = []
+    if cut:
+        nested = {id(m) for outer in model.modules() if isinstance(outer, torch.nn.ModuleList)
+                  for m in outer.modules() if m is not outer}
+        for layers in (m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and id(m) not in nested):
+            for layer in layers:
+                handles.append(layer.register_forward_pre_hook(lambda *_: torch._dynamo.graph_break()))
+                handles.append(layer.register_forward_hook(lambda *_: torch._dynamo.graph_break()))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _carried(sources: list, carried_outputs: dict, example_inputs: list, rank: int) -> tuple[dict, list]:
@@ -703,8 +724,9 @@ def _check_planning_options(dp_shard: int, optimizer: str | None) -> None:
 def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, rank: int = 0, dp_shard: int = 1,
                 optimizer: str | None = None) -> Plan:
     """The plan of already-captured dynamo graphs (what ``backend(..., dry_run=True)`` prints): (graph, example
-    inputs) or, from :func:`_capture`, (graph, example inputs, the earlier output each input is). With
-    ``outputs="split"`` a graph takes the values an earlier graph leaves split still split, as the run does.
+    inputs) or, from :func:`_capture`, one entry per call (graph, its inputs, the earlier call output each input
+    is). With ``outputs="split"`` a graph takes the values an earlier graph leaves split still split, as the run
+    does. A graph called again is planned once and counted at every call (its collectives, its memory).
     ``dp_shard`` and ``optimizer``: as in :func:`plan`."""
     _check_planning_options(dp_shard, optimizer)
 
@@ -712,10 +734,25 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
     result = Plan(world_size=world_size, rank=rank, topology=asdict(topology), symbols={})
     symbols: dict[str, int] = {"P": world_size}
     memories = []
-    carried_outputs: dict[tuple[int, int], Any] = {}  # (graph, output position) -> Shard it leaves split in
-    deferred_outputs: dict[tuple[int, int], tuple] = {}  # (graph, output position) -> (DeferredOutput, the producer's
-    for index, (gm, example_inputs, *sources) in enumerate(graphs):  # inputs and their sources)
+    carried_outputs: dict[tuple[int, int], Any] = {}  # (call, output position) -> Shard it leaves split in
+    deferred_outputs: dict[tuple[int, int], tuple] = {}  # (call, output position) -> (DeferredOutput, the producer's
+    planned: dict[tuple, tuple] = {}  # (graph, what its inputs are) -> (index, compiled, decisions, memory, config)
+    for call, (gm, example_inputs, *sources) in enumerate(graphs):  # inputs and their sources)
         sources = list(sources[0]) if sources else [None] * len(example_inputs)
+        kinds = tuple(str(carried_outputs[s]) if s in carried_outputs else
+                      deferred_outputs[s][0].recipe.key if s in deferred_outputs else None for s in sources)
+        again = planned.get((id(gm), kinds))
+        if again is not None:  # the same graph run again with inputs of the same kinds: counted again
+            index, compiled, decisions, memory, deferred = again
+            carried_outputs.update({(call, position): shard for position, shard in compiled.carried_outputs.items()})
+            deferred_outputs.update({(call, position): value for position, value in deferred.items()})
+            _count(result, compiled.report, f"g{index}.", rank)
+            result.attention += [dataclasses.replace(d) for d in decisions]
+            memories.append(memory)
+            continue
+        index = len(planned)
+        if any(key[0] == id(gm) for key in planned):
+            gm = copy.deepcopy(gm)  # compiled once already (in place): this run's inputs differ
         gm, example_inputs, sources = _inline_deferred(gm, example_inputs, sources, deferred_outputs)
         graph_config = config
         if config.memory_budget is not None:
@@ -730,19 +767,15 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
         compiled = compile_graph(gm, config=graph_config, groups=SequenceGroups.planned(rank, world_size),
                                  topology=topology, planning=True,
                                  sharded_inputs=names or None, carried_inputs=set(names) or None)
-        carried_outputs.update({(index, position): shard for position, shard in compiled.carried_outputs.items()})
-        deferred_outputs.update({(index, position): (out, whole_inputs, sources)
-                                 for position, out in compiled.deferred_outputs.items()})
+        carried_outputs.update({(call, position): shard for position, shard in compiled.carried_outputs.items()})
+        deferred = {position: (out, whole_inputs, sources) for position, out in compiled.deferred_outputs.items()}
+        deferred_outputs.update({(call, position): value for position, value in deferred.items()})
         report = compiled.report
         prefix = f"g{index}."
         result.placements.update({prefix + k: v for k, v in report.placements.items()})
         result.edges += [[prefix + i.name, prefix + n.name] for n in gm.graph.nodes for i in n.all_input_nodes
                          if n.name in report.placements and i.name in report.placements]
-        for c in report.comms:
-            result.collectives.append(Collective(c.kind, "sequence", prefix + c.node, c.phase, c.bytes_by_rank[rank],
-                                                 list(c.bytes_by_rank), c.formula, c.reason))
-        result.fallbacks += [PlanFallback(prefix + f.node, f.op, f.reason) for f in report.fallbacks]
-        result.recomputed.update({f"{prefix}region{i}": sent for i, sent in report.recomputed.items()})
+        _count(result, report, prefix, rank)
         chunking = report.passes.get("chunking")
         for key, count in (chunking.counts.items() if chunking is not None else ()):
             name = key.removesuffix("_losses")
@@ -756,11 +789,25 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
             symbols.update({k: v for k, v in decisions[0].shape.items() if k != "dtype"})
         root = compiled.families.families[0].length if compiled.families.families else 1
         memories.append(_memory(compiled, example_inputs, world_size, root))
-    result.graphs = len(graphs)
+        planned[(id(graphs[call][0]), kinds)] = (index, compiled, decisions, memories[-1], deferred)
+    for layer, decision in enumerate(result.attention):
+        decision.layer = layer
+    result.graphs = len(planned)
     result.symbols = symbols
     if memories:
         result.memory_per_rank = _estimate(memories, dp_shard=dp_shard, optimizer=optimizer)
     return result
+
+
+def _count(result: Plan, report, prefix: str, rank: int) -> None:
+    """Add what one run of a graph sends, and its fallbacks, to ``result``."""
+    for c in report.comms:
+        result.collectives.append(Collective(c.kind, "sequence", prefix + c.node, c.phase, c.bytes_by_rank[rank],
+                                             list(c.bytes_by_rank), c.formula, c.reason))
+    result.fallbacks += [PlanFallback(prefix + f.node, f.op, f.reason) for f in report.fallbacks]
+    for i, sent in report.recomputed.items():
+        key = f"{prefix}region{i}"
+        result.recomputed[key] = result.recomputed.get(key, 0) + sent
 
 
 def plan_graph(gm: fx.GraphModule, example_inputs: list, *, world_size: int, config: BackendConfig) -> Plan:
@@ -770,7 +817,7 @@ def plan_graph(gm: fx.GraphModule, example_inputs: list, *, world_size: int, con
 
 def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict | None = None, *, world_size: int,
          config: BackendConfig | None = None, rank: int = 0, dp_shard: int = 1, optimizer: str | None = None,
-         **overrides) -> Plan:
+         per_layer_graphs: bool = False, **overrides) -> Plan:
     """What ``torch.compile(model, backend=autoshard.backend(...))`` would do on ``world_size`` ranks.
 
     No process group is needed and nothing full-size is allocated when the model and the inputs are on
@@ -789,10 +836,14 @@ def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict |
       root stays unsharded from forward to backward) and the gradients of the unit being reduce-scattered.
     * ``optimizer``: ``"adamw"`` (or ``"adam"``): two float32 moments per parameter, and a float32 master copy
       of 16-bit parameters (the mixed-precision recipe: 16-bit parameters, float32 optimizer); None: no states
-      counted (a forward + backward only)."""
+      counted (a forward + backward only).
+    * ``per_layer_graphs``: plan the graphs FSDP2's hooks cut the model into when every layer is wrapped (one
+      graph per layer, the mask made before them handed on uncomputed, :mod:`autoshard.runtime.deferred`), as the
+      run makes them, instead of one graph of the whole model: the same attention, and the bytes the per-layer
+      graphs send (each computes its own segment ids, positions and masks from the small inputs)."""
     _check_planning_options(dp_shard, optimizer)
     config = resolve_config(config, overrides, "autoshard.plan")
     args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
-    graphs = _capture(model, args, dict(kwargs or {}))
+    graphs = _capture(model, args, dict(kwargs or {}), per_layer_graphs=per_layer_graphs)
     return plan_graphs(graphs, world_size=world_size, config=config, rank=rank, dp_shard=dp_shard,
                        optimizer=optimizer)

@@ -3,7 +3,7 @@
 # most of it Triton compiling and autotuning):
 #   1. the kernel tests COMPILED (no interpreter) on CUDA, with one configuration per kernel
 #      (AUTOSHARD_TRITON_AUTOTUNE=0) except the test that forces every candidate configuration;
-#   2. benchmarks/kernels.py: TFLOP/s against torch SDPA flash, autotuned, plus the output difference.
+#   2. benchmarks/kernel_speed.py: TFLOP/s against torch SDPA flash, autotuned, plus the output difference.
 # Prints everything; exits non-zero when a step fails. Uses the machine's python3 (or $PYTHON) with
 # the repository on PYTHONPATH, so nothing needs installing. Usage: bash benchmarks/gpu_check.sh
 set -uo pipefail
@@ -25,6 +25,6 @@ echo "tests: ${SECONDS}s"
 
 echo "== benchmark =="
 SECONDS=0
-timeout 330 "$PY" benchmarks/kernels.py || status=1
+timeout 330 "$PY" benchmarks/kernel_speed.py || status=1
 echo "benchmark: ${SECONDS}s"
 exit $status

@@ -13,7 +13,15 @@ with labels: forward + backward of the loss. Figures per S:
   ``gathered`` all-gathers the ``[1, S, 32000]`` logits onto every rank, ``split`` (the default) returns
   them as a SplitTensor that nothing gathers here;
 * ``P=2 per-block split``: every decoder layer compiled on its own (``layer.compile(backend=...)``), the
-  rest eager: the layers pass their outputs on split; the final norm, LM head and loss run whole;
+  rest eager: the layers pass their outputs on split; the final norm, LM head and loss run whole. Checkpointed by
+  autoshard (``recompute="layers"``: each layer graph recomputed whole), not by transformers: its checkpoint runs
+  the layer inside ``torch.utils.checkpoint``, where dynamo is disabled, so a layer compiled on its own would run
+  uncompiled;
+* ``packed``: the recipe long-context users run -- the sequence packed with documents of about 1K tokens
+  (``position_ids`` restarting at each), FSDP2 (``fully_shard``) on every layer and the root over both ranks,
+  ``autoshard.compile(model, grad_sync=False)``; FSDP2 cuts the model into one graph per layer and the mask
+  reaches each layer graph as its recipe (``one process packed`` is its baseline);
+* ``attention``: how the attention of the step's graphs ran (the strategies, or ``gathered-kv`` / ``whole``);
 * ``peak/rank``: peak extra resident memory of the step (the larger of the two ranks), and its ratio to one
   process; ``sent/rank``: bytes each rank sends in the step (recomputation included), ``recomputed``: of
   those, what backward's recomputation of the checkpointed layers sends again.
@@ -40,11 +48,13 @@ try:
 except ImportError:  # run as a module
     from benchmarks._common import print_table
 
-RUNS = ("whole gathered", "whole split", "per-block split")
+RUNS = ("whole gathered", "whole split", "per-block split", "FSDP2 packed")
 LAYERS = 4
+DOCUMENT = 1024
+"""Tokens per packed document."""
 
 
-def _model():
+def _model(checkpointing: bool = True):
     import transformers
 
     cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=LAYERS,
@@ -52,15 +62,22 @@ def _model():
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True  # transformers >= 5.25
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 
 
-def _step(model, length: int) -> None:
+def _step(model, length: int, packed: bool = False) -> None:
     ids = torch.randint(0, 32000, (1, length), generator=torch.Generator().manual_seed(length))
-    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    extra = {"position_ids": (torch.arange(length) % DOCUMENT)[None]} if packed else {}
+    model(input_ids=ids, labels=ids, use_cache=False, **extra).loss.backward()
     model.zero_grad(set_to_none=True)
+
+
+def _attention(reports) -> str:
+    """How the attention of ``reports`` ran: each strategy and how many calls."""
+    strategies = [a["strategy"] for r in reports for a in r.attention]
+    return ", ".join(f"{strategies.count(k)} {k}" for k in sorted(set(strategies))) or "-"
 
 
 def _measure(lengths: list[int]) -> dict:
@@ -68,29 +85,40 @@ def _measure(lengths: list[int]) -> dict:
     out = {}
     model = _model()
     for length in lengths:
-        if rank == 0:
-            _step(model, 256)
-            with peak_memory() as mem:
-                _step(model, length)
-            out[(length, "one process")] = (mem.peak_bytes, 0, 0)
-        dist.barrier()
+        for packed in (False, True):
+            if rank == 0:
+                _step(model, 256, packed)
+                with peak_memory() as mem:
+                    _step(model, length, packed)
+                out[(length, "one process packed" if packed else "one process")] = (mem.peak_bytes, 0, 0, "-")
+            dist.barrier()
     for run in RUNS:
         torch._dynamo.reset()
-        backend = autoshard.backend(outputs=run.split()[1])
-        model = _model()
-        if run.startswith("per-block"):
+        model = _model(checkpointing=not run.startswith("per-block"))
+        packed = run.endswith("packed")
+        if packed:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer)
+            model = autoshard.compile(fully_shard(model), grad_sync=False)
+            backend = model.autoshard_backend
+        elif run.startswith("per-block"):
+            backend = autoshard.backend(outputs="split", recompute="layers")
             for layer in model.model.layers:
                 layer.compile(backend=backend)
         else:
-            model = torch.compile(model, backend=backend)
+            model = autoshard.compile(model, outputs=run.split()[1])
+            backend = model.autoshard_backend
         for length in lengths:
-            _step(model, 256)
+            _step(model, 256, packed)
             dist.barrier()
+            seen = len(backend.compiled)
             with comm_counter() as sent, peak_memory() as mem:
-                _step(model, length)
-            reports = [g.report for g in backend.compiled][-(LAYERS if run.startswith("per") else 1):]
+                _step(model, length, packed)
+            reports = [g.report for g in list(backend.compiled)[seen:]]  # the graphs compiled for this length
             out[(length, f"P=2 {run}")] = (mem.peak_bytes, sent.payload_bytes_sent,
-                                           sum(sum(r.recomputed.values()) for r in reports))
+                                           sum(sum(r.recomputed.values()) for r in reports), _attention(reports))
     return out
 
 
@@ -101,16 +129,16 @@ def main() -> None:
     ranks = run_on_ranks(_measure, 2, args.lengths, timeout=3600, env=LOW_MMAP_THRESHOLD_ENV)
     rows = []
     for length in args.lengths:
-        base = ranks[0][(length, "one process")][0]
-        for name in ("one process", *(f"P=2 {run}" for run in RUNS)):
+        for name in ("one process", "one process packed", *(f"P=2 {run}" for run in RUNS)):
+            base = ranks[0][(length, "one process packed" if name.endswith("packed") else "one process")][0]
             peak = max(r[(length, name)][0] for r in ranks if (length, name) in r)
             sent = max(r[(length, name)][1] for r in ranks if (length, name) in r)
             again = max(r[(length, name)][2] for r in ranks if (length, name) in r)
             rows.append([length, name, f"{peak / 2**20:,.0f} MiB", f"{peak / base:.2f}",
-                         f"{sent / 2**20:,.1f} MiB", f"{again / 2**20:,.1f} MiB"])
+                         f"{sent / 2**20:,.1f} MiB", f"{again / 2**20:,.1f} MiB", ranks[0][(length, name)][3]])
     print_table("transformers Llama (vocab 32000, 4 layers, hidden 256, 8/2 heads, fp32), activation checkpointing, "
-                "forward + backward",
-                ["S", "run", "peak/rank", "vs one process", "sent/rank", "recomputed"], rows)
+                f"forward + backward; packed: documents of {DOCUMENT} tokens",
+                ["S", "run", "peak/rank", "vs one process", "sent/rank", "recomputed", "attention"], rows)
 
 
 if __name__ == "__main__":

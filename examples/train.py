@@ -9,17 +9,21 @@ What it does, per step: a global batch of packed synthetic documents (several do
 document is not a target), split over ``dp`` groups of ``sp`` ranks each (a ``(dp, sp)`` device mesh);
 every rank of a dp group passes the same sequences, and autoshard splits them over the ``sp`` ranks.
 
-* The model: ``LlamaForCausalLM`` from a config, activation checkpointing on every decoder layer,
-  FSDP2 (``fully_shard``) over all ``dp x sp`` ranks, then ``torch.compile(model,
-  backend=autoshard.backend(mesh["sp"], grad_sync=False))``: FSDP2 reduces the gradients (it averages over
-  its ranks; ``grad_sync=False`` leaves each rank P times its share, so the average is exact).
+* The model: ``LlamaForCausalLM`` from a config, transformers' activation checkpointing on every decoder layer,
+  FSDP2 (``fully_shard``) over all ``dp x sp`` ranks, then ``autoshard.compile(model, mesh["sp"],
+  grad_sync=False)`` (``torch.compile`` with autoshard's backend and the dynamo setting transformers' checkpointed
+  layers need, for this model only): FSDP2 reduces the gradients (it averages over its ranks; ``grad_sync=False``
+  leaves each rank P times its share, so the average is exact). FSDP2 cuts the model into one graph per layer; the
+  mask transformers builds before them (packed documents) reaches every layer graph uncomputed, as its recipe, and
+  each layer's attention is distributed on its structure.
 * The loss: the mean over the *global* batch's target tokens. Every dp group's loss divides its sum by
   ``num_items_in_batch = global targets / dp`` so that FSDP2's average over the groups is that mean, however
   unevenly the targets fall on the groups.
 * Mixed precision: ``torch.autocast`` in bf16 on GPUs (``--autocast on`` forces it on CPU too).
-* Printed per step: the loss (with ``--check``, one-process training of the same model on the same global
-  batch beside it, and the run fails if they differ by more than ``--tolerance``), tokens/s, and this
-  rank's peak memory.
+* Printed at the first step: how every graph's attention runs (``autoshard.explain``), with a warning when one is
+  not distributed (``--check`` fails then). Per step: the loss (with ``--check``, one-process training of the same
+  model on the same global batch beside it, and the run fails if they differ by more than ``--tolerance``),
+  tokens/s, and this rank's peak memory.
 """
 
 from __future__ import annotations
@@ -64,10 +68,6 @@ def make_model(args, device):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # transformers >= 5.25 wraps layers in the `kernels` package's hub layers, whose bookkeeping is a side effect
-    # dynamo refuses inside a checkpointed function (it would break the graph at every layer): let it compile
-    # them (the side effect is not replayed at recomputation, which that bookkeeping does not need).
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     return model.train()
 
 
@@ -98,6 +98,21 @@ def peak_memory(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def report_attention(compiled, rank: int) -> int:
+    """Print (rank 0) how every compiled graph's attention runs; warn about attention that is not distributed.
+    Returns how many are not."""
+    records = compiled.autoshard_backend.compiled
+    undistributed = [a for r in records for a in r.report.attention if a["strategy"] in ("gathered-kv", "whole")]
+    if rank == 0:
+        strategies = sorted({a["strategy"] for r in records for a in r.report.attention})
+        print(f"attention: {', '.join(strategies) or 'none'} -- autoshard.explain():", flush=True)
+        print(autoshard.explain(compiled), flush=True)
+    if undistributed:
+        print(f"WARNING rank {rank}: attention not distributed: {[a.get('reason') for a in undistributed]}",
+              file=sys.stderr, flush=True)
+    return len(undistributed)
+
+
 def main(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -115,7 +130,7 @@ def main(args) -> None:
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    compiled = torch.compile(model, backend=autoshard.backend(mesh["sp"], grad_sync=False))
+    compiled = autoshard.compile(model, mesh["sp"], grad_sync=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr) if args.check else None
 
@@ -132,6 +147,10 @@ def main(args) -> None:
         optimizer.step()
         optimizer.zero_grad()
         seconds = time.perf_counter() - start
+        if step == 0:
+            undistributed = report_attention(compiled, rank)
+            if args.check and undistributed:
+                raise SystemExit(f"rank {rank}: {undistributed} attention call(s) not distributed")
         total = loss.detach().clone()
         dist.all_reduce(total, group=mesh["dp"].get_group())
         total /= args.dp  # the mean over the global batch's targets

@@ -362,8 +362,10 @@ def _dense(reason: str, mask) -> DenseMask:
     """Why ``mask`` stays dense, ``reason`` being why it could not be structured."""
     unknown = _unknown_buffers(mask)
     if isinstance(mask, fx.Node) and mask.op == "placeholder" and not is_module_state(mask):
-        reason = ("its mask is an input of this graph, made by an earlier one (a graph break, or FSDP2's per-layer "
-                  "graphs: the model builds the mask before its layers), so its structure cannot be read here")
+        reason = ("its mask is an input of this graph made by code autoshard did not compile (per-block compilation "
+                  "with the mask built outside the blocks): only a dense value arrives. Compile the code that builds "
+                  "the mask with the same backend (the model whole, or the function that builds it): a mask an "
+                  "autoshard graph makes reaches the next graph as the recipe it is made by")
     if unknown:
         reason = (f"its mask is computed from module state {', '.join(unknown)}, whose values are unknown here (a "
                   f"model on the meta device): planned as a dense mask; plan the model with its buffers' values "
@@ -397,6 +399,7 @@ def _capture_flex(gm: fx.GraphModule, node: fx.Node) -> fx.Node | str:
     with gm.graph.inserting_before(node):
         new = new_node(gm.graph, captured_attention, (q, k, v, spec.key_mask, spec.segment_ids, None), kwargs,
                        example_value=value_of(out) if out is not None else None)
+    new.meta["stack_trace"] = node.meta.get("stack_trace")
     for user in uses.values():
         user.replace_all_uses_with(new)
         gm.graph.erase_node(user)
@@ -458,6 +461,8 @@ def capture_attention(gm: fx.GraphModule, missed: list[Fallback] | None = None) 
         with graph.inserting_before(node):
             new = new_node(graph, captured_attention, (q, k, v, spec.key_mask, spec.segment_ids, dense), kwargs,
                            example_value=value_of(node))
+        if node.meta.get("stack_trace"):
+            new.meta["stack_trace"] = node.meta["stack_trace"]
         if why_dense is not None:
             new.meta[DENSE_MASK] = why_dense
         node.replace_all_uses_with(new)

@@ -169,9 +169,7 @@ def inline_deferred(gm: fx.GraphModule, deferred: dict[int, Recipe], inputs: dic
             if node.op == "placeholder":
                 with graph.inserting_before(old):
                     env[node] = graph.placeholder(f"{old.name}_{node.name}")
-                example = next(examples)
-                env[node].meta["example_value"] = (mode.from_tensor(example) if mode is not None
-                                                   and not is_fake(example) else example)
+                env[node].meta["example_value"] = _in_mode(mode, next(examples))
             elif node.op == "output":
                 old.replace_all_uses_with(env[node.args[0]])
             else:
@@ -183,3 +181,14 @@ def inline_deferred(gm: fx.GraphModule, deferred: dict[int, Recipe], inputs: dic
         graph.erase_node(old)
     gm.recompile()
     return gm
+
+
+def _in_mode(mode, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as an example value of a graph whose fake mode is ``mode`` (a real tensor, or a fake one of another
+    graph's mode: a plan's producer graph)."""
+    if mode is None or (is_fake(x) and x.fake_mode is mode):
+        return x
+    if is_fake(x):
+        with mode:
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    return mode.from_tensor(x)

@@ -505,6 +505,22 @@ def _is_run_segments(seg: fx.Node, pos: fx.Node) -> bool:
     return _same_values(diff_op["input"], pos)
 
 
+def _position_comparison(atom, leaves: dict[str, fx.Node]):
+    """``(P, (lo, hi))`` when ``atom`` compares one position tensor ``P`` at the key and at the query,
+    ``a * P(b, k) - a * P(b, q) + c OP 0`` (causal ``P(k) <= P(q)``, a window ``P(k) > P(q) - W``), with the bounds
+    it puts on ``k - q`` where ``P`` grows by one per token; ``(None, None)`` otherwise."""
+    diff = sympy.expand(atom.lhs - atom.rhs)
+    calls = sorted(_leaf_calls(diff), key=str)
+    if len(calls) != 2 or calls[0].func != calls[1].func:
+        return None, None
+    at_key = [c for c in calls if c.args and c.args[-1] == K and Q not in c.free_symbols]
+    at_query = [c for c in calls if c.args and c.args[-1] == Q and K not in c.free_symbols]
+    if len(at_key) != 1 or len(at_query) != 1 or at_key[0].args[:-1] != at_query[0].args[:-1]:
+        return None, None
+    bounds = _k_minus_q_bounds(type(atom)(diff.xreplace({at_key[0]: K, at_query[0]: Q}), 0))
+    return (leaves.get(str(calls[0].func)), bounds) if bounds is not None else (None, None)
+
+
 def _per_position(node: fx.Node) -> bool:
     """Whether ``node`` holds one value per (batch row, position): ``[B, S]`` or ``[1, S]``."""
     return is_tensor_node(node) and len(shape_of(node)) == 2 and not value_of(node).is_floating_point()
@@ -662,22 +678,20 @@ def _classify(graph: fx.Graph, attention: fx.Node, evaluator: "_Evaluator", atom
             segments.append(atom.rhs)
         elif K not in syms:
             raise Unstructurable("a mask over queries (rows with no visible key)")
-        else:
+        elif isinstance(atom, sympy.core.relational.Relational):
             position_atoms.append(atom)
+        else:
+            raise Unstructurable(f"a mask term {atom} that is not a conjunction of comparisons")
 
     guards = []
-    for atom in position_atoms:  # P(b, k) OP P(b, q) inside runs of P: the same as k OP q
-        lhs, rhs = atom.lhs, atom.rhs
-        same_fn = isinstance(lhs, AppliedUndef) and isinstance(rhs, AppliedUndef) and lhs.func == rhs.func
-        pos = evaluator.leaves.get(str(lhs.func)) if same_fn else None
+    for atom in position_atoms:  # P(b, k) OP P(b, q) + c inside runs of P: the same as k OP q + c
+        pos, bounds = _position_comparison(atom, evaluator.leaves)
         tables = [evaluator.leaves[str(s.func)] for s in segments if isinstance(s, AppliedUndef)]
         runs = [seg for seg in tables if _is_run_segments(seg, pos)] if pos is not None else []
         if not runs and pos is not None and len(tables) == 1 and _per_position(pos) and _per_position(tables[0]):
             guards.append((tables[0], pos))  # made elsewhere (an earlier graph): checked where it is used
         elif not runs:
             raise Unstructurable(f"a data-dependent comparison {atom}")
-        lhs_k, rhs_k = lhs.xreplace({B: 0}).free_symbols, rhs.xreplace({B: 0}).free_symbols
-        bounds = _k_minus_q_bounds(type(atom)(K if K in lhs_k else Q, K if K in rhs_k else Q))
         lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
 
     if lo > hi:

@@ -16,7 +16,8 @@ name. So:
 * the backend sees a split input (the example value is a ``SplitTensor``): the placeholder is seeded as a
   sequence, its placement is the carrier's, and the compiled graph is called with ``local`` -- no gather,
   no re-slicing. Inner compilers (eager, aot_eager, inductor) only ever see plain local tensors;
-* anywhere else -- user code between graphs, a graph compiled by another backend -- every op gathers the
+* anywhere else -- user code between graphs, a graph compiled by another backend -- every op but a view of the
+  whole value (autograd's alias of a tensor an ``autograd.Function`` returns unchanged: FSDP2's hooks) gathers the
   whole value first (``__torch_dispatch__``) and returns plain tensors: the one-process value, at the
   cost of an all-gather per use (``full_tensor()`` once keeps a whole copy). Every rank of the group must
   make that use (it is an all-gather): a rank that does so alone -- ``if rank == 0: print(logits)`` --
@@ -48,6 +49,11 @@ _METADATA_OPS = {torch.ops.aten.is_floating_point.default, torch.ops.aten.is_com
                  torch.ops.aten.sym_stride.default, torch.ops.aten.is_contiguous.default,
                  torch.ops.aten.is_same_size.default}
 """Ops that read only shape, dtype or device: answered from a meta stand-in, without a gather."""
+_ALIASES = {torch.ops.aten.alias.default, torch.ops.aten.detach.default, torch.ops.aten.view.default,
+            torch.ops.aten._unsafe_view.default}
+"""Ops that return their input itself (a view of its whole shape: what autograd makes of a tensor an
+``autograd.Function`` returns unchanged, as FSDP2's pre-forward hook does to every layer input): answered with a
+``SplitTensor`` of a view of the shard, without a gather."""
 
 
 GATHER_TIMEOUT = datetime.timedelta(seconds=300)
@@ -65,8 +71,9 @@ _GATHER_WARNING = (
 _HUB_KERNELS_HINT = (
     ". The `kernels` package is loaded: with it, transformers' layers break dynamo's tracing under gradient "
     "checkpointing (a side effect inside the checkpointed function), so every checkpointed layer runs this way. "
-    "Use backend(recompute='layers') instead of model.gradient_checkpointing_enable(), or set "
-    "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True before compiling")
+    "Compile with autoshard.compile(model, group, **options) instead of torch.compile(model, backend=...): it sets "
+    "the dynamo setting this needs for this model only (or use backend(recompute='layers') instead of "
+    "model.gradient_checkpointing_enable())")
 
 
 def _hub_kernels_break_checkpoints() -> bool:
@@ -140,8 +147,13 @@ class SplitTensor(torch.Tensor):
                 f"local={tuple(self.local.shape)}, requires_grad={self.requires_grad})")
 
     def full_tensor(self) -> torch.Tensor:
-        """The whole value (all-gathered), as a plain tensor; differentiable."""
-        return self.clone()
+        """The whole value (all-gathered), as a plain tensor; differentiable. Asked for, so not warned about."""
+        global _WARNED
+        warned, _WARNED = _WARNED, True
+        try:
+            return self.clone()
+        finally:
+            _WARNED = warned
 
     def whole(self) -> torch.Tensor:
         """The whole value, gathered over the group (no autograd: called under dispatch)."""
@@ -164,6 +176,9 @@ class SplitTensor(torch.Tensor):
             stand_in = tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
                                 if isinstance(x, SplitTensor) else x, (args, kwargs))
             return func(*stand_in[0], **stand_in[1])
+        if func in _ALIASES and isinstance(args[0], SplitTensor) and (len(args) == 1 or list(args[1]) == list(args[0].shape)):
+            x = args[0]
+            return SplitTensor(torch.ops.aten.alias.default(x.local), x.seq_dim, x.seq_layout, x.group_name, x.shape)
         if func._schema.is_mutable:
             written = [a for a, arg in zip(args, func._schema.arguments)
                        if isinstance(a, SplitTensor) and arg.alias_info is not None and arg.alias_info.is_write]

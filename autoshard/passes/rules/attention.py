@@ -41,6 +41,7 @@ from ...runtime.attention.empty_rows import fill_empty_rows, gathers_for_empty_r
 from ...strategy import attention_shape
 from ..capture import DENSE_MASK
 from ..comms import declares
+from ..graph import user_line
 from ..ops import op_of, shape_of, value_of
 from . import register
 from .pointwise import OUTPUT_WHOLE, run_whole, whole_args
@@ -153,7 +154,8 @@ def rewrite_attention(rw, node, op):
                       attn_mask=rw.input(dense, mask_rows), scale=float(op["scale"]),
                       enable_gqa=shape_of(k)[1] != shape_of(q)[1])
         rw.done(node, new, out)
-        rw.report.attention.append({"node": node.name, "strategy": "gathered-kv", "reason": reason})
+        rw.report.attention.append({"node": node.name, "strategy": "gathered-kv", "reason": reason,
+                                    "line": user_line(node)})
         return
     reason = ("attention with dropout and a mask that is not causal / window / padding / segments"
               if dense is not None and dropout_p else
@@ -162,7 +164,7 @@ def rewrite_attention(rw, node, op):
               "attention whose keys are not the queries' sequence" if sq is not None and sq != sk else
               "attention outside any sequence family")
     if out is not None or sq is not None or sk is not None:
-        rw.report.attention.append({"node": node.name, "strategy": "whole", "reason": reason})
+        rw.report.attention.append({"node": node.name, "strategy": "whole", "reason": reason, "line": user_line(node)})
         whole = rw.reemit(node, *whole_args(rw, node, reason))
         rw.done(node, rw.shard_value(node, whole, out) if out is not None else whole, out or REPLICATE)
         return

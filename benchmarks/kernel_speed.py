@@ -1,6 +1,6 @@
 """Attention kernel throughput: autoshard's Triton kernels against torch SDPA's flash backend.
 
-    python benchmarks/kernels.py [--seq 4096,16384,65536] [--head-dim 64,128] [--rep 200]
+    python benchmarks/kernel_speed.py [--seq 4096,16384,65536] [--head-dim 64,128] [--rep 200]
 
 For every S x D x (causal, not) in bf16 it prints TFLOP/s of the forward and of forward+backward for
 both implementations, the ratio ours / SDPA, and the largest difference between the two outputs and
@@ -37,7 +37,7 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=5e-2, help="largest relative difference accepted")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU (none found): nothing measured.")
+        print("benchmarks/kernel_speed.py needs a CUDA GPU (none found): nothing measured.")
         return 0
 
     import triton
