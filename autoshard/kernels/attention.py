@@ -58,8 +58,10 @@ and the tile loads and block sizes they share :mod:`.common`):
   that is not local are exactly that block's share and the caller can accumulate them.
 
 Shared ``@triton.jit`` helpers keep the forward and the two backward kernels from duplicating logic:
-``_band_tiles`` (which tiles to visit, which are fully visible), ``_tile_visibility`` (the tile mask
-from positions, key_mask and segment ids, for either orientation) and :func:`.common.load_tile`.
+``_band_tiles`` (which tiles to visit, which are fully visible), ``_document_tiles`` (packed documents: when a
+batch row's segment ids are sorted, the range narrows to the other axis' positions whose ids lie within the
+tile's, found by a binary search of the ids, so the tiles of other documents are never loaded), ``_tile_visibility``
+(the tile mask from positions, key_mask and segment ids, for either orientation) and :func:`.common.load_tile`.
 
 Shapes: q [B, H, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] with H % Hkv == 0 (GQA / MQA). The value head
 dim Dv may differ from the query / key head dim D (MLA, e.g. DeepSeek-V3's D = 192, Dv = 128): out, dout and
@@ -155,6 +157,45 @@ def _band_tiles(first_pos, last_pos, other_offset, other_len, before, after, chu
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi_tiles)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_tiles)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _search(Seg, n, value, AFTER: tl.constexpr):
+    """The first index of the sorted ids ``Seg[0:n)`` holding an id ``>= value`` (``> value`` with AFTER); n if
+    none. A binary search of scalar loads."""
+    lo = n * 0
+    hi = n + 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        found = tl.load(Seg + mid)
+        if AFTER:
+            right = found <= value
+        else:
+            right = found < value
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _document_tiles(lo, full_lo, full_hi, hi, seg_rows, rows_valid, SegOther, other_len, Sorted, b,
+                    BLOCK: tl.constexpr):
+    """Narrow a tile range from :func:`_band_tiles` to the other axis' positions whose segment ids lie between the
+    rows' smallest and largest id (packed documents: the tiles of other documents are never visited). Only when
+    this batch row's ids are sorted on both axes (``Sorted[b]``, computed on the device by the launcher);
+    otherwise the range is unchanged and the ids mask every tile."""
+    first_valid = tl.max(tl.where(rows_valid, seg_rows, tl.min(seg_rows, 0)), 0)  # any valid row's id
+    ids = tl.where(rows_valid, seg_rows, first_valid)
+    doc_lo = _search(SegOther, other_len, tl.min(ids, 0), False)
+    doc_hi = _search(SegOther, other_len, tl.max(ids, 0), True)
+    narrow = tl.load(Sorted + b) != 0
+    new_lo = tl.where(narrow, tl.maximum(lo, doc_lo // BLOCK * BLOCK), lo)
+    new_hi = tl.where(narrow, tl.minimum(hi, doc_hi), hi)
+    new_hi = tl.where(new_lo < new_hi, new_hi, new_lo)
+    hi_tiles = (new_hi + BLOCK - 1) // BLOCK * BLOCK
+    full_lo = tl.minimum(tl.maximum(full_lo, new_lo), hi_tiles)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_tiles)
+    return new_lo, full_lo, full_hi, new_hi
 
 
 @triton.jit
@@ -342,7 +383,7 @@ def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK
                  prune_configs_by={"early_config_prune": pruner("fwd")})
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, KeyMask, SegQ, SegK, Alibi, Seed,
+    Q, K, V, Out, Lse, KeyMask, SegQ, SegK, SegSorted, Alibi, Seed,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
     num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
@@ -388,6 +429,9 @@ def _attn_fwd_kernel(
     lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
                                            k_offset, Sk, left, right, chunk, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                            HAS_CHUNK)
+    if HAS_SEG:
+        lo, full_lo, full_hi, hi = _document_tiles(lo, full_lo, full_hi, hi, seg_q, q_idx < Sq, SegK_b, Sk,
+                                                   SegSorted, b, BLOCK_N)
     acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,
                                    k_offsets, v_offsets, lo, full_lo, stride_ks, stride_vs, Sk, q_offset,
                                    k_offset, left, right, chunk, qk_scale, qk_cap, slope2, row_hash, drop_threshold,
@@ -505,7 +549,7 @@ def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, Ke
                  prune_configs_by={"early_config_prune": pruner("dkdv")})
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, KeyMask, SegQ, SegK, Alibi, Seed,
+    Q, K, V, DO, Lse, Delta, DK, DV, KeyMask, SegQ, SegK, SegSorted, Alibi, Seed,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
     num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
@@ -547,6 +591,10 @@ def _attn_bwd_dkdv_kernel(
     lo, full_lo, full_hi, hi = _band_tiles(k_offset + k_start, k_offset + tl.minimum(k_start + BLOCK_N, Sk) - 1,
                                            q_offset, Sq, right, left, chunk, BLOCK_M, HAS_RIGHT, HAS_LEFT,
                                            HAS_CHUNK)
+    if HAS_SEG:
+        seg_k = tl.load(SegK + b * Sk + k_idx, mask=k_idx < Sk, other=0)
+        lo, full_lo, full_hi, hi = _document_tiles(lo, full_lo, full_hi, hi, seg_k, k_idx < Sk, SegQ + b * Sq, Sq,
+                                                   SegSorted, b, BLOCK_M)
     Q_b = Q + b.to(tl.int64) * stride_qb
     DO_b = DO + b.to(tl.int64) * stride_dob
     Lse_b = Lse + b.to(tl.int64) * num_heads * Sq
@@ -632,7 +680,7 @@ def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask,
                  prune_configs_by={"early_config_prune": pruner("dq")})
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, KeyMask, SegQ, SegK, Alibi, Seed,
+    Q, K, V, DO, Lse, Delta, DQ, KeyMask, SegQ, SegK, SegSorted, Alibi, Seed,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     num_heads, kv_group, Sq, Sk, q_offset, k_offset, left, right, chunk, scale, qk_cap, SQ_BUCKET, SK_BUCKET,
@@ -679,6 +727,9 @@ def _attn_bwd_dq_kernel(
     lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
                                            k_offset, Sk, left, right, chunk, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                            HAS_CHUNK)
+    if HAS_SEG:
+        lo, full_lo, full_hi, hi = _document_tiles(lo, full_lo, full_hi, hi, seg_q, q_idx < Sq, SegK_b, Sk,
+                                                   SegSorted, b, BLOCK_N)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets, v_offsets,
                        lo, full_lo, stride_ks, stride_vs, Sk, q_offset, k_offset, left, right, chunk, qk_scale, qk_cap,
                        slope2, row_hash, drop_threshold, drop_scale, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
@@ -808,6 +859,15 @@ def _segments(segment_ids, batch: int, sq: int, sk: int, device):
     return seg_q.to(device).contiguous(), seg_k.to(device).contiguous()
 
 
+def _sorted_rows(seg_q: torch.Tensor, seg_k: torch.Tensor) -> torch.Tensor:
+    """``[B]`` uint8, 1 where a batch row's query and key ids are both non-decreasing (packed documents): the kernels
+    then visit only the tiles of the rows' documents. Computed on the device, without a sync."""
+    def rising(seg):
+        return (seg[:, 1:] >= seg[:, :-1]).all(1)
+
+    return (rising(seg_q) & rising(seg_k)).to(torch.uint8)
+
+
 def _alibi_slopes(alibi_slopes, heads: int, device):
     if alibi_slopes is None:
         return None
@@ -896,6 +956,7 @@ def _kernel_args(p: _Problem):
         KeyMask=p.key_mask if p.key_mask is not None else placeholder,
         SegQ=p.seg_q if p.seg_q is not None else placeholder,
         SegK=p.seg_k if p.seg_k is not None else placeholder,
+        SegSorted=_sorted_rows(p.seg_q, p.seg_k) if p.seg_q is not None else placeholder,
         Alibi=p.alibi if p.alibi is not None else placeholder,
         Seed=p.dropout_seed if p.dropout_seed is not None else placeholder,
         num_heads=heads, kv_group=heads // kv_heads, Sq=sq, Sk=sk, q_offset=p.q_offset, k_offset=p.k_offset,

@@ -941,3 +941,21 @@ def test_gpu_ring_steps_do_not_recompile():
     finally:
         knobs.runtime.jit_cache_hook = previous
     assert compiles == [], f"recompiled for new offsets: {compiles}"
+
+
+@pytest.mark.parametrize("sorted_ids", [True, False], ids=["packed", "unsorted"])
+def test_documents_narrow_the_tiles(sorted_ids):
+    """Packed documents (ids sorted per row): every query tile visits only the key tiles of its documents, and the
+    dk/dv programs only the query tiles of theirs; a row whose ids are not sorted (an id in two runs) keeps the
+    whole range and the ids' mask. Long documents over many tiles, with an offset block as a ring step has."""
+    case = Case("documents", sq=96, sk=112, q_offset=40, k_offset=24, causal=True, batch=2, segments=True)
+    q, k, v, dout, mask_args = make_inputs(case, torch.float32, DEVICE)
+    lengths = torch.tensor([7, 33, 50, 1, 45])  # covers positions [0, 136)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    rows = torch.stack([ids, ids.flip(0) if not sorted_ids else ids // 2])  # the flipped row is decreasing
+    mask_args["segment_ids"] = (rows[:, 40:136].to(DEVICE), rows[:, 24:136].to(DEVICE))
+    out, lse = triton_attention_forward(q, k, v, **mask_args)
+    grads = triton_attention_backward(dout, q, k, v, out, lse, **mask_args)
+    for name, actual, exp in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                                 reference(q, k, v, dout, **mask_args)):
+        assert_close(f"documents {name}", actual, exp, torch.float32)

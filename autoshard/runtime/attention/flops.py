@@ -8,8 +8,9 @@ Every call of :func:`~autoshard.runtime.attention.local_attention` (and its back
 of the (query, key) pairs its mask lets through, whichever kernel runs, per visible pair and head:
 ``2 * D + 2 * Dv`` in the forward (``Q K^T`` over the query/key head dim ``D``, ``P V`` over the value head
 dim ``Dv``), ``6 * D + 4 * Dv`` in the backward (``Q K^T`` again, ``dQ``, ``dK``; ``dV``, ``dP``); with
-``Dv = D``, ``4 * D`` and ``10 * D``. Only position masks (causal, window, chunks) are counted; data masks (``key_mask``,
-``segment_ids``) do not reduce the count, since no kernel skips work for them. Blocks a strategy skips
+``Dv = D``, ``4 * D`` and ``10 * D``. Position masks (causal, window, chunks) and packed documents
+(``segment_ids``: the kernels compute only the rectangles of each document, see :mod:`.documents`) reduce the
+count; a key-padding mask (``key_mask``) does not, since no kernel skips work for it. Blocks a strategy skips
 are never computed and so never counted: the figure measures how evenly a strategy spreads the work.
 
 Counters nest; the stack is process-wide (autograd may run backward on another thread).
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from ..accounting import _lock, counting
 
-__all__ = ["AttentionFlops", "attention_flops", "record_flops"]
+__all__ = ["AttentionFlops", "attention_flops", "counting_flops", "record_flops"]
 
 _FLOPS_PER_PAIR = {"forward": (2, 2), "backward": (6, 4)}
 """Direction -> FLOPs per visible (query, key) pair and head, per unit of the query/key head dim and per unit of
@@ -52,6 +53,11 @@ _active: list[AttentionFlops] = []
 def attention_flops() -> contextlib.AbstractContextManager[AttentionFlops]:
     """Count the attention FLOPs this rank computes inside the block."""
     return counting(AttentionFlops(), _active)
+
+
+def counting_flops() -> bool:
+    """Whether a counter is active (so callers compute a count only when someone reads it)."""
+    return bool(_active)
 
 
 def record_flops(direction: str, pairs: int, heads: int, head_dim: int, value_dim: int) -> None:

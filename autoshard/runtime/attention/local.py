@@ -44,13 +44,17 @@ Implementations (``kernels``, see :mod:`.backend`): the Triton kernels of
 :mod:`autoshard.kernels.attention`, or the torch path here, which never materializes the
 ``[Sq x Sk]`` scores of a long block:
 
+* packed documents (``segment_ids``) are computed one document rectangle at a time (:mod:`.documents`): each
+  (query run, key run) of one id is a block of its own at its global offsets, without the data mask, so the
+  pairs between documents are never computed and each rectangle reaches the fused kernel below;
 * blocks without data masks (``key_mask``, ``segment_ids``) or soft-capping whose keys split into a fully
   visible range and an aligned causal diagonal go to torch's fused CPU flash-attention kernel
   (``aten._scaled_dot_product_flash_attention_for_cpu``: tiled, returns the LSE, takes GQA as is),
   one call per range, merged through the LSE;
 * everything else runs the tiled online softmax below: ``TILE_Q x TILE_K`` tiles, tiles the mask hides
-  skipped, mask tensors built only for partly visible tiles; peak extra memory is O(S * D) per
-  (batch, head) plus one tile of scores.
+  skipped (and, with segment ids too fragmented for rectangles, tiles whose id ranges do not meet), mask
+  tensors built only for partly visible tiles; peak extra memory is O(S * D) per (batch, head) plus one tile
+  of scores.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ import math
 import torch
 
 from .backend import use_triton
-from .flops import record_flops
+from .documents import DocumentGroup, document_groups, fragmented, tile_ranges, visible_pairs
+from .flops import counting_flops, record_flops
 from .dropout import AttentionDropout
 from .masks import MaskSpec, Visibility
 from .terms import ScoreTerms
@@ -69,7 +74,7 @@ from .merge import merge_attention_
 
 __all__ = [
     "local_attention", "local_attention_backward", "compute_dtype", "without_autocast", "row_delta", "TILE_Q", "TILE_K",
-    "FUSED_BLOCKS",
+    "FUSED_BLOCKS", "DOCUMENT_BLOCKS",
 ]
 
 TILE_Q = 512
@@ -78,6 +83,9 @@ TILE_K = 512
 """Key columns per tile of the torch path."""
 FUSED_BLOCKS = True
 """Use torch's fused CPU flash-attention kernel for blocks it fits (set False to force the tiled path)."""
+DOCUMENT_BLOCKS = True
+"""Compute packed documents by their rectangles and skip the tiles between them (False: every pair of a block is
+computed and the segment ids only mask, as before documents were read; for benchmarks)."""
 
 _NEG_INF = float("-inf")
 _flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -141,8 +149,14 @@ def local_attention(
     if visibility is Visibility.HIDDEN:
         ct = compute_dtype(q.dtype)
         return q.new_zeros((B, H, Sq, v.size(-1)), dtype=ct), q.new_full(q.shape[:-1], _NEG_INF, dtype=ct)
-    record_flops("forward", spec.visible_pairs(q_offset, Sq, k_offset, Sk), B * H, D, v.size(-1))
-    if _triton(kernels, q, terms):
+    triton = _triton(kernels, q, terms)
+    groups = _documents(segment_ids, triton)
+    if _by_document(groups, Sq, terms, triton):
+        return _documents_forward(q, k, v, groups, q_offset, k_offset, key_mask, dict(
+            causal=causal, window=window, chunk=chunk, scale=scale, softcap=softcap, kernels=kernels,
+            **terms.local_kwargs()))
+    record_flops("forward", _pairs(spec, q_offset, k_offset, Sq, Sk, B, groups), H, D, v.size(-1))
+    if triton:
         from autoshard.kernels.attention import triton_attention_forward
 
         return triton_attention_forward(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=spec.causal,
@@ -194,8 +208,14 @@ def local_attention_backward(
     if visibility is Visibility.HIDDEN:
         ct = compute_dtype(q.dtype)
         return (q.new_zeros(q.shape, dtype=ct), k.new_zeros(k.shape, dtype=ct), v.new_zeros(v.shape, dtype=ct))
-    record_flops("backward", spec.visible_pairs(q_offset, Sq, k_offset, Sk), B * H, D, v.size(-1))
-    if _triton(kernels, q, terms):
+    triton = _triton(kernels, q, terms)
+    groups = _documents(segment_ids, triton)
+    if _by_document(groups, Sq, terms, triton):
+        return _documents_backward(dout, q, k, v, out, lse, delta, groups, q_offset, k_offset, key_mask, dict(
+            causal=causal, window=window, chunk=chunk, scale=scale, softcap=softcap, kernels=kernels,
+            position_bias_grad=position_bias_grad, **terms.local_kwargs()))
+    record_flops("backward", _pairs(spec, q_offset, k_offset, Sq, Sk, B, groups), H, D, v.size(-1))
+    if triton:
         from autoshard.kernels.attention import triton_attention_backward
 
         return triton_attention_backward(dout, q, k, v, out, lse, delta=delta, q_offset=q_offset,
@@ -224,6 +244,66 @@ def _triton_dropout(dropout: AttentionDropout | None) -> dict:
     if dropout is None:
         return {}
     return {"dropout_p": dropout.p, "dropout_seed": dropout.seed, "dropout_head_offset": dropout.head_offset}
+
+
+# ---------------------------------------------------------------------------- packed documents
+
+
+def _documents(segment_ids, triton: bool) -> list[DocumentGroup] | None:
+    """The block's document rectangles (:mod:`.documents`), when there are segment ids and someone reads them: the
+    torch path always, the Triton kernels (which find their documents per tile on the device) only to count
+    FLOPs."""
+    if segment_ids is None or not DOCUMENT_BLOCKS or (triton and not counting_flops()):
+        return None
+    return document_groups(segment_ids)
+
+
+def _by_document(groups, q_len: int, terms: ScoreTerms, triton: bool) -> bool:
+    """Whether the torch path computes the block one document rectangle at a time. Dropout hashes the batch
+    index, so rows with different documents (one group per row) keep it on the tiled path."""
+    return (groups is not None and not triton and not fragmented(groups, q_len)
+            and (terms.dropout is None or len(groups) == 1))
+
+
+def _pairs(spec: MaskSpec, q_offset: int, k_offset: int, q_len: int, k_len: int, batch: int, groups) -> int:
+    """Visible pairs of the block over its batch rows, documents included when known."""
+    if groups is None:
+        return batch * spec.visible_pairs(q_offset, q_len, k_offset, k_len)
+    return visible_pairs(spec, q_offset, k_offset, groups, batch)
+
+
+def _documents_forward(q, k, v, groups, q_offset, k_offset, key_mask, options):
+    """``(out, lse)`` of a block computed one document rectangle at a time (rows of no rectangle: empty)."""
+    ct = compute_dtype(q.dtype)
+    out = q.new_zeros((*q.shape[:-1], v.size(-1)), dtype=ct)
+    lse = q.new_full(q.shape[:-1], _NEG_INF, dtype=ct)
+    for group in groups:
+        rows = group.batch
+        for b in group.blocks:
+            part_out, part_lse = local_attention(
+                q[rows, :, b.rows], k[rows, :, b.cols], v[rows, :, b.cols], q_offset=q_offset + b.q_lo,
+                k_offset=k_offset + b.k_lo, key_mask=None if key_mask is None else key_mask[rows, b.cols], **options)
+            merge_attention_(out[rows, :, b.rows], lse[rows, :, b.rows], part_out, part_lse, kernels="torch")
+    return out, lse
+
+
+def _documents_backward(dout, q, k, v, out, lse, delta, groups, q_offset, k_offset, key_mask, options):
+    """The gradients of :func:`_documents_forward`'s rectangles, summed."""
+    ct = compute_dtype(q.dtype)
+    delta = row_delta(dout, out) if delta is None else delta
+    dq, dk, dv = (t.new_zeros(t.shape, dtype=ct) for t in (q, k, v))
+    for group in groups:
+        rows = group.batch
+        for b in group.blocks:
+            at_rows, at_cols = (rows, slice(None), b.rows), (rows, slice(None), b.cols)
+            gq, gk, gv = local_attention_backward(
+                dout[at_rows], q[at_rows], k[at_cols], v[at_cols], out[at_rows], lse[at_rows], delta=delta[at_rows],
+                q_offset=q_offset + b.q_lo, k_offset=k_offset + b.k_lo,
+                key_mask=None if key_mask is None else key_mask[rows, b.cols], **options)
+            dq[at_rows] += gq
+            dk[at_cols] += gk
+            dv[at_cols] += gv
+    return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------- checks
@@ -314,16 +394,23 @@ def _fused_backward(dout, q, k, v, out, lse, parts, scale):
 # ---------------------------------------------------------------------------- tiled torch path
 
 
-def _tiles(spec: MaskSpec, q_start: int, q_len: int, k_start: int, k_len: int, q_outer: bool):
+def _tiles(spec: MaskSpec, q_start: int, q_len: int, k_start: int, k_len: int, q_outer: bool, segment_ids=None):
     """The visible tiles ``(i, tq, j, tk, visibility)`` of a block (local row/column starts), grouped by
-    query tile when ``q_outer`` (forward) and by key tile otherwise (backward)."""
+    query tile when ``q_outer`` (forward) and by key tile otherwise (backward). With ``segment_ids``, tiles whose
+    queries and keys share no id are hidden too."""
     rows = [(i, min(TILE_Q, q_len - i)) for i in range(0, q_len, TILE_Q)]
     cols = [(j, min(TILE_K, k_len - j)) for j in range(0, k_len, TILE_K)]
+    if segment_ids is not None:
+        q_ids, k_ids = tile_ranges(segment_ids[0], TILE_Q), tile_ranges(segment_ids[1], TILE_K)
     outer, inner = (rows, cols) if q_outer else (cols, rows)
     for a, na in outer:
         group = []
         for b, nb in inner:
             (i, tq), (j, tk) = ((a, na), (b, nb)) if q_outer else ((b, nb), (a, na))
+            if segment_ids is not None:
+                (q_low, q_high), (k_low, k_high) = q_ids[i // TILE_Q], k_ids[j // TILE_K]
+                if q_high < k_low or k_high < q_low:
+                    continue
             visibility = spec.classify(q_start + i, tq, k_start + j, tk)
             if visibility is not Visibility.HIDDEN:
                 group.append((i, tq, j, tk, visibility))
@@ -402,7 +489,7 @@ def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, sca
     out = q.new_zeros((B, Hkv, G, Sq, Dv), dtype=ct)
     lse = q.new_full((B, Hkv, G, Sq), _NEG_INF, dtype=ct)
     grouped = q.unflatten(1, (Hkv, G))
-    for tiles in _tiles(spec, q_offset, Sq, k_offset, Sk, q_outer=True):
+    for tiles in _tiles(spec, q_offset, Sq, k_offset, Sk, q_outer=True, segment_ids=segment_ids if DOCUMENT_BLOCKS else None):
         i, tq = tiles[0][:2]
         rows = (grouped[:, :, :, i:i + tq].to(ct) * scale).reshape(B, Hkv, G * tq, D)
         row_max = row_sum = acc = None
@@ -443,7 +530,7 @@ def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, ke
     q_grouped, dout_grouped, Dv = q.unflatten(1, (Hkv, G)), dout.unflatten(1, (Hkv, G)), v.size(-1)
     dq = q.new_zeros((B, Hkv, G, Sq, D), dtype=ct)
     dk, dv = k.new_zeros(k.shape, dtype=ct), v.new_zeros(v.shape, dtype=ct)
-    for tiles in _tiles(spec, q_offset, Sq, k_offset, Sk, q_outer=False):
+    for tiles in _tiles(spec, q_offset, Sq, k_offset, Sk, q_outer=False, segment_ids=segment_ids if DOCUMENT_BLOCKS else None):
         j, tk = tiles[0][2:4]
         keys, values = k[:, :, j:j + tk].to(ct), v[:, :, j:j + tk].to(ct)
         for i, tq, _, _, visibility in tiles:
