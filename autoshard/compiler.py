@@ -45,6 +45,7 @@ from .placements import Shard
 from .planner import memory_policy_for, plan_graph
 from .policy import device_budget
 from .runtime.collectives import gather_facts
+from .runtime.attention.dispatch import last_dispatch
 from .runtime.layouts import SequenceLayout
 from .runtime.deferred import DeferredTensor, defer
 from .runtime.split_tensor import SplitTensor, local_of, wrap
@@ -464,13 +465,18 @@ def _describe(index: int, report: CompileReport) -> list[str]:
 
 def explain(compiled_by: AutoshardBackend | Any = None) -> str:
     """What a backend did to the graphs it compiled on this rank (the last ``RECORDS_KEPT``), oldest first:
-    attention strategies, fallbacks, the memory levers and the memory policy's choice. ``compiled_by``: the
+    attention strategies, fallbacks, the memory levers and the memory policy's choice; after a run with packed
+    documents, the attention work per rank of the latest call and its imbalance. ``compiled_by``: the
     backend ``autoshard.backend(...)`` returned, or a model :func:`compile` returned; None: the one
     ``torch.compile(model, backend="autoshard")`` uses. Each report in full is ``backend.compiled[i].report``."""
     source = getattr(compiled_by, "autoshard_backend", compiled_by) if compiled_by is not None else _default_backend
     if source is None or not source.compiled:
         return "autoshard: nothing compiled on this rank yet"
-    return "\n".join(line for i, record in enumerate(source.compiled) for line in _describe(i, record.report))
+    lines = [line for i, record in enumerate(source.compiled) for line in _describe(i, record.report)]
+    documents = last_dispatch()
+    if documents is not None:
+        lines.append(f"packed documents, latest attention: {documents.summary()}")
+    return "\n".join(lines)
 
 
 def autoshard_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:

@@ -56,7 +56,7 @@ from typing import Any, Callable
 import sympy
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -72,6 +72,9 @@ from .runtime.chunked_loss import working_set_bytes
 from .runtime.offload import planned_offload
 from .runtime.groups import SequenceGroups
 from .strategy import attention_shape
+from .runtime.attention.dispatch import balance
+from .runtime.attention.masks import MaskSpec
+from .runtime.layouts import SequenceLayout, split_sizes
 
 __all__ = ["Plan", "AttentionDecision", "Collective", "MemoryEstimate", "PlanFallback", "plan", "plan_graph",
            "plan_graphs"]
@@ -101,6 +104,8 @@ class AttentionDecision:
     """B, S, H, Hkv, D (query/key head dim), Dv (value head dim), dtype."""
     costs: list[dict]
     """Every strategy's estimated cost (:class:`~autoshard.cost.StrategyCost` fields)."""
+    positions: dict = field(default_factory=dict)
+    """The position mask: ``causal``, ``window`` (``[left, right]`` or None) and ``chunk`` (0: none)."""
 
 
 @dataclass
@@ -208,6 +213,11 @@ class Plan:
     ``unchunked``."""
     memory_policy: list[str] = field(default_factory=list)
     """With ``memory_budget``: per graph, what the memory policy weighed and chose (:mod:`autoshard.policy`)."""
+    documents: dict = field(default_factory=dict)
+    """Packed documents, when the inputs planned hold them (``position_ids`` restarting at 0, concrete values) and an
+    attention reads segment ids: ``work`` (visible pairs per rank of one attention call as it will run),
+    ``laid_out`` (the same as the layout places the queries), ``imbalance`` (max / mean of ``work``) and
+    ``documents`` (how many, over the batch)."""
 
     # ------------------------------------------------------------------ reading
     def bytes_sent(self, phase: str | None = None, rank: int | None = None) -> int:
@@ -253,6 +263,11 @@ class Plan:
         if self.mlps.get("chunked"):
             lines.append(f"  MLP blocks: {self.mlps['chunked']} chunked over the rank's tokens (chunk_mlp), each chunk "
                          f"recomputed in backward")
+        if self.documents:
+            d = self.documents
+            lines.append(f"  packed documents ({d['documents']}, from position_ids): attention work per rank (visible "
+                         f"pairs of one call) {', '.join(f'{w:,}' for w in d['work'])}: max/mean "
+                         f"{d['imbalance']:.2f} ({d['laid_out_imbalance']:.2f} as laid out)")
         if self.attention:
             lines.append(f"  why: {self.attention[0].reason}")
         for f in self.fallbacks:
@@ -683,7 +698,9 @@ def _decisions(compiled, index: int, world: int, config: BackendConfig, topology
                 shape={"B": shape.batch, "S": shape.seq, "H": shape.heads, "Hkv": shape.kv_heads, "D": shape.head_dim,
                        "Dv": shape.dv, "dtype": str(shape.dtype).replace("torch.", "")},
                 costs=[{k: v for k, v in asdict(c).items() if k != "mesh"} | {"mesh": list(c.mesh) if c.mesh else None}
-                       for c in costs]))
+                       for c in costs],
+                positions={"causal": shape.causal, "window": list(shape.window) if shape.window else None,
+                           "chunk": shape.chunk}))
             layer += 1
     return out
 
@@ -845,5 +862,34 @@ def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict |
     config = resolve_config(config, overrides, "autoshard.plan")
     args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
     graphs = _capture(model, args, dict(kwargs or {}), per_layer_graphs=per_layer_graphs)
-    return plan_graphs(graphs, world_size=world_size, config=config, rank=rank, dp_shard=dp_shard,
-                       optimizer=optimizer)
+    result = plan_graphs(graphs, world_size=world_size, config=config, rank=rank, dp_shard=dp_shard,
+                         optimizer=optimizer)
+    result.documents = _documents(result, (kwargs or {}).get("position_ids"))
+    return result
+
+
+def _documents(result: Plan, position_ids) -> dict:
+    """The attention work per rank of packed documents (:attr:`Plan.documents`), from concrete ``position_ids`` whose
+    restarts at 0 begin the documents (transformers' packing), for the first attention that reads segment ids."""
+    decided = next((a for a in result.attention if "segment_ids" in a.mask.split(", ")), None)
+    if (decided is None or not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
+            or position_ids.is_meta or isinstance(position_ids, FakeTensor) or decided.layout == "-"):
+        return {}
+    ids = (position_ids == 0).long().cumsum(1)
+    ids = ids.expand(decided.shape["B"], -1) if ids.size(0) == 1 else ids
+    layout = SequenceLayout.of(decided.layout, ids.size(1), result.world_size)
+    if ids.size(1) != decided.shape["S"] or layout.world_size != result.world_size:
+        return {}
+    spec = MaskSpec.of(decided.positions["causal"], decided.positions["window"], decided.positions["chunk"])
+    dispatched = balance(layout, ids, spec)
+    heads = decided.shape["H"]
+    if decided.strategy == "allgather":
+        work = dispatched.work
+    elif decided.strategy in ("ulysses", "hybrid"):  # every rank: all positions, its share of the heads
+        work = tuple(sum(dispatched.work) * h // heads for h in split_sizes(heads, result.world_size))
+    else:
+        work = dispatched.owner_work
+    mean = sum(work) / len(work)
+    return {"documents": int(ids[:, -1].sum()), "work": list(work), "laid_out": list(dispatched.owner_work),
+            "imbalance": max(work) / mean if mean else 1.0,
+            "laid_out_imbalance": max(dispatched.owner_work) / (sum(dispatched.owner_work) / len(work)) if mean else 1.0}

@@ -42,6 +42,10 @@ class CallStats:
     """Bytes this rank received in those calls."""
 
 
+_UNPLANNED = ("metadata", "dispatch")
+"""Collective kinds whose bytes no plan predicts."""
+
+
 @dataclass
 class CommCounter:
     """What this rank sent and received while the counter was active."""
@@ -63,8 +67,17 @@ class CommCounter:
 
     @property
     def payload_bytes_sent(self) -> int:
-        """Bytes sent, less the ``"metadata"`` the ranks exchange to check each other (lengths, flags)."""
-        return sum(s.bytes_sent for kind, s in self.calls.items() if kind != "metadata")
+        """Bytes sent by the collectives a plan predicts: all, less the ``"metadata"`` the ranks exchange to check
+        each other (lengths, flags) and the ``"dispatch"`` of packed documents' queries, whose bytes depend on where
+        the documents fall (:attr:`dispatch_bytes_sent`)."""
+        return sum(s.bytes_sent for kind, s in self.calls.items() if kind not in _UNPLANNED)
+
+    @property
+    def dispatch_bytes_sent(self) -> int:
+        """Bytes sent moving packed documents' queries to the ranks that balance the attention work (and their
+        results back): data-dependent, zero when the documents fall evenly."""
+        stats = self.calls.get("dispatch")
+        return stats.bytes_sent if stats else 0
 
     def summary(self) -> str:
         """One line per collective kind."""

@@ -56,6 +56,7 @@ __all__ = [
     "reduce_scatter_impl",
     "all_reduce_impl",
     "all_to_all_impl",
+    "exchange_impl",
     "gather_facts",
     "gather_table",
 ]
@@ -315,6 +316,22 @@ def all_to_all_impl(
     pieces = torch.split(flat_out, out_splits)
     out = torch.cat([p.view(s) for p, s in zip(pieces, out_shapes)], 1 + cat_after)
     return out.movedim(0, split_dim).contiguous()
+
+
+def exchange_impl(x: torch.Tensor, dim: int, send_sizes: Sequence[int], recv_sizes: Sequence[int],
+                  pg: dist.ProcessGroup, kind: str = "all_to_all") -> torch.Tensor:
+    """Cut ``x`` along ``dim`` into ``send_sizes`` (piece ``j`` goes to rank ``j``) and return the pieces received
+    from every rank concatenated along the same ``dim`` in rank order (``recv_sizes[i]`` rows from rank ``i``). A
+    rank's piece for itself is its own (``send_sizes[rank] == recv_sizes[rank]``, not sent)."""
+    rank = pg.rank()
+    moved = x.movedim(dim, 0).contiguous()
+    row = _per_position(moved, 0)
+    in_splits, out_splits = [n * row for n in send_sizes], [n * row for n in recv_sizes]
+    flat_out = moved.new_empty(sum(out_splits))
+    dist.all_to_all_single(flat_out, moved.reshape(-1), out_splits, in_splits, group=pg)
+    item = moved.element_size()
+    record(kind, (sum(in_splits) - in_splits[rank]) * item, (sum(out_splits) - out_splits[rank]) * item)
+    return flat_out.view(sum(recv_sizes), *moved.shape[1:]).movedim(0, dim)
 
 
 @torch.library.custom_op("autoshard::all_to_all", mutates_args=())

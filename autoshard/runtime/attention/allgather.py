@@ -14,6 +14,11 @@ Bytes sent per rank (:func:`allgather_bytes`, in the symbols of :mod:`.formulas`
 padded shards of K, V and masks; backward the same plus ``(P - 1)`` padded shards of dK, dV (fp32).
 
 Cost: the gathers are exposed (before the compute) but few; the rank holds the whole K/V.
+
+Packed documents (segment ids): the ranks' work then depends on where the documents fall, so the queries are
+dispatched by work (:mod:`.dispatch`): chunks of the most loaded ranks' queries are computed by the least loaded,
+their rows sent there and their results back by all-to-alls counted as ``"dispatch"`` (data-dependent bytes, none
+when the batch is balanced as laid out).
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ import sympy
 import torch
 
 from ..accounting import all_gather_bytes, reduce_scatter_bytes
-from ..collectives import all_gather_impl, reduce_scatter_impl
+from ..collectives import all_gather_impl, exchange_impl, reduce_scatter_impl
 from . import ring
 from .api import attention
 from .base import Call, Strategy, register, zigzag_layout_when_causal
-from .blocks import HeadSegment, attend, attend_backward, empty_result, pieces
+from .blocks import HeadSegment, Piece, attend, attend_backward, empty_result, pieces
+from . import dispatch
+from .dispatch import Chunk, Dispatch, balance, global_ids
 from .formulas import B, D, Dv, Hkv, M, P, S, Sizes, a, e
 from .local import compute_dtype, row_delta
 
@@ -50,10 +57,18 @@ def _forward(q, k, v, key_mask, segment_ids, call: Call):
     all_k, all_v, all_keys_mask, all_segments = _gather(k, v, key_mask, segment_ids, call)
     layout, rank = call.layout, call.pg.rank()
     out, lse = empty_result(q, v)
-    attend(out, lse, q, all_k, all_v, pieces(layout, [rank]), pieces(layout, range(layout.world_size)),
-           heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, key_mask=all_keys_mask,
-           seg_q=segment_ids, seg_k=all_segments, scale=call.scale, softcap=call.softcap,
-           terms=call.terms, kernels=call.kernels)
+    options = _attend_options(q, k, all_keys_mask, all_segments, call)
+    plan = _dispatch(all_segments, call)
+    attend(out, lse, q, all_k, all_v, plan.kept(rank) if plan else pieces(layout, [rank]),
+           pieces(layout, range(layout.world_size)), seg_q=segment_ids, **options)
+    if plan is not None and plan.moves:  # the queries this rank computes for others, and their results back
+        incoming, q_in = _incoming(plan, call, q)
+        out_in, lse_in = empty_result(q_in, v)
+        attend(out_in, lse_in, q_in, all_k, all_v, _pieces(incoming), pieces(layout, range(layout.world_size)),
+               seg_q=_rows(global_ids(all_segments, layout), incoming), **options)
+        for t, result in zip((out, lse), _returned(plan, call, out_in, lse_in)):
+            for chunk, rows in result:
+                t[:, :, chunk.rows] = rows
     return out, lse
 
 
@@ -63,14 +78,82 @@ def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
     ct = compute_dtype(q.dtype)
     dq = q.new_zeros(q.shape, dtype=ct)
     dk, dv = all_k.new_zeros(all_k.shape, dtype=ct), all_v.new_zeros(all_v.shape, dtype=ct)
-    delta = row_delta(dout, out)
-    attend_backward(dq, dk, dv, dout, q, all_k, all_v, out, lse, delta, pieces(layout, [rank]),
-                    pieces(layout, range(layout.world_size)), heads=HeadSegment.all(q.size(1), k.size(1)),
-                    spec=call.spec, key_mask=all_keys_mask, seg_q=segment_ids, seg_k=all_segments,
-                    scale=call.scale, softcap=call.softcap, terms=call.terms, kernels=call.kernels)
+    options = _attend_options(q, k, all_keys_mask, all_segments, call)
+    plan = _dispatch(all_segments, call)
+    attend_backward(dq, dk, dv, dout, q, all_k, all_v, out, lse, row_delta(dout, out),
+                    plan.kept(rank) if plan else pieces(layout, [rank]), pieces(layout, range(layout.world_size)),
+                    seg_q=segment_ids, **options)
+    if plan is not None and plan.moves:
+        incoming, q_in, dout_in, out_in, lse_in = _incoming(plan, call, q, dout, out, lse)
+        dq_in = q_in.new_zeros(q_in.shape, dtype=ct)
+        attend_backward(dq_in, dk, dv, dout_in, q_in, all_k, all_v, out_in, lse_in, row_delta(dout_in, out_in),
+                        _pieces(incoming), pieces(layout, range(layout.world_size)),
+                        seg_q=_rows(global_ids(all_segments, layout), incoming), **options)
+        (result,) = _returned(plan, call, dq_in)
+        for chunk, rows in result:
+            dq[:, :, chunk.rows] += rows
     del all_k, all_v
     sizes = list(layout.local_lengths)
     return dq, reduce_scatter_impl(dk, 2, sizes, call.pg), reduce_scatter_impl(dv, 2, sizes, call.pg)
+
+
+def _attend_options(q, k, all_keys_mask, all_segments, call: Call) -> dict:
+    return dict(heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, key_mask=all_keys_mask,
+                seg_k=all_segments, scale=call.scale, softcap=call.softcap, terms=call.terms, kernels=call.kernels)
+
+
+# ---------------------------------------------------------------------------- packed documents: balanced queries
+
+
+def _dispatch(all_segments, call: Call) -> Dispatch | None:
+    """With packed documents, which rank computes which chunk of queries (:mod:`.dispatch`); None without them."""
+    if all_segments is None or call.layout.world_size == 1 or not dispatch.BALANCE:
+        return None
+    return balance(call.layout, global_ids(all_segments, call.layout), call.spec)
+
+
+def _pieces(chunks: list[Chunk]) -> tuple[Piece, ...]:
+    """The pieces of the concatenation of ``chunks``' rows."""
+    local, out = 0, []
+    for chunk in chunks:
+        out.append(Piece(local, chunk.start, chunk.length))
+        local += chunk.length
+    return tuple(out)
+
+
+def _rows(ids: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
+    """The global-order ``ids`` ``[B, S]`` of ``chunks``' positions, concatenated."""
+    return torch.cat([ids[:, c.start:c.start + c.length] for c in chunks] or [ids[:, :0]], 1)
+
+
+def _incoming(plan: Dispatch, call: Call, *tensors: torch.Tensor):
+    """The chunks this rank computes for others (in source-rank order) and, for each of ``tensors`` (sequence dim
+    2), their rows received from their owners."""
+    world, rank = call.layout.world_size, call.pg.rank()
+    sent, received = plan.sent(rank, world), plan.received(rank, world)
+    send_sizes = [sum(c.length for c in chunks) for chunks in sent]
+    recv_sizes = [sum(c.length for c in chunks) for chunks in received]
+    moved = []
+    for t in tensors:
+        outgoing = [t[:, :, c.rows] for chunks in sent for c in chunks]
+        payload = torch.cat(outgoing, 2) if outgoing else t[:, :, :0]
+        moved.append(exchange_impl(payload, 2, send_sizes, recv_sizes, call.pg, kind="dispatch"))
+    return [c for chunks in received for c in chunks], *moved
+
+
+def _returned(plan: Dispatch, call: Call, *results: torch.Tensor):
+    """Send every result (rows of the incoming chunks, sequence dim 2) back to the chunks' owners; for each, the
+    ``(chunk, rows)`` of this rank's chunks that others computed."""
+    world, rank = call.layout.world_size, call.pg.rank()
+    sent, received = plan.sent(rank, world), plan.received(rank, world)
+    send_sizes = [sum(c.length for c in chunks) for chunks in received]
+    recv_sizes = [sum(c.length for c in chunks) for chunks in sent]
+    mine = [c for chunks in sent for c in chunks]
+    out = []
+    for result in results:
+        back = exchange_impl(result, 2, send_sizes, recv_sizes, call.pg, kind="dispatch")
+        out.append(list(zip(mine, torch.split(back, [c.length for c in mine], 2))) if mine else [])
+    return out
 
 
 # ---------------------------------------------------------------------------- bytes and cost

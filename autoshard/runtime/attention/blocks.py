@@ -102,9 +102,12 @@ def _mask_args(q_piece: Piece, k_piece: Piece, key_mask, seg_q, seg_k) -> dict:
 
 def _visible_pairs(q_pieces, k_pieces, spec: MaskSpec, terms: ScoreTerms):
     """The (query piece, key piece) pairs with a visible position. Without a position mask or positional terms,
-    positions do not matter: the whole local tensors form one pair (one call instead of one per piece pair)."""
+    positions do not matter: pieces adjacent in the local tensor are one (one call per run of local rows instead of
+    one per piece pair)."""
     if not spec.is_positional and not terms.positional:
-        yield _whole(q_pieces), _whole(k_pieces)
+        for qp in _local_runs(q_pieces):
+            for kp in _local_runs(k_pieces):
+                yield qp, kp
         return
     for qp in q_pieces:
         for kp in k_pieces:
@@ -112,9 +115,16 @@ def _visible_pairs(q_pieces, k_pieces, spec: MaskSpec, terms: ScoreTerms):
                 yield qp, kp
 
 
-def _whole(parts: Sequence[Piece]) -> Piece:
-    """All of a local tensor as one piece (its global start is meaningless: only for position-free masks)."""
-    return Piece(0, 0, sum(p.length for p in parts))
+def _local_runs(parts: Sequence[Piece]) -> list[Piece]:
+    """The pieces with those adjacent in the local tensor joined (their global starts become meaningless: only for
+    position-free masks)."""
+    out: list[Piece] = []
+    for p in parts:
+        if out and out[-1].local + out[-1].length == p.local:
+            out[-1] = Piece(out[-1].local, 0, out[-1].length + p.length)
+        else:
+            out.append(Piece(p.local, 0, p.length))
+    return out
 
 
 def attend(
