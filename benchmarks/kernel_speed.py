@@ -46,6 +46,8 @@ def main() -> int:
 
     from autoshard.kernels import attention as attn
     from autoshard.kernels import autotune
+    from autoshard.kernels.attention_backward import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
+    from autoshard.kernels.attention_forward import _attn_fwd_kernel
 
     def sdpa(q, k, v, causal):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -96,8 +98,8 @@ def main() -> int:
                 b_ours, b_sdpa = tflops(results["ours"][5], True), tflops(results["sdpa"][5], True)
                 configs = " / ".join(
                     f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
-                    for c in (attn._attn_fwd_kernel.best_config, attn._attn_bwd_dq_kernel.best_config,
-                              attn._attn_bwd_dkdv_kernel.best_config))
+                    for c in (_attn_fwd_kernel.best_config, _attn_bwd_dq_kernel.best_config,
+                              _attn_bwd_dkdv_kernel.best_config))
                 print(f"{seq:>6} {head_dim:>4} {str(causal):>6} {batch:>3} {heads:>3} | {f_ours:>9.1f} {f_sdpa:>9.1f} "
                       f"{f_ours / f_sdpa:>6.2f} | {b_ours:>9.1f} {b_sdpa:>9.1f} {b_ours / b_sdpa:>6.2f} | "
                       f"{diff:>11.1e}{'!' if not diff <= args.tolerance else ' '} | {configs}", flush=True)

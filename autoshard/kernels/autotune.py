@@ -1,5 +1,6 @@
-"""The autotuning policy of the attention kernels (:mod:`.attention`): candidate configurations in order of
-preference, and pruning them to what fits the device, the dtype, the head dims and the mask kind.
+"""The autotuning policy of the attention kernels (:mod:`.attention_forward`, :mod:`.attention_backward`): candidate
+configurations in order of preference, and pruning them to what fits the device, the dtype, the head dims and the
+mask kind.
 
 The kernels take ``configs(kernel)`` as their candidates, ``TUNING_KEY`` as the autotuner's key and ``pruner(kernel)``
 as its early pruning hook; ``RUNTIME_INTS`` are the integer arguments they never specialize on. Under

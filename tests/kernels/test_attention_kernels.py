@@ -20,9 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from autoshard.kernels import attention as attn
 from autoshard.kernels import autotune
 from autoshard.kernels.attention import triton_attention, triton_attention_backward, triton_attention_forward
+from autoshard.kernels.attention_backward import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
+from autoshard.kernels.attention_forward import _attn_fwd_kernel
+from autoshard.kernels.attention_tiles import _band_tiles
 from autoshard.kernels.common import triton_available
 from autoshard.kernels.merge import triton_merge
 from autoshard.runtime.attention import local as local_module
@@ -259,7 +261,7 @@ def run_and_check(case: Case, dtype, device=DEVICE, scale=None, softcap=0.0, ali
 def test_runs_on_this_machine():
     assert triton_available(DEVICE)
     if not ON_GPU:  # the interpreter, not a compiled kernel, must be what runs on the CPU
-        assert type(attn._attn_fwd_kernel.fn).__name__ == "InterpretedFunction"
+        assert type(_attn_fwd_kernel.fn).__name__ == "InterpretedFunction"
         assert not triton_available("cuda")
 
 
@@ -806,8 +808,8 @@ def _band_tiles_probe(Params, Out, BLOCK: tl.constexpr, HAS_BEFORE: tl.constexpr
     before = tl.load(Params + 7 * i + 4)
     after = tl.load(Params + 7 * i + 5)
     chunk = tl.load(Params + 7 * i + 6)
-    lo, full_lo, full_hi, hi = attn._band_tiles(first_pos, last_pos, other_offset, other_len, before, after, chunk,
-                                                BLOCK, HAS_BEFORE, HAS_AFTER, HAS_CHUNK)
+    lo, full_lo, full_hi, hi = _band_tiles(first_pos, last_pos, other_offset, other_len, before, after, chunk,
+                                           BLOCK, HAS_BEFORE, HAS_AFTER, HAS_CHUNK)
     slot = tl.arange(0, 4)
     tl.store(Out + 4 * i + slot, tl.where(slot == 0, lo, tl.where(slot == 1, full_lo, tl.where(slot == 2, full_hi, hi))))
 
@@ -902,7 +904,7 @@ def test_gpu_every_candidate_config():
     """Each fitting candidate of each kernel, forced one at a time (bypassing the autotuner)."""
     case = Case("configs", sq=520, sk=600, q_offset=90, k_offset=10, causal=True, window=(400, -1),
                 key_mask="random", batch=1, heads=4, kv_heads=2, head_dim=128)
-    kernels = {"fwd": attn._attn_fwd_kernel, "dq": attn._attn_bwd_dq_kernel, "dkdv": attn._attn_bwd_dkdv_kernel}
+    kernels = {"fwd": _attn_fwd_kernel, "dq": _attn_bwd_dq_kernel, "dkdv": _attn_bwd_dkdv_kernel}
     saved = {name: (k.configs, dict(k.cache)) for name, k in kernels.items()}
     q = torch.empty(1, device=DEVICE, dtype=torch.bfloat16)
     flags = dict(BLOCK_D=128, BLOCK_DV=128, SQ_BUCKET=1024, SK_BUCKET=1024, HAS_LEFT=True, HAS_RIGHT=True,
