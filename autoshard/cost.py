@@ -164,6 +164,13 @@ def preferred_layout(strategy: str, shape: AttentionShape, world: int) -> str:
     return STRATEGIES[strategy].preferred_layout(shape, world)
 
 
+DOCUMENT_IMBALANCE = 1.4
+"""What packed documents cost a ring, whose ranks' work is where the layout puts their queries: max/mean over ranks
+measured 1.2-2.2 on either layout for 13 to 23 documents of log-normal lengths (mean ~800 tokens) at P=4 and
+S=16384, 1.2-2.1 at S=4096 (``python benchmarks/packed.py``, its second table). The documents are data the plan does
+not see, so the cost model charges a typical value."""
+
+
 @dataclass(frozen=True)
 class Pricing:
     """What a strategy's cost function (:attr:`~autoshard.runtime.attention.base.Strategy.cost`) prices: one call
@@ -200,10 +207,17 @@ class Pricing:
     @cached_property
     def contiguous(self) -> float:
         """Seconds per rank on the contiguous layout: a causal mask without window or chunks leaves the last
-        rank's queries the most keys."""
+        rank's queries the most keys; packed documents at least :data:`DOCUMENT_IMBALANCE`."""
         s = self.shape
-        return self.balanced * ((2 * self.world - 1) / self.world if s.causal and s.window is None and not s.chunk
-                                else 1.0)
+        causal = (2 * self.world - 1) / self.world if s.causal and s.window is None and not s.chunk else 1.0
+        return self.balanced * max(causal, self.documents)
+
+    @cached_property
+    def documents(self) -> float:
+        """The work of the most loaded rank over the mean where a layout alone places the queries (the rings): with
+        packed documents (segment ids), :data:`DOCUMENT_IMBALANCE`; 1 otherwise. The all-gather's dispatch and
+        Ulysses' head split balance whatever the documents."""
+        return DOCUMENT_IMBALANCE if self.shape.segment_ids_dtype is not None else 1.0
 
     def merge_time(self, steps: int) -> float:
         """Seconds a ring spends merging ``steps`` partial results per rank (fp32 read, read, write)."""

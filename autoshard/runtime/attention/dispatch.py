@@ -49,17 +49,10 @@ BALANCE = True
 
 
 @dataclass(frozen=True)
-class Chunk:
-    """A run of one rank's queries: ``length`` positions from global ``start``, at ``local`` in the owner's shard."""
+class Chunk(Piece):
+    """A piece of one rank's queries (``local`` in the owner's shard): the unit the dispatch moves."""
 
     owner: int
-    local: int
-    start: int
-    length: int
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.local, self.local + self.length)
 
 
 @dataclass(frozen=True)
@@ -136,7 +129,7 @@ def _chunks(layout: SequenceLayout, size: int) -> list[Chunk]:
         for start, end in layout.local_intervals(rank):
             for lo in range(start, end, size):
                 length = min(size, end - lo)
-                out.append(Chunk(rank, local, lo, length))
+                out.append(Chunk(local, lo, length, owner=rank))
                 local += length
     return out
 
