@@ -170,6 +170,7 @@ class SplitTensor(torch.Tensor):
                                                        self.group_name)
 
     @classmethod
+    @torch._disable_dynamo  # runs eagerly: dynamo would compile this frame when traced code meets a SplitTensor
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _METADATA_OPS:
