@@ -12,7 +12,8 @@ rank. Runs, each the faster of ``--repeat`` interleaved rounds after a warm-up s
 * ``ALST (DeepSpeed Ulysses)``: the peer recipe by hand -- DeepSpeed's ``UlyssesSPAttentionHF`` registered with
   transformers (its all-to-all around SDPA), every rank its contiguous S/P tokens with global ``position_ids``,
   labels pre-shifted, the loss as all-reduced (sum, count), the gradients all-reduced;
-* ``autoshard``: ``autoshard.compile(model)`` with the defaults (every rank passes the whole sequence).
+* ``autoshard``: ``autoshard.compile(model)`` with the defaults (every rank passes the whole sequence); with
+  ``--variants`` also Ulysses forced, the loss not chunked, and both.
 
 ``packed`` rows: the sequence packed with documents of 1024 tokens (``position_ids`` restarting), the same three
 runs. Columns: step (the slowest rank), efficiency ``T1 / (P x TP)``, ``autoshard / peer``, peak extra resident
@@ -22,6 +23,7 @@ memory of rank 0 (``MALLOC_MMAP_THRESHOLD_=65536`` so it follows live tensors) a
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -67,10 +69,16 @@ def _timed(step) -> tuple[float, int]:
     return seconds, mem.peak_bytes
 
 
-def _ours(length: int, packed: bool, repeat: int, whole: bool) -> dict:
-    """(seconds, peak bytes, attention) of autoshard's step, or of one process's when ``whole``."""
+VARIANTS = {"autoshard, ulysses": {"strategy": "ulysses"}, "autoshard, loss not chunked": {"chunk_loss": None},
+            "autoshard, ulysses, loss not chunked": {"strategy": "ulysses", "chunk_loss": None}}
+"""``--variants``: autoshard with options other than the defaults, as more rows."""
+
+
+def _ours(length: int, packed: bool, repeat: int, whole: bool, options: dict | None = None) -> dict:
+    """(seconds, peak bytes, attention) of autoshard's step (``options``: :func:`autoshard.compile`'s), or of one
+    process's when ``whole``."""
     base = _model()
-    model = base if whole else autoshard.compile(base)
+    model = base if whole else autoshard.compile(base, **(options or {}))
 
     def step():
         ids, positions = _batch(length, packed)
@@ -142,6 +150,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds; the fastest counts")
+    parser.add_argument("--variants", action="store_true", help=f"also autoshard with {', '.join(VARIANTS)}")
     args = parser.parse_args()
     cases = [(s, w, False) for s in args.lengths for w in args.worlds] + [(args.lengths[0], 2, True)]
     best: dict = {}
@@ -151,6 +160,9 @@ def main() -> None:
                     (length, world, packed, "ALST (DeepSpeed Ulysses)"):
                         lambda: _run(_peer, world, length, packed, 1, env=PEER_ENV),
                     (length, world, packed, "autoshard"): lambda: _run(_ours, world, length, packed, 1, False)}
+            for name, options in (VARIANTS.items() if args.variants else ()):
+                runs[(length, world, packed, name)] = functools.partial(_run, _ours, world, length, packed, 1, False,
+                                                                        options)
             for key, run in runs.items():
                 if key[1] == 1 and world != min(w for s, w, p in cases if (s, p) == (length, packed)):
                     continue  # one process does not depend on P: once per (S, data) and round
@@ -161,12 +173,12 @@ def main() -> None:
     for length, world, packed in cases:
         one = best[(length, 1, packed, "one process")]
         peer = best[(length, world, packed, "ALST (DeepSpeed Ulysses)")]
-        for name in ("one process", "ALST (DeepSpeed Ulysses)", "autoshard"):
+        for name in ("one process", "ALST (DeepSpeed Ulysses)", "autoshard", *(VARIANTS if args.variants else ())):
             r = one if name == "one process" else best[(length, world, packed, name)]
             p = 1 if name == "one process" else world
             rows.append([length, world, "packed" if packed else "", name, f"{r['seconds']:.2f} s",
                          f"{one['seconds'] / (p * r['seconds']):.2f}",
-                         f"{r['seconds'] / peer['seconds']:.2f}" if name == "autoshard" else "",
+                         f"{r['seconds'] / peer['seconds']:.2f}" if name.startswith("autoshard") else "",
                          f"{r['peak'] / 2**20:,.0f} MiB", r["attention"]])
     print_table(f"transformers Llama (vocab {VOCAB}, 4 layers, hidden 256, 8/2 heads, fp32), one training step "
                 f"(forward + backward), gloo, 1 thread per rank, fastest of {args.repeat}; load {os.getloadavg()[0]:.1f}",
