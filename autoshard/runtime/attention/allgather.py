@@ -65,7 +65,7 @@ def _forward(q, k, v, key_mask, segment_ids, call: Call):
         incoming, q_in = _incoming(plan, call, q)
         out_in, lse_in = empty_result(q_in, v)
         attend(out_in, lse_in, q_in, all_k, all_v, _pieces(incoming), pieces(layout, range(layout.world_size)),
-               seg_q=_rows(global_ids(all_segments, layout), incoming), **options)
+               seg_q=plan.ids_of(incoming), **options)
         for t, result in zip((out, lse), _returned(plan, call, out_in, lse_in)):
             for chunk, rows in result:
                 t[:, :, chunk.rows] = rows
@@ -88,7 +88,7 @@ def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
         dq_in = q_in.new_zeros(q_in.shape, dtype=ct)
         attend_backward(dq_in, dk, dv, dout_in, q_in, all_k, all_v, out_in, lse_in, row_delta(dout_in, out_in),
                         _pieces(incoming), pieces(layout, range(layout.world_size)),
-                        seg_q=_rows(global_ids(all_segments, layout), incoming), **options)
+                        seg_q=plan.ids_of(incoming), **options)
         (result,) = _returned(plan, call, dq_in)
         for chunk, rows in result:
             dq[:, :, chunk.rows] += rows
@@ -119,11 +119,6 @@ def _pieces(chunks: list[Chunk]) -> tuple[Piece, ...]:
         out.append(Piece(local, chunk.start, chunk.length))
         local += chunk.length
     return tuple(out)
-
-
-def _rows(ids: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
-    """The global-order ``ids`` ``[B, S]`` of ``chunks``' positions, concatenated."""
-    return torch.cat([ids[:, c.start:c.start + c.length] for c in chunks] or [ids[:, :0]], 1)
 
 
 def _incoming(plan: Dispatch, call: Call, *tensors: torch.Tensor):

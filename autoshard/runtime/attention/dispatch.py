@@ -28,7 +28,7 @@ counted as ``"dispatch"``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -66,6 +66,14 @@ class Dispatch:
     """Visible pairs every rank computes under this dispatch."""
     owner_work: tuple[int, ...]
     """Visible pairs every rank would compute on its own queries."""
+    layout: SequenceLayout = field(compare=False)
+    spec: MaskSpec = field(compare=False)
+    ids: torch.Tensor = field(compare=False)
+    """The documents it balances (``[B, S]`` segment ids in global order)."""
+
+    def ids_of(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """The segment ids of ``chunks``' positions, concatenated (``[B, total length]``)."""
+        return torch.cat([self.ids[:, c.start:c.start + c.length] for c in chunks] or [self.ids[:, :0]], 1)
 
     @property
     def moves(self) -> bool:
@@ -143,7 +151,12 @@ def global_ids(gathered: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
 
 
 def balance(layout: SequenceLayout, ids: torch.Tensor, spec: MaskSpec) -> Dispatch:
-    """The dispatch of ``layout``'s queries for the documents ``ids`` (``[B, S]``, global order) under ``spec``."""
+    """The dispatch of ``layout``'s queries for the documents ``ids`` (``[B, S]``, global order) under ``spec``.
+    Every attention of a step sees the same documents (every layer, forward and backward): the latest dispatch is
+    reused when its layout, mask and ids are those asked for."""
+    global _last
+    if _last is not None and (_last.layout, _last.spec) == (layout, spec) and torch.equal(_last.ids, ids):
+        return _last
     world = layout.world_size
     chunks = _chunks(layout, chunk_size(layout))
     cost = range_work(spec, ids, [(c.start, c.start + c.length) for c in chunks])
@@ -163,8 +176,7 @@ def balance(layout: SequenceLayout, ids: torch.Tensor, spec: MaskSpec) -> Dispat
         assignee[best] = light
         load[heavy] -= cost[best]
         load[light] += cost[best]
-    global _last
-    _last = Dispatch(tuple(chunks), tuple(assignee), tuple(load), owner_work)
+    _last = Dispatch(tuple(chunks), tuple(assignee), tuple(load), owner_work, layout, spec, ids)
     return _last
 
 
