@@ -78,11 +78,11 @@ def main() -> int:
 
                 results = {}
                 for name, fn in (("ours", ours), ("sdpa", sdpa)):
+                    for x in (q, k, v):  # the previous timing loop leaves its last gradients behind
+                        x.grad = None
                     out = fn(q, k, v, causal)  # first call: autotuning / compilation, also the values compared
                     out.backward(dout)
                     results[name] = [out.detach()] + [x.grad.detach().clone() for x in (q, k, v)]
-                    for x in (q, k, v):
-                        x.grad = None
                     with torch.no_grad():
                         fwd_ms = time_ms(lambda: fn(q, k, v, causal), None)
                     fwd_bwd_ms = time_ms(lambda: fn(q, k, v, causal).backward(dout), [q, k, v])

@@ -27,7 +27,7 @@ from .attention_problem import _kernel_args, _Problem, _strides
 from .attention_tiles import (_LOG2E, _alibi_bias, _band_tiles, _document_tiles, _dot, _dropout_keep, _dropout_row_hash,
                               _phase_tiles, _query_terms, _soft_cap, _tile_visibility)
 from .autotune import RUNTIME_INTS, TUNING_KEY, configs, pruner
-from .common import check_like, last_dim_contiguous, load_tile, padded_dim, row_block, store_tile
+from .common import aligned_empty, aligned_rows, check_like, load_tile, padded_dim, row_block, store_tile
 
 __all__ = ["_attn_bwd_delta_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_delta", "_backward"]
 
@@ -330,15 +330,13 @@ def _backward(p: _Problem, dout, out, lse, delta, grad_dtype: torch.dtype):
     device = p.q.device
     check_like("dout", dout, p.out_shape, device)
     check_like("lse", lse, (batch, heads, sq), device)
-    dq = torch.empty(p.q.shape, dtype=grad_dtype, device=device)
-    dk = torch.empty(p.k.shape, dtype=grad_dtype, device=device)
-    dv = torch.empty(p.v.shape, dtype=grad_dtype, device=device)
+    dq, dk, dv = (aligned_empty(x.shape, grad_dtype, device) for x in (p.q, p.k, p.v))
     if p.hidden or sk == 0 or dq.numel() == 0:  # no visible pair: all gradients are 0
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    dout = last_dim_contiguous(dout)
+        return dq.zero_().contiguous(), dk.zero_().contiguous(), dv.zero_().contiguous()
+    dout = aligned_rows(dout)
     if delta is None:
         check_like("out", out, p.out_shape, device)
-        delta = _delta(last_dim_contiguous(out), dout)
+        delta = _delta(aligned_rows(out), dout)
     else:
         check_like("delta", delta, (batch, heads, sq), device)
         delta = delta.float().contiguous()
@@ -349,4 +347,4 @@ def _backward(p: _Problem, dout, out, lse, delta, grad_dtype: torch.dtype):
         DK=dk, DV=dv, **_strides("dk", dk), **_strides("dv", dv), **common)
     _attn_bwd_dq_kernel[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), heads, batch)](
         DQ=dq, **_strides("dq", dq), **common)
-    return dq, dk, dv
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()

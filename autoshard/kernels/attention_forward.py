@@ -22,7 +22,7 @@ from .attention_problem import _kernel_args, _Problem, _strides
 from .attention_tiles import (_LOG2E, _alibi_bias, _band_tiles, _document_tiles, _dot, _dropout_keep, _phase_tiles,
                               _query_terms, _soft_cap, _tile_visibility)
 from .autotune import RUNTIME_INTS, TUNING_KEY, configs, pruner
-from .common import load_tile, store_tile
+from .common import aligned_empty, load_tile, store_tile
 
 __all__ = ["_attn_fwd_kernel", "_forward"]
 
@@ -158,7 +158,7 @@ def _attn_fwd_kernel(
 
 def _forward(p: _Problem, out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     batch, heads, kv_heads, sq, sk, head_dim = p.shape
-    out = torch.empty(p.out_shape, dtype=out_dtype, device=p.q.device)
+    out = aligned_empty(p.out_shape, out_dtype, p.q.device)
     lse = torch.empty((batch, heads, sq), dtype=torch.float32, device=p.q.device)
     if p.hidden or sk == 0 or out.numel() == 0:  # nothing visible: out 0, lse -inf
         return out.zero_(), lse.fill_(float("-inf"))
@@ -167,4 +167,4 @@ def _forward(p: _Problem, out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.T
         Q=p.q, K=p.k, V=p.v, Out=out, Lse=lse,
         **_strides("q", p.q), **_strides("k", p.k), **_strides("v", p.v), **_strides("o", out), **_kernel_args(p),
     )
-    return out, lse
+    return out.contiguous(), lse

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from .autotune import seq_bucket
-from .common import INTERPRET, last_dim_contiguous, padded_dim, triton_available
+from .common import INTERPRET, aligned_rows, padded_dim, triton_available
 
 __all__ = ["MAX_HEAD_DIM", "_SUPPORTED_DTYPES", "_Problem", "_prepare", "_kernel_args", "_strides"]
 
@@ -222,7 +222,7 @@ def _prepare(q, k, v, *, q_offset, k_offset, causal, window, chunk, key_mask, se
     seg_q, seg_k = _segments(segment_ids, batch, sq, sk, q.device)
     alibi = _alibi_slopes(alibi_slopes, heads, q.device)
     dropout_p, dropout_seed, dropout_head_offset = _dropout(dropout_p, dropout_seed, dropout_head_offset, q.device)
-    return _Problem(q=last_dim_contiguous(q), k=last_dim_contiguous(k), v=last_dim_contiguous(v),
+    return _Problem(q=aligned_rows(q), k=aligned_rows(k), v=aligned_rows(v),
                     key_mask=_key_mask(key_mask, batch, sk, q.device), seg_q=seg_q, seg_k=seg_k,
                     q_offset=q_offset, k_offset=k_offset, left=left, right=right, has_left=has_left,
                     has_right=has_right, chunk=chunk, has_chunk=has_chunk, hidden=hidden or chunks_hidden,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["INTERPRET", "MIN_BLOCK_D", "triton_available", "load_tile", "store_tile", "padded_dim", "row_block",
-           "last_dim_contiguous", "check_like"]
+           "aligned_rows", "aligned_empty", "check_like"]
 
 MIN_BLOCK_D = 16  # tl.dot needs every dimension >= 16
 
@@ -72,9 +72,36 @@ def row_block(width: int) -> int:
     return 16 if INTERPRET else max(16, min(128, 4096 // width))
 
 
-def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with unit stride in its last dim (the kernels' tile loads assume it)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+ROW_ALIGN_BYTES = 16
+
+
+def _row_elements(dtype: torch.dtype) -> int:
+    return max(1, ROW_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+
+
+def aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernels read it: unit stride in its last dim and every other stride a multiple of 16 bytes.
+
+    Compiled for sm_90 (Triton 3.6, seen on an H200), the pipelined tile loads of bf16 rows that start off
+    16-byte boundaries (a head dim of 12) read wrong values or fault. Such a tensor is copied into rows padded
+    to 16 bytes and returned as the view of its columns; the kernels mask the padding, so it is never read.
+    Head dims that are multiples of 8 (every production model) are passed through untouched."""
+    per_row = _row_elements(x.dtype)
+    if x.stride(-1) == 1 and all(stride % per_row == 0 for stride, size in zip(x.stride()[:-1], x.shape[:-1])
+                                 if size > 1):
+        return x
+    out = aligned_empty(x.shape, x.dtype, x.device)
+    out.copy_(x)
+    return out
+
+
+def aligned_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialized tensor of ``shape`` whose rows start on 16-byte boundaries (see :func:`aligned_rows`):
+    contiguous when the last dim allows it, else a view of the first ``shape[-1]`` columns of padded rows."""
+    per_row = _row_elements(dtype)
+    width = -(-shape[-1] // per_row) * per_row
+    padded = torch.empty(*shape[:-1], width, dtype=dtype, device=device)
+    return padded if width == shape[-1] else padded[..., :shape[-1]]
 
 
 def check_like(name: str, x: torch.Tensor, shape, device) -> None:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_like, last_dim_contiguous, load_tile, padded_dim, row_block, store_tile, triton_available
+from .common import aligned_empty, aligned_rows, check_like, load_tile, padded_dim, row_block, store_tile, triton_available
 
 __all__ = ["triton_merge"]
 
@@ -67,11 +67,11 @@ def triton_merge(out_a, lse_a, out_b, lse_b):
     if not triton_available(out_a.device):
         raise RuntimeError(f"Triton merge cannot run on {out_a.device}: it needs a CUDA device, or "
                            "TRITON_INTERPRET=1 set before autoshard.kernels.merge is imported (CPU)")
-    out = torch.empty(out_a.shape, dtype=torch.float32, device=out_a.device)
+    out = aligned_empty(out_a.shape, torch.float32, out_a.device)
     lse = torch.empty((batch, heads, seq), dtype=torch.float32, device=out_a.device)
     if out.numel() == 0:
-        return out, lse.fill_(float("-inf"))
-    out_a, out_b = last_dim_contiguous(out_a), last_dim_contiguous(out_b)
+        return out.contiguous(), lse.fill_(float("-inf"))
+    out_a, out_b = aligned_rows(out_a), aligned_rows(out_b)
     block_d = padded_dim(head_dim)
     block_m = row_block(block_d)
     _merge_kernel[(triton.cdiv(seq, block_m), heads, batch)](
@@ -79,4 +79,4 @@ def triton_merge(out_a, lse_a, out_b, lse_b):
         out_a.stride(0), out_a.stride(1), out_a.stride(2), out_b.stride(0), out_b.stride(1), out_b.stride(2),
         out.stride(0), out.stride(1), out.stride(2), heads, seq, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
     )
-    return out, lse
+    return out.contiguous(), lse
