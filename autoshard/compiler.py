@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .config import BackendConfig, dynamo_settings, resolve_config
+from .passes.decode import decode_graph, decode_runner
 from .passes.deferred import inline_deferred
 from .passes.ops import value_of
 from .passes.pipeline import compile_graph
@@ -112,6 +113,12 @@ class AutoshardBackend:
             return gm.forward
         if world == 1:
             return gm.forward
+        if any(isinstance(x, SplitTensor) for x in example_inputs):
+            decode, why_not = decode_graph(gm, example_inputs, rank=rank, group_name=pg.group_name)
+            if decode is not None:  # a decode step over a cache split along the sequence: any cache length
+                self.compiled.append(GraphRecord(decode.report, set(), True))
+                return decode_runner(decode, rank, pg.group_name)
+            logger.debug("autoshard: not a decode step: %s", why_not)
         if is_dynamic(gm):
             return _PerSizes(self, gm, example_inputs)
         if self.config.inputs == "sharded":
@@ -470,6 +477,10 @@ def explain(compiled_by: AutoshardBackend | Any = None) -> str:
     backend ``autoshard.backend(...)`` returned, or a model :func:`compile` returned; None: the one
     ``torch.compile(model, backend="autoshard")`` uses. Each report in full is ``backend.compiled[i].report``."""
     source = getattr(compiled_by, "autoshard_backend", compiled_by) if compiled_by is not None else _default_backend
+    if source is not None and not isinstance(source, AutoshardBackend):
+        raise TypeError(f"autoshard.explain takes the backend autoshard.backend(...) returned (b = autoshard.backend(); "
+                        f"torch.compile(fn, backend=b); autoshard.explain(b)) or a model autoshard.compile returned, "
+                        f"not {type(compiled_by).__name__}")
     if source is None or not source.compiled:
         return "autoshard: nothing compiled on this rank yet"
     lines = [line for i, record in enumerate(source.compiled) for line in _describe(i, record.report)]

@@ -39,6 +39,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .groups import default_store, resolve_group
+from .kv_cache import CacheLayout
 from .layouts import SequenceLayout
 
 __all__ = ["SplitTensor", "wrap", "local_of"]
@@ -117,25 +118,33 @@ class SplitTensor(torch.Tensor):
     """This rank's shard."""
     seq_dim: int
     """The dim split along the sequence."""
-    seq_layout: SequenceLayout
-    """Which positions every rank holds."""
     group_name: str
     """The sequence group's name."""
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, dim: int, layout: SequenceLayout, group_name: str, shape=None):
+    def __new__(cls, local: torch.Tensor, dim: int, layout: SequenceLayout | CacheLayout, group_name: str,
+                shape=None):
         if shape is None:
+            if not isinstance(layout, SequenceLayout):
+                raise ValueError("autoshard: a SplitTensor of a growing cache needs its global shape")
             shape = list(local.shape)
             shape[dim] = layout.length
         out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
                                                   requires_grad=False)
-        out.local, out.seq_dim, out.seq_layout, out.group_name = local, dim, layout, group_name
+        out.local, out.seq_dim, out.layout_rule, out.group_name = local, dim, layout, group_name
         return out
+
+    @property
+    def seq_layout(self) -> SequenceLayout:
+        """Which positions every rank holds (of a cache, at its current length)."""
+        rule = self.layout_rule
+        return rule if isinstance(rule, SequenceLayout) else rule.at(int(self.shape[self.seq_dim]))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __tensor_flatten__(self):
-        return ["local"], (self.seq_dim, self.seq_layout, self.group_name)
+        # The layout, or a cache's rule (it does not change as the cache grows: dynamo's guard on it holds)
+        return ["local"], (self.seq_dim, self.layout_rule, self.group_name)
 
     @staticmethod
     def __tensor_unflatten__(inner, context, outer_size, outer_stride):
@@ -143,7 +152,8 @@ class SplitTensor(torch.Tensor):
         return SplitTensor(inner["local"], dim, layout, group_name, outer_size)
 
     def __repr__(self) -> str:
-        return (f"SplitTensor(shape={tuple(self.shape)}, seq_dim={self.seq_dim}, layout={self.seq_layout.kind}, "
+        kind = self.layout_rule.kind if isinstance(self.layout_rule, SequenceLayout) else "cache"
+        return (f"SplitTensor(shape={tuple(self.shape)}, seq_dim={self.seq_dim}, layout={kind}, "
                 f"local={tuple(self.local.shape)}, requires_grad={self.requires_grad})")
 
     def full_tensor(self) -> torch.Tensor:
@@ -179,7 +189,7 @@ class SplitTensor(torch.Tensor):
             return func(*stand_in[0], **stand_in[1])
         if func in _ALIASES and isinstance(args[0], SplitTensor) and (len(args) == 1 or list(args[1]) == list(args[0].shape)):
             x = args[0]
-            return SplitTensor(torch.ops.aten.alias.default(x.local), x.seq_dim, x.seq_layout, x.group_name, x.shape)
+            return SplitTensor(torch.ops.aten.alias.default(x.local), x.seq_dim, x.layout_rule, x.group_name, x.shape)
         if func._schema.is_mutable:
             written = [a for a, arg in zip(args, func._schema.arguments)
                        if isinstance(a, SplitTensor) and arg.alias_info is not None and arg.alias_info.is_write]

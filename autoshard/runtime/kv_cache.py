@@ -1,0 +1,195 @@
+"""A KV cache split along the sequence for decoding: where new tokens go, and attention of new queries over it.
+
+Prefill is training's forward: the prompt's keys and values leave the compiled graph split as its layout cut
+them (``SplitTensor``), and the model's cache object (transformers' ``DynamicCache``) stores those carriers.
+Every decode step then concatenates the step's new keys and values to them along the sequence and attends the
+step's queries over the whole cache. Here each rank keeps its share and nothing else:
+
+* **where new tokens go** (:class:`CacheLayout`): the positions past the prompt go round robin, one token at a
+  time (vLLM's decode context parallel and Helix do the same), starting with the ranks whose prompt share is
+  smaller. The prompt's shares differ by at most one, so every rank's share stays within one token of the
+  others' at every step, and the rule needs no state: a rank knows which new positions are its own from the
+  global length alone. Blocks of tokens per rank would keep runs contiguous, which nothing here needs
+  (decode attention masks by the keys' positions, never by offsets), at the price of shares that differ by a block;
+* **appending** (``autoshard::cache_append``): a rank appends the new positions it owns and drops the others,
+  so its cache grows by about ``1 / P`` token per step;
+* **attention** (``autoshard::decode_attention``): the replicated queries attend over the rank's keys, with
+  the log-sum-exp; one all-gather of ``(out, lse)``, ``B x H x Sq x (Dv + 1)`` fp32 values per rank whatever the
+  context length (counted as ``"decode_merge"``), and the LSE merge (Tree Attention's reduction) gives every rank the one-process output.
+  A dense mask (padding, windows built by the model over the global key positions) is read at the rank's key
+  positions only.
+
+:class:`CacheLayout` is what a cache ``SplitTensor`` carries between steps instead of a fixed
+:class:`~autoshard.runtime.layouts.SequenceLayout`: it does not change as the cache grows, so dynamo's guard on
+the carrier holds from one decode step to the next and one compiled graph serves them all.
+
+The ops are inference ops: they have fake implementations (so dynamo and AOTAutograd trace them) and no
+backward; a decode graph that needs gradients is not rewritten (see :mod:`autoshard.passes.decode`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .accounting import all_gather_bytes, record
+from .collectives import _all_gather_single, _pg
+from .layouts import SequenceLayout
+
+__all__ = ["CacheLayout", "cache_append", "decode_attention"]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The positions every rank holds of a cache that grows past a prompt laid out as ``prompt``."""
+
+    prompt: SequenceLayout
+    """How the prefill split the prompt's positions ``[0, prompt.length)``."""
+
+    @property
+    def world_size(self) -> int:
+        return self.prompt.world_size
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """The ranks in the order they take the positions past the prompt: smaller prompt shares first."""
+        return _order(self.prompt)
+
+    def slot(self, rank: int) -> int:
+        """``rank``'s place in :attr:`order`: it holds the positions ``p`` past the prompt with
+        ``(p - prompt.length) % P == slot``."""
+        return self.order.index(rank)
+
+    def owner(self, position: int) -> int:
+        """The rank that holds ``position``."""
+        if position < self.prompt.length:
+            return self.prompt.owner(position)
+        return self.order[(position - self.prompt.length) % self.world_size]
+
+    def at(self, length: int) -> SequenceLayout:
+        """The layout of the cache once it holds ``length`` positions."""
+        return _layout_at(self, int(length))
+
+    def local_length(self, rank: int, length: int) -> int:
+        """How many of the first ``length`` positions ``rank`` holds."""
+        appended = max(0, length - self.prompt.length)
+        return _prompt_count(self.prompt, rank, min(length, self.prompt.length)) + len(
+            _owned(0, appended, self.slot(rank), self.world_size))
+
+    def positions(self, rank: int, length: int, device=None) -> torch.Tensor:
+        """The global positions of ``rank``'s cache entries, in its local order (int64)."""
+        prompt = [torch.arange(a, b) for a, b in self.prompt.intervals[rank]]
+        start = self.prompt.length + self.slot(rank)
+        appended = torch.arange(start, max(start, length), self.world_size)
+        return torch.cat(prompt + [appended]).to(device)
+
+
+def _prompt_count(prompt: SequenceLayout, rank: int, length: int) -> int:
+    return sum(max(0, min(b, length) - a) for a, b in prompt.intervals[rank])
+
+
+@functools.lru_cache(maxsize=64)
+def _order(prompt: SequenceLayout) -> tuple[int, ...]:
+    return tuple(sorted(range(prompt.world_size), key=lambda r: (prompt.local_length(r), r)))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_at(cache: CacheLayout, length: int) -> SequenceLayout:
+    world, prompt = cache.world_size, cache.prompt
+    if length <= prompt.length:
+        return prompt if length == prompt.length else prompt.derive(0, length)
+    intervals = [list(prompt.intervals[r]) for r in range(world)]
+    for p in range(prompt.length, length):
+        intervals[cache.owner(p)].append((p, p + 1))
+    return SequenceLayout.from_intervals(length, intervals)
+
+
+# ---------------------------------------------------------------------------- cache_append
+
+
+def _owned(appended: int, new: int, slot: int, world: int) -> list[int]:
+    """Which of ``new`` positions added after ``appended`` positions past the prompt go to the rank in ``slot``
+    (indices into the new ones)."""
+    return [i for i in range(new) if (appended + i) % world == slot]
+
+
+@torch.library.custom_op("autoshard::cache_append", mutates_args=())
+def _cache_append_op(past: torch.Tensor, new: torch.Tensor, dim: int, past_length: int, prompt_length: int,
+                     slot: int, world: int) -> torch.Tensor:
+    if past_length < prompt_length:
+        raise ValueError(f"autoshard: a cache of {past_length} positions is shorter than its prompt ({prompt_length})")
+    keep = _owned(past_length - prompt_length, new.size(dim), slot, world)
+    mine = new.index_select(dim, torch.tensor(keep, dtype=torch.long, device=new.device))
+    return torch.cat([past, mine.to(past.dtype)], dim)
+
+
+@_cache_append_op.register_fake
+def _(past, new, dim, past_length, prompt_length, slot, world):
+    shape = list(past.shape)
+    shape[dim] = shape[dim] + len(_owned(past_length - prompt_length, new.size(dim), slot, world))
+    return past.new_empty(shape)
+
+
+def cache_append(past: torch.Tensor, new: torch.Tensor, dim: int, *, past_length: int, cache: CacheLayout,
+                 rank: int) -> torch.Tensor:
+    """This rank's shard of ``cat([past, new], dim)``: ``past`` is its shard of a cache of ``past_length``
+    positions laid out as ``cache``; of ``new`` (replicated) it keeps the positions ``cache`` gives it."""
+    return torch.ops.autoshard.cache_append.default(past, new, dim, past_length, cache.prompt.length,
+                                                    cache.slot(rank), cache.world_size)
+
+
+# ---------------------------------------------------------------------------- decode_attention
+
+
+def _local_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out fp32 [B, H, Sq, Dv], lse fp32 [B, H, Sq]) of q over this rank's keys: the query heads of one KV head
+    are stacked as rows (GQA without repeating the keys); a rank without keys gives out 0 and lse -inf."""
+    batch, heads, sq, _ = q.shape
+    kv_heads, dv = k.shape[1], v.shape[-1]
+    group = heads // kv_heads
+    qf = q.float().reshape(batch, kv_heads, group * sq, q.shape[-1])
+    s = torch.matmul(qf, k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*Sq, Sk]
+    if mask is not None:
+        m = mask.expand(batch, heads, sq, k.shape[2]).reshape(batch, kv_heads, group * sq, k.shape[2])
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
+    lse = torch.logsumexp(s, dim=-1)  # -inf where nothing is visible (or no keys at all)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    out = torch.matmul(p, v.float())
+    return out.reshape(batch, heads, sq, dv), lse.reshape(batch, heads, sq)
+
+
+@torch.library.custom_op("autoshard::decode_attention", mutates_args=())
+def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                         scale: float, group: str) -> torch.Tensor:
+    pg = _pg(group)
+    out, lse = _local_scores(q, k, v, mask, scale)
+    mine = torch.cat([out, lse[..., None]], dim=-1).contiguous()
+    everyone = mine.new_empty((pg.size() * mine.shape[0],) + tuple(mine.shape[1:]))  # no context length in it
+    _all_gather_single(everyone, mine, group=pg)
+    everyone = everyone.view((pg.size(),) + tuple(mine.shape))  # [P, B, H, Sq, Dv + 1]
+    nbytes = all_gather_bytes(mine.numel() * mine.element_size(), pg.size())
+    record("decode_merge", nbytes, nbytes)
+    outs, lses = everyone[..., :-1], everyone[..., -1]
+    top = lses.amax(dim=0)
+    weights = torch.exp(lses - torch.where(torch.isfinite(top), top, 0.0))  # [P, B, H, Sq]; 0 for -inf
+    total = weights.sum(dim=0)
+    merged = (weights[..., None] * outs).sum(dim=0) / torch.where(total > 0, total, 1.0)[..., None]
+    return merged.to(q.dtype)
+
+
+@_decode_attention_op.register_fake
+def _(q, k, v, mask, scale, group):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Optional[torch.Tensor] = None,
+                     scale: Optional[float] = None, group: str) -> torch.Tensor:
+    """Attention of replicated queries ``q [B, H, Sq, D]`` over the keys and values every rank of ``group``
+    holds (``k [B, Hkv, Sk_rank, D]``, ``v [.., Dv]``), merged: the one-process result on every rank.
+    ``mask``: bool (True = visible) or additive, broadcastable to ``[B, H, Sq, Sk_rank]``, over this rank's keys."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.autoshard.decode_attention.default(q, k, v, mask, float(scale), group)

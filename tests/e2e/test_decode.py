@@ -1,0 +1,93 @@
+"""``generate()`` with the KV cache split along the sequence (issue 25): an unmodified transformers Llama (GQA),
+``model.forward = torch.compile(model.forward, backend=autoshard.backend())``, the same prompts on every rank.
+
+Asserts, at 2 and 4 ranks, with prompt lengths the world size does not divide and a left-padded batch of two:
+greedy and seeded sampled tokens equal one process's; every layer's cache is a ``SplitTensor`` whose shard is the
+rank's share of the cache layout (the prompt as the prefill split it, new tokens round robin); each decode step
+merges attention with one all-gather per layer whose bytes do not depend on the context length (the same at
+two prompt lengths); decoding more tokens compiles nothing new (one graph serves every step once dynamo made the
+length dynamic); ``explain()`` reports the decode attention and no fallback.
+"""
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.runtime.accounting import comm_counter
+from autoshard.runtime.kv_cache import CacheLayout
+from autoshard.runtime.split_tensor import SplitTensor
+from autoshard.testing import run_on_ranks
+
+transformers = pytest.importorskip("transformers")
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, BATCH, NEW = 4, 2, 16, 2, 2, 5
+
+
+def _model():
+    cfg = transformers.LlamaConfig(hidden_size=HEADS * HEAD_DIM, intermediate_size=128, num_hidden_layers=LAYERS,
+                                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=256,
+                                   max_position_embeddings=512)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+
+def _prompts(length: int):
+    ids = torch.randint(3, 256, (BATCH, length), generator=torch.Generator().manual_seed(length))
+    mask = torch.ones_like(ids)
+    ids[1, :6], mask[1, :6] = 0, 0  # the second prompt is left-padded
+    return dict(input_ids=ids, attention_mask=mask, pad_token_id=0)
+
+
+def _generate(model, length: int, new: int = NEW, sample: bool = False):
+    if sample:
+        torch.manual_seed(5)
+    return model.generate(**_prompts(length), max_new_tokens=new, do_sample=sample, top_k=20 if sample else None,
+                          return_dict_in_generate=True)
+
+
+def _rank(lengths) -> dict:
+    model, backend = _model(), autoshard.backend()
+    model.forward = torch.compile(model.forward, backend=backend)
+    rank = torch.distributed.get_rank()
+    out = {"tokens": [], "merges": [], "shares": []}
+    for length in lengths:
+        with comm_counter() as counter:
+            result = _generate(model, length)
+        if length == lengths[0]:  # the same prompt, three times the steps: every decode step reuses a graph
+            compiled = len(backend.compiled)
+            out["longer"] = _generate(model, length, new=3 * NEW).sequences
+            out["new_compiles"] = len(backend.compiled) - compiled
+        merge = counter.calls["decode_merge"]
+        out["tokens"].append(result.sequences)
+        out["merges"].append((merge.count, merge.bytes_sent))
+        for layer in result.past_key_values.layers:
+            for cache in (layer.keys, layer.values):
+                assert isinstance(cache, SplitTensor), type(cache)
+                total = cache.shape[-2]
+                rule = cache.layout_rule
+                assert isinstance(rule, CacheLayout) and total == length + NEW - 1, (rule, total)
+                out["shares"].append((cache.local.shape[-2], rule.local_length(rank, total), total))
+    out["sampled"] = _generate(model, lengths[0], sample=True).sequences
+    out["explain"] = autoshard.explain(backend)
+    return out
+
+
+@pytest.mark.parametrize("world, lengths", [(2, (29, 61)), (4, (31, 45))])
+def test_generate_with_a_sequence_sharded_kv_cache(world, lengths):
+    results = run_on_ranks(_rank, world, lengths, timeout=600)
+    model = _model()
+    expected = [_generate(model, length).sequences for length in lengths]
+    longer = _generate(model, lengths[0], new=3 * NEW).sequences
+    sampled = _generate(model, lengths[0], sample=True).sequences
+    per_call = (world - 1) * BATCH * HEADS * 1 * (HEAD_DIM + 1) * 4  # fp32 (out, lse) of one query per head
+    for r in results:
+        for got, want in zip(r["tokens"], expected):
+            assert torch.equal(got, want), (got, want)
+        assert torch.equal(r["longer"], longer) and torch.equal(r["sampled"], sampled)
+        for local, share, total in r["shares"]:
+            assert local == share and abs(local - total / world) <= 1, (local, share, total)
+        assert r["merges"][0] == r["merges"][1] == (LAYERS * (NEW - 1), LAYERS * (NEW - 1) * per_call), r["merges"]
+        assert r["new_compiles"] == 0, r["new_compiles"]
+        assert "decode" in r["explain"] and "fallback(s)" in r["explain"], r["explain"]
+        assert all(" 0 fallback(s)" in line for line in r["explain"].splitlines() if line.startswith("graph")), r["explain"]

@@ -1,0 +1,31 @@
+"""The sharded KV cache's layout: new positions round robin, every rank's share within one of the others'."""
+
+import pytest
+import torch
+
+from autoshard.runtime.kv_cache import CacheLayout, cache_append
+from autoshard.runtime.layouts import SequenceLayout
+
+
+@pytest.mark.parametrize("kind, prompt, world", [("contiguous", 37, 2), ("zigzag", 37, 4), ("contiguous", 5, 3)])
+def test_cache_layout_grows_round_robin_and_stays_balanced(kind, prompt, world):
+    cache = CacheLayout(SequenceLayout.of(kind, prompt, world))
+    for length in range(prompt, prompt + 3 * world + 2):
+        layout = cache.at(length)
+        shares = [cache.local_length(r, length) for r in range(world)]
+        assert shares == list(layout.local_lengths) and sum(shares) == length
+        assert max(shares) - min(shares) <= 1, shares
+        for r in range(world):
+            assert torch.equal(cache.positions(r, length), layout.positions(r)), (r, length)
+        if length > prompt:
+            assert cache.owner(length - 1) == layout.owner(length - 1)
+    assert cache.at(prompt) == cache.prompt and hash(cache) == hash(CacheLayout(cache.prompt))
+
+
+def test_cache_append_keeps_the_new_positions_of_its_rank():
+    cache = CacheLayout(SequenceLayout.contiguous(5, 2))  # shares 3 and 2: position 5 goes to rank 1, 6 to rank 0
+    new = torch.arange(8.0).view(1, 1, 2, 4)
+    kept = [cache_append(torch.zeros(1, 1, cache.local_length(r, 5), 4), new, 2, past_length=5, cache=cache, rank=r)
+            for r in range(2)]
+    assert [k.shape[2] for k in kept] == [cache.local_length(r, 7) for r in range(2)] == [4, 3]
+    assert torch.equal(kept[1][0, 0, -1], new[0, 0, 0]) and torch.equal(kept[0][0, 0, -1], new[0, 0, 1])
