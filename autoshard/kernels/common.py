@@ -76,14 +76,14 @@ ROW_ALIGN_BYTES = 16
 
 
 def _row_elements(dtype: torch.dtype) -> int:
-    return max(1, ROW_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    return max(1, ROW_ALIGN_BYTES // dtype.itemsize)
 
 
 def aligned_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as the kernels read it: unit stride in its last dim and every other stride a multiple of 16 bytes.
 
-    Compiled for sm_90 (Triton 3.6, seen on an H200), the pipelined tile loads of bf16 rows that start off
-    16-byte boundaries (a head dim of 12) read wrong values or fault. Such a tensor is copied into rows padded
+    Compiled for sm_90 (Triton 3.6, seen on an H200), the tile loads of bf16 / fp16 rows that start off 16-byte
+    boundaries (a head dim of 12) read wrong values or fault, pipelined or not. Such a tensor is copied into rows padded
     to 16 bytes and returned as the view of its columns; the kernels mask the padding, so it is never read.
     Head dims that are multiples of 8 (every production model) are passed through untouched."""
     per_row = _row_elements(x.dtype)

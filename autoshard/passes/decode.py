@@ -46,13 +46,15 @@ class DecodeGraph:
 
     gm: fx.GraphModule
     """The rewritten graph: the original inputs (cache inputs as this rank's shards), then one global length per
-    cache input, then one positions tensor per cache input."""
+    cache input, then one positions tensor per cache input (None for a cache no mask reads)."""
     caches: dict[int, tuple[int, CacheLayout, int]] = field(default_factory=dict)
     """Input position of each cache input -> (its sequence dim, its layout rule, new positions per step)."""
+    masked: set[int] = field(default_factory=set)
+    """The cache inputs whose keys a mask reads: the graph takes their shards' positions."""
     cache_outputs: dict[int, int] = field(default_factory=dict)
     """Output position -> the input position of the cache it extends (it leaves as a SplitTensor)."""
     report: CompileReport = field(default_factory=CompileReport)
-    """The attention calls rewritten (strategy ``"decode"``) and the collective per call."""
+    """The attention calls rewritten (strategy ``"decode"``)."""
 
 
 def _rule(x: SplitTensor) -> CacheLayout:
@@ -174,7 +176,7 @@ def _rewrite(gm, placeholders, caches, appends, attentions, rank, group_name) ->
         with graph.inserting_before(cat):
             local[cat] = graph.call_function(torch.ops.autoshard.cache_append.default, (
                 placeholders[i], new, dim, lengths[i], rule.prompt.length, rule.slot(rank), rule.world_size))
-    report = CompileReport()
+    report, masked = CompileReport(), set()
     for node, (op, k, v) in attentions.items():
         i = appends[k][0]
         q = value_of(op["q"])
@@ -183,6 +185,7 @@ def _rewrite(gm, placeholders, caches, appends, attentions, rank, group_name) ->
             mask = op["attn_mask"]
             if mask is not None:  # the model's mask over the global keys, read at this rank's keys
                 mask = graph.call_function(torch.index_select, (mask, -1, positions[i]))
+                masked.add(i)
             out = graph.call_function(torch.ops.autoshard.decode_attention.default, (
                 op["q"], local[k], local[v], mask, float(scale), group_name))
         node.replace_all_uses_with(out)
@@ -199,7 +202,7 @@ def _rewrite(gm, placeholders, caches, appends, attentions, rank, group_name) ->
         graph.erase_node(cat)
     graph.eliminate_dead_code()
     gm.recompile()
-    return DecodeGraph(gm, caches, cache_outputs, report)
+    return DecodeGraph(gm, caches=caches, masked=masked, cache_outputs=cache_outputs, report=report)
 
 
 def decode_runner(decode: DecodeGraph, rank: int, group_name: str) -> Callable:
@@ -212,10 +215,13 @@ def decode_runner(decode: DecodeGraph, rank: int, group_name: str) -> Callable:
         for i in sorted(decode.caches):
             dim, rule, new = decode.caches[i]
             length = int(args[i].shape[dim])
-            key = (rule, length + new)
+            lengths.append(length)
+            if i not in decode.masked:
+                positions.append(None)
+                continue
+            key = (rule, length + new)  # every layer's cache shares one rule: computed once per step
             if key not in memo:
                 memo[key] = rule.positions(rank, length + new, device=args[i].device)
-            lengths.append(length)
             positions.append(memo[key])
         inputs = [args[i].local if i in decode.caches else a for i, a in enumerate(args)]
         out = fn(*inputs, *lengths, *positions)

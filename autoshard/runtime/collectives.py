@@ -137,15 +137,17 @@ def gather_facts(facts: Sequence[int], pg: dist.ProcessGroup) -> list[list[int]]
 # ---------------------------------------------------------------------------- all_gather
 
 
-def all_gather_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], pg: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``; rank ``i`` contributes ``sizes[i]`` rows there."""
+def all_gather_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], pg: dist.ProcessGroup, *,
+                    kind: str = "all_gather") -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``; rank ``i`` contributes ``sizes[i]`` rows there. ``kind``: what
+    the byte counter files the call under."""
     world = pg.size()
     longest = max(sizes)
     moved = _narrow_pad(x, dim, longest).movedim(dim, 0).contiguous()
     out = moved.new_empty((world * longest,) + tuple(moved.shape[1:]))
     _all_gather_single(out, moved, group=pg)
     nbytes = all_gather_bytes(moved.numel() * moved.element_size(), world)
-    record("all_gather", nbytes, nbytes)
+    record(kind, nbytes, nbytes)
     if len(set(sizes)) > 1:
         out = torch.cat([out[i * longest: i * longest + sizes[i]] for i in range(world)], 0)
     return out.movedim(0, dim).contiguous()

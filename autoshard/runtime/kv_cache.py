@@ -35,8 +35,7 @@ from typing import Optional
 
 import torch
 
-from .accounting import all_gather_bytes, record
-from .collectives import _all_gather_single, _pg
+from .collectives import _pg, all_gather_impl
 from .layouts import SequenceLayout
 
 __all__ = ["CacheLayout", "cache_append", "decode_attention"]
@@ -74,21 +73,16 @@ class CacheLayout:
         return _layout_at(self, int(length))
 
     def local_length(self, rank: int, length: int) -> int:
-        """How many of the first ``length`` positions ``rank`` holds."""
-        appended = max(0, length - self.prompt.length)
-        return _prompt_count(self.prompt, rank, min(length, self.prompt.length)) + len(
-            _owned(0, appended, self.slot(rank), self.world_size))
+        """How many positions ``rank`` holds once the cache holds ``length >= prompt.length``."""
+        return self.prompt.local_length(rank) + len(_owned(0, length - self.prompt.length, self.slot(rank),
+                                                           self.world_size))
 
     def positions(self, rank: int, length: int, device=None) -> torch.Tensor:
-        """The global positions of ``rank``'s cache entries, in its local order (int64)."""
-        prompt = [torch.arange(a, b) for a, b in self.prompt.intervals[rank]]
+        """The global positions of ``rank``'s entries once the cache holds ``length >= prompt.length``, in its
+        local order (int64)."""
         start = self.prompt.length + self.slot(rank)
-        appended = torch.arange(start, max(start, length), self.world_size)
-        return torch.cat(prompt + [appended]).to(device)
-
-
-def _prompt_count(prompt: SequenceLayout, rank: int, length: int) -> int:
-    return sum(max(0, min(b, length) - a) for a, b in prompt.intervals[rank])
+        appended = torch.arange(start, max(start, length), self.world_size, device=device)
+        return torch.cat([self.prompt.positions(rank, device), appended])
 
 
 @functools.lru_cache(maxsize=64)
@@ -110,10 +104,10 @@ def _layout_at(cache: CacheLayout, length: int) -> SequenceLayout:
 # ---------------------------------------------------------------------------- cache_append
 
 
-def _owned(appended: int, new: int, slot: int, world: int) -> list[int]:
+def _owned(appended: int, new: int, slot: int, world: int) -> range:
     """Which of ``new`` positions added after ``appended`` positions past the prompt go to the rank in ``slot``
     (indices into the new ones)."""
-    return [i for i in range(new) if (appended + i) % world == slot]
+    return range((slot - appended) % world, max(new, 0), world)
 
 
 @torch.library.custom_op("autoshard::cache_append", mutates_args=())
@@ -122,7 +116,7 @@ def _cache_append_op(past: torch.Tensor, new: torch.Tensor, dim: int, past_lengt
     if past_length < prompt_length:
         raise ValueError(f"autoshard: a cache of {past_length} positions is shorter than its prompt ({prompt_length})")
     keep = _owned(past_length - prompt_length, new.size(dim), slot, world)
-    mine = new.index_select(dim, torch.tensor(keep, dtype=torch.long, device=new.device))
+    mine = new.index_select(dim, torch.tensor(list(keep), dtype=torch.long, device=new.device))
     return torch.cat([past, mine.to(past.dtype)], dim)
 
 
@@ -167,12 +161,8 @@ def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
                          scale: float, group: str) -> torch.Tensor:
     pg = _pg(group)
     out, lse = _local_scores(q, k, v, mask, scale)
-    mine = torch.cat([out, lse[..., None]], dim=-1).contiguous()
-    everyone = mine.new_empty((pg.size() * mine.shape[0],) + tuple(mine.shape[1:]))  # no context length in it
-    _all_gather_single(everyone, mine, group=pg)
-    everyone = everyone.view((pg.size(),) + tuple(mine.shape))  # [P, B, H, Sq, Dv + 1]
-    nbytes = all_gather_bytes(mine.numel() * mine.element_size(), pg.size())
-    record("decode_merge", nbytes, nbytes)
+    mine = torch.cat([out, lse[..., None]], dim=-1)[None]
+    everyone = all_gather_impl(mine, 0, [1] * pg.size(), pg, kind="decode_merge")  # [P, B, H, Sq, Dv + 1]
     outs, lses = everyone[..., :-1], everyone[..., -1]
     top = lses.amax(dim=0)
     weights = torch.exp(lses - torch.where(torch.isfinite(top), top, 0.0))  # [P, B, H, Sq]; 0 for -inf

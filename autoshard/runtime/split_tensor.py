@@ -118,6 +118,9 @@ class SplitTensor(torch.Tensor):
     """This rank's shard."""
     seq_dim: int
     """The dim split along the sequence."""
+    layout_rule: SequenceLayout | CacheLayout
+    """Which positions every rank holds: a layout, or the rule of a KV cache that grows (``seq_layout`` gives the
+    layout either way)."""
     group_name: str
     """The sequence group's name."""
 
