@@ -1,0 +1,126 @@
+"""Generation with a sequence-sharded KV cache: one process against P=2, side by side at long prompts.
+
+    python benchmarks/inference.py                      # prompts of 8192, 16384 and 32768 tokens, 32 new tokens
+    python benchmarks/inference.py --seq 4096 --new 16  # what a small machine runs quickly
+
+A KV-heavy transformers Llama from a config (vocabulary 8000, hidden 256, 4 layers, 8 query and 8 key-value heads
+of 32: 8 KiB of cache per token in float32), ``generate()`` greedy from one prompt of S tokens, CPU:
+
+* ``one process``: the plain model, uncompiled, with the machine's 2 threads;
+* ``P=2``: ``model.forward = torch.compile(model.forward, backend=autoshard.backend())`` on 2 gloo ranks of one
+  thread each, the same prompt on both (:mod:`autoshard.passes.decode`: the prefill split, the cache kept split).
+
+Per run: the prefill (prompt to first token) in seconds, the median latency of the decode steps after it (a
+streamer timestamps every token; the first steps, which compile at P=2, fall outside the median), the peak resident
+memory the generate adds to the process (``autoshard.testing.memory.peak_memory``, the largest rank's), and the KV
+cache bytes the rank holds at the end (the shards' bytes at P=2). Each rank runs one generate at S first (compiling,
+warming up), then the measured one; the tokens of both ways are checked equal. Times are for information: the machine
+is shared and noisy.
+
+Measured (2 shared CPU cores, torch 2.13 CPU, transformers 5.25, ``python benchmarks/inference.py``)::
+
+         S  run         prefill s decode ms/token peak/rank MiB x one KV/rank MiB x one
+      8192  one process      2.11            31.9           194  1.00        64.2  1.00
+      8192  P=2              2.33            38.8            84  0.43        32.1  0.50
+     16384  one process      6.40            57.7           388  1.00       128.2  1.00
+     16384  P=2              6.80            72.5           168  0.43        64.1  0.50
+     32768  one process     19.98           100.7           777  1.00       256.2  1.00
+     32768  P=2             18.67            89.4           336  0.43       128.1  0.50
+
+A decode step is dominated by ``DynamicCache``'s ``torch.cat``, which copies the whole cache every step (one
+process) or the rank's half (P=2); below 32K tokens the fixed cost of the split step (a gloo all-gather per layer,
+the carriers, one thread per rank) outweighs the halved copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import autoshard
+from autoshard.testing import run_on_ranks
+from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 8000, 256, 4, 8, 8
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=1 << 17,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).float().eval()
+
+
+class _Clock:
+    """A generate() streamer that timestamps the prompt and every new token."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _cache_bytes(cache) -> int:
+    total = 0
+    for layer in cache.layers:
+        for x in (layer.keys, layer.values):
+            x = getattr(x, "local", x)  # a rank's shard at P=2
+            total += x.numel() * x.element_size()
+    return total
+
+
+def run(seq: int, new: int, compiled: bool) -> dict:
+    """One rank's figures for a generate of ``new`` tokens from a ``seq``-token prompt."""
+    model = _model()
+    if compiled:
+        model.forward = torch.compile(model.forward, backend=autoshard.backend())
+    ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(1))
+    model.generate(ids, max_new_tokens=new, do_sample=False)  # compile and warm up at this length
+    clock = _Clock()
+    with peak_memory() as measured:
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, streamer=clock, return_dict_in_generate=True)
+    steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
+    return {"tokens": out.sequences, "prefill": clock.times[1] - start, "decode": statistics.median(steps),
+            "peak": measured.peak_bytes, "kv": _cache_bytes(out.past_key_values)}
+
+
+def measure(seq: int, new: int, world: int, timeout: float) -> dict:
+    results = run_on_ranks(run, world, seq, new, world > 1, timeout=timeout, threads=2 // world,
+                           env=LOW_MMAP_THRESHOLD_ENV)
+    return {"tokens": results[0]["tokens"], "prefill": max(r["prefill"] for r in results),
+            "decode": max(r["decode"] for r in results), "peak": max(r["peak"] for r in results),
+            "kv": max(r["kv"] for r in results)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, nargs="*", default=[8192, 16384, 32768], help="prompt lengths")
+    parser.add_argument("--new", type=int, default=32, help="new tokens per generate")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    args = parser.parse_args()
+    mib = 1 << 20
+    print(f"{'S':>6}  {'run':<11} {'prefill s':>9} {'decode ms/token':>15} {'peak/rank MiB':>13} {'x one':>5} "
+          f"{'KV/rank MiB':>11} {'x one':>5}")
+    for seq in args.seq:
+        one = measure(seq, args.new, 1, args.timeout)
+        two = measure(seq, args.new, 2, args.timeout)
+        if not torch.equal(one["tokens"], two["tokens"]):
+            raise SystemExit(f"S={seq}: the tokens of P=2 differ from one process's")
+        for name, r in (("one process", one), ("P=2", two)):
+            print(f"{seq:>6}  {name:<11} {r['prefill']:>9.2f} {1e3 * r['decode']:>15.1f} {r['peak'] / mib:>13.0f} "
+                  f"{r['peak'] / one['peak']:>5.2f} {r['kv'] / mib:>11.1f} {r['kv'] / one['kv']:>5.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
