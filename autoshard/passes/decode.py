@@ -75,6 +75,8 @@ def decode_graph(gm: fx.GraphModule, example_inputs: list, *, rank: int, group_n
                if isinstance(x, SplitTensor) and x.group_name == group_name}
     if not carried:
         return _not_decode("no input is a cache split along the sequence")
+    if torch.is_grad_enabled():  # the decode ops have no backward; a training graph is the pipeline's
+        return _not_decode("gradients are enabled")
     appends: dict[fx.Node, tuple[int, fx.Node]] = {}  # cat node -> (cache input position, new values node)
     caches: dict[int, tuple[int, CacheLayout, int]] = {}
     for i, x in carried.items():
