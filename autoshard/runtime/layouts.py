@@ -75,12 +75,13 @@ class SequenceLayout:
     @staticmethod
     @functools.lru_cache(maxsize=None)
     def contiguous(length: int, world_size: int) -> "SequenceLayout":
-        """Rank r holds one run; run sizes differ by at most one."""
-        _check_servable("contiguous", length, world_size, world_size)
+        """Rank r holds one run; run sizes differ by at most one. A sequence shorter than the world leaves the
+        last ranks none (a one-token decode step, a prompt of 3 tokens on 4 ranks)."""
+        _check_servable("contiguous", length, world_size, 1)
         bounds = _prefix(split_sizes(length, world_size))
         return SequenceLayout(
             "contiguous", length, world_size,
-            tuple(((bounds[r], bounds[r + 1]),) for r in range(world_size)),
+            tuple(_normalize(((bounds[r], bounds[r + 1]),)) for r in range(world_size)),
         )
 
     @staticmethod

@@ -27,6 +27,14 @@ def test_zigzag_chunks():
     assert lay.local_intervals(3) == ((6, 10),)  # chunks 3 and 4 are adjacent
 
 
+def test_contiguous_layout_of_a_sequence_shorter_than_the_world_leaves_the_last_ranks_empty():
+    layout = SequenceLayout.contiguous(3, 4)
+    assert layout.local_lengths == (1, 1, 1, 0) and layout.intervals[3] == ()
+    assert layout.positions(3).numel() == 0 and layout.owner(2) == 2
+    shifted = layout.derive(-1, 4)  # one position before the root: it goes to the holder of root position 0
+    assert shifted.local_lengths == (2, 1, 1, 0)
+
+
 def test_layout_the_world_cannot_serve():
     with pytest.raises(ValueError, match="only 5 positions"):
         SequenceLayout.zigzag(5, 4)
