@@ -14,11 +14,15 @@ pipeline (:mod:`.pipeline`) does not apply; this pass recognizes it and rewrites
   read at this rank's key positions (``index_select`` of its columns);
 * everything else (projections, norms, RoPE at the replicated ``position_ids``, the MLP, the logits of the new
   token) runs replicated, as one process runs it;
+* a sliding-window layer's cache (transformers' ``DynamicSlidingWindowLayer`` keeps ``appended[:, :, -k:]``)
+  becomes an ``index_select`` of the rank's entries in the window: each rank drops its own positions that left it;
+  the cache's first position then travels with its carrier (``SplitTensor.cache_start``, not guarded: one graph
+  serves every step of a full window);
 * the cache outputs leave as ``SplitTensor`` carrying the cache's :class:`~autoshard.runtime.kv_cache.CacheLayout`.
 
-The rewritten graph takes, after the original inputs, each cache input's global length and the global
-positions of its shard after the append (:class:`DecodeGraph` says which); :func:`decode_runner` supplies them
-and wraps the outputs. A graph whose cache inputs are used any other way (a slice, a norm over the cache, an
+The rewritten graph takes, after the original inputs, each cache input's end position, the indices of its
+shard's entries in the appended cache and, for a window, the entries that stay (:class:`DecodeGraph` says
+which); :func:`decode_runner` supplies them and wraps the outputs. A graph whose cache inputs are used any other way (a slice, a norm over the cache, an
 append along another dim, a causal mask over several new queries) is not a decode step: :func:`decode_graph`
 returns None with the reason, and the caller compiles it as any other graph.
 """
@@ -34,7 +38,7 @@ import torch.fx as fx
 
 from ..runtime.kv_cache import CacheLayout  # importing it defines autoshard::cache_append, ::decode_attention
 from ..runtime.split_tensor import SplitTensor
-from .ops import canonical, op_of, value_of
+from .ops import canonical, is_tensor_node, op_of, value_of
 from .report import CompileReport
 
 __all__ = ["DecodeGraph", "decode_graph", "decode_runner"]
@@ -45,14 +49,20 @@ class DecodeGraph:
     """A decode step rewritten for this rank."""
 
     gm: fx.GraphModule
-    """The rewritten graph: the original inputs (cache inputs as this rank's shards), then one global length per
-    cache input, then one positions tensor per cache input (None for a cache no mask reads)."""
+    """The rewritten graph: the original inputs (cache inputs as this rank's shards), then one end position per
+    cache input (the positions it has seen: its length, plus those a window dropped), then one tensor per cache
+    input of its local entries' indices in the appended cache (None for a cache no mask reads), then one tensor
+    per windowed cache input of the local entries its window keeps."""
     caches: dict[int, tuple[int, CacheLayout, int]] = field(default_factory=dict)
     """Input position of each cache input -> (its sequence dim, its layout rule, new positions per step)."""
     masked: set[int] = field(default_factory=set)
     """The cache inputs whose keys a mask reads: the graph takes their shards' positions."""
-    cache_outputs: dict[int, int] = field(default_factory=dict)
-    """Output position -> the input position of the cache it extends (it leaves as a SplitTensor)."""
+    windows: dict[int, int] = field(default_factory=dict)
+    """Cache input position -> how many last positions the cache keeps (a sliding-window layer's cache): the
+    graph takes the local indices of the entries that stay."""
+    cache_outputs: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    """Output position -> (the input position of the cache it extends, whether it is that cache's window); it
+    leaves as a SplitTensor."""
     report: CompileReport = field(default_factory=CompileReport)
     """The attention calls rewritten (strategy ``"decode"``)."""
 
@@ -111,12 +121,36 @@ def decode_graph(gm: fx.GraphModule, example_inputs: list, *, rank: int, group_n
         if op["dropout_p"] or (op["is_causal"] and value_of(op["q"]).shape[-2] != 1):
             return _not_decode(f"attention {node.name} has dropout or a causal mask over several queries")
         attentions[node] = (op, k, v)
+    windows: dict[fx.Node, int] = {}  # a slice keeping the last positions of an appended cache -> how many
     for cat in appends:
         for user in cat.users:
-            if user.op != "output" and user not in chains and user not in attentions:
+            if user.op == "output" or user in chains or user in attentions or _sizes_for(user, chains):
+                continue
+            keep = _window(user, caches[appends[cat][0]][0])
+            if keep is None:
                 return _not_decode(f"the appended cache {cat.name} is used by {user.name}, not as attention keys "
-                                   "or values")
-    return _rewrite(gm, placeholders, caches, appends, attentions, rank, group_name), ""
+                                   "or values or a window of its last positions")
+            if any(u.op != "output" for u in user.users):
+                return _not_decode(f"the window {user.name} of the appended cache {cat.name} is used by another "
+                                   "operation than the graph's output")
+            windows[user] = keep
+    return _rewrite(gm, placeholders, caches, appends, attentions, windows, rank, group_name), ""
+
+
+def _window(node: fx.Node, dim: int) -> int | None:
+    """How many last positions along ``dim`` the slice ``node`` keeps (``x[:, :, -k:, :]``: what a sliding-window
+    cache stores), else None."""
+    op = op_of(node)
+    if op is None or op.name != "getitem":
+        return None
+    index = op["index"] if isinstance(op["index"], tuple) else (op["index"],)
+    if len(index) <= dim or not all(isinstance(i, slice) for i in index):
+        return None
+    whole = slice(None)
+    window = index[dim]
+    if any(i != whole for d, i in enumerate(index) if d != dim) or window.stop is not None or window.step is not None:
+        return None
+    return -window.start if isinstance(window.start, int) and window.start < 0 else None
 
 
 _REPEAT_OPS = {"view", "expand", "getitem"}
@@ -152,24 +186,39 @@ def _kv_source(node, appends: dict, chains: set):
 _METADATA = {"numel", "size", "dim", "sym_size", "sym_numel"}
 
 
+def _sizes_for(node: fx.Node, chains: set) -> bool:
+    """Whether ``node`` is a shape query (or an element of one) read only by the GQA repetitions in ``chains``
+    (``repeat_kv`` expands to the cache's length): they go with the repetition, the decode attention takes the
+    keys unrepeated."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    if name not in _METADATA and name != "getitem":
+        return False
+    if name == "getitem" and is_tensor_node(node):
+        return False
+    return bool(node.users) and all(user in chains or _sizes_for(user, chains) for user in node.users)
+
+
 def _unused_metadata(node: fx.Node) -> bool:
     """A shape query on a cache input whose result nothing reads (dynamo keeps those it turned into guards)."""
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
     return name in _METADATA and not node.users
 
 
-def _rewrite(gm, placeholders, caches, appends, attentions, rank, group_name) -> DecodeGraph:
+def _rewrite(gm, placeholders, caches, appends, attentions, windows, rank, group_name) -> DecodeGraph:
     gm = copy.deepcopy(gm)  # dynamo reads the graph it handed over after the backend returns
     by_name = {n.name: n for n in gm.graph.nodes}
     placeholders = [by_name[n.name] for n in placeholders]
     appends = {by_name[cat.name]: (i, by_name[new.name]) for cat, (i, new) in appends.items()}
     attentions = {by_name[n.name]: (canonical(by_name[n.name]), by_name[k.name], by_name[v.name])  # not the copied ops
                   for n, (_, k, v) in attentions.items()}
+    windows = {by_name[n.name]: keep for n, keep in windows.items()}
+    windowed = {appends[node.args[0]][0]: keep for node, keep in windows.items()}
     graph = gm.graph
     last = placeholders[-1]
-    lengths, positions = {}, {}
-    for names, kind in ((lengths, "cache_length"), (positions, "cache_positions")):
-        for i in sorted(caches):
+    lengths, positions, kept = {}, {}, {}
+    for names, kind, inputs in ((lengths, "cache_end", caches), (positions, "cache_indices", caches),
+                                (kept, "cache_kept", windowed)):
+        for i in sorted(inputs):
             with graph.inserting_after(last):
                 names[i] = last = graph.placeholder(f"{kind}_{i}")
     local = {}
@@ -198,46 +247,58 @@ def _rewrite(gm, placeholders, caches, appends, attentions, rank, group_name) ->
     output = next(n for n in graph.nodes if n.op == "output")
     results = output.args[0]
     flat = list(results) if isinstance(results, (tuple, list)) else [results]
-    cache_outputs = {pos: appends[value][0] for pos, value in enumerate(flat) if value in appends}
+    cache_outputs = {pos: (appends[value][0], False) for pos, value in enumerate(flat) if value in appends}
+    cache_outputs.update({pos: (appends[value.args[0]][0], True) for pos, value in enumerate(flat) if value in windows})
+    for window in windows:  # the window's entries this rank holds: the runner knows which from the positions
+        i = appends[window.args[0]][0]
+        with graph.inserting_before(window):
+            kept_local = graph.call_function(torch.index_select, (local[window.args[0]], caches[i][0], kept[i]))
+        window.replace_all_uses_with(kept_local)
+        graph.erase_node(window)
     for cat, replacement in local.items():
         cat.replace_all_uses_with(replacement)
         graph.erase_node(cat)
     graph.eliminate_dead_code()
     gm.recompile()
-    return DecodeGraph(gm, caches=caches, masked=masked, cache_outputs=cache_outputs, report=report)
+    return DecodeGraph(gm, caches=caches, masked=masked, windows=windowed, cache_outputs=cache_outputs,
+                       report=report)
 
 
 def decode_runner(decode: DecodeGraph, rank: int, group_name: str) -> Callable:
-    """Call the rewritten graph with the cache inputs' shards, their lengths and their shards' positions after
-    the append; hand the extended caches back as ``SplitTensor``."""
+    """Call the rewritten graph with the cache inputs' shards, their end positions, the local indices a mask and
+    a window read; hand the extended caches back as ``SplitTensor`` (a window's with its new first position)."""
     fn = decode.gm.forward
 
     def run(*args):
-        lengths, positions, memo = [], [], {}
+        ends, indices, kept, starts, memo = [], [], [], {}, {}
         for i in sorted(decode.caches):
             dim, rule, new = decode.caches[i]
-            length = int(args[i].shape[dim])
-            lengths.append(length)
-            if i not in decode.masked:
-                positions.append(None)
+            start = args[i].cache_start
+            end = start + int(args[i].shape[dim])
+            ends.append(end)
+            if i not in decode.masked and i not in decode.windows:
+                indices.append(None)
                 continue
-            key = (rule, length + new)  # every layer's cache shares one rule: computed once per step
+            key = (rule, end + new, start)  # every layer's cache shares one rule: computed once per step
             if key not in memo:
-                memo[key] = rule.positions(rank, length + new, device=args[i].device)
-            positions.append(memo[key])
+                memo[key] = rule.positions(rank, end + new, device=args[i].device, start=start)
+            held = memo[key]  # the positions of the appended shard's entries, in local order
+            indices.append(held - start if i in decode.masked else None)
+            if i in decode.windows:
+                starts[i] = max(start, end + new - decode.windows[i])
+                if (key, starts[i]) not in memo:
+                    memo[key, starts[i]] = torch.nonzero(held >= starts[i]).flatten()
+                kept.append(memo[key, starts[i]])
         inputs = [args[i].local if i in decode.caches else a for i, a in enumerate(args)]
-        out = fn(*inputs, *lengths, *positions)
+        out = fn(*inputs, *ends, *indices, *kept)
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
-        for pos, i in decode.cache_outputs.items():
+        for pos, (i, window) in decode.cache_outputs.items():
             dim, rule, new = decode.caches[i]
+            start = starts[i] if window else args[i].cache_start
+            shape = list(args[i].shape)
+            shape[dim] = args[i].cache_start + shape[dim] + new - start
             torch._dynamo.maybe_mark_dynamic(flat[pos], dim)  # a shard grows every P steps: no recompile then
-            flat[pos] = SplitTensor(flat[pos], dim, rule, group_name, _grown(args[i].shape, dim, new))
+            flat[pos] = SplitTensor(flat[pos], dim, rule, group_name, shape, start)
         return type(out)(flat) if isinstance(out, (tuple, list)) else flat[0]
 
     return run
-
-
-def _grown(shape, dim: int, new: int) -> list[int]:
-    out = list(shape)
-    out[dim] += new
-    return out

@@ -12,7 +12,10 @@ step's queries over the whole cache. Here each rank keeps its share and nothing 
   global length alone. Blocks of tokens per rank would keep runs contiguous, which nothing here needs
   (decode attention masks by the keys' positions, never by offsets), at the price of shares that differ by a block;
 * **appending** (``autoshard::cache_append``): a rank appends the new positions it owns and drops the others,
-  so its cache grows by about ``1 / P`` token per step;
+  so its cache grows by about ``1 / P`` token per step; a sliding-window cache keeps the positions
+  ``[start, length)`` and each rank drops its own positions before ``start`` (:meth:`CacheLayout.positions` with
+  ``start``). The prompt's window is as the prefill's layout placed it (the last ranks of a contiguous layout
+  hold more of it); the new positions go to the smaller shares first, so the shares even out as it slides;
 * **attention** (``autoshard::decode_attention``): the replicated queries attend over the rank's keys, with
   the log-sum-exp; one all-gather of ``(out, lse)``, ``B x H x Sq x (Dv + 1)`` fp32 values per rank whatever the
   context length (counted as ``"decode_merge"``), and the LSE merge (Tree Attention's reduction) gives every rank the one-process output.
@@ -68,21 +71,26 @@ class CacheLayout:
             return self.prompt.owner(position)
         return self.order[(position - self.prompt.length) % self.world_size]
 
-    def at(self, length: int) -> SequenceLayout:
-        """The layout of the cache once it holds ``length`` positions."""
-        return _layout_at(self, int(length))
+    def at(self, length: int, start: int = 0) -> SequenceLayout:
+        """The layout of the cache once it holds the positions ``[start, length)`` (``start > 0``: a window that
+        dropped the positions before it), relabeled from 0."""
+        layout = _layout_at(self, int(length))
+        return layout.derive(start, length - start) if start else layout
 
-    def local_length(self, rank: int, length: int) -> int:
-        """How many positions ``rank`` holds once the cache holds ``length >= prompt.length``."""
+    def local_length(self, rank: int, length: int, start: int = 0) -> int:
+        """How many of the positions ``[start, length)`` ``rank`` holds (``length >= prompt.length``)."""
+        if start:
+            return int((self.positions(rank, length) >= start).sum())
         return self.prompt.local_length(rank) + len(_owned(0, length - self.prompt.length, self.slot(rank),
                                                            self.world_size))
 
-    def positions(self, rank: int, length: int, device=None) -> torch.Tensor:
-        """The global positions of ``rank``'s entries once the cache holds ``length >= prompt.length``, in its
-        local order (int64)."""
-        start = self.prompt.length + self.slot(rank)
-        appended = torch.arange(start, max(start, length), self.world_size, device=device)
-        return torch.cat([self.prompt.positions(rank, device), appended])
+    def positions(self, rank: int, length: int, device=None, start: int = 0) -> torch.Tensor:
+        """The positions of ``[start, length)`` (``length >= prompt.length``) ``rank`` holds, in its local order
+        (int64): the prompt's as the prefill split it, then the appended ones in order."""
+        first = self.prompt.length + self.slot(rank)
+        appended = torch.arange(first, max(first, length), self.world_size, device=device)
+        held = torch.cat([self.prompt.positions(rank, device), appended])
+        return held[held >= start] if start else held
 
 
 @functools.lru_cache(maxsize=64)

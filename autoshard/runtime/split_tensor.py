@@ -123,10 +123,14 @@ class SplitTensor(torch.Tensor):
     layout either way)."""
     group_name: str
     """The sequence group's name."""
+    cache_start: int = 0
+    """Of a cache that keeps a window: the position (under ``layout_rule``) of its first entry, the positions before
+    it dropped. It changes every step, so it is not part of what dynamo guards (the flatten context): it travels
+    with the carrier object, read by the decode step that takes it (:mod:`autoshard.passes.decode`)."""
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, dim: int, layout: SequenceLayout | CacheLayout, group_name: str,
-                shape=None):
+                shape=None, cache_start: int = 0):
         if shape is None:
             if not isinstance(layout, SequenceLayout):
                 raise ValueError("autoshard: a SplitTensor of a growing cache needs its global shape")
@@ -135,13 +139,17 @@ class SplitTensor(torch.Tensor):
         out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
                                                   requires_grad=False)
         out.local, out.seq_dim, out.layout_rule, out.group_name = local, dim, layout, group_name
+        if cache_start:
+            out.cache_start = cache_start
         return out
 
     @property
     def seq_layout(self) -> SequenceLayout:
         """Which positions every rank holds (of a cache, at its current length)."""
         rule = self.layout_rule
-        return rule if isinstance(rule, SequenceLayout) else rule.at(int(self.shape[self.seq_dim]))
+        if isinstance(rule, SequenceLayout):
+            return rule
+        return rule.at(self.cache_start + int(self.shape[self.seq_dim]), self.cache_start)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -192,7 +200,8 @@ class SplitTensor(torch.Tensor):
             return func(*stand_in[0], **stand_in[1])
         if func in _ALIASES and isinstance(args[0], SplitTensor) and (len(args) == 1 or list(args[1]) == list(args[0].shape)):
             x = args[0]
-            return SplitTensor(torch.ops.aten.alias.default(x.local), x.seq_dim, x.layout_rule, x.group_name, x.shape)
+            return SplitTensor(torch.ops.aten.alias.default(x.local), x.seq_dim, x.layout_rule, x.group_name, x.shape,
+                               x.cache_start)
         if func._schema.is_mutable:
             written = [a for a, arg in zip(args, func._schema.arguments)
                        if isinstance(a, SplitTensor) and arg.alias_info is not None and arg.alias_info.is_write]

@@ -91,3 +91,65 @@ def test_generate_with_a_sequence_sharded_kv_cache(world, lengths):
         assert r["new_compiles"] == 0, r["new_compiles"]
         assert "decode" in r["explain"] and "fallback(s)" in r["explain"], r["explain"]
         assert all(" 0 fallback(s)" in line for line in r["explain"].splitlines() if line.startswith("graph")), r["explain"]
+
+
+WINDOW = 12
+
+
+def _mistral():
+    cfg = transformers.MistralConfig(hidden_size=HEADS * HEAD_DIM, intermediate_size=128, num_hidden_layers=LAYERS,
+                                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=256,
+                                     max_position_embeddings=512, sliding_window=WINDOW)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(cfg).double().eval()
+
+
+def _window_rank(lengths, new) -> dict:
+    model, backend = _mistral(), autoshard.backend()
+    model.forward = torch.compile(model.forward, backend=backend)
+    rank = torch.distributed.get_rank()
+    out = {"tokens": [], "merges": [], "shares": []}
+    for length in lengths:
+        with comm_counter() as counter:
+            result = _generate(model, length, new=new)
+        merge = counter.calls["decode_merge"]
+        out["tokens"].append(result.sequences)
+        out["merges"].append((merge.count, merge.bytes_sent))
+        for layer in result.past_key_values.layers:
+            for cache in (layer.keys, layer.values):
+                assert isinstance(cache, SplitTensor) and isinstance(cache.layout_rule, CacheLayout), cache
+                end = cache.cache_start + cache.shape[-2]  # the positions seen, relabeled from the prompt's window
+                share = cache.layout_rule.local_length(rank, end, cache.cache_start)
+                out["shares"].append((cache.local.shape[-2], share, cache.shape[-2]))
+    compiled = len(backend.compiled)
+    out["longer"] = _generate(model, lengths[0], new=2 * new).sequences
+    out["new_compiles"] = len(backend.compiled) - compiled
+    out["explain"] = autoshard.explain(backend)
+    return out
+
+
+def test_generate_with_a_sliding_window_cache():
+    """Mistral's sliding-window layers keep only their window (``DynamicSlidingWindowLayer``: the cache is the last
+    ``window - 1`` positions of the appended one): sharded, each rank drops its own positions that leave the window.
+    One prompt longer than the window (the prefill's cache is a window of the prompt), one shorter that the decode
+    steps fill past it; a left-padded batch; tokens equal one process's at P=2."""
+    lengths, new = (29, 7), 9
+    results = run_on_ranks(_window_rank, 2, lengths, new, timeout=600)
+    model = _mistral()
+    expected = [_generate(model, length, new=new).sequences for length in lengths]
+    longer = _generate(model, lengths[0], new=2 * new).sequences
+    per_call = BATCH * HEADS * 1 * (HEAD_DIM + 1) * 4
+    held = [0, 0]
+    for rank, r in enumerate(results):
+        for got, want in zip(r["tokens"], expected):
+            assert torch.equal(got, want), (got, want)
+        assert torch.equal(r["longer"], longer)
+        for local, share, total in r["shares"]:
+            assert local == share and total == WINDOW - 1, (local, share, total)
+        held[rank] = sum(local for local, _, _ in r["shares"])
+        assert r["merges"][0] == r["merges"][1] == (LAYERS * (new - 1), LAYERS * (new - 1) * per_call), r["merges"]
+        assert r["new_compiles"] == 0, r["new_compiles"]
+        assert all(" 0 fallback(s)" in line for line in r["explain"].splitlines() if line.startswith("graph")), r["explain"]
+        assert "decode" in r["explain"], r["explain"]
+    assert sum(held) == len(lengths) * LAYERS * 2 * (WINDOW - 1), held  # keys and values: each entry on one rank

@@ -29,3 +29,17 @@ def test_cache_append_keeps_the_new_positions_of_its_rank():
             for r in range(2)]
     assert [k.shape[2] for k in kept] == [cache.local_length(r, 7) for r in range(2)] == [4, 3]
     assert torch.equal(kept[1][0, 0, -1], new[0, 0, 0]) and torch.equal(kept[0][0, 0, -1], new[0, 0, 1])
+
+
+def test_a_window_of_the_cache_holds_each_ranks_positions_past_its_start():
+    """A sliding-window cache keeps the positions ``[start, length)``: each rank its own of them, in local order,
+    and the window's layout is the grown cache's from ``start``, relabeled from 0."""
+    cache = CacheLayout(SequenceLayout.zigzag(9, 2))
+    length, start = 14, 6
+    window = cache.at(length, start)
+    assert window.length == length - start
+    for r in range(2):
+        held = cache.positions(r, length, start=start)
+        assert torch.equal(held, cache.positions(r, length)[cache.positions(r, length) >= start])
+        assert torch.equal(held - start, window.positions(r))
+        assert cache.local_length(r, length, start) == len(held) == window.local_length(r)
