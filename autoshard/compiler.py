@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .config import BackendConfig, dynamo_settings, resolve_config
-from .passes.decode import decode_graph, decode_runner
+from .passes.decode import cache_written_in_place, decode_graph, decode_runner
 from .passes.deferred import inline_deferred
 from .passes.ops import value_of
 from .passes.pipeline import compile_graph
@@ -90,6 +90,7 @@ class AutoshardBackend:
         self.config = config or BackendConfig()
         self.compiled: deque[GraphRecord] = deque(maxlen=RECORDS_KEPT)
         """What reports need of the graphs compiled on this rank, newest last (the last ``RECORDS_KEPT``)."""
+        self._warned_whole_cache = False
         self.backend_ctx_ctor = dynamo_settings
         """What dynamo enters around every call of a model compiled with this backend through
         ``torch._dynamo.optimize`` (:func:`compile`); ``torch.compile`` drops it (see :func:`compile`). An instance
@@ -104,7 +105,14 @@ class AutoshardBackend:
         """The group this backend splits sequences over (a 2-D mesh's flattened group)."""
         return sequence_group(self.group)
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+    def __call__(self, gm: fx.GraphModule, example_inputs: list, *, mode: str | None = None,
+                 options: dict | None = None) -> Callable:
+        """Compile ``gm`` for this rank. ``mode`` (what ``torch.compile(mode=...)`` and transformers'
+        ``CompileConfig`` pass on) names inductor's modes: the per-rank graphs run as they are, so it is ignored;
+        ``options`` are inductor's too, and refused rather than ignored."""
+        if options:
+            raise ValueError(f"autoshard: torch.compile options {sorted(options)} are inductor's; autoshard takes its "
+                             "settings as autoshard.backend(**settings) (see autoshard.BackendConfig)")
         pg = self._sequence_group()
         world, rank = pg.size(), pg.rank()
         if self.config.dry_run:
@@ -119,6 +127,8 @@ class AutoshardBackend:
                 self.compiled.append(GraphRecord(decode.report, set(), True))
                 return decode_runner(decode, rank, pg.group_name)
             logger.debug("autoshard: not a decode step: %s", why_not)
+        elif not torch.is_grad_enabled():
+            self._warn_if_cache_kept_whole(gm)
         if is_dynamic(gm):
             return _PerSizes(self, gm, example_inputs)
         if self.config.inputs == "sharded":
@@ -172,6 +182,19 @@ class AutoshardBackend:
             return self.config, None
         return memory_policy_for(gm, example_inputs, world_size=world, config=self.config, budget=budget,
                                  strict=strict)
+
+    def _warn_if_cache_kept_whole(self, gm: fx.GraphModule) -> None:
+        """A decode step over a cache that is written in place at its positions (a fixed-size buffer) rather than
+        appended to: correct, but the cache is whole on every rank (warned once per backend)."""
+        cache = cache_written_in_place(gm)
+        if cache is not None and not self._warned_whole_cache:
+            self._warned_whole_cache = True
+            warnings.warn(
+                f"autoshard: the KV cache {cache} is a fixed-size buffer written in place, as transformers' "
+                "StaticCache (cache_implementation='static') does; autoshard does not shard it, so every rank holds "
+                "the whole cache and decodes with it (the tokens are right). Caches that grow by appending are "
+                "split along the sequence: transformers' DynamicCache (the default) and its sliding-window layers.",
+                stacklevel=2)
 
     def _warn_if_whole_from_earlier_graph(self, compiled: GraphRecord, example_inputs: list) -> None:
         """A graph with no sequence of its own that takes, as input, a value an earlier graph gathered whole

@@ -41,7 +41,7 @@ from ..runtime.split_tensor import SplitTensor
 from .ops import canonical, is_tensor_node, op_of, value_of
 from .report import CompileReport
 
-__all__ = ["DecodeGraph", "decode_graph", "decode_runner"]
+__all__ = ["DecodeGraph", "decode_graph", "decode_runner", "cache_written_in_place"]
 
 
 @dataclass
@@ -135,6 +135,35 @@ def decode_graph(gm: fx.GraphModule, example_inputs: list, *, rank: int, group_n
                                    "operation than the graph's output")
             windows[user] = keep
     return _rewrite(gm, placeholders, caches, appends, attentions, windows, rank, group_name), ""
+
+
+_IN_PLACE_WRITES = {"index_copy_", "index_put_", "copy_", "setitem", "index_fill_", "scatter_"}
+"""Methods that write a cache buffer in place (transformers' ``StaticLayer`` writes with ``index_copy_``, and on
+devices without it with ``keys[:, :, cache_position] = ...``)."""
+
+
+def cache_written_in_place(gm: fx.GraphModule) -> str | None:
+    """The name of a graph input that attention reads as keys or values and the graph writes in place (a cache
+    of a fixed size, as transformers' ``StaticCache``: not sharded, it stays whole on every rank), else None."""
+    for node in gm.graph.nodes:
+        op = op_of(node)
+        if op is None or op.name != "attention":
+            continue
+        for kv in (op["k"], op["v"]):
+            while kv.op != "placeholder":
+                inner = op_of(kv)
+                if inner is None or inner.name not in _REPEAT_OPS or not isinstance(inner["input"], fx.Node):
+                    break
+                kv = inner["input"]
+            written = [u for u in kv.users
+                       if (u.target if u.op == "call_method" else getattr(u.target, "__name__", None)) in _IN_PLACE_WRITES
+                       and u.args and u.args[0] is kv]
+            if kv.op == "placeholder" and written:
+                source = getattr(kv.meta.get("grapharg"), "source", None)
+                name = source.name if isinstance(getattr(source, "name", None), str) else (
+                    source.name() if source is not None else kv.name)
+                return f"{name} (written in place by {written[0].target if written[0].op == 'call_method' else written[0].target.__name__})"
+    return None
 
 
 def _window(node: fx.Node, dim: int) -> int | None:

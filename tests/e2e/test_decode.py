@@ -153,3 +153,37 @@ def test_generate_with_a_sliding_window_cache():
         assert all(" 0 fallback(s)" in line for line in r["explain"].splitlines() if line.startswith("graph")), r["explain"]
         assert "decode" in r["explain"], r["explain"]
     assert sum(held) == len(lengths) * LAYERS * 2 * (WINDOW - 1), held  # keys and values: each entry on one rank
+
+
+def _static_rank(length) -> dict:
+    import warnings
+
+    out = {}
+    for path in ("forward", "compile_config"):
+        model, backend = _model(), autoshard.backend()
+        kwargs = dict(cache_implementation="static")
+        if path == "forward":
+            model.forward = torch.compile(model.forward, backend=backend)
+        else:  # transformers compiles the decode steps itself (on CPU only when asked to)
+            config = transformers.CompileConfig(backend=backend)
+            config._compile_all_devices = True
+            kwargs["compile_config"] = config
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = model.generate(**_prompts(length), max_new_tokens=NEW, do_sample=False,
+                                    return_dict_in_generate=True, **kwargs)
+        out[path] = (result.sequences, [str(w.message) for w in caught if "KV cache" in str(w.message)])
+    return out
+
+
+def test_a_static_cache_decodes_whole_with_a_warning_naming_it():
+    """transformers' StaticCache writes a fixed buffer in place (``index_copy_`` at ``cache_position``): not
+    sharded, it stays whole on every rank and decodes right, with a warning naming the cache, whether the forward
+    is compiled or transformers compiles the decode steps (``CompileConfig(backend=autoshard.backend())``)."""
+    results = run_on_ranks(_static_rank, 2, 29, timeout=600)
+    expected = _model().generate(**_prompts(29), max_new_tokens=NEW, do_sample=False,
+                                 cache_implementation="static")
+    for r in results:
+        for tokens, warned in r.values():
+            assert torch.equal(tokens, expected), (tokens, expected)
+            assert len(warned) == 1 and "StaticCache" in warned[0] and "layers[0].keys" in warned[0], warned
