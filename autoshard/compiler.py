@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from .config import BackendConfig, dynamo_settings, resolve_config
 from .passes.decode import cache_written_in_place, decode_graph, decode_runner
+from .passes.static_cache import static_prefill, static_prefill_runner
 from .passes.deferred import inline_deferred
 from .passes.ops import value_of
 from .passes.pipeline import compile_graph
@@ -139,7 +140,21 @@ class AutoshardBackend:
                 global_inputs: list | None = None) -> Callable:
         """Compile one static graph for this rank and lower it. ``sharded_inputs``: placeholder name -> the
         Shard placement its (local) input arrives in; ``global_inputs``: the inputs' global shapes, when
-        they differ from ``example_inputs``'."""
+        they differ from ``example_inputs``'. A prefill into a fixed-size KV cache is compiled as
+        :mod:`autoshard.passes.static_cache` rewrites it, and its cache leaves split."""
+        static = None if torch.is_grad_enabled() else static_prefill(gm)
+        if static is None:
+            return self._compile(gm, example_inputs, sharded_inputs, global_inputs)
+        pg = self._sequence_group()
+        extra = [value_of(n) for n in static.structured.graph.nodes if n.op == "placeholder"][len(example_inputs):]
+        structured = self._compile(static.structured, [*example_inputs, *extra], sharded_inputs,
+                                   [*global_inputs, *extra] if global_inputs is not None else None)
+        return static_prefill_runner(
+            static, structured, lambda: self._compile(static.gm, example_inputs, sharded_inputs, global_inputs),
+            pg.rank(), pg.group_name)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list, sharded_inputs: dict[str, Any] | None,
+                 global_inputs: list | None) -> Callable:
         pg = self._sequence_group()
         deferred = {i: x for i, x in enumerate(example_inputs) if isinstance(x, DeferredTensor)}
         if deferred:  # values an earlier graph left uncomputed: their recipes are computed here, from their inputs
@@ -184,16 +199,18 @@ class AutoshardBackend:
                                  strict=strict)
 
     def _warn_if_cache_kept_whole(self, gm: fx.GraphModule) -> None:
-        """A decode step over a cache that is written in place at its positions (a fixed-size buffer) rather than
-        appended to: correct, but the cache is whole on every rank (warned once per backend)."""
+        """A step over a fixed-size cache written in place that arrives whole (allocated before the compiled
+        prefill): correct, but the cache is whole on every rank (warned once per backend)."""
         cache = cache_written_in_place(gm)
         if cache is not None and not self._warned_whole_cache:
             self._warned_whole_cache = True
             warnings.warn(
-                f"autoshard: the KV cache {cache} is a fixed-size buffer written in place, as transformers' "
-                "StaticCache (cache_implementation='static') does; autoshard does not shard it, so every rank holds "
-                "the whole cache and decodes with it (the tokens are right). Caches that grow by appending are "
-                "split along the sequence: transformers' DynamicCache (the default) and its sliding-window layers.",
+                f"autoshard: the KV cache {cache} is a fixed-size buffer (as transformers' StaticCache) that was "
+                "allocated whole before this graph ran: every rank holds the whole cache and decodes with it (the "
+                "tokens are right). autoshard splits a fixed-size cache the compiled prefill allocates (a StaticCache "
+                "initialized lazily, by the prefill of a model compiled with this backend); one allocated eagerly "
+                "(early_initialization, prefill_chunk_size, a prefill run uncompiled as generate() does with "
+                "CompileConfig) stays whole. Caches that grow by appending (DynamicCache, the default) are split.",
                 stacklevel=2)
 
     def _warn_if_whole_from_earlier_graph(self, compiled: GraphRecord, example_inputs: list) -> None:

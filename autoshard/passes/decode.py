@@ -1,4 +1,4 @@
-"""Decode steps: a graph that appends new tokens to a KV cache split along the sequence and attends over it.
+"""Decode steps: a graph that adds new tokens to a KV cache split along the sequence and attends over it.
 
 After a prefill, transformers' ``DynamicCache`` holds the keys and values the compiled prefill returned split
 (``SplitTensor``). The next ``generate()`` step's graph takes them as inputs and, per layer, does
@@ -14,6 +14,10 @@ pipeline (:mod:`.pipeline`) does not apply; this pass recognizes it and rewrites
   read at this rank's key positions (``index_select`` of its columns);
 * everything else (projections, norms, RoPE at the replicated ``position_ids``, the MLP, the logits of the new
   token) runs replicated, as one process runs it;
+* a fixed-size cache (transformers' ``StaticCache``: ``buffer.index_copy_(dim, cache_position, new)`` and
+  attention over the whole buffer under the model's mask), which the prefill left split
+  (:mod:`.static_cache`), becomes ``autoshard::cache_write`` into the rank's shard (the positions it holds)
+  and the decode attention over the shard, the mask read at the shard's positions;
 * a sliding-window layer's cache (transformers' ``DynamicSlidingWindowLayer`` keeps ``appended[:, :, -k:]``)
   becomes an ``index_select`` of the rank's entries in the window: each rank drops its own positions that left it;
   the cache's first position then travels with its carrier (``SplitTensor.cache_start``, not guarded: one graph
@@ -38,6 +42,7 @@ import torch.fx as fx
 
 from ..runtime.kv_cache import CacheLayout  # importing it defines autoshard::cache_append, ::decode_attention
 from ..runtime.split_tensor import SplitTensor
+from .graph import eliminate_dead_code
 from .ops import canonical, is_tensor_node, op_of, value_of
 from .report import CompileReport
 
@@ -57,6 +62,9 @@ class DecodeGraph:
     """Input position of each cache input -> (its sequence dim, its layout rule, new positions per step)."""
     masked: set[int] = field(default_factory=set)
     """The cache inputs whose keys a mask reads: the graph takes their shards' positions."""
+    statics: set[int] = field(default_factory=set)
+    """The fixed-size cache inputs (written in place at positions, transformers' ``StaticCache``): the graph
+    takes, for each, the local slot of every position (-1: another rank's)."""
     windows: dict[int, int] = field(default_factory=dict)
     """Cache input position -> how many last positions the cache keeps (a sliding-window layer's cache): the
     graph takes the local indices of the entries that stay."""
@@ -88,15 +96,27 @@ def decode_graph(gm: fx.GraphModule, example_inputs: list, *, rank: int, group_n
     if torch.is_grad_enabled():  # the decode ops have no backward; a training graph is the pipeline's
         return _not_decode("gradients are enabled")
     appends: dict[fx.Node, tuple[int, fx.Node]] = {}  # cat node -> (cache input position, new values node)
+    writes: dict[fx.Node, int] = {}  # index_copy_ node -> cache input position
+    statics: dict[fx.Node, int] = {}  # a fixed-size cache input (written in place) -> its position
     caches: dict[int, tuple[int, CacheLayout, int]] = {}
+    split = {placeholders[j] for j in carried}
     for i, x in carried.items():
         node, dim = placeholders[i], x.seq_dim
+        reads = []
         for user in node.users:
             if _unused_metadata(user):
                 continue
+            if user.op == "call_method" and user.target == "index_copy_" and user.args[0] is node:
+                if len(user.args) != 4 or user.users or user.args[1] % x.dim() != dim:
+                    return _not_decode(f"{user.name} writes cache input {node.name} other than along its sequence")
+                if any(a in split or isinstance(value_of(a), SplitTensor) for a in user.args[2:]):
+                    return _not_decode(f"{user.name} writes a split value")
+                writes[user] = i
+                continue
             op = op_of(user)
             if op is None or op.name != "cat" or len(op["tensors"]) != 2 or op["tensors"][0] is not node:
-                return _not_decode(f"cache input {node.name} is used by {user.name}, not appended to")
+                reads.append(user)
+                continue
             if op["dim"] % x.dim() != dim:
                 return _not_decode(f"{user.name} appends to cache input {node.name} along dim {op['dim']}, "
                                    f"not its sequence dim {dim}")
@@ -104,16 +124,24 @@ def decode_graph(gm: fx.GraphModule, example_inputs: list, *, rank: int, group_n
             count = value_of(new).shape[dim]
             if not isinstance(count, int):
                 return _not_decode(f"{user.name} appends a symbolic number of positions")
-            if isinstance(value_of(new), SplitTensor) or new in (placeholders[j] for j in carried):
+            if isinstance(value_of(new), SplitTensor) or new in split:
                 return _not_decode(f"{user.name} appends a split value")
             appends[user] = (i, new)
             caches[i] = (dim, _rule(x), count)
+        if i in writes.values():
+            if i in caches:
+                return _not_decode(f"cache input {node.name} is both appended to and written in place")
+            statics[node] = i
+            caches[i] = (dim, _rule(x), 0)
+        elif reads:
+            return _not_decode(f"cache input {node.name} is used by {reads[0].name}, not appended to or written")
+    sources = {**{cat: i for cat, (i, _) in appends.items()}, **statics}
     attentions, chains = {}, set()
     for node in gm.graph.nodes:
         op = op_of(node)
         if op is None or op.name != "attention":
             continue
-        k, v = _kv_source(op["k"], appends, chains), _kv_source(op["v"], appends, chains)
+        k, v = _kv_source(op["k"], sources, chains), _kv_source(op["v"], sources, chains)
         if k is None and v is None:
             continue
         if k is None or v is None:
@@ -121,6 +149,12 @@ def decode_graph(gm: fx.GraphModule, example_inputs: list, *, rank: int, group_n
         if op["dropout_p"] or (op["is_causal"] and value_of(op["q"]).shape[-2] != 1):
             return _not_decode(f"attention {node.name} has dropout or a causal mask over several queries")
         attentions[node] = (op, k, v)
+    for cache in statics:
+        for user in cache.users:
+            if not (user in writes or user in chains or user in attentions or _sizes_for(user, chains)
+                    or _unused_metadata(user)):
+                return _not_decode(f"the fixed-size cache {cache.name} is read by {user.name}, not as attention "
+                                   "keys or values")
     windows: dict[fx.Node, int] = {}  # a slice keeping the last positions of an appended cache -> how many
     for cat in appends:
         for user in cat.users:
@@ -134,7 +168,7 @@ def decode_graph(gm: fx.GraphModule, example_inputs: list, *, rank: int, group_n
                 return _not_decode(f"the window {user.name} of the appended cache {cat.name} is used by another "
                                    "operation than the graph's output")
             windows[user] = keep
-    return _rewrite(gm, placeholders, caches, appends, attentions, windows, rank, group_name), ""
+    return _rewrite(gm, placeholders, caches, appends, writes, attentions, windows, rank, group_name), ""
 
 
 _IN_PLACE_WRITES = {"index_copy_", "index_put_", "copy_", "setitem", "index_fill_", "scatter_"}
@@ -187,12 +221,12 @@ _REPEAT_OPS = {"view", "expand", "getitem"}
 .reshape(..)``): the decode attention takes the keys unrepeated and groups the query heads instead."""
 
 
-def _kv_source(node, appends: dict, chains: set):
-    """The appended cache whose keys or values attention input ``node`` is (itself, or its GQA repetition:
+def _kv_source(node, sources: dict, chains: set):
+    """The cache (appended, or fixed-size) whose keys or values attention input ``node`` is (itself, or its GQA repetition:
     ``[B, Hkv, L, D]`` -> ``[B, Hkv * G, L, D]`` with query head ``h`` on KV head ``h // G``), else None. The
     repetition's nodes are added to ``chains``."""
     walked, start = [], node
-    while node not in appends:
+    while node not in sources:
         op = op_of(node)
         if op is None or op.name not in _REPEAT_OPS or not isinstance(op["input"], fx.Node):
             return None
@@ -233,24 +267,32 @@ def _unused_metadata(node: fx.Node) -> bool:
     return name in _METADATA and not node.users
 
 
-def _rewrite(gm, placeholders, caches, appends, attentions, windows, rank, group_name) -> DecodeGraph:
+def _rewrite(gm, placeholders, caches, appends, writes, attentions, windows, rank, group_name) -> DecodeGraph:
     gm = copy.deepcopy(gm)  # dynamo reads the graph it handed over after the backend returns
     by_name = {n.name: n for n in gm.graph.nodes}
     placeholders = [by_name[n.name] for n in placeholders]
     appends = {by_name[cat.name]: (i, by_name[new.name]) for cat, (i, new) in appends.items()}
+    writes = {by_name[w.name]: i for w, i in writes.items()}
+    statics = set(writes.values())
     attentions = {by_name[n.name]: (canonical(by_name[n.name]), by_name[k.name], by_name[v.name])  # not the copied ops
                   for n, (_, k, v) in attentions.items()}
     windows = {by_name[n.name]: keep for n, keep in windows.items()}
     windowed = {appends[node.args[0]][0]: keep for node, keep in windows.items()}
     graph = gm.graph
     last = placeholders[-1]
-    lengths, positions, kept = {}, {}, {}
+    lengths, positions, kept, slots = {}, {}, {}, {}
     for names, kind, inputs in ((lengths, "cache_end", caches), (positions, "cache_indices", caches),
-                                (kept, "cache_kept", windowed)):
+                                (kept, "cache_kept", windowed), (slots, "cache_slots", statics)):
         for i in sorted(inputs):
             with graph.inserting_after(last):
                 names[i] = last = graph.placeholder(f"{kind}_{i}")
-    local = {}
+    local = {placeholders[i]: placeholders[i] for i in statics}  # a fixed-size cache: its shard, written in place
+    for write, i in writes.items():
+        with graph.inserting_before(write):
+            graph.call_function(torch.ops.autoshard.cache_write.default, (
+                placeholders[i], write.args[2], write.args[3], caches[i][0], slots[i]))
+        graph.erase_node(write)
+    index_of = {**{cat: i for cat, (i, _) in appends.items()}, **{placeholders[i]: i for i in statics}}
     for cat, (i, new) in appends.items():
         dim, rule, _ = caches[i]
         with graph.inserting_before(cat):
@@ -258,7 +300,7 @@ def _rewrite(gm, placeholders, caches, appends, attentions, windows, rank, group
                 placeholders[i], new, dim, lengths[i], rule.prompt.length, rule.slot(rank), rule.world_size))
     report, masked = CompileReport(), set()
     for node, (op, k, v) in attentions.items():
-        i = appends[k][0]
+        i = index_of[k]
         q = value_of(op["q"])
         scale = op["scale"] if op["scale"] is not None else q.shape[-1] ** -0.5
         with graph.inserting_before(node):
@@ -285,12 +327,13 @@ def _rewrite(gm, placeholders, caches, appends, attentions, windows, rank, group
         window.replace_all_uses_with(kept_local)
         graph.erase_node(window)
     for cat, replacement in local.items():
-        cat.replace_all_uses_with(replacement)
-        graph.erase_node(cat)
-    graph.eliminate_dead_code()
+        if cat is not replacement:
+            cat.replace_all_uses_with(replacement)
+            graph.erase_node(cat)
+    eliminate_dead_code(graph)  # the repetitions and their shape reads; not the in-place writes
     gm.recompile()
-    return DecodeGraph(gm, caches=caches, masked=masked, windows=windowed, cache_outputs=cache_outputs,
-                       report=report)
+    return DecodeGraph(gm, caches=caches, masked=masked, statics=statics, windows=windowed,
+                       cache_outputs=cache_outputs, report=report)
 
 
 def decode_runner(decode: DecodeGraph, rank: int, group_name: str) -> Callable:
@@ -299,12 +342,16 @@ def decode_runner(decode: DecodeGraph, rank: int, group_name: str) -> Callable:
     fn = decode.gm.forward
 
     def run(*args):
-        ends, indices, kept, starts, memo = [], [], [], {}, {}
+        ends, indices, kept, slots, starts, memo = [], [], [], [], {}, {}
         for i in sorted(decode.caches):
             dim, rule, new = decode.caches[i]
             start = args[i].cache_start
             end = start + int(args[i].shape[dim])
             ends.append(end)
+            if i in decode.statics:  # written where the rank holds a position: the same slots every step
+                if (rule, end, "slots") not in memo:
+                    memo[rule, end, "slots"] = rule.slots(rank, end, device=args[i].device)
+                slots.append(memo[rule, end, "slots"])
             if i not in decode.masked and i not in decode.windows:
                 indices.append(None)
                 continue
@@ -319,7 +366,7 @@ def decode_runner(decode: DecodeGraph, rank: int, group_name: str) -> Callable:
                     memo[key, starts[i]] = torch.nonzero(held >= starts[i]).flatten()
                 kept.append(memo[key, starts[i]])
         inputs = [args[i].local if i in decode.caches else a for i, a in enumerate(args)]
-        out = fn(*inputs, *ends, *indices, *kept)
+        out = fn(*inputs, *ends, *indices, *kept, *slots)
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
         for pos, (i, window) in decode.cache_outputs.items():
             dim, rule, new = decode.caches[i]

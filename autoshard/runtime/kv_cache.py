@@ -16,6 +16,9 @@ step's queries over the whole cache. Here each rank keeps its share and nothing 
   ``[start, length)`` and each rank drops its own positions before ``start`` (:meth:`CacheLayout.positions` with
   ``start``). The prompt's window is as the prefill's layout placed it (the last ranks of a contiguous layout
   hold more of it); the new positions go to the smaller shares first, so the shares even out as it slides;
+* **writing** (``autoshard::cache_write``): a fixed-size cache (transformers' ``StaticCache``) holds the layout of
+  its capacity from the start (the rank's prompt positions first, then the later positions it will own); a write at
+  global positions lands in the slots of the rank holding them (:meth:`CacheLayout.slots`);
 * **attention** (``autoshard::decode_attention``): the replicated queries attend over the rank's keys, with
   the log-sum-exp; one all-gather of ``(out, lse)``, ``B x H x Sq x (Dv + 1)`` fp32 values per rank whatever the
   context length (counted as ``"decode_merge"``), and the LSE merge (Tree Attention's reduction) gives every rank the one-process output.
@@ -41,7 +44,7 @@ import torch
 from .collectives import _pg, all_gather_impl
 from .layouts import SequenceLayout
 
-__all__ = ["CacheLayout", "cache_append", "decode_attention"]
+__all__ = ["CacheLayout", "cache_append", "cache_write", "decode_attention"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,15 @@ class CacheLayout:
         return held[held >= start] if start else held
 
 
+    def slots(self, rank: int, capacity: int, device=None) -> torch.Tensor:
+        """For a fixed-size cache of ``capacity`` positions: ``[capacity]`` int64, the local index of each
+        position ``rank`` holds, -1 for the others (where a write at a global position lands)."""
+        held = self.positions(rank, capacity, device=device)
+        table = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        table[held] = torch.arange(len(held), device=device)
+        return table
+
+
 @functools.lru_cache(maxsize=64)
 def _order(prompt: SequenceLayout) -> tuple[int, ...]:
     return tuple(sorted(range(prompt.world_size), key=lambda r: (prompt.local_length(r), r)))
@@ -141,6 +153,28 @@ def cache_append(past: torch.Tensor, new: torch.Tensor, dim: int, *, past_length
     positions laid out as ``cache``; of ``new`` (replicated) it keeps the positions ``cache`` gives it."""
     return torch.ops.autoshard.cache_append.default(past, new, dim, past_length, cache.prompt.length,
                                                     cache.slot(rank), cache.world_size)
+
+
+@torch.library.custom_op("autoshard::cache_write", mutates_args=("cache",))
+def _cache_write_op(cache: torch.Tensor, positions: torch.Tensor, new: torch.Tensor, dim: int,
+                    slots: torch.Tensor) -> None:
+    local = slots[positions]  # -1: another rank holds that position
+    mine = torch.nonzero(local >= 0).flatten()
+    if mine.numel():
+        cache.index_copy_(dim, local[mine], new.index_select(dim, mine).to(cache.dtype))
+
+
+@_cache_write_op.register_fake
+def _(cache, positions, new, dim, slots):
+    return None
+
+
+def cache_write(cache: torch.Tensor, positions: torch.Tensor, new: torch.Tensor, dim: int, *, layout: CacheLayout,
+                capacity: int, rank: int) -> None:
+    """This rank's part of ``whole.index_copy_(dim, positions, new)`` on a fixed-size cache of ``capacity``
+    positions laid out as ``layout`` (``cache``: the rank's shard, written in place; ``new`` replicated): the
+    entries at the positions it holds."""
+    torch.ops.autoshard.cache_write.default(cache, positions, new, dim, layout.slots(rank, capacity, cache.device))
 
 
 # ---------------------------------------------------------------------------- decode_attention

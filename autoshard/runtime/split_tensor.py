@@ -202,6 +202,8 @@ class SplitTensor(torch.Tensor):
             x = args[0]
             return SplitTensor(torch.ops.aten.alias.default(x.local), x.seq_dim, x.layout_rule, x.group_name, x.shape,
                                x.cache_start)
+        if func is torch.ops.aten.index_copy_.default and _cache_write(*args):
+            return args[0]
         if func._schema.is_mutable:
             written = [a for a, arg in zip(args, func._schema.arguments)
                        if isinstance(a, SplitTensor) and arg.alias_info is not None and arg.alias_info.is_write]
@@ -212,6 +214,19 @@ class SplitTensor(torch.Tensor):
                     f"outputs='gathered'")
         return func(*tree_map(lambda x: x.whole() if isinstance(x, SplitTensor) else x, args),
                     **tree_map(lambda x: x.whole() if isinstance(x, SplitTensor) else x, kwargs))
+
+
+def _cache_write(cache, dim: int, index, source) -> bool:
+    """``cache.index_copy_(dim, index, source)`` on a fixed-size KV cache split along ``dim`` (a ``CacheLayout``
+    carrier; ``index`` and ``source`` whole): each rank writes the positions it holds. False for anything else."""
+    if not (isinstance(cache, SplitTensor) and isinstance(cache.layout_rule, CacheLayout)
+            and dim % cache.dim() == cache.seq_dim and not isinstance(index, SplitTensor)
+            and not isinstance(source, SplitTensor)):
+        return False
+    rank = resolve_group(cache.group_name).rank()
+    slots = cache.layout_rule.slots(rank, cache.shape[cache.seq_dim], device=cache.local.device)
+    torch.ops.autoshard.cache_write.default(cache.local, index, source, cache.seq_dim, slots)
+    return True
 
 
 class _Wrap(torch.autograd.Function):

@@ -39,11 +39,11 @@ def _prompts(length: int):
     return dict(input_ids=ids, attention_mask=mask, pad_token_id=0)
 
 
-def _generate(model, length: int, new: int = NEW, sample: bool = False):
+def _generate(model, length: int, new: int = NEW, sample: bool = False, **options):
     if sample:
         torch.manual_seed(5)
     return model.generate(**_prompts(length), max_new_tokens=new, do_sample=sample, top_k=20 if sample else None,
-                          return_dict_in_generate=True)
+                          return_dict_in_generate=True, **options)
 
 
 def _rank(lengths) -> dict:
@@ -155,35 +155,59 @@ def test_generate_with_a_sliding_window_cache():
     assert sum(held) == len(lengths) * LAYERS * 2 * (WINDOW - 1), held  # keys and values: each entry on one rank
 
 
-def _static_rank(length) -> dict:
+def _static_rank(lengths) -> dict:
     import warnings
 
-    out = {}
-    for path in ("forward", "compile_config"):
-        model, backend = _model(), autoshard.backend()
-        kwargs = dict(cache_implementation="static")
-        if path == "forward":
-            model.forward = torch.compile(model.forward, backend=backend)
-        else:  # transformers compiles the decode steps itself (on CPU only when asked to)
-            config = transformers.CompileConfig(backend=backend)
-            config._compile_all_devices = True
-            kwargs["compile_config"] = config
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = model.generate(**_prompts(length), max_new_tokens=NEW, do_sample=False,
-                                    return_dict_in_generate=True, **kwargs)
-        out[path] = (result.sequences, [str(w.message) for w in caught if "KV cache" in str(w.message)])
+    rank = torch.distributed.get_rank()
+    model, backend = _model(), autoshard.backend()
+    model.forward = torch.compile(model.forward, backend=backend)
+    out = {"tokens": [], "merges": [], "shares": []}
+    for length in lengths:
+        with comm_counter() as counter:
+            result = _generate(model, length, cache_implementation="static")
+        merge = counter.calls["decode_merge"]
+        out["tokens"].append(result.sequences)
+        out["merges"].append((merge.count, merge.bytes_sent))
+        for layer in result.past_key_values.layers:
+            for cache in (layer.keys, layer.values):
+                assert isinstance(cache, SplitTensor) and isinstance(cache.layout_rule, CacheLayout), cache
+                out["shares"].append((cache.local.shape[-2], cache.layout_rule.local_length(rank, cache.shape[-2]),
+                                      cache.shape[-2]))
+    out["sampled"] = _generate(model, lengths[0], sample=True, cache_implementation="static").sequences
+    out["explain"] = autoshard.explain(backend)
+    config = transformers.CompileConfig(backend=autoshard.backend())  # transformers compiles the decode steps
+    config._compile_all_devices = True  # (on CPU only when asked to); the prefill runs uncompiled
+    plain = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _generate(plain, lengths[0], cache_implementation="static", compile_config=config)
+    out["compile_config"] = (result.sequences, [str(w.message) for w in caught if "KV cache" in str(w.message)])
     return out
 
 
-def test_a_static_cache_decodes_whole_with_a_warning_naming_it():
-    """transformers' StaticCache writes a fixed buffer in place (``index_copy_`` at ``cache_position``): not
-    sharded, it stays whole on every rank and decodes right, with a warning naming the cache, whether the forward
-    is compiled or transformers compiles the decode steps (``CompileConfig(backend=autoshard.backend())``)."""
-    results = run_on_ranks(_static_rank, 2, 29, timeout=600)
-    expected = _model().generate(**_prompts(29), max_new_tokens=NEW, do_sample=False,
-                                 cache_implementation="static")
+def test_generate_with_a_static_cache():
+    """transformers' StaticCache (``cache_implementation="static"``): the prefill allocates the fixed-size buffers
+    and writes the prompt with ``index_copy_``; sharded, each rank's buffer holds its share of the cache's
+    positions, the prefill attends as any self-attention (the static mask's structure recovered) and every decode
+    step writes the new position on the rank that holds it. At 4 ranks, two prompt lengths the world does not
+    divide, a left-padded batch, greedy and sampled: one process's tokens, 0 fallbacks, merge bytes per step
+    the same at both lengths. Through ``CompileConfig`` (the prefill uncompiled, the cache whole on every rank)
+    the tokens are right too and a warning names the cache."""
+    lengths = (29, 42)
+    results = run_on_ranks(_static_rank, 4, lengths, timeout=600)
+    model = _model()
+    expected = [_generate(model, length, cache_implementation="static").sequences for length in lengths]
+    sampled = _generate(model, lengths[0], sample=True, cache_implementation="static").sequences
+    per_call = 3 * BATCH * HEADS * 1 * (HEAD_DIM + 1) * 4
     for r in results:
-        for tokens, warned in r.values():
-            assert torch.equal(tokens, expected), (tokens, expected)
-            assert len(warned) == 1 and "StaticCache" in warned[0] and "layers[0].keys" in warned[0], warned
+        for got, want in zip(r["tokens"], expected):
+            assert torch.equal(got, want), (got, want)
+        assert torch.equal(r["sampled"], sampled)
+        for local, share, total in r["shares"]:
+            assert local == share and abs(local - total / 4) <= 1, (local, share, total)
+        assert r["merges"][0] == r["merges"][1] == (LAYERS * (NEW - 1), LAYERS * (NEW - 1) * per_call), r["merges"]
+        assert all(" 0 fallback(s)" in line for line in r["explain"].splitlines() if line.startswith("graph")), r["explain"]
+        assert "allgather" in r["explain"] and "decode" in r["explain"], r["explain"]
+        tokens, warned = r["compile_config"]
+        assert torch.equal(tokens, expected[0]), (tokens, expected[0])
+        assert len(warned) == 1 and "StaticCache" in warned[0] and "layers[0].keys" in warned[0], warned
