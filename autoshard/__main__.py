@@ -1,7 +1,8 @@
 """Command line: ``python -m autoshard plan path/to/file.py:factory --world-size 64 --seq-len 1048576``.
 
 ``factory(seq_len)`` returns ``(model, args, kwargs)``; put the model and the inputs on the meta device
-to plan sizes that do not fit this machine. Prints the plan; ``--json`` / ``--dot`` also write it.
+to plan sizes that do not fit this machine. Prints the plan; ``--json`` / ``--dot`` also write it. With
+``--decode``, the plan of a decode step after that prompt (serving: KV cache per rank, bytes per step, memory).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-grad-sync", action="store_true",
                    help="grad_sync=False: leave the gradients' sum to FSDP2 / DDP (what to run under them)")
     p.add_argument("--rank", type=int, default=0, help="the rank whose view the plan shows")
+    p.add_argument("--decode", action="store_true",
+                   help="plan the decode step after a --seq-len-token prompt (autoshard.plan_decode) instead")
     p.add_argument("--json", help="also write the plan as JSON to this file")
     p.add_argument("--dot", help="also write the graph, coloured by placement, as Graphviz to this file")
     args = parser.parse_args(argv)
@@ -63,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     from .planner import plan
 
     model, model_args, model_kwargs = _load_factory(args.factory)(args.seq_len)
+    if args.decode:
+        from .decode_plan import plan_decode
+
+        print(plan_decode(model, model_args, model_kwargs, world_size=args.world_size, rank=args.rank,
+                          layout="zigzag" if args.layout == "auto" else args.layout))
+        return 0
     budget = int(args.memory_budget * 2**30) if args.memory_budget is not None else None
     try:
         result = plan(model, model_args, model_kwargs, world_size=args.world_size, strategy=args.strategy,

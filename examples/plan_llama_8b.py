@@ -5,6 +5,7 @@
         --memory-budget 80 --dp-shard 64 --optimizer adamw
     python -m autoshard plan examples/plan_llama_8b.py:loss_only --world-size 8 --seq-len 4194304 \\
         --memory-budget 80 --dp-shard 8 --optimizer adamw
+    python -m autoshard plan examples/plan_llama_8b.py:prompt --world-size 8 --seq-len 1048576 --decode
 
 32 layers, hidden 4096, 32 query heads and 8 key/value heads, SwiGLU 14336, vocabulary 128256, RoPE theta
 500000, bfloat16, the model transformers builds from that config, unmodified. Nothing is allocated: the model
@@ -12,6 +13,8 @@ and the token ids live on the meta device.
 
 * ``factory``: called as users call it, ``model(input_ids=ids, labels=ids)``: the loss *and* the logits are
   returned (the logits stay split along the sequence, ``[tokens / P, 128256]`` per rank);
+* ``prompt``: serving, ``model(input_ids=ids)`` in eval mode: with ``--decode`` the plan of a decode step after
+  that prompt (the KV cache split along the sequence);
 * ``loss_only``: a training step that keeps only ``.loss`` (as a training loop does): the logits are dead,
   so the LM head and the loss run chunked and no ``[tokens, vocab]`` value exists at all.
 """
@@ -49,3 +52,8 @@ def factory(seq_len: int):
 def loss_only(seq_len: int):
     ids = torch.randint(0, CONFIG["vocab_size"], (1, seq_len), device="meta")
     return LossOnly(_model(seq_len)), (ids, ids), {}
+
+
+def prompt(seq_len: int):
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, seq_len), device="meta")
+    return _model(seq_len).eval(), (), dict(input_ids=ids)
