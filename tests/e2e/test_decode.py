@@ -1,7 +1,7 @@
 """``generate()`` with the KV cache split along the sequence (issue 25): an unmodified transformers Llama (GQA),
 ``model.forward = torch.compile(model.forward, backend=autoshard.backend())``, the same prompts on every rank.
 
-Asserts, at 2 and 4 ranks, with prompt lengths the world size does not divide and a left-padded batch of two:
+Asserts, at 2 and 4 ranks (and 1024 new tokens at 2), with prompt lengths the world size does not divide and a left-padded batch of two:
 greedy and seeded sampled tokens equal one process's; every layer's cache is a ``SplitTensor`` whose shard is the
 rank's share of the cache layout (the prompt as the prefill split it, new tokens round robin); each decode step
 merges attention with one all-gather per layer whose bytes do not depend on the context length (the same at
@@ -26,7 +26,7 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS, BATCH, NEW = 4, 2, 16, 2, 2, 5
 def _model():
     cfg = transformers.LlamaConfig(hidden_size=HEADS * HEAD_DIM, intermediate_size=128, num_hidden_layers=LAYERS,
                                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=256,
-                                   max_position_embeddings=512)
+                                   max_position_embeddings=2048)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).double().eval()
@@ -46,7 +46,7 @@ def _generate(model, length: int, new: int = NEW, sample: bool = False, **option
                           return_dict_in_generate=True, **options)
 
 
-def _rank(lengths) -> dict:
+def _rank(lengths, longer: int) -> dict:
     model, backend = _model(), autoshard.backend()
     model.forward = torch.compile(model.forward, backend=backend)
     rank = torch.distributed.get_rank()
@@ -54,9 +54,9 @@ def _rank(lengths) -> dict:
     for length in lengths:
         with comm_counter() as counter:
             result = _generate(model, length)
-        if length == lengths[0]:  # the same prompt, three times the steps: every decode step reuses a graph
+        if length == lengths[0]:  # the same prompt, many more steps: every decode step reuses a graph
             compiled = len(backend.compiled)
-            out["longer"] = _generate(model, length, new=3 * NEW).sequences
+            out["longer"] = _generate(model, length, new=longer, min_new_tokens=longer).sequences
             out["new_compiles"] = len(backend.compiled) - compiled
         merge = counter.calls["decode_merge"]
         out["tokens"].append(result.sequences)
@@ -73,12 +73,12 @@ def _rank(lengths) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world, lengths", [(2, (29, 61)), (4, (31, 45))])
-def test_generate_with_a_sequence_sharded_kv_cache(world, lengths):
-    results = run_on_ranks(_rank, world, lengths, timeout=600)
+@pytest.mark.parametrize("world, lengths, longer", [(2, (29, 61), 1024), (4, (31, 45), 3 * NEW)])
+def test_generate_with_a_sequence_sharded_kv_cache(world, lengths, longer):
+    results = run_on_ranks(_rank, world, lengths, longer, timeout=600)
     model = _model()
     expected = [_generate(model, length).sequences for length in lengths]
-    longer = _generate(model, lengths[0], new=3 * NEW).sequences
+    longer = _generate(model, lengths[0], new=longer, min_new_tokens=longer).sequences
     sampled = _generate(model, lengths[0], sample=True).sequences
     per_call = (world - 1) * BATCH * HEADS * 1 * (HEAD_DIM + 1) * 4  # fp32 (out, lse) of one query per head
     for r in results:
