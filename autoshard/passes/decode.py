@@ -25,10 +25,12 @@ pipeline (:mod:`.pipeline`) does not apply; this pass recognizes it and rewrites
 * the cache outputs leave as ``SplitTensor`` carrying the cache's :class:`~autoshard.runtime.kv_cache.CacheLayout`.
 
 The rewritten graph takes, after the original inputs, each cache input's end position, the indices of its
-shard's entries in the appended cache and, for a window, the entries that stay (:class:`DecodeGraph` says
-which); :func:`decode_runner` supplies them and wraps the outputs. A graph whose cache inputs are used any other way (a slice, a norm over the cache, an
-append along another dim, a causal mask over several new queries) is not a decode step: :func:`decode_graph`
-returns None with the reason, and the caller compiles it as any other graph.
+shard's entries in the appended cache, for a window the entries that stay and for a fixed-size cache the slot of
+every position (:class:`DecodeGraph` says which); :func:`decode_runner` supplies them and wraps the outputs. A
+graph whose cache inputs are used any other way (a slice, a norm over the cache, an append along another dim, a
+causal mask over several new queries) is not a decode step: :func:`decode_graph` returns None with the reason,
+and the caller compiles it as any other graph (:func:`cache_written_in_place` names a fixed-size cache that
+arrives whole, for the caller's warning).
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class DecodeGraph:
     """The rewritten graph: the original inputs (cache inputs as this rank's shards), then one end position per
     cache input (the positions it has seen: its length, plus those a window dropped), then one tensor per cache
     input of its local entries' indices in the appended cache (None for a cache no mask reads), then one tensor
-    per windowed cache input of the local entries its window keeps."""
+    per windowed cache input of the local entries its window keeps, then one per fixed-size cache input of the
+    local slot of every position."""
     caches: dict[int, tuple[int, CacheLayout, int]] = field(default_factory=dict)
     """Input position of each cache input -> (its sequence dim, its layout rule, new positions per step)."""
     masked: set[int] = field(default_factory=set)
