@@ -57,7 +57,8 @@ class DecodePlan:
     parameters: int
     """Bytes of the parameters (every rank holds them all)."""
     step_peak: int
-    """The step's peak above its inputs (the new token's activations, logits, the merge's buffers)."""
+    """The step's peak above its inputs (the new token's activations, logits, the merge's buffers; at this first
+    step after the prefill also the room the shards get to grow in place, :func:`~autoshard.runtime.kv_cache.room`)."""
     memory_per_rank: int
     """``parameters`` + the rank's cache share + ``step_peak``."""
     fallback: str = ""

@@ -7,8 +7,9 @@ After a prefill, transformers' ``DynamicCache`` holds the keys and values the co
 pipeline (:mod:`.pipeline`) does not apply; this pass recognizes it and rewrites it for the sharded cache
 (:mod:`autoshard.runtime.kv_cache`), in a form that holds for every cache length:
 
-* each ``cat`` of a cache input becomes ``autoshard::cache_append`` of the rank's shard (the new positions the
-  cache's round-robin rule gives this rank, or none);
+* each ``cat`` of a cache input becomes ``autoshard::cache_append``: the new positions the cache's round-robin
+  rule gives this rank (or none) written after its shard, in place (the shard lives in a storage with room,
+  :func:`~autoshard.runtime.kv_cache.room`: a step copies no cache);
 * each attention over such keys and values becomes ``autoshard::decode_attention`` (local attention with LSE,
   one all-gather of ``(out, lse)``, the LSE merge); a mask the model built over the global key positions is
   read at this rank's key positions (``index_select`` of its columns);
@@ -42,7 +43,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ..runtime.kv_cache import CacheLayout  # importing it defines autoshard::cache_append, ::decode_attention
+from ..runtime.kv_cache import CacheLayout, appended, room  # importing it defines the autoshard::cache_* ops
 from ..runtime.split_tensor import SplitTensor
 from .graph import eliminate_dead_code
 from .ops import canonical, is_tensor_node, op_of, value_of
@@ -60,11 +61,15 @@ class DecodeGraph:
     cache input (the positions it has seen: its length, plus those a window dropped), then one tensor per cache
     input of its local entries' indices in the appended cache (None for a cache no mask reads), then one tensor
     per windowed cache input of the local entries its window keeps, then one per fixed-size cache input of the
-    local slot of every position."""
+    local slot of every position, then one per appended cache input of its shard's view with room for the new
+    positions."""
     caches: dict[int, tuple[int, CacheLayout, int]] = field(default_factory=dict)
     """Input position of each cache input -> (its sequence dim, its layout rule, new positions per step)."""
     masked: set[int] = field(default_factory=set)
     """The cache inputs whose keys a mask reads: the graph takes their shards' positions."""
+    grown: set[int] = field(default_factory=set)
+    """The cache inputs appended to: the graph takes, for each, the view of the shard with room for the new
+    positions it keeps (:func:`~autoshard.runtime.kv_cache.room`), and writes them there."""
     statics: set[int] = field(default_factory=set)
     """The fixed-size cache inputs (written in place at positions, transformers' ``StaticCache``): the graph
     takes, for each, the local slot of every position (-1: another rank's)."""
@@ -283,9 +288,11 @@ def _rewrite(gm, placeholders, caches, appends, writes, attentions, windows, ran
     windowed = {appends[node.args[0]][0]: keep for node, keep in windows.items()}
     graph = gm.graph
     last = placeholders[-1]
-    lengths, positions, kept, slots = {}, {}, {}, {}
+    lengths, positions, kept, slots, extended = {}, {}, {}, {}, {}
+    grown = {i for i, _ in appends.values()}
     for names, kind, inputs in ((lengths, "cache_end", caches), (positions, "cache_indices", caches),
-                                (kept, "cache_kept", windowed), (slots, "cache_slots", statics)):
+                                (kept, "cache_kept", windowed), (slots, "cache_slots", statics),
+                                (extended, "cache_extended", grown)):
         for i in sorted(inputs):
             with graph.inserting_after(last):
                 names[i] = last = graph.placeholder(f"{kind}_{i}")
@@ -296,11 +303,12 @@ def _rewrite(gm, placeholders, caches, appends, writes, attentions, windows, ran
                 placeholders[i], write.args[2], write.args[3], caches[i][0], slots[i]))
         graph.erase_node(write)
     index_of = {**{cat: i for cat, (i, _) in appends.items()}, **{placeholders[i]: i for i in statics}}
-    for cat, (i, new) in appends.items():
+    for cat, (i, new) in appends.items():  # written after the shard, in its storage (the runner made room)
         dim, rule, _ = caches[i]
         with graph.inserting_before(cat):
-            local[cat] = graph.call_function(torch.ops.autoshard.cache_append.default, (
-                placeholders[i], new, dim, lengths[i], rule.prompt.length, rule.slot(rank), rule.world_size))
+            graph.call_function(torch.ops.autoshard.cache_append.default, (
+                extended[i], new, dim, lengths[i], rule.prompt.length, rule.slot(rank), rule.world_size))
+        local[cat] = extended[i]
     report, masked = CompileReport(), set()
     for node, (op, k, v) in attentions.items():
         i = index_of[k]
@@ -335,7 +343,7 @@ def _rewrite(gm, placeholders, caches, appends, writes, attentions, windows, ran
             graph.erase_node(cat)
     eliminate_dead_code(graph)  # the repetitions and their shape reads; not the in-place writes
     gm.recompile()
-    return DecodeGraph(gm, caches=caches, masked=masked, statics=statics, windows=windowed,
+    return DecodeGraph(gm, caches=caches, masked=masked, grown=grown, statics=statics, windows=windowed,
                        cache_outputs=cache_outputs, report=report)
 
 
@@ -368,8 +376,15 @@ def decode_runner(decode: DecodeGraph, rank: int, group_name: str) -> Callable:
                 if (key, starts[i]) not in memo:
                     memo[key, starts[i]] = torch.nonzero(held >= starts[i]).flatten()
                 kept.append(memo[key, starts[i]])
+        grown = []
+        for i in sorted(decode.grown):  # each shard with room for its new positions: appending copies no cache
+            dim, rule, new = decode.caches[i]
+            end = args[i].cache_start + int(args[i].shape[dim])
+            held, extended = room(args[i].local, dim, appended(rule, rank, end, new))
+            args[i].local = held  # the carrier the caller holds: the same values, a storage that grows
+            grown.append(extended)
         inputs = [args[i].local if i in decode.caches else a for i, a in enumerate(args)]
-        out = fn(*inputs, *ends, *indices, *kept, *slots)
+        out = fn(*inputs, *ends, *indices, *kept, *slots, *grown)
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
         for pos, (i, window) in decode.cache_outputs.items():
             dim, rule, new = decode.caches[i]

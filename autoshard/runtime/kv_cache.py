@@ -12,7 +12,9 @@ step's queries over the whole cache. Here each rank keeps its share and nothing 
   global length alone. Blocks of tokens per rank would keep runs contiguous, which nothing here needs
   (decode attention masks by the keys' positions, never by offsets), at the price of shares that differ by a block;
 * **appending** (``autoshard::cache_append``): a rank appends the new positions it owns and drops the others,
-  so its cache grows by about ``1 / P`` token per step; a sliding-window cache keeps the positions
+  so its cache grows by about ``1 / P`` token per step, in place: its shard lives in a storage with room to grow
+  (:func:`room`), so a step copies no cache (transformers' ``DynamicCache`` concatenates, which copies the whole
+  cache every step, and a compiled step would hold the old and the new cache at once); a sliding-window cache keeps the positions
   ``[start, length)`` and each rank drops its own positions before ``start`` (:meth:`CacheLayout.positions` with
   ``start``). The prompt's window is as the prefill's layout placed it (the last ranks of a contiguous layout
   hold more of it); the new positions go to the smaller shares first, so the shares even out as it slides;
@@ -44,7 +46,7 @@ import torch
 from .collectives import _pg, all_gather_impl
 from .layouts import SequenceLayout
 
-__all__ = ["CacheLayout", "cache_append", "cache_write", "decode_attention"]
+__all__ = ["CacheLayout", "appended", "cache_append", "cache_write", "decode_attention", "room"]
 
 
 @dataclass(frozen=True)
@@ -130,29 +132,65 @@ def _owned(appended: int, new: int, slot: int, world: int) -> range:
     return range((slot - appended) % world, max(new, 0), world)
 
 
-@torch.library.custom_op("autoshard::cache_append", mutates_args=())
-def _cache_append_op(past: torch.Tensor, new: torch.Tensor, dim: int, past_length: int, prompt_length: int,
-                     slot: int, world: int) -> torch.Tensor:
+GROWTH = 8
+"""A cache shard that runs out of room grows by an eighth of its length (at least the positions asked for, at least
+``MIN_ROOM``): a copy every ``8 P`` tokens of a long context rather than every step."""
+MIN_ROOM = 64
+"""Positions of room at least, so a short cache does not grow at every step."""
+
+
+def room(local: torch.Tensor, dim: int, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(held, extended)``: ``local`` (a cache shard ``[.., L, ..]`` along ``dim``) in a storage with room for
+    ``new`` more positions after it, and the view of it with those ``L + new`` positions. The storage is
+    sequence-major (``[capacity, ..]``, ``local`` a view of its first ``L`` rows moved to ``dim``), so appending
+    writes the new rows in place and the view's strides do not depend on ``L`` or the capacity (dynamo's guards on
+    the shard hold as it grows). ``held`` is ``local`` itself when its storage has the room and nothing was
+    appended to it past ``L`` (another view of the storage that grew first keeps its rows); otherwise a copy in a
+    new storage with room to grow."""
+    length = local.size(dim)
+    base = local._base
+    if (base is not None and getattr(base, "_autoshard_used", None) == length and base.size(0) >= length + new
+            and local.data_ptr() == base.data_ptr() and local.stride() == base.movedim(0, dim).stride()):
+        held = local
+    else:
+        capacity = length + new + max(new, MIN_ROOM, length // GROWTH)
+        base = local.new_empty((capacity, *(size for d, size in enumerate(local.shape) if d != dim)))
+        base.narrow(0, 0, length).copy_(local.movedim(dim, 0))
+        held = base.narrow(0, 0, length).movedim(0, dim)
+    base._autoshard_used = length + new
+    return held, base.narrow(0, 0, length + new).movedim(0, dim)
+
+
+@torch.library.custom_op("autoshard::cache_append", mutates_args=("extended",))
+def _cache_append_op(extended: torch.Tensor, new: torch.Tensor, dim: int, past_length: int, prompt_length: int,
+                     slot: int, world: int) -> None:
     if past_length < prompt_length:
         raise ValueError(f"autoshard: a cache of {past_length} positions is shorter than its prompt ({prompt_length})")
     keep = _owned(past_length - prompt_length, new.size(dim), slot, world)
-    mine = new.index_select(dim, torch.tensor(list(keep), dtype=torch.long, device=new.device))
-    return torch.cat([past, mine.to(past.dtype)], dim)
+    if len(keep):
+        mine = new.index_select(dim, torch.tensor(list(keep), dtype=torch.long, device=new.device))
+        extended.narrow(dim, extended.size(dim) - len(keep), len(keep)).copy_(mine)
 
 
 @_cache_append_op.register_fake
-def _(past, new, dim, past_length, prompt_length, slot, world):
-    shape = list(past.shape)
-    shape[dim] = shape[dim] + len(_owned(past_length - prompt_length, new.size(dim), slot, world))
-    return past.new_empty(shape)
+def _(extended, new, dim, past_length, prompt_length, slot, world):
+    return None
+
+
+def appended(cache: CacheLayout, rank: int, past_length: int, new: int) -> int:
+    """How many of ``new`` positions added to a cache of ``past_length`` positions ``rank`` keeps."""
+    return len(_owned(past_length - cache.prompt.length, new, cache.slot(rank), cache.world_size))
 
 
 def cache_append(past: torch.Tensor, new: torch.Tensor, dim: int, *, past_length: int, cache: CacheLayout,
                  rank: int) -> torch.Tensor:
     """This rank's shard of ``cat([past, new], dim)``: ``past`` is its shard of a cache of ``past_length``
-    positions laid out as ``cache``; of ``new`` (replicated) it keeps the positions ``cache`` gives it."""
-    return torch.ops.autoshard.cache_append.default(past, new, dim, past_length, cache.prompt.length,
-                                                    cache.slot(rank), cache.world_size)
+    positions laid out as ``cache``; of ``new`` (replicated) it keeps the positions ``cache`` gives it, written
+    after ``past`` in its storage (:func:`room`: no copy of ``past`` while the storage has room)."""
+    _, extended = room(past, dim, appended(cache, rank, past_length, new.size(dim)))
+    torch.ops.autoshard.cache_append.default(extended, new, dim, past_length, cache.prompt.length,
+                                             cache.slot(rank), cache.world_size)
+    return extended
 
 
 @torch.library.custom_op("autoshard::cache_write", mutates_args=("cache",))
