@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from autoshard.runtime.kv_cache import CacheLayout, cache_append
+from autoshard.runtime.kv_cache import MIN_ROOM, CacheLayout, cache_append, room
 from autoshard.runtime.layouts import SequenceLayout
 
 
@@ -43,3 +43,18 @@ def test_a_window_of_the_cache_holds_each_ranks_positions_past_its_start():
         assert torch.equal(held, cache.positions(r, length)[cache.positions(r, length) >= start])
         assert torch.equal(held - start, window.positions(r))
         assert cache.local_length(r, length, start) == len(held) == window.local_length(r)
+
+
+def test_appending_writes_in_place_and_never_over_another_views_rows():
+    """A shard in a storage with room grows without a copy (the same storage, strides independent of the length);
+    a second append to the same past (a branch from an older cache) copies rather than overwrite the first's rows."""
+    cache = CacheLayout(SequenceLayout.contiguous(3, 1))
+    past = torch.arange(24.0).view(1, 2, 3, 4)
+    first = cache_append(past, torch.full((1, 2, 1, 4), -1.0), 2, past_length=3, cache=cache, rank=0)
+    second = cache_append(first, torch.full((1, 2, 1, 4), -2.0), 2, past_length=4, cache=cache, rank=0)
+    assert second.data_ptr() == first.data_ptr() and second.stride() == first.stride()  # in place, same strides
+    assert torch.equal(second[:, :, :3], past) and (second[:, :, 3] == -1).all() and (second[:, :, 4] == -2).all()
+    branch = cache_append(first, torch.full((1, 2, 1, 4), -3.0), 2, past_length=4, cache=cache, rank=0)
+    assert branch.data_ptr() != first.data_ptr() and (second[:, :, 4] == -2).all() and (branch[:, :, 4] == -3).all()
+    held, extended = room(second, 2, MIN_ROOM + 8)  # past the storage's room: a bigger one, the rows copied
+    assert held.data_ptr() != second.data_ptr() and torch.equal(held, second) and extended.shape[2] == 5 + MIN_ROOM + 8
