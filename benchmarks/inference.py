@@ -13,23 +13,23 @@ of 32: 8 KiB of cache per token in float32), ``generate()`` greedy from one prom
 Per run: the prefill (prompt to first token) in seconds, the median latency of the decode steps after it (a
 streamer timestamps every token; the first steps, which compile at P=2, fall outside the median), the peak resident
 memory the generate adds to the process (``autoshard.testing.memory.peak_memory``, the largest rank's), and the KV
-cache bytes the rank holds at the end (the shards' bytes at P=2). Each rank runs one generate at S first (compiling,
+cache bytes the rank holds at the end (the storages of its shards at P=2, with their room to grow in place). Each rank runs one generate at S first (compiling,
 warming up), then the measured one; the tokens of both ways are checked equal. Times are for information: the machine
 is shared and noisy.
 
 Measured (2 shared CPU cores, torch 2.13 CPU, transformers 5.25, ``python benchmarks/inference.py``)::
 
          S  run         prefill s decode ms/token peak/rank MiB x one KV/rank MiB x one
-      8192  one process      2.11            31.9           194  1.00        64.2  1.00
-      8192  P=2              2.33            38.8            84  0.43        32.1  0.50
-     16384  one process      6.40            57.7           388  1.00       128.2  1.00
-     16384  P=2              6.80            72.5           168  0.43        64.1  0.50
-     32768  one process     19.98           100.7           777  1.00       256.2  1.00
-     32768  P=2             18.67            89.4           336  0.43       128.1  0.50
+      8192  one process      1.74            25.5           194  1.00        64.2  1.00
+      8192  P=2              2.09            19.0            84  0.43        34.0  0.53
+     16384  one process      6.45            52.5           388  1.00       128.2  1.00
+     16384  P=2              6.21            38.0           168  0.43        68.0  0.53
+     32768  one process     21.25            91.0           776  1.00       256.2  1.00
+     32768  P=2             17.86            43.3           336  0.43       136.0  0.53
 
-A decode step is dominated by ``DynamicCache``'s ``torch.cat``, which copies the whole cache every step (one
-process) or the rank's half (P=2); below 32K tokens the fixed cost of the split step (a gloo all-gather per layer,
-the carriers, one thread per rank) outweighs the halved copy.
+One process's decode step is dominated by ``DynamicCache``'s ``torch.cat``, which copies the whole cache every
+step; at P=2 each rank's shard grows in place in a storage with room (a sixteenth more: the KV column's 0.53), so a
+step copies no cache and costs the new token's work, the rank's attention and one gloo all-gather per layer.
 """
 
 from __future__ import annotations
@@ -71,12 +71,13 @@ class _Clock:
 
 
 def _cache_bytes(cache) -> int:
-    total = 0
+    """The bytes of the storages the cache's tensors live in (a rank's shards at P=2, with their room to grow)."""
+    storages = {}
     for layer in cache.layers:
         for x in (layer.keys, layer.values):
-            x = getattr(x, "local", x)  # a rank's shard at P=2
-            total += x.numel() * x.element_size()
-    return total
+            storage = getattr(x, "local", x).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def run(seq: int, new: int, compiled: bool) -> dict:
