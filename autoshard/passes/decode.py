@@ -149,7 +149,7 @@ def decode_graph(gm: fx.GraphModule, example_inputs: list, *, rank: int, group_n
         op = op_of(node)
         if op is None or op.name != "attention":
             continue
-        k, v = _kv_source(op["k"], sources, chains), _kv_source(op["v"], sources, chains)
+        k, v = repetition_source(op["k"], sources, chains), repetition_source(op["v"], sources, chains)
         if k is None and v is None:
             continue
         if k is None or v is None:
@@ -187,25 +187,25 @@ devices without it with ``keys[:, :, cache_position] = ...``)."""
 def cache_written_in_place(gm: fx.GraphModule) -> str | None:
     """The name of a graph input that attention reads as keys or values and the graph writes in place (a cache
     of a fixed size, as transformers' ``StaticCache``: not sharded, it stays whole on every rank), else None."""
+    inputs = {n for n in gm.graph.nodes if n.op == "placeholder"}
     for node in gm.graph.nodes:
         op = op_of(node)
         if op is None or op.name != "attention":
             continue
-        for kv in (op["k"], op["v"]):
-            while kv.op != "placeholder":
-                inner = op_of(kv)
-                if inner is None or inner.name not in _REPEAT_OPS or not isinstance(inner["input"], fx.Node):
-                    break
-                kv = inner["input"]
-            written = [u for u in kv.users
-                       if (u.target if u.op == "call_method" else getattr(u.target, "__name__", None)) in _IN_PLACE_WRITES
-                       and u.args and u.args[0] is kv]
-            if kv.op == "placeholder" and written:
+        for kv in (repetition_source(op["k"], inputs, set()), repetition_source(op["v"], inputs, set())):
+            written = [_method(u) for u in (kv.users if kv is not None else ())
+                       if _method(u) in _IN_PLACE_WRITES and u.args and u.args[0] is kv]
+            if written:
                 source = getattr(kv.meta.get("grapharg"), "source", None)
                 name = source.name if isinstance(getattr(source, "name", None), str) else (
                     source.name() if source is not None else kv.name)
-                return f"{name} (written in place by {written[0].target if written[0].op == 'call_method' else written[0].target.__name__})"
+                return f"{name} (written in place by {written[0]})"
     return None
+
+
+def _method(node: fx.Node) -> str | None:
+    """The name of the method or function ``node`` calls."""
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
 
 
 def _window(node: fx.Node, dim: int) -> int | None:
@@ -229,13 +229,14 @@ _REPEAT_OPS = {"view", "expand", "getitem"}
 .reshape(..)``): the decode attention takes the keys unrepeated and groups the query heads instead."""
 
 
-def _kv_source(node, sources: dict, chains: set):
-    """The cache (appended, or fixed-size) whose keys or values attention input ``node`` is (itself, or its GQA repetition:
+def repetition_source(node, sources, chains: set):
+    """The cache among ``sources`` whose keys or values attention input ``node`` is (itself, or its GQA repetition:
     ``[B, Hkv, L, D]`` -> ``[B, Hkv * G, L, D]`` with query head ``h`` on KV head ``h // G``), else None. The
-    repetition's nodes are added to ``chains``."""
+    repetition's nodes are added to ``chains``. (Ops read with ``canonical``, not ``op_of``: a specialized copy of a
+    graph keeps the cached ops of the graph it copies.)"""
     walked, start = [], node
     while node not in sources:
-        op = op_of(node)
+        op = canonical(node) if isinstance(node, fx.Node) else None
         if op is None or op.name not in _REPEAT_OPS or not isinstance(op["input"], fx.Node):
             return None
         if op.name == "getitem" and not all(i is None or i == slice(None) for i in (
@@ -261,7 +262,7 @@ def _sizes_for(node: fx.Node, chains: set) -> bool:
     """Whether ``node`` is a shape query (or an element of one) read only by the GQA repetitions in ``chains``
     (``repeat_kv`` expands to the cache's length): they go with the repetition, the decode attention takes the
     keys unrepeated."""
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    name = _method(node)
     if name not in _METADATA and name != "getitem":
         return False
     if name == "getitem" and is_tensor_node(node):
@@ -271,8 +272,7 @@ def _sizes_for(node: fx.Node, chains: set) -> bool:
 
 def _unused_metadata(node: fx.Node) -> bool:
     """A shape query on a cache input whose result nothing reads (dynamo keeps those it turned into guards)."""
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
-    return name in _METADATA and not node.users
+    return _method(node) in _METADATA and not node.users
 
 
 def _rewrite(gm, placeholders, caches, appends, writes, attentions, windows, rank, group_name) -> DecodeGraph:

@@ -31,6 +31,7 @@ import torch.fx as fx
 from ..runtime.kv_cache import CacheLayout
 from ..runtime.split_tensor import SplitTensor
 from .graph import eliminate_dead_code, new_node
+from .decode import repetition_source
 from .ops import canonical, value_of
 
 __all__ = ["StaticPrefill", "static_prefill", "static_prefill_runner"]
@@ -75,12 +76,12 @@ def static_prefill(gm: fx.GraphModule) -> StaticPrefill | None:
         buffers[node] = (dim, int(shape[dim]), write)
     if not buffers:
         return None
-    attentions = {}
+    attentions, chains = {}, set()
     for node in gm.graph.nodes:
         op = canonical(node)  # not op_of: a specialized copy keeps the cached ops of the graph it copies
         if op is None or op.name != "attention":
             continue
-        k, v = _buffer_of(op["k"], buffers), _buffer_of(op["v"], buffers)
+        k, v = repetition_source(op["k"], buffers, chains), repetition_source(op["v"], buffers, chains)
         if k is None and v is None:
             continue
         mask = op["attn_mask"]
@@ -89,8 +90,7 @@ def static_prefill(gm: fx.GraphModule) -> StaticPrefill | None:
         attentions[node] = (k, v, mask)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for node, (_, _, write) in buffers.items():
-        allowed = {write, output} | {n for n in node.users if _feeds_attention(n, attentions)}
-        if any(u not in allowed for u in node.users):
+        if any(u not in (write, output) and u not in chains and u not in attentions for u in node.users):
             return None  # read some other way: it stays whole
     return _rewrite(gm, buffers, attentions, placeholders)
 
@@ -108,29 +108,6 @@ def _start_input(positions, placeholders) -> int | None:
     if start not in placeholders or value_of(start).numel() != 1:
         return None
     return placeholders[start]
-
-
-_REPEAT = {"view", "expand", "getitem", "reshape"}
-
-
-def _buffer_of(node, buffers: dict):
-    """The buffer attention input ``node`` reads (itself, or through ``repeat_kv``), else None."""
-    while isinstance(node, fx.Node) and node not in buffers:
-        op = canonical(node)  # not op_of: a specialized copy keeps the cached ops of the graph it copies
-        if op is None or op.name not in _REPEAT:
-            return None
-        node = op["input"]
-    return node if isinstance(node, fx.Node) else None
-
-
-def _feeds_attention(node: fx.Node, attentions: dict) -> bool:
-    """Whether ``node`` (a read of a buffer) reaches only the attention calls' keys or values."""
-    if node in attentions:
-        return True
-    op = canonical(node)
-    if op is None or op.name not in _REPEAT:
-        return False
-    return all(_feeds_attention(u, attentions) for u in node.users)
 
 
 def _rewrite(gm, buffers, attentions, placeholders) -> StaticPrefill:
