@@ -43,7 +43,7 @@ class DecodePlan:
     world_size: int
     rank: int
     context: int
-    """Tokens in the cache when the step runs (the prompt)."""
+    """Tokens before the step (the prompt); a sliding-window layer's cache holds its window of them."""
     layout: str
     """How the prefill laid the prompt out (the cache's prompt positions per rank)."""
     attention_calls: int
@@ -99,7 +99,7 @@ def plan_decode(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = 
                 raise ValueError("autoshard.plan_decode: the model returned no KV cache with layers (a transformers "
                                  "Cache) when called with use_cache=True")
             ids = kwargs.get("input_ids", args[0] if args else None)
-            context = max(int(layer.keys.shape[-2]) for layer in cache.layers)
+            context = int(ids.shape[-1]) if ids is not None else max(int(layer.keys.shape[-2]) for layer in cache.layers)
             whole, by_rank = 0, [0] * world_size
             for layer in cache.layers:  # a sliding-window layer holds its window, not the whole prompt
                 for name in ("keys", "values"):
@@ -119,9 +119,9 @@ def plan_decode(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = 
                 return gm.forward
             run = decode_runner(decode, rank, group)
 
-            def measured(*inputs):
+            def measured(*inputs):  # fake inputs run fake; the runner's index tensors (from ints) stay real
                 live = _LiveBytes()
-                with running, live:
+                with live:
                     for x in tree_leaves(inputs):
                         if isinstance(x, torch.Tensor):
                             live.track(x.local if isinstance(x, SplitTensor) else x)

@@ -59,3 +59,17 @@ def test_the_command_line_prints_a_decode_plan(tmp_path, capsys):
     assert main(["plan", f"{factory}:prompt", "--world-size", "8", "--seq-len", "4096", "--decode"]) == 0
     out = capsys.readouterr().out
     assert "decode plan: 8 ranks, a 4,096-token context" in out and "KV cache per rank 256.00 KiB (whole: 2.00 MiB" in out, out
+
+
+def test_a_sliding_window_model_plans_its_window():
+    """Mistral's sliding-window layers hold their window, not the prompt: the plan's cache is the window's."""
+    cfg = transformers.MistralConfig(hidden_size=HEADS * HEAD_DIM, intermediate_size=128, num_hidden_layers=LAYERS,
+                                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=256,
+                                     max_position_embeddings=4096, sliding_window=64, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = transformers.MistralForCausalLM(cfg).eval()
+    plan = autoshard.plan_decode(model, kwargs=dict(input_ids=torch.zeros(1, 1001, dtype=torch.long, device="meta")),
+                                 world_size=WORLD)
+    per_position = LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
+    assert plan.fallback == "" and plan.context == 1001 and plan.attention_calls == LAYERS
+    assert plan.kv_cache_bytes_whole == 63 * per_position == sum(plan.kv_cache_bytes_by_rank)
