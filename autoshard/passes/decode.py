@@ -353,12 +353,16 @@ def decode_runner(decode: DecodeGraph, rank: int, group_name: str) -> Callable:
     fn = decode.gm.forward
 
     def run(*args):
-        ends, indices, kept, slots, starts, memo = [], [], [], [], {}, {}
+        ends, indices, kept, slots, grown, starts, memo = [], [], [], [], [], {}, {}
         for i in sorted(decode.caches):
             dim, rule, new = decode.caches[i]
             start = args[i].cache_start
             end = start + int(args[i].shape[dim])
             ends.append(end)
+            if i in decode.grown:  # the shard with room for its new positions: appending copies no cache
+                held, extended = room(args[i].local, dim, appended(rule, rank, end, new))
+                args[i].local = held  # the carrier the caller holds: the same values, a storage that grows
+                grown.append(extended)
             if i in decode.statics:  # written where the rank holds a position: the same slots every step
                 if (rule, end, "slots") not in memo:
                     memo[rule, end, "slots"] = rule.slots(rank, end, device=args[i].device)
@@ -376,13 +380,6 @@ def decode_runner(decode: DecodeGraph, rank: int, group_name: str) -> Callable:
                 if (key, starts[i]) not in memo:
                     memo[key, starts[i]] = torch.nonzero(held >= starts[i]).flatten()
                 kept.append(memo[key, starts[i]])
-        grown = []
-        for i in sorted(decode.grown):  # each shard with room for its new positions: appending copies no cache
-            dim, rule, new = decode.caches[i]
-            end = args[i].cache_start + int(args[i].shape[dim])
-            held, extended = room(args[i].local, dim, appended(rule, rank, end, new))
-            args[i].local = held  # the carrier the caller holds: the same values, a storage that grows
-            grown.append(extended)
         inputs = [args[i].local if i in decode.caches else a for i, a in enumerate(args)]
         out = fn(*inputs, *ends, *indices, *kept, *slots, *grown)
         flat = list(out) if isinstance(out, (tuple, list)) else [out]

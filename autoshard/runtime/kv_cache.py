@@ -14,10 +14,11 @@ step's queries over the whole cache. Here each rank keeps its share and nothing 
 * **appending** (``autoshard::cache_append``): a rank appends the new positions it owns and drops the others,
   so its cache grows by about ``1 / P`` token per step, in place: its shard lives in a storage with room to grow
   (:func:`room`), so a step copies no cache (transformers' ``DynamicCache`` concatenates, which copies the whole
-  cache every step, and a compiled step would hold the old and the new cache at once); a sliding-window cache keeps the positions
-  ``[start, length)`` and each rank drops its own positions before ``start`` (:meth:`CacheLayout.positions` with
-  ``start``). The prompt's window is as the prefill's layout placed it (the last ranks of a contiguous layout
-  hold more of it); the new positions go to the smaller shares first, so the shares even out as it slides;
+  cache every step, and a compiled step would hold the old and the new cache at once). A sliding-window cache
+  keeps the positions ``[start, length)`` and each rank drops its own positions before ``start``
+  (:meth:`CacheLayout.positions` with ``start``). The prompt's window is as the prefill's layout placed it (the
+  last ranks of a contiguous layout hold more of it); the new positions go to the smaller shares first, so the
+  shares even out as it slides;
 * **writing** (``autoshard::cache_write``): a fixed-size cache (transformers' ``StaticCache``) holds the layout of
   its capacity from the start (the rank's prompt positions first, then the later positions it will own); a write at
   global positions lands in the slots of the rank holding them (:meth:`CacheLayout.slots`);
@@ -96,7 +97,6 @@ class CacheLayout:
         appended = torch.arange(first, max(first, length), self.world_size, device=device)
         held = torch.cat([self.prompt.positions(rank, device), appended])
         return held[held >= start] if start else held
-
 
     def slots(self, rank: int, capacity: int, device=None) -> torch.Tensor:
         """For a fixed-size cache of ``capacity`` positions: ``[capacity]`` int64, the local index of each

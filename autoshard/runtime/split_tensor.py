@@ -39,7 +39,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .groups import default_store, resolve_group
-from .kv_cache import CacheLayout
+from .kv_cache import CacheLayout, cache_write
 from .layouts import SequenceLayout
 
 __all__ = ["SplitTensor", "wrap", "local_of"]
@@ -223,9 +223,8 @@ def _cache_write(cache, dim: int, index, source) -> bool:
             and dim % cache.dim() == cache.seq_dim and not isinstance(index, SplitTensor)
             and not isinstance(source, SplitTensor)):
         return False
-    rank = resolve_group(cache.group_name).rank()
-    slots = cache.layout_rule.slots(rank, cache.shape[cache.seq_dim], device=cache.local.device)
-    torch.ops.autoshard.cache_write.default(cache.local, index, source, cache.seq_dim, slots)
+    cache_write(cache.local, index, source, cache.seq_dim, layout=cache.layout_rule,
+                capacity=cache.shape[cache.seq_dim], rank=resolve_group(cache.group_name).rank())
     return True
 
 

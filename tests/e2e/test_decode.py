@@ -23,13 +23,17 @@ transformers = pytest.importorskip("transformers")
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BATCH, NEW = 4, 2, 16, 2, 2, 5
 
 
-def _model():
-    cfg = transformers.LlamaConfig(hidden_size=HEADS * HEAD_DIM, intermediate_size=128, num_hidden_layers=LAYERS,
-                                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=256,
-                                   max_position_embeddings=2048)
+def _built(config, model, **options):
+    """A small float64 model of ``model``'s family with the test's head shape (seeded weights, SDPA, eval)."""
+    cfg = config(hidden_size=HEADS * HEAD_DIM, intermediate_size=128, num_hidden_layers=LAYERS,
+                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=256, **options)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).double().eval()
+    return model(cfg).double().eval()
+
+
+def _model():
+    return _built(transformers.LlamaConfig, transformers.LlamaForCausalLM, max_position_embeddings=2048)
 
 
 def _prompts(length: int):
@@ -97,12 +101,8 @@ WINDOW = 12
 
 
 def _mistral():
-    cfg = transformers.MistralConfig(hidden_size=HEADS * HEAD_DIM, intermediate_size=128, num_hidden_layers=LAYERS,
-                                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=256,
-                                     max_position_embeddings=512, sliding_window=WINDOW)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.MistralForCausalLM(cfg).double().eval()
+    return _built(transformers.MistralConfig, transformers.MistralForCausalLM, max_position_embeddings=512,
+                  sliding_window=WINDOW)
 
 
 def _window_rank(lengths, new) -> dict:
