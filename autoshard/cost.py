@@ -41,14 +41,19 @@ import torch
 from .runtime.attention import STRATEGIES, formulas
 from .runtime.attention.base import Strategy
 
-__all__ = ["Topology", "StrategyCost", "attention_costs", "choose_strategy", "AttentionShape", "preferred_layout",
+__all__ = ["Topology", "StrategyCost", "attention_costs", "attention_seconds", "choose_strategy", "AttentionShape", "preferred_layout",
            "Pricing"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Topology:
-    """A cluster, as the cost model sees it. Defaults: 8-GPU NVLink nodes on InfiniBand (H100-class)."""
+    """A cluster, as the cost model and the step-time prediction see it: what one rank computes, moves and holds.
+    The defaults are an H100 SXM node (``autoshard.hardware.PROFILES["h100"]`` says where each figure comes from);
+    :func:`autoshard.hardware.hardware` gives the built-in profiles by name and reads calibrated ones from files
+    (``python -m autoshard calibrate``)."""
 
+    name: str = "h100"
+    """What the profile describes (a built-in's name, or where it was calibrated)."""
     ranks_per_node: int = 8
     """Ranks that share the fast intra-node links."""
     intra_node_bandwidth: float = 450e9
@@ -56,23 +61,50 @@ class Topology:
     inter_node_bandwidth: float = 50e9
     """Bytes per second a rank sends to other nodes."""
     intra_node_latency: float = 3e-6
-    """Seconds per message inside a node."""
+    """Seconds per message inside a node (a collective over P ranks sends P - 1 of them)."""
     inter_node_latency: float = 10e-6
     """Seconds per message between nodes."""
     attention_flops: float = 400e12
-    """Attention FLOP/s a rank sustains."""
+    """Attention FLOP/s a rank sustains in 16-bit (forward and backward together, FLOPs counted as
+    :class:`AttentionShape` does)."""
+    attention_flops_fp32: float = 40e12
+    """The same in float32 (and float64)."""
+    attention_pair_flops: float = 0.0
+    """What each visible (query, key) pair and head costs beyond the products' ``14 D`` FLOPs (forward + backward: the
+    softmax's exponentials, the mask, the online rescaling), in FLOPs at the attention rate: it makes small head dims
+    slower per FLOP. 0: folded into the rate (the built-in profiles, measured at head dim 128)."""
+    matmul_flops: float = 700e12
+    """Matrix-multiply FLOP/s a rank sustains in 16-bit (``2 M N K`` per product)."""
+    matmul_flops_fp32: float = 50e12
+    """The same in float32 (PyTorch's default: no TF32)."""
     step_overhead: float = 20e-6
     """Seconds each ring step costs beyond its compute and traffic (launches, synchronization)."""
+    op_overhead: float = 4e-6
+    """Seconds every other op costs beyond its arithmetic and memory traffic (a kernel launch; an eager CPU op's
+    dispatch)."""
     memory_bandwidth: float = 3.0e12
-    """Bytes per second of device memory (a ring merges every block's partial output through it)."""
+    """Bytes per second of device memory an elementwise op sustains (reads and writes together; a ring merges
+    every block's partial output through it)."""
     memory_bytes: int = 80 * 2**30
     """Memory per rank."""
+    host_memory_bytes: int = 256 * 2**30
+    """Host memory per rank (offloaded activations live there)."""
+    host_bandwidth: float = 40e9
+    """Bytes per second between a rank's device and pinned host memory, each way."""
+    concurrent_ranks: int = 0
+    """Ranks of a node that compute at full speed at once (a CPU's cores over each rank's threads); more ranks on
+    a node share them, each computing that much slower. 0: every rank has its own device."""
+    sharing_efficiency: float = 1.0
+    """How much of the cores ranks beyond :attr:`concurrent_ranks` get when they share them (1: perfect time slicing;
+    context switches and caches make it less)."""
 
     def __post_init__(self):
         rates = (self.intra_node_bandwidth, self.inter_node_bandwidth, self.attention_flops, self.memory_bandwidth,
-                 self.memory_bytes)
-        times = (self.intra_node_latency, self.inter_node_latency, self.step_overhead)
-        if self.ranks_per_node < 1 or min(rates) <= 0 or min(times) < 0:
+                 self.memory_bytes, self.attention_flops_fp32, self.matmul_flops, self.matmul_flops_fp32,
+                 self.host_memory_bytes, self.host_bandwidth)
+        times = (self.intra_node_latency, self.inter_node_latency, self.step_overhead, self.op_overhead)
+        if (self.ranks_per_node < 1 or min(rates) <= 0 or min(times) < 0 or self.concurrent_ranks < 0
+                or self.attention_pair_flops < 0 or not 0 < self.sharing_efficiency <= 1):
             raise ValueError(f"Topology: ranks per node, bandwidths, FLOP/s and memory must be positive and "
                              f"latencies not negative: {self}")
 
@@ -83,6 +115,32 @@ class Topology:
     def latency(self, ranks: int) -> float:
         """Seconds per message of a collective over ``ranks`` consecutive ranks."""
         return self.intra_node_latency if ranks <= self.ranks_per_node else self.inter_node_latency
+
+    def collective_seconds(self, nbytes: float, ranks: int) -> float:
+        """Seconds of a collective over ``ranks`` ranks in which a rank sends ``nbytes``: ``P - 1`` messages' latency
+        and the bytes over the links they cross (0 on one rank)."""
+        if ranks <= 1:
+            return 0.0
+        return (ranks - 1) * self.latency(ranks) + nbytes / self.bandwidth(ranks)
+
+    def slowdown(self, ranks: int) -> float:
+        """How much slower a rank computes when ``ranks`` ranks run (:attr:`concurrent_ranks`): 1 with a device each."""
+        sharing = min(ranks, self.ranks_per_node)
+        if not self.concurrent_ranks or sharing <= self.concurrent_ranks:
+            return 1.0
+        return sharing / self.concurrent_ranks / self.sharing_efficiency
+
+    def matmul_rate(self, dtype: torch.dtype) -> float:
+        """Matrix-multiply FLOP/s in ``dtype``."""
+        return self.matmul_flops if _sixteen_bit(dtype) else self.matmul_flops_fp32
+
+    def attention_rate(self, dtype: torch.dtype) -> float:
+        """Attention FLOP/s in ``dtype``."""
+        return self.attention_flops if _sixteen_bit(dtype) else self.attention_flops_fp32
+
+
+def _sixteen_bit(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and torch.finfo(dtype).bits <= 16
 
 
 @dataclass(frozen=True)
@@ -164,6 +222,13 @@ def preferred_layout(strategy: str, shape: AttentionShape, world: int) -> str:
     return STRATEGIES[strategy].preferred_layout(shape, world)
 
 
+def attention_seconds(shape: AttentionShape, topology: Topology) -> float:
+    """Seconds of the whole attention's forward + backward (2.5x the forward) on one rank of ``topology``: its FLOPs,
+    and the per-pair cost beyond them (:attr:`Topology.attention_pair_flops`), at the attention rate."""
+    per_pair = topology.attention_pair_flops / (2 * shape.kv_dims)  # a pair is 2 kv_dims forward FLOPs per head
+    return shape.flops() * (3.5 + per_pair) / topology.attention_rate(shape.dtype)
+
+
 DOCUMENT_IMBALANCE = 1.4
 """What packed documents cost a ring, whose ranks' work is where the layout puts their queries: max/mean over ranks
 measured 1.2-2.2 on either layout for 13 to 23 documents of log-normal lengths (mean ~800 tokens) at P=4 and
@@ -199,18 +264,25 @@ class Pricing:
         s = self.shape
         return s.batch * self.local * (s.heads + s.kv_heads) * s.kv_dims * self.item
 
+    def busiest(self, imbalance: float) -> float:
+        """Seconds of forward + backward (2.5x) compute of the most loaded rank, which does ``imbalance`` times the
+        mean. Ranks that share a node's cores (:meth:`Topology.slowdown`) take turns: the step then lasts at least
+        the mean work at the rank's share of the cores, and the idle ranks' turns go to the busy ones."""
+        mean = attention_seconds(self.shape, self.topology) / self.world
+        return mean * max(imbalance, self.topology.slowdown(self.world))
+
     @cached_property
     def balanced(self) -> float:
-        """Seconds of forward + backward (2.5x) compute per rank, the work split evenly."""
-        return self.shape.flops() * 3.5 / self.world / self.topology.attention_flops
+        """:meth:`busiest` of the work split evenly."""
+        return self.busiest(1.0)
 
     @cached_property
     def contiguous(self) -> float:
-        """Seconds per rank on the contiguous layout: a causal mask without window or chunks leaves the last
-        rank's queries the most keys; packed documents at least :data:`DOCUMENT_IMBALANCE`."""
+        """:meth:`busiest` on the contiguous layout: a causal mask without window or chunks leaves the last rank's
+        queries the most keys; packed documents at least :data:`DOCUMENT_IMBALANCE`."""
         s = self.shape
         causal = (2 * self.world - 1) / self.world if s.causal and s.window is None and not s.chunk else 1.0
-        return self.balanced * max(causal, self.documents)
+        return self.busiest(max(causal, self.documents))
 
     @cached_property
     def documents(self) -> float:

@@ -291,7 +291,7 @@ def _cost(p: Pricing) -> StrategyCost:
     if s.heads < world:
         return p.impossible(f"{s.heads} heads cannot cover {world} ranks; the all-to-all splits heads")
     sent = p.sent({"P": world})
-    compute = p.balanced * (math.ceil(s.heads / world) / (s.heads / world))  # the rank with the most heads
+    compute = p.busiest(math.ceil(s.heads / world) / (s.heads / world))  # the rank with the most heads
     comm = sum(sent) / topology.bandwidth(world)
     return p.cost(compute=compute, comm=comm, exposed=comm, latency=10 * topology.latency(world), sent=sent,
                   memory=p.inputs_bytes)

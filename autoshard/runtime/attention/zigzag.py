@@ -44,7 +44,7 @@ def _check(q, k, v, call: Call) -> int:
 def _cost(p: Pricing) -> StrategyCost:
     if p.shape.seq < 2 * p.world:
         return p.impossible(f"the zigzag layout needs 2P = {2 * p.world} positions, the sequence has {p.shape.seq}")
-    return p.ring(p.balanced * p.documents)
+    return p.ring(p.busiest(p.documents))
 
 
 register(dataclasses.replace(  # the ring's forward, backward and bytes over the zigzag layout
