@@ -3,6 +3,10 @@
 ``factory(seq_len)`` returns ``(model, args, kwargs)``; put the model and the inputs on the meta device
 to plan sizes that do not fit this machine. Prints the plan; ``--json`` / ``--dot`` also write it. With
 ``--decode``, the plan of a decode step after that prompt (serving: KV cache per rank, bytes per step, memory).
+``--hardware h100`` (or a profile file) prices the step on that hardware (:mod:`autoshard.hardware`).
+
+``python -m autoshard calibrate --out FILE`` measures this machine into a profile file; launched on several ranks
+(``torchrun --nproc-per-node N -m autoshard calibrate --out FILE``), its collectives too.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import sys
 from pathlib import Path
 
 from .config import LAYOUT_CHOICES, STRATEGIES
-from .cost import Topology
+import dataclasses
+
 from .policy import MemoryBudgetError
 
 __all__ = ["main"]
@@ -43,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategy", choices=STRATEGIES, default="auto")
     p.add_argument("--layout", choices=LAYOUT_CHOICES, default="auto")
     p.add_argument("--outputs", choices=("split", "gathered", "sharded"), default="split")
-    p.add_argument("--ranks-per-node", type=int, default=Topology().ranks_per_node)
+    p.add_argument("--hardware", default="h100", metavar="NAME_OR_FILE",
+                   help="the profile the step is priced on: a100, h100, h200, b200 or a calibrated file (default h100)")
+    p.add_argument("--ranks-per-node", type=int, help="override the profile's ranks per node")
     p.add_argument("--memory-budget", type=float, metavar="GIB",
                    help="per-rank budget in GiB: the memory policy picks recomputation and MLP chunking to fit it")
     p.add_argument("--recompute", choices=("none", "layers"), default="none")
@@ -61,8 +68,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="plan the decode step after a --seq-len-token prompt (autoshard.plan_decode) instead")
     p.add_argument("--json", help="also write the plan as JSON to this file")
     p.add_argument("--dot", help="also write the graph, coloured by placement, as Graphviz to this file")
+    c = sub.add_parser("calibrate", help="measure this machine (and, launched on several ranks, its collectives) "
+                                         "into a hardware profile file")
+    c.add_argument("--out", required=True, help="the JSON profile to write")
+    c.add_argument("--tokens", type=int, default=4096, help="tokens of the products and attention measured")
     args = parser.parse_args(argv)
+    if args.command == "calibrate":
+        return _calibrate(args.out, args.tokens)
 
+    from .hardware import hardware
     from .planner import plan
 
     model, model_args, model_kwargs = _load_factory(args.factory)(args.seq_len)
@@ -74,8 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     budget = int(args.memory_budget * 2**30) if args.memory_budget is not None else None
     try:
+        topology = hardware(args.hardware)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if args.ranks_per_node is not None:
+        topology = dataclasses.replace(topology, ranks_per_node=args.ranks_per_node)
+    try:
         result = plan(model, model_args, model_kwargs, world_size=args.world_size, strategy=args.strategy,
-                      layout=args.layout, outputs=args.outputs, topology=Topology(ranks_per_node=args.ranks_per_node),
+                      layout=args.layout, outputs=args.outputs, topology=topology,
                       rank=args.rank, memory_budget=budget, recompute=args.recompute, chunk_mlp=args.chunk_mlp,
                       chunk_loss=args.chunk_loss or None, offload=args.offload, dp_shard=args.dp_shard,
                       optimizer=args.optimizer, grad_sync=not args.no_grad_sync)
@@ -87,6 +107,32 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(result.to_json())
     if args.dot:
         Path(args.dot).write_text(result.to_dot())
+    return 0
+
+
+def _calibrate(out: str, tokens: int) -> int:
+    """``calibrate``: on the ranks ``torchrun`` launched (a process group over them) or alone."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from .hardware import calibrate, save_profile
+
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    try:
+        profile = calibrate(tokens=tokens)
+    finally:
+        if launched:
+            dist.destroy_process_group()
+    if not launched or int(os.environ["RANK"]) == 0:
+        save_profile(profile, out)
+        print("\n".join(f"{f.name}: {getattr(profile, f.name)}" for f in dataclasses.fields(profile)))
+        print(f"written to {out}")
     return 0
 
 
