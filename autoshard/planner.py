@@ -61,7 +61,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .config import BackendConfig, dynamo_settings, resolve_config
-from .cost import Topology, attention_costs
+from .cost import AttentionShape, Topology, attention_costs, attention_seconds
+from .hardware import hardware as resolve_hardware
 from .passes.capture import DENSE_MASK
 from .passes.deferred import inline_deferred
 from .passes.graph import keep_real_values
@@ -75,6 +76,7 @@ from .strategy import attention_shape
 from .runtime.attention.dispatch import balance
 from .runtime.attention.masks import MaskSpec
 from .runtime.layouts import SequenceLayout, split_sizes
+from .step_time import LayerTime, OpTimer, StepTime, run_timed, step_time
 
 __all__ = ["Plan", "AttentionDecision", "Collective", "MemoryEstimate", "PlanFallback", "plan", "plan_graph",
            "plan_graphs"]
@@ -218,8 +220,15 @@ class Plan:
     attention reads segment ids: ``work`` (visible pairs per rank of one attention call as it will run),
     ``laid_out`` (the same as the layout places the queries), ``imbalance`` (max / mean of ``work``) and
     ``documents`` (how many, over the batch)."""
+    step_time: StepTime | None = None
+    """The step's predicted time on the plan's hardware (:mod:`autoshard.step_time`), by layer."""
 
     # ------------------------------------------------------------------ reading
+    @property
+    def step_seconds(self) -> float | None:
+        """The predicted seconds of one step (forward + backward, and the optimizer's when planned with one)."""
+        return None if self.step_time is None else self.step_time.seconds
+
     def bytes_sent(self, phase: str | None = None, rank: int | None = None) -> int:
         """Total bytes ``rank`` (default: the plan's) sends, in ``phase`` or both."""
         r = self.rank if rank is None else rank
@@ -268,6 +277,8 @@ class Plan:
             lines.append(f"  packed documents ({d['documents']}, from position_ids): attention work per rank (visible "
                          f"pairs of one call) {', '.join(f'{w:,}' for w in d['work'])}: max/mean "
                          f"{d['imbalance']:.2f} ({d['laid_out_imbalance']:.2f} as laid out)")
+        if self.step_time is not None:
+            lines.append(f"  step time {self.step_time.describe()}")
         if self.attention:
             lines.append(f"  why: {self.attention[0].reason}")
         for f in self.fallbacks:
@@ -283,6 +294,12 @@ class Plan:
             lines.append(f"  {a.layer:>5}  {a.node:<26} {a.strategy:<10} {a.layout:<11} {a.mask:<22} "
                          f"{per_node.get((a.node, 'forward'), 0) / 2**20:>9.2f} "
                          f"{per_node.get((a.node, 'backward'), 0) / 2**20:>9.2f}")
+        if self.step_time is not None and self.step_time.layers:
+            lines.append("")
+            lines.append(f"  {'step time by layer (ms)':<40} {'compute':>10} {'attention':>10} {'comm':>10} {'exposed':>10}")
+            for row in self.step_time.layers:
+                lines.append(f"  {row.layer[-40:]:<40} {row.compute_s * 1e3:>10.2f} {row.attention_s * 1e3:>10.2f} "
+                             f"{row.comm_s * 1e3:>10.2f} {row.exposed_s * 1e3:>10.2f}")
         others = [c for c in self.collectives if c.node not in {a.node for a in self.attention}]
         if others:
             lines.append("")
@@ -311,6 +328,9 @@ class Plan:
             m = data["memory_per_rank"]
             data["memory_per_rank"] = MemoryEstimate(**{**m, "formula": sympy.sympify(m["formula"])})
         data["fallbacks"] = [PlanFallback(**f) for f in data["fallbacks"]]
+        if data["step_time"] is not None:
+            t = data["step_time"]
+            data["step_time"] = StepTime(**{**t, "layers": [LayerTime(**row) for row in t["layers"]]})
         return Plan(**data)
 
     def to_dot(self) -> str:
@@ -513,6 +533,8 @@ class _GraphMemory:
     """This rank's tokens (the per-position scale of the activation terms)."""
     host: int = 0
     """Bytes of checkpointed regions' inputs offloaded to host memory (``offload``)."""
+    timer: OpTimer | None = None
+    """The time of its ops."""
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -568,15 +590,17 @@ def _fake_leaf(mode: FakeTensorMode, x: torch.Tensor) -> torch.Tensor:
     return fake.detach().requires_grad_() if fake.grad_fn is not None else fake
 
 
-def _memory(compiled, example_inputs: list, world: int, root_length: int) -> _GraphMemory:
+def _memory(compiled, example_inputs: list, world: int, root_length: int, topology: Topology) -> _GraphMemory:
     """Run the per-rank graph forward and backward on fake tensors (the caller's gradient of every differentiable
-    output: ones) and follow its live bytes (see the module docstring)."""
+    output: ones) and follow its live bytes (see the module docstring) and the time of its ops on ``topology``
+    (:class:`~autoshard.step_time.OpTimer`)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = [_fake_leaf(mode, x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     placeholders = [n.name for n in compiled.graph_module.graph.nodes if n.op == "placeholder"]
     parameters = {id(orig): (name, x) for name, x, orig in zip(placeholders, inputs, example_inputs)
                   if isinstance(orig, torch.nn.Parameter)}
     live = _LiveBytes()
+    timer = OpTimer(topology, world)
     packed: set[int] = set()
 
     def pack(t):
@@ -585,16 +609,17 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int) -> _Gr
             packed.add(serial)
         return t
 
-    with mode, live, planned_offload() as host:
+    with mode, live, timer, planned_offload() as host:
         for x in inputs:
             if isinstance(x, torch.Tensor):
                 live.track(x)
         inputs_serials, base = {serial for serial, _ in live.live.values()}, live.total
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            outputs = [t for t in tree_leaves(compiled.graph_module(*inputs)) if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_leaves(run_timed(compiled.graph_module, inputs, timer))
+                       if isinstance(t, torch.Tensor)]
         output_serials = {live.serial_of(t) for t in outputs}
         held = live.total - base
-        live.phase = "backward"
+        live.phase = timer.phase = "backward"
         differentiable = [t for t in outputs if t.requires_grad]
         if differentiable:
             torch.autograd.backward(differentiable, [torch.ones_like(t) for t in differentiable])
@@ -615,7 +640,7 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int) -> _Gr
 
     return _GraphMemory(parameters=parameters, gradients={i for i, (_, p) in parameters.items() if p.grad is not None},
                         held=held, forward=peak("forward"), backward=peak("backward"),
-                        local=-(-root_length // world), host=host[0])
+                        local=-(-root_length // world), host=host[0], timer=timer)
 
 
 def _shard_bytes(p: torch.Tensor, shards: int) -> int:
@@ -632,9 +657,7 @@ layer list), or the root."""
 
 def _estimate(memories: list[_GraphMemory], *, dp_shard: int, optimizer: str | None) -> MemoryEstimate:
     """The step's peak from its graphs' (see the module docstring), with the FSDP2 and optimizer terms."""
-    parameters: dict[int, tuple[str, torch.Tensor]] = {}
-    for m in memories:
-        parameters.update(m.parameters)
+    parameters = _parameters(memories)
     full = sum(p.numel() * p.element_size() for _, p in parameters.values())
     candidates = []
     for g, m in enumerate(memories):
@@ -648,20 +671,14 @@ def _estimate(memories: list[_GraphMemory], *, dp_shard: int, optimizer: str | N
     sharded = sum(_shard_bytes(x, dp_shard) for _, x in parameters.values())
     gathered = unsharded_grads = 0
     if dp_shard > 1:
-        units: dict[str, int] = {}
-        for name, x in parameters.values():
-            match = _UNIT.match(name)
-            unit = match.group(1) if match else ""
-            units[unit] = units.get(unit, 0) + x.numel() * x.element_size()
-        largest = sorted(units.values(), reverse=True)
+        largest = sorted(_units(parameters).values(), reverse=True)
         gathered = sum(largest[:2])
         unsharded_grads = min(gradients, largest[0])
         gradients = gradients * sharded // max(1, full)
     states = 0
     if optimizer is not None:
         for _, x in parameters.values():
-            per = 8 + (4 if x.element_size() < 4 and x.is_floating_point() else 0)
-            states += _shard_bytes(x, dp_shard) // x.element_size() * per
+            states += _shard_bytes(x, dp_shard) // x.element_size() * _state_bytes(x)
     activations = p.saved + before + p.outputs + p.transient
     fixed = sharded + gradients + states + gathered + unsharded_grads
     local = next((m.local for m in memories if m.local > 0), 1)
@@ -805,7 +822,7 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
         if decisions and "S" not in symbols:
             symbols.update({k: v for k, v in decisions[0].shape.items() if k != "dtype"})
         root = compiled.families.families[0].length if compiled.families.families else 1
-        memories.append(_memory(compiled, example_inputs, world_size, root))
+        memories.append(_memory(compiled, example_inputs, world_size, root, topology))
         planned[(id(graphs[call][0]), kinds)] = (index, compiled, decisions, memories[-1], deferred)
     for layer, decision in enumerate(result.attention):
         decision.layer = layer
@@ -813,7 +830,49 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
     result.symbols = symbols
     if memories:
         result.memory_per_rank = _estimate(memories, dp_shard=dp_shard, optimizer=optimizer)
+        result.step_time = _step_time(result, memories, topology, dp_shard=dp_shard, optimizer=optimizer)
     return result
+
+
+def _step_time(result: Plan, memories: list[_GraphMemory], topology: Topology, *, dp_shard: int,
+               optimizer: str | None) -> StepTime:
+    """The step's time on ``topology`` (:func:`autoshard.step_time.step_time`) from the timers of its graph calls
+    and the plan's counts."""
+    parameters = _parameters(memories)
+    optimizer_bytes = 0
+    if optimizer is not None:  # reads and writes the states and the parameters (or their master copies), reads the
+        for _, x in parameters.values():  # gradients
+            optimizer_bytes += _shard_bytes(x, dp_shard) // x.element_size() * (2 * _state_bytes(x) + 3 * x.element_size())
+    symbols = result.symbols
+    return step_time([m.timer for m in memories], topology=topology, world=result.world_size,
+                     tokens=symbols.get("B", 1) * symbols.get("S", 0), collectives=result.collectives,
+                     attention_nodes={a.node for a in result.attention},
+                     fsdp=list(_units(parameters).values()) if dp_shard > 1 else None, dp_shard=dp_shard,
+                     host_bytes=result.memory_per_rank.host_offloaded, optimizer_bytes=optimizer_bytes)
+
+
+def _parameters(memories: list[_GraphMemory]) -> dict[int, tuple[str, torch.Tensor]]:
+    """Every parameter the graphs take, once."""
+    parameters: dict[int, tuple[str, torch.Tensor]] = {}
+    for m in memories:
+        parameters.update(m.parameters)
+    return parameters
+
+
+def _units(parameters: dict[int, tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """FSDP2 unit (:data:`_UNIT`) -> bytes of its parameters."""
+    units: dict[str, int] = {}
+    for name, x in parameters.values():
+        match = _UNIT.match(name)
+        unit = match.group(1) if match else ""
+        units[unit] = units.get(unit, 0) + x.numel() * x.element_size()
+    return units
+
+
+def _state_bytes(x: torch.Tensor) -> int:
+    """The optimizer's state bytes per element of ``x``: two float32 moments, and a float32 master copy of a 16-bit
+    parameter."""
+    return 8 + (4 if x.element_size() < 4 and x.is_floating_point() else 0)
 
 
 def _count(result: Plan, report, prefix: str, rank: int) -> None:
@@ -834,7 +893,7 @@ def plan_graph(gm: fx.GraphModule, example_inputs: list, *, world_size: int, con
 
 def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict | None = None, *, world_size: int,
          config: BackendConfig | None = None, rank: int = 0, dp_shard: int = 1, optimizer: str | None = None,
-         per_layer_graphs: bool = False, **overrides) -> Plan:
+         per_layer_graphs: bool = False, hardware: str | Topology | None = None, **overrides) -> Plan:
     """What ``torch.compile(model, backend=autoshard.backend(...))`` would do on ``world_size`` ranks.
 
     No process group is needed and nothing full-size is allocated when the model and the inputs are on
@@ -854,18 +913,44 @@ def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict |
     * ``optimizer``: ``"adamw"`` (or ``"adam"``): two float32 moments per parameter, and a float32 master copy
       of 16-bit parameters (the mixed-precision recipe: 16-bit parameters, float32 optimizer); None: no states
       counted (a forward + backward only).
+    * ``hardware``: the profile the step is priced on and the strategies chosen with (:func:`autoshard.hardware.hardware`:
+      ``"a100"``, ``"h100"``, ``"h200"``, ``"b200"``, a calibrated profile file, or a
+      :class:`~autoshard.cost.Topology`): ``plan.step_seconds``, ``plan.step_time`` (by layer). The same as
+      ``topology=`` (give one of them); neither: the default (H100-class) profile.
     * ``per_layer_graphs``: plan the graphs FSDP2's hooks cut the model into when every layer is wrapped (one
       graph per layer, the mask made before them handed on uncomputed, :mod:`autoshard.runtime.deferred`), as the
       run makes them, instead of one graph of the whole model: the same attention, and the bytes the per-layer
       graphs send (each computes its own segment ids, positions and masks from the small inputs)."""
     _check_planning_options(dp_shard, optimizer)
+    if hardware is not None:
+        if overrides.get("topology") is not None:
+            raise ValueError("autoshard.plan: give hardware= or topology=, not both (they are the same profile)")
+        overrides["topology"] = resolve_hardware(hardware)
     config = resolve_config(config, overrides, "autoshard.plan")
     args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
     graphs = _capture(model, args, dict(kwargs or {}), per_layer_graphs=per_layer_graphs)
     result = plan_graphs(graphs, world_size=world_size, config=config, rank=rank, dp_shard=dp_shard,
                          optimizer=optimizer)
     result.documents = _documents(result, (kwargs or {}).get("position_ids"))
+    if result.documents and result.step_time is not None:
+        result.step_time = result.step_time.attention_scaled(_documents_ratio(result, config.topology or Topology()))
     return result
+
+
+def _documents_ratio(result: Plan, topology: Topology) -> float:
+    """What the packed documents make of the attention's priced compute: the busiest rank's visible pairs (as the
+    strategy dispatches them, :attr:`Plan.documents`) over what the cost model charged without the documents (a
+    whole causal sequence, times the strategy's typical imbalance)."""
+    decided = next(a for a in result.attention if "segment_ids" in a.mask.split(", "))
+    shape, world = decided.shape, result.world_size
+    whole = AttentionShape(shape["B"], shape["S"], shape["H"], shape["Hkv"], shape["D"], getattr(torch, shape["dtype"]),
+                           decided.positions["causal"], value_head_dim=shape["Dv"] if shape["Dv"] != shape["D"] else 0)
+    mean = attention_seconds(whole, topology) / world
+    charged = next(c["compute_s"] for c in decided.costs if c["strategy"] == decided.strategy)
+    work = result.documents["work"]
+    pairs = whole.flops() / (2.0 * shape["H"] * whole.kv_dims) / world  # the mean visible pairs of the whole sequence
+    busiest = max(max(work), sum(work) / len(work) * topology.slowdown(world))
+    return mean * busiest / pairs / charged
 
 
 def _documents(result: Plan, position_ids) -> dict:

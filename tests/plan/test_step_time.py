@@ -1,0 +1,129 @@
+"""Step-time prediction (``autoshard.plan(..., hardware=...)``, :mod:`autoshard.step_time`, :mod:`autoshard.hardware`):
+the model's internal consistency -- monotone in the sequence, the counted bytes priced exactly, the parts summing to
+the whole -- and the profiles' bad input. No test asserts a measured time (``benchmarks/step_time.py`` compares the
+prediction with measurements)."""
+
+import dataclasses
+import json
+import textwrap
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.__main__ import main
+from autoshard.hardware import PROFILES, load_profile, save_profile
+
+transformers = pytest.importorskip("transformers")
+
+
+def _model():
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=1 << 16,
+                                   attn_implementation="sdpa")
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(cfg).train()
+
+
+def _plan(length: int, world: int = 4, **options):
+    ids = torch.zeros(1, length, dtype=torch.long, device="meta")
+    return autoshard.plan(_model(), kwargs=dict(input_ids=ids, labels=ids), world_size=world, **options)
+
+
+def test_step_time_grows_with_the_sequence_and_prices_the_counted_bytes_exactly():
+    plans = {length: _plan(length, hardware="h100") for length in (1024, 2048, 4096)}
+    seconds = [plans[length].step_seconds for length in sorted(plans)]
+    assert seconds == sorted(seconds) and len(set(seconds)) == 3
+
+    plan, h100 = plans[4096], PROFILES["h100"]
+    t = plan.step_time
+    assert t.hardware == "h100"
+    assert t.seconds == pytest.approx(t.forward_s + t.backward_s + t.optimizer_s)
+    assert t.seconds == pytest.approx(sum(row.seconds for row in t.layers))
+    assert t.tokens_per_second == pytest.approx(4096 / 4 / t.seconds)
+    assert [row.layer.rsplit(".", 1)[-1] for row in t.layers] == ["0", "1", "rest"]
+    # the collectives outside attention: (P - 1) latencies and their bytes over the link, all of them exposed
+    attention = {a.node for a in plan.attention}
+    others = sum(h100.collective_seconds(c.bytes_per_rank, 4) for c in plan.collectives if c.node not in attention)
+    assert others > 0 and t.layers[-1].comm_s == pytest.approx(others)
+    # each layer's attention: its strategy's price for the call (forward and backward together)
+    chosen = next(c for c in plan.attention[0].costs if c["strategy"] == plan.attention[0].strategy)
+    assert t.layers[0].attention_s == pytest.approx(chosen["compute_s"])
+    assert t.layers[0].comm_s == pytest.approx(chosen["comm_s"])
+    assert t.layers[0].exposed_s == pytest.approx(chosen["total_s"] - chosen["compute_s"])
+
+    assert autoshard.Plan.from_json(plan.to_json()) == plan
+    assert f"step time {t.describe()}" in str(plan)
+
+
+def test_the_profile_prices_the_step_and_chooses_the_strategy():
+    slow_links = dataclasses.replace(PROFILES["h100"], name="slow links", intra_node_bandwidth=1e9)
+    fast, slow = _plan(4096, hardware="h100"), _plan(4096, hardware=slow_links)
+    assert slow.step_time.hardware == "slow links" and slow.step_seconds > fast.step_seconds
+    assert fast.step_seconds > _plan(4096, hardware="b200").step_seconds
+    # the reason of the choice names the times the same profile predicts
+    assert slow.attention[0].reason.startswith(slow.attention[0].strategy)
+    assert "ms per call" in slow.attention[0].reason
+    # FSDP2 over 4 ranks and an optimizer add their traffic and their pass over the states
+    sharded = _plan(4096, hardware="h100", dp_shard=4, optimizer="adamw", grad_sync=False)
+    assert sharded.step_time.optimizer_s > 0
+    assert sharded.step_time.comm_s > fast.step_time.comm_s - fast.step_time.layers[-1].comm_s
+
+
+def test_ranks_sharing_cores_compute_slower():
+    cpu = dataclasses.replace(PROFILES["h100"], concurrent_ranks=2, ranks_per_node=8)
+    assert (cpu.slowdown(1), cpu.slowdown(2), cpu.slowdown(4), cpu.slowdown(16)) == (1, 1, 2, 4)
+    assert PROFILES["h100"].slowdown(8) == 1
+
+
+def test_unknown_hardware_and_incomplete_profiles_are_named(tmp_path):
+    with pytest.raises(ValueError, match="unknown hardware 'tpu'.*a100, b200, h100, h200"):
+        _plan(1024, hardware="tpu")
+    with pytest.raises(ValueError, match="not both"):
+        _plan(1024, hardware="h100", topology=PROFILES["a100"])
+    path = tmp_path / "profile.json"
+    save_profile(PROFILES["h200"], path)
+    assert load_profile(path) == PROFILES["h200"] == autoshard.hardware(path)
+    data = json.loads(path.read_text())
+    del data["matmul_flops"]
+    data["tflops"] = 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="missing field.s. matmul_flops; unknown field.s. tflops"):
+        autoshard.hardware(path)
+
+
+def test_the_command_line_prints_the_step_time(tmp_path, capsys):
+    factory = tmp_path / "factory.py"
+    factory.write_text(textwrap.dedent("""
+        import torch, transformers
+        def build(seq_len):
+            cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                           attn_implementation="sdpa")
+            with torch.device("meta"):
+                model = transformers.LlamaForCausalLM(cfg).train()
+            ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+            return model, (), dict(input_ids=ids, labels=ids)
+    """))
+    assert main(["plan", f"{factory}:build", "--world-size", "4", "--seq-len", "2048", "--hardware", "a100"]) == 0
+    assert "step time" in capsys.readouterr().out and "on a100" in str(_plan(2048, hardware="a100"))
+    with pytest.raises(SystemExit, match="unknown hardware 'x100'"):
+        main(["plan", f"{factory}:build", "--world-size", "4", "--seq-len", "2048", "--hardware", "x100"])
+
+
+def test_packed_documents_cost_the_pairs_they_see():
+    """Documents of 512 tokens in a 4096-token sequence: the attention priced is the busiest rank's document pairs
+    (read from position_ids), not a whole causal sequence's."""
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.zeros(1, 4096, dtype=torch.long)
+    packed, whole = (autoshard.plan(model, kwargs=dict(input_ids=ids, labels=ids, position_ids=positions[None],
+                                                      use_cache=False),
+                                    world_size=4, hardware="h100")
+                     for positions in (torch.arange(4096) % 512, torch.arange(4096)))
+    assert packed.documents["documents"] == 8 and whole.documents["documents"] == 1
+    # 8 x 512^2 / 2 pairs instead of 4096^2 / 2: an eighth, whatever the dispatch's balance
+    for p, w in zip(packed.step_time.layers[:2], whole.step_time.layers[:2]):
+        assert w.attention_s / 10 < p.attention_s < w.attention_s / 3, (p, w)
+    assert packed.step_seconds < whole.step_seconds
