@@ -120,8 +120,6 @@ class AutoshardBackend:
             if rank == 0:
                 logger.info("%s", plan_graph(copy.deepcopy(gm), example_inputs, world_size=world, config=self.config))
             return gm.forward
-        if world == 1:
-            return gm.forward
         if any(isinstance(x, SplitTensor) for x in example_inputs):
             decode, why_not = decode_graph(gm, example_inputs, rank=rank, group_name=pg.group_name)
             if decode is not None:  # a decode step over a cache split along the sequence: any cache length
