@@ -1,0 +1,127 @@
+"""Predicted against measured step time: calibrate this machine, plan, run, compare (tables, no asserts).
+
+    python benchmarks/step_time.py                                    # S = 4096, 8192, 16384; P = 1, 2, 4 (~30 min)
+    python benchmarks/step_time.py --lengths 4096 --worlds 2 --repeat 2   # quicker
+
+1. ``autoshard.hardware.calibrate()`` on ``max(--worlds)`` gloo ranks, one thread each (the compute on rank 0 alone
+   while the others wait, the collectives on all of them); with ``--profile FILE`` the profile is written there, or
+   read from it when the file exists (one calibration for several runs).
+2. For every S, P and strategy that applies (P = 1: the default; P > 1: ring, zigzag, ulysses, allgather):
+   ``autoshard.plan(model on meta, world_size=P, strategy=..., topology=profile).step_seconds`` against the
+   median over ``--repeat`` steps (after a warm-up step) of the slowest rank of
+   ``autoshard.compile(model, strategy=...)`` on P gloo ranks, one thread per rank.
+
+Model: transformers ``LlamaForCausalLM`` (vocab 8000, hidden 256, 4 layers, 8 / 2 heads, SwiGLU 688, fp32), forward
++ backward of the causal-LM loss over one sequence of S tokens. ``error`` is predicted / measured - 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard.hardware import calibrate, load_profile, save_profile
+from autoshard.testing import run_on_ranks
+
+try:
+    from _common import print_table
+except ImportError:  # run as a module
+    from benchmarks._common import print_table
+
+VOCAB = 8000
+STRATEGIES = ("ring", "zigzag", "ulysses", "allgather")
+
+
+def _model(device: str = "cpu"):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=65536)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(cfg).train()
+
+
+def _calibrate() -> dict:
+    import dataclasses
+
+    profile = calibrate()
+    return dataclasses.asdict(profile) if dist.get_rank() == 0 else {}
+
+
+def _measure(length: int, strategy: str | None, repeat: int) -> float:
+    """Median step seconds on this rank (after a warm-up)."""
+    model = _model()
+    compiled = autoshard.compile(model, **({"strategy": strategy} if strategy else {}))
+    ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+
+    def step():
+        compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _predict(length: int, world: int, strategy: str | None, profile) -> tuple[float, str]:
+    model = _model("meta")
+    ids = torch.zeros(1, length, dtype=torch.long, device="meta")
+    plan = autoshard.plan(model, (), dict(input_ids=ids, labels=ids, use_cache=False), world_size=world,
+                          topology=profile, **({"strategy": strategy} if strategy else {}))
+    return plan.step_seconds, plan.attention[0].strategy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--repeat", type=int, default=3, help="measured steps; the median counts")
+    parser.add_argument("--profile", help="the calibrated profile: written when missing, read when present "
+                                           "(default: calibrate, keep nothing)")
+    args = parser.parse_args()
+
+    if args.profile and os.path.exists(args.profile):
+        profile = load_profile(args.profile)
+    else:
+        start = time.perf_counter()
+        ranks = run_on_ranks(_calibrate, max(max(args.worlds), 2), threads=1, timeout=600)
+        profile = autoshard.Topology(**ranks[0])
+        print(f"calibrated in {time.perf_counter() - start:.0f} s" + (f" -> {args.profile}" if args.profile else ""))
+        if args.profile:
+            save_profile(profile, args.profile)
+    print(f"profile: {profile}")
+
+    rows, errors = [], []
+    for length in args.lengths:
+        for world in args.worlds:
+            for strategy in ([None] if world == 1 else args.strategies):
+                predicted, chosen = _predict(length, world, strategy, profile)
+                if strategy is not None and chosen != strategy:
+                    continue  # the strategy does not apply here (the plan says what runs instead)
+                measured = max(run_on_ranks(_measure, world, length, strategy, args.repeat, threads=1, timeout=7200))
+                errors.append(predicted / measured - 1)
+                rows.append([length, world, strategy or chosen, f"{measured:.2f}", f"{predicted:.2f}",
+                             f"{errors[-1]:+.1%}"])
+                print("  ".join(map(str, rows[-1])), flush=True)
+    print_table(f"Step time predicted on {profile.name} against measured (median of {args.repeat})",
+                ["S", "P", "strategy", "measured s", "predicted s", "error"], rows)
+    if errors:
+        print(f"\nmean |error| {statistics.mean(abs(e) for e in errors):.1%}, worst {max(errors, key=abs):+.1%}")
+
+
+if __name__ == "__main__":
+    main()
