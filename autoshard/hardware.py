@@ -228,8 +228,7 @@ def calibrate(*, tokens: int = 4096) -> Topology:
     if distributed:
         dist.broadcast_object_list(measured, src=0)
     profile = measured[0]
-    with open("/proc/meminfo") if Path("/proc/meminfo").exists() else open(os.devnull) as meminfo:
-        host = next((int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal")), 64 * _GiB)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if distributed else 1))
     if cuda:
         name = torch.cuda.get_device_name(device)

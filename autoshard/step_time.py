@@ -142,8 +142,9 @@ def _attention_cost(shape: AttentionShape, world: int, topology: Topology, strat
 
 def _attention_call(args: tuple, world: int, topology: Topology, backward: bool) -> tuple[float, float, float]:
     """(compute, communication, exposed communication) seconds of one attention op (see the module docstring)."""
+    first = 6 if backward else 3  # the masks follow (dout, q, k, v, out, lse) or (q, k, v)
     q, k, v = args[1:4] if backward else args[:3]
-    masks = args[7:9] if backward else args[3:5]
+    masks = args[first:first + 2]
     config = OpConfig(*args[-len(OpConfig.__dataclass_fields__):])
     window = None if (config.window_left, config.window_right) == (-1, -1) else (config.window_left,
                                                                                 config.window_right)
