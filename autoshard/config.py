@@ -68,8 +68,9 @@ class BackendConfig:
     ``logging.basicConfig(level=logging.INFO)``), then run the model unsharded."""
 
     topology: Any = None
-    """Cluster description for the cost model (ranks per node, bandwidths, latencies); None = the
-    default (8-GPU NVLink nodes on InfiniBand)."""
+    """The hardware profile the cost model chooses strategies with (:class:`~autoshard.cost.Topology`: ranks per
+    node, FLOP/s, bandwidths, latencies; ``autoshard.hardware("a100")`` or a calibrated file gives one); None = the
+    default (H100 nodes: 8 GPUs on NVLink, InfiniBand between nodes)."""
 
     memory_budget: int | None = None
     """Per-rank memory budget in bytes. It drives the memory policy (:mod:`autoshard.policy`): of the levers

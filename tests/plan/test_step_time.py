@@ -127,3 +127,23 @@ def test_packed_documents_cost_the_pairs_they_see():
     for p, w in zip(packed.step_time.layers[:2], whole.step_time.layers[:2]):
         assert w.attention_s / 10 < p.attention_s < w.attention_s / 3, (p, w)
     assert packed.step_seconds < whole.step_seconds
+
+
+def _calibrated():
+    import torch.distributed as dist
+
+    profile = autoshard.calibrate(tokens=256)
+    return profile, dist.get_rank()
+
+
+def test_calibration_measures_the_machine_and_its_collectives():
+    from autoshard.testing import run_on_ranks
+
+    (profile, _), (other, _) = run_on_ranks(_calibrated, 2, timeout=300)
+    assert profile == other  # rank 0's compute, every rank's collectives: one profile
+    assert profile.name.endswith("gloo over 2 rank(s)") and profile.concurrent_ranks >= 1
+    for name in ("matmul_flops", "matmul_flops_fp32", "attention_flops", "attention_flops_fp32", "memory_bandwidth",
+                 "intra_node_bandwidth", "host_bandwidth"):
+        assert getattr(profile, name) > 0, name
+    assert profile.attention_pair_flops >= 0 and 0 < profile.sharing_efficiency <= 1
+    assert profile.intra_node_latency >= 0 and profile.intra_node_bandwidth != PROFILES["h100"].intra_node_bandwidth
