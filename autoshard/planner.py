@@ -12,7 +12,8 @@ run for one rank of a *plan group* (a stand-in with a rank and a size; nothing c
 collective the rewrite emits is recorded with every rank's bytes and a sympy formula
 (:mod:`autoshard.passes.comms`), the per-rank graph runs forward and backward on fake tensors to follow what it
 holds, and the cost model
-(:mod:`autoshard.cost`) prices every attention strategy on the given topology.
+(:mod:`autoshard.cost`) prices every attention strategy on the given topology. The same fake run prices every op
+on that hardware profile: the step's time, by layer (:mod:`autoshard.step_time`, ``plan(..., hardware="h100")``).
 
 A model built on the meta device plans as it runs, called as its users call it (transformers' models with
 their defaults: a ``DynamicCache`` built and returned): its meta tensors are captured as fake CPU tensors
