@@ -9,7 +9,8 @@
 2. For every S, P and strategy that applies (P = 1: the default; P > 1: ring, zigzag, ulysses, allgather):
    ``autoshard.plan(model on meta, world_size=P, strategy=..., topology=profile).step_seconds`` against the
    median over ``--repeat`` steps (after a warm-up step) of the slowest rank of
-   ``autoshard.compile(model, strategy=...)`` on P gloo ranks, one thread per rank.
+   ``autoshard.compile(model, strategy=...)`` on P gloo ranks, one thread per rank; with ``--levers`` also the
+   default strategy with ``recompute="layers"`` and with ``chunk_mlp=1024`` (recomputation priced again).
 
 Model: transformers ``LlamaForCausalLM`` (vocab 8000, hidden 256, 4 layers, 8 / 2 heads, SwiGLU 688, fp32), forward
 + backward of the causal-LM loss over one sequence of S tokens. ``error`` is predicted / measured - 1.
@@ -55,10 +56,10 @@ def _calibrate() -> dict:
     return dataclasses.asdict(profile) if dist.get_rank() == 0 else {}
 
 
-def _measure(length: int, strategy: str | None, repeat: int) -> float:
-    """Median step seconds on this rank (after a warm-up)."""
+def _measure(length: int, options: dict, repeat: int) -> float:
+    """Median step seconds on this rank (after a warm-up) of ``autoshard.compile(model, **options)``."""
     model = _model()
-    compiled = autoshard.compile(model, **({"strategy": strategy} if strategy else {}))
+    compiled = autoshard.compile(model, **options)
     ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
 
     def step():
@@ -75,12 +76,16 @@ def _measure(length: int, strategy: str | None, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _predict(length: int, world: int, strategy: str | None, profile) -> tuple[float, str]:
+def _predict(length: int, world: int, options: dict, profile) -> tuple[float, str]:
     model = _model("meta")
     ids = torch.zeros(1, length, dtype=torch.long, device="meta")
     plan = autoshard.plan(model, (), dict(input_ids=ids, labels=ids, use_cache=False), world_size=world,
-                          topology=profile, **({"strategy": strategy} if strategy else {}))
+                          topology=profile, **options)
     return plan.step_seconds, plan.attention[0].strategy
+
+
+LEVERS = {"recompute": {"recompute": "layers"}, "chunk_mlp": {"chunk_mlp": 1024}}
+"""``--levers``: rows with the memory levers on (the default strategy), whose recomputation the prediction prices."""
 
 
 def main() -> None:
@@ -88,6 +93,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--levers", action="store_true", help=f"also the default strategy with {', '.join(LEVERS)}")
     parser.add_argument("--repeat", type=int, default=3, help="measured steps; the median counts")
     parser.add_argument("--profile", help="the calibrated profile: written when missing, read when present "
                                            "(default: calibrate, keep nothing)")
@@ -107,17 +113,19 @@ def main() -> None:
     rows, errors = [], []
     for length in args.lengths:
         for world in args.worlds:
-            for strategy in ([None] if world == 1 else args.strategies):
-                predicted, chosen = _predict(length, world, strategy, profile)
-                if strategy is not None and chosen != strategy:
+            runs = {None: {}} if world == 1 else {s: {"strategy": s} for s in args.strategies}
+            runs.update({lever: options for lever, options in LEVERS.items() if args.levers})
+            for name, options in runs.items():
+                predicted, chosen = _predict(length, world, options, profile)
+                if "strategy" in options and chosen != options["strategy"]:
                     continue  # the strategy does not apply here (the plan says what runs instead)
-                measured = max(run_on_ranks(_measure, world, length, strategy, args.repeat, threads=1, timeout=7200))
+                measured = max(run_on_ranks(_measure, world, length, options, args.repeat, threads=1, timeout=7200))
                 errors.append(predicted / measured - 1)
-                rows.append([length, world, strategy or chosen, f"{measured:.2f}", f"{predicted:.2f}",
-                             f"{errors[-1]:+.1%}"])
+                label = chosen if name is None else name if "strategy" in options else f"{chosen}, {name}"
+                rows.append([length, world, label, f"{measured:.2f}", f"{predicted:.2f}", f"{errors[-1]:+.1%}"])
                 print("  ".join(map(str, rows[-1])), flush=True)
     print_table(f"Step time predicted on {profile.name} against measured (median of {args.repeat})",
-                ["S", "P", "strategy", "measured s", "predicted s", "error"], rows)
+                ["S", "P", "run", "measured s", "predicted s", "error"], rows)
     if errors:
         print(f"\nmean |error| {statistics.mean(abs(e) for e in errors):.1%}, worst {max(errors, key=abs):+.1%}")
 
