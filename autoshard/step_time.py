@@ -14,8 +14,8 @@ literature do (a calibrated cost per op class, collectives by latency and bandwi
   the compiler chose (:func:`autoshard.cost.attention_costs`: the rank's share of the work, its imbalance on the
   layout, the exposed part of its communication, the ring's per-step latency and merges), forward 1 / 3.5 of its
   compute, backward the rest, the communication by the bytes each direction sends;
-* **the chunked LM head + loss** (``autoshard::linear_cross_entropy``): its products (the backward recomputes the
-  logits: three products) and its softmax passes over the ``[tokens, V]`` values;
+* **the chunked LM head + loss** (``autoshard::linear_cross_entropy``): its three products (the logits and the two
+  gradients, made in forward when the loss wants them; else the backward recomputes the logits) and its softmax passes over the ``[tokens, V]`` values;
 * **everything else**: the bytes it reads and writes over the memory bandwidth; views cost nothing; every op also
   pays :attr:`~autoshard.cost.Topology.op_overhead`. A CPU rank that shares its cores
   (:meth:`~autoshard.cost.Topology.slowdown`) computes that much slower.
@@ -61,9 +61,11 @@ _MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch
 """Matrix multiplies -> the position of their first factor (after the added term of ``addmm`` / ``baddbmm``)."""
 _ATTENTION = {torch.ops.autoshard.attention.default: "forward",
               torch.ops.autoshard.attention_backward.default: "backward"}
-_LOSS = {torch.ops.autoshard.linear_cross_entropy.default: 1, torch.ops.autoshard.linear_cross_entropy_backward.default: 3}
-"""The chunked LM head + loss -> products of ``[tokens, H] x [H, V]`` it makes (the backward recomputes the logits,
-then the gradients of the hidden state and of the weight)."""
+_LOSS = {torch.ops.autoshard.linear_cross_entropy.default: lambda args: 3 if args[10] else 1,
+         torch.ops.autoshard.linear_cross_entropy_backward.default: lambda args: 3}
+"""The chunked LM head + loss -> products of ``[tokens, H] x [H, V]`` it makes from its arguments: the logits, and
+the gradients of the hidden state and of the weight where it makes them (in forward when asked to, else its
+backward op recomputes the logits)."""
 _SOFTMAX_PASSES = 3
 """Passes over the float32 ``[tokens, V]`` values the chunked loss makes per product (max, exp-sum, the
 probabilities or their gradient)."""
@@ -226,9 +228,10 @@ class OpTimer(TorchDispatchMode):
             flops = 2 * a.numel() * b.shape[-1]
             seconds = flops / t.matmul_rate(a.dtype)
         elif func in _LOSS:
-            h, weight = (args[0], args[1]) if _LOSS[func] == 1 else (args[1], args[2])
+            forward = func is torch.ops.autoshard.linear_cross_entropy.default
+            h, weight = (args[0], args[1]) if forward else (args[1], args[2])
             rows, vocab = h.numel() // h.shape[-1], weight.shape[0]
-            products = _LOSS[func]
+            products = _LOSS[func](args)
             seconds = (products * 2 * rows * vocab * h.shape[-1] / t.matmul_rate(h.dtype)
                        + products * _SOFTMAX_PASSES * rows * vocab * 4 / t.memory_bandwidth)
         else:
