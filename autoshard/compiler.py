@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import hashlib
 import itertools
 import logging
@@ -50,6 +51,8 @@ from .runtime.collectives import gather_facts
 from .runtime.attention.dispatch import last_dispatch
 from .runtime.layouts import SequenceLayout
 from .runtime.deferred import DeferredTensor, defer
+from .runtime.lazy_linear import lazy_linear
+from .runtime.redistribute import grad_scale, grad_sync
 from .runtime.split_tensor import SplitTensor, local_of, wrap
 from .runtime.groups import (GroupLike, check_sequence_mesh, default_store, private_torch_api, sequence_group,
                              sequence_groups)
@@ -179,10 +182,12 @@ class AutoshardBackend:
         _warn_undistributed(compiled.report)
         self.compiled.append(record)
         lowered = _lower(compiled.graph_module, example_inputs, self.config.inner_for(_device_type(example_inputs)))
-        if not (deferred or carried or compiled.carried_outputs or compiled.deferred_outputs):
+        if not (deferred or carried or compiled.carried_outputs or compiled.deferred_outputs or compiled.lazy_outputs):
             return lowered
+        lazy = {i: functools.partial(_lazy_head, spec=spec, group_name=pg.group_name, summed=self.config.grad_sync,
+                                     world=pg.size()) for i, spec in compiled.lazy_outputs.items()}
         return _carrying(lowered, bool(deferred), set(carried), compiled.carried_outputs, compiled.deferred_outputs,
-                         pg.group_name)
+                         lazy, pg.group_name)
 
     def _memory_policy(self, gm: fx.GraphModule, example_inputs: list, world: int) -> tuple[BackendConfig, Any]:
         """The config the memory policy chooses for this graph (:mod:`autoshard.policy`) and what it weighed;
@@ -334,18 +339,31 @@ def _warn_undistributed(report: CompileReport) -> None:
 
 
 def _carrying(fn: Callable, flatten: bool, carried_inputs: set[int], carried_outputs: dict, deferred_outputs: dict,
-              group_name: str) -> Callable:
+              lazy_outputs: dict, group_name: str) -> Callable:
     """``fn`` (a compiled per-rank graph) called with the inner tensors of its DeferredTensor inputs in their
     place (``flatten``) and the shards of the SplitTensor inputs at ``carried_inputs`` (positions among those
-    flattened inputs); its outputs at ``carried_outputs`` handed back as SplitTensor, at ``deferred_outputs``
+    flattened inputs); its outputs at ``lazy_outputs`` made by their function (:func:`_lazy_head`) of the output
+    and the flattened inputs, those at ``carried_outputs`` handed back as SplitTensor, at ``deferred_outputs``
     (None from the graph) as DeferredTensor of the inputs their recipes read."""
     def run(*args):
         args = _flatten_deferred(args) if flatten else args
         out = fn(*(local_of(a) if i in carried_inputs else a for i, a in enumerate(args)))
+        out = type(out)(lazy_outputs[i](o, args) if i in lazy_outputs else o for i, o in enumerate(out))
         return type(out)(wrap(o, carried_outputs[i].dim, carried_outputs[i].layout, group_name) if i in carried_outputs
                          else defer(deferred_outputs[i].recipe, [args[j] for j in deferred_outputs[i].inputs])
                          if i in deferred_outputs else o for i, o in enumerate(out))
     return run
+
+
+def _lazy_head(h: torch.Tensor, args, *, spec, group_name: str, summed: bool, world: int) -> torch.Tensor:
+    """The lazy logits of the head ``spec`` (:class:`~autoshard.passes.lazy.LazyOutput`) from the graph's output
+    ``h`` and its inputs ``args``. On split tokens, the head's parameters take this rank's share of their gradient
+    the way the graph's own uses do: ``summed`` over the group (``grad_sync``), or multiplied by its size."""
+    weight, bias = args[spec.weight], args[spec.bias] if spec.bias is not None else None
+    if spec.split:
+        weight, bias = (p if p is None else grad_sync(p, group_name) if summed else grad_scale(p, world)
+                        for p in (weight, bias))
+    return lazy_linear(h, weight, bias, dtype=spec.dtype)
 
 
 def _flatten_deferred(args, like: dict | None = None) -> list:

@@ -86,12 +86,21 @@ class BackendConfig:
     ``linear -> [.float()] -> [view/reshape, slices of the tokens] -> cross_entropy`` whose logits have no other
     use becomes ``autoshard::linear_cross_entropy`` (:mod:`autoshard.runtime.chunked_loss`): forward and
     backward run over this rank's tokens a chunk at a time and never hold the ``[tokens, vocab]`` logits,
-    their softmax or their gradient whole -- only the per-token log-sum-exp is kept for backward, which
-    recomputes each chunk's logits (one more head matmul). On by default: at long context the logits are
-    the largest values of a step (16k tokens x 128k vocab in float32 is 8 GiB). (A group of one rank runs the
-    model as it is, unchunked.) The default 1024 keeps a chunk's float32 logits at 125 MiB for a 32k vocabulary
-    and 500 MiB for 128k, while a chunk's matmul (1024 x hidden x vocab) stays large enough to run at full
-    speed. Every rank runs the same number of chunks, derived from the largest rank's share of the tokens."""
+    their softmax or their gradient whole. When the loss wants gradients, each chunk's gradients of the hidden
+    state and of the head's weight are made in forward right after its loss (three products of the head in all,
+    the fewest there are), and a weight-sized gradient is held until backward. On by default: at long context
+    the logits are the largest values of a step (16k tokens x 128k vocab in float32 is 8 GiB). The default 1024
+    keeps a chunk's float32 logits at 125 MiB for a 32k vocabulary and 500 MiB for 128k, while a chunk's matmul
+    (1024 x hidden x vocab) stays large enough to run at full speed. Every rank runs the same number of chunks,
+    derived from the largest rank's share of the tokens."""
+
+    lazy_logits: bool = True
+    """Return an LM head's logits that the graph only returns (the model called with ``labels=``: the loss is
+    chunked, the logits are returned beside it) as :class:`~autoshard.runtime.lazy_linear.LazyLinear`: computed
+    when first read, from the hidden state the graph keeps (``[tokens, hidden]`` instead of ``[tokens, vocab]``,
+    one product of the head fewer when nobody reads them). Reading them after the head's weight changed (an
+    optimizer step computes pending logits first; FSDP2 resharding after backward, a manual in-place update do
+    not) raises. False: the graph computes them as the model does (:mod:`autoshard.passes.lazy`)."""
 
     chunk_mlp: int | None = None
     """Tokens per chunk of the token-local MLP blocks (``linear -> activation [* linear] -> linear``: SwiGLU, GELU
@@ -143,6 +152,7 @@ class BackendConfig:
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError("autoshard.backend: memory_budget must be a positive number of bytes")
         check("recompute", self.recompute, ("none", "layers"))
+        check("lazy_logits", self.lazy_logits, (True, False))
         if self.offload and self.inner not in ("eager", "auto"):
             raise ValueError("autoshard.backend: offload=True runs with inner='eager' only (a tracing compiler would "
                              f"trace the host copies instead of running them), got inner={self.inner!r}")

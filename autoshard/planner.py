@@ -209,7 +209,8 @@ class Plan:
     it (the whole region reruns, its collectives too; they are among ``collectives``, phase backward)."""
     losses: dict[str, int] = field(default_factory=dict)
     """LM heads and their cross-entropies: ``chunked`` (made one chunked op, ``chunk_loss``), ``logits_kept`` (of
-    those, heads kept for their logits' other use, such as being returned) and ``unchunked`` (left as they are:
+    those, heads kept for their logits' other use, such as being returned), ``lazy_logits`` (returned heads whose
+    logits are computed when first read, ``lazy_logits``; counted unread) and ``unchunked`` (left as they are:
     the pattern does not fit)."""
     mlps: dict[str, int] = field(default_factory=dict)
     """Token-local MLP blocks: ``chunked`` (``chunk_mlp``: a chunk of the tokens at a time, each checkpointed) and
@@ -261,11 +262,15 @@ class Plan:
                          f"memory until backward (not in the total above)")
         lines += [f"  {line}" for line in self.memory_policy]
         if self.losses.get("chunked"):
-            kept = self.losses.get("logits_kept", 0)
+            kept = self.losses.get("logits_kept", 0) - self.losses.get("lazy_logits", 0)
             lines.append(f"  LM head + cross-entropy: {self.losses['chunked']} chunked over the rank's tokens "
                          f"(chunk_loss): the float32 [tokens, vocab] logits, softmax and gradient are never whole"
                          + (f"; {kept} head(s) also returning their logits: those stay, in the head's dtype "
                             f"(in outputs above)" if kept else ""))
+        if self.losses.get("lazy_logits"):
+            lines.append(f"  returned logits: {self.losses['lazy_logits']} LM head output(s) computed when first read "
+                         f"(lazy_logits), counted unread: the rank holds their [tokens, hidden] input, not "
+                         f"[tokens, vocab]")
         if self.losses.get("unchunked"):
             lines.append(f"  cross-entropy: {self.losses['unchunked']} not chunked (chunk_loss off, or it is no LM "
                          f"head): the logits are held whole on the rank's tokens (in saved activations and outputs "
@@ -478,14 +483,12 @@ def _inline_deferred(gm: fx.GraphModule, example_inputs: list, sources: list, de
 def _chunked_loss_working_set(args: tuple) -> int:
     """The chunked LM head + loss: a chunk's ``[tokens / chunks, V]`` values alive at once
     (:func:`~autoshard.runtime.chunked_loss.working_set_bytes`), forward or backward."""
-    if len(args) == 10:  # forward: h, weight, bias, target, class_weight, ignore_index, smoothing, reduction, chunks,
-        h, weight, chunks, out_dtype = args[0], args[1], args[8], args[9]  # out_dtype
-        backward = False
+    if len(args) == 11:  # forward: h, weight, bias, target, class_weight, ignore_index, smoothing, reduction, chunks,
+        h, weight, chunks, out_dtype = args[0], args[1], args[8], args[9]  # out_dtype, grads
     else:  # backward: grad (out_dtype), h, weight, bias, target, class_weight, lse, ignore_index, smoothing, reduction,
         h, weight, chunks, out_dtype = args[1], args[2], args[10], args[0].dtype  # chunks
-        backward = True
     rows = h.numel() // max(1, h.size(-1))
-    return working_set_bytes(rows, weight.size(0), chunks, h.dtype, out_dtype, backward=backward)
+    return working_set_bytes(rows, weight.size(0), chunks, h.dtype, out_dtype)
 
 
 _WORKING_SETS: dict[Any, Callable[[tuple], int]] = {
@@ -616,12 +619,14 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int, topolo
                 live.track(x)
         inputs_serials, base = {serial for serial, _ in live.live.values()}, live.total
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            outputs = [t for t in tree_leaves(run_timed(compiled.graph_module, inputs, timer))
-                       if isinstance(t, torch.Tensor)]
+            results = run_timed(compiled.graph_module, inputs, timer)
+            outputs = [t for t in tree_leaves(results) if isinstance(t, torch.Tensor)]
+        # lazy logits (the head's input in their place): nobody reads them, so no gradient comes through them
+        unread = {id(results[i]) for i in compiled.lazy_outputs or ()}
         output_serials = {live.serial_of(t) for t in outputs}
         held = live.total - base
         live.phase = timer.phase = "backward"
-        differentiable = [t for t in outputs if t.requires_grad]
+        differentiable = [t for t in outputs if t.requires_grad and id(t) not in unread]
         if differentiable:
             torch.autograd.backward(differentiable, [torch.ones_like(t) for t in differentiable])
         grads = {live.serial_of(p.grad) for _, p in parameters.values() if p.grad is not None}
@@ -815,6 +820,8 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
         for key, count in (chunking.counts.items() if chunking is not None else ()):
             name = key.removesuffix("_losses")
             result.losses[name] = result.losses.get(name, 0) + count
+        lazy = report.passes.get("lazy")
+        result.losses["lazy_logits"] = result.losses.get("lazy_logits", 0) + (lazy.counts["lazy"] if lazy else 0)
         mlps = report.passes.get("chunk_mlp")
         for key in ("chunked", "unchunked"):
             result.mlps[key] = result.mlps.get(key, 0) + (mlps.counts[f"{key}_mlps"] if mlps is not None else 0)

@@ -8,6 +8,7 @@
 ``defer``          masks and other cheap large outputs are handed on uncomputed (:mod:`.deferred`)
 ``decompose``      composites (``diff``) become ops that have rules (:mod:`.normalize`)
 ``chunking``       the LM head and its cross-entropy become one chunked op (:mod:`.chunking`)
+``lazy``           a returned LM head's logits are computed when first read (:mod:`.lazy`)
 ``recompute``      with ``recompute="layers"``, every layer becomes a checkpointed region (:mod:`.recompute`)
 ``link``           every node's rule links its dims to its inputs' dims; annotations seed (:mod:`.rules`)
 ``families``       linked dims joined into sequence families (:mod:`.infer`)
@@ -37,7 +38,7 @@ import os
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,6 +54,7 @@ from .chunking import chunk_losses
 from .deferred import DeferredOutput, defer_outputs
 from .functionalize import functionalize
 from .infer import Families, LinkContext, find_families
+from .lazy import LazyOutput, lazy_outputs
 from .normalize import canonicalize, decompose
 from .ops import op_of, value_of
 from .regions import Region, fill_regions, inline_regions, outline_regions
@@ -107,6 +109,8 @@ class PipelineState:
     """capture: attention-like patterns that were not captured (:class:`~.report.Fallback`: they run whole)."""
     deferred_outputs: dict[int, DeferredOutput] = field(default_factory=dict)
     """defer: output position -> how the value the graph no longer computes is computed where it is used."""
+    lazy_outputs: dict[int, LazyOutput] = field(default_factory=dict)
+    """lazy: output position -> the head the backend makes lazy logits of (the graph returns its input)."""
     links: LinkContext | None = None
     """link: the dims every rule linked."""
     families: Families | None = None
@@ -197,6 +201,8 @@ def _rewrite(state: PipelineState) -> dict[str, int]:
     state.rewriter = Rewriter(state.gm, state.families, state.layouts, groups=state.groups, config=state.config,
                               strategies=state.strategies, sharded_inputs=state.sharded_inputs)
     state.gm = state.rewriter.run()
+    state.lazy_outputs = {i: replace(lazy, split=i in state.rewriter.split_outputs)
+                          for i, lazy in state.lazy_outputs.items()}
     report = state.rewriter.report
     return {"transitions": len(report.transitions), "fallbacks": len(report.fallbacks),
             "collectives": len(report.comms)}
@@ -204,6 +210,11 @@ def _rewrite(state: PipelineState) -> dict[str, int]:
 
 def _chunk_mlp(state: PipelineState) -> dict[str, int]:
     return chunk_mlps(state.gm, state.config.chunk_mlp, state.rewriter)
+
+
+def _lazy(state: PipelineState) -> dict[str, int]:
+    state.lazy_outputs = lazy_outputs(state.gm) if state.config.lazy_logits else {}
+    return {"lazy": len(state.lazy_outputs)}
 
 
 def _outline(state: PipelineState) -> dict[str, int]:
@@ -237,6 +248,7 @@ PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[Pi
     ("defer", _defer, _graph_code),
     ("decompose", _decompose, _graph_code),
     ("chunking", _chunking, _graph_code),
+    ("lazy", _lazy, _graph_code),
     ("recompute", _recompute, _graph_code),
     ("link", _link, lambda state: f"{len(state.links.factors)} nodes with linked dims\n"),
     ("families", _families, _families_text),
@@ -282,6 +294,9 @@ class CompiledGraph:
     deferred_outputs: dict = None
     """Position in the output tuple -> :class:`~.deferred.DeferredOutput` of the outputs handed back as
     DeferredTensor (the graph returns None there)."""
+    lazy_outputs: dict = None
+    """Position in the output tuple -> :class:`~.lazy.LazyOutput` of the outputs handed back as
+    :class:`~autoshard.runtime.lazy_linear.LazyLinear` (the graph returns the head's input there)."""
 
 
 
@@ -313,7 +328,7 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, groups: Sequence
     rewriter.report.fallbacks[:0] = state.missed
     gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
     return CompiledGraph(state.gm, rewriter.report, families, state.strategies, gathered, state.reasons,
-                         rewriter.carried_outputs, state.deferred_outputs)
+                         rewriter.carried_outputs, state.deferred_outputs, state.lazy_outputs)
 
 
 def input_name(node: fx.Node) -> str | None:

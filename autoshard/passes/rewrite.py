@@ -75,6 +75,8 @@ class Rewriter:
         self._root_of: dict[SequenceLayout, int] = {}  # layout -> the length of the family root it derives from
         self.gathered_outputs: list[fx.Node] = []
         self.carried_outputs: dict[int, Shard] = {}
+        self.split_outputs: set[int] = set()
+        """Positions of the outputs returned as this rank's shard (``"sharded"``, or carried: ``"split"``)."""
         """Position in the output tuple -> placement of the split outputs left local (``outputs="split"``)."""
         """Outputs that were split and are gathered whole for the caller."""
         self._last_placeholder: fx.Node | None = None
@@ -410,6 +412,8 @@ class Rewriter:
                     self.config.outputs == "split" and index is not None and not have.factors)):
                 if self.config.outputs == "split":
                     self.carried_outputs[index] = have
+                if index is not None:
+                    self.split_outputs.add(index)
                 return self.env[n]
             if isinstance(have, Shard):
                 self.gathered_outputs.append(n)

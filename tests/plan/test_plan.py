@@ -189,18 +189,26 @@ class _LossOnly(torch.nn.Module):
 
 def test_plan_says_whether_the_lm_head_and_loss_are_chunked():
     """A loss-only step gets the chunked head; a model that also returns its logits gets the chunked loss and
-    keeps its head for the logits; chunk_loss=None leaves the loss whole; the plan says which."""
+    returns its logits lazily (``lazy_logits=False``: keeps its head for them); chunk_loss=None leaves the loss
+    whole; the plan says which."""
     ids = torch.randint(0, 256, (1, 64))
     torch._dynamo.reset()
     chunked = autoshard.plan(_LossOnly(), (ids, ids), world_size=2)
     torch._dynamo.reset()
     returned = autoshard.plan(_LossOnly().llama, (ids, ids), world_size=2)
     torch._dynamo.reset()
+    kept = autoshard.plan(_LossOnly().llama, (ids, ids), world_size=2, lazy_logits=False)
+    torch._dynamo.reset()
     whole = autoshard.plan(_LossOnly(), (ids, ids), world_size=2, chunk_loss=None)
-    assert chunked.losses == {"chunked": 1, "unchunked": 0, "logits_kept": 0}, chunked.losses
+    assert chunked.losses == {"chunked": 1, "unchunked": 0, "logits_kept": 0, "lazy_logits": 0}, chunked.losses
     assert "1 chunked over the rank's tokens" in str(chunked) and "also returning" not in str(chunked)
-    assert returned.losses == {"chunked": 1, "unchunked": 0, "logits_kept": 1}, returned.losses
-    assert "1 head(s) also returning their logits" in str(returned)
-    assert whole.losses == {"chunked": 0, "unchunked": 1}, whole.losses
+    assert returned.losses == {"chunked": 1, "unchunked": 0, "logits_kept": 1, "lazy_logits": 1}, returned.losses
+    assert "computed when first read" in str(returned) and "also returning" not in str(returned)
+    assert kept.losses == {"chunked": 1, "unchunked": 0, "logits_kept": 1, "lazy_logits": 0}, kept.losses
+    assert "1 head(s) also returning their logits" in str(kept)
+    logits = 32 * 256 * 4  # this rank's [tokens, vocab] float32
+    assert kept.memory_per_rank.total - returned.memory_per_rank.total >= logits // 2, \
+        (kept.memory_per_rank, returned.memory_per_rank)
+    assert whole.losses == {"chunked": 0, "unchunked": 1, "lazy_logits": 0}, whole.losses
     assert "1 not chunked" in str(whole)
     assert Plan.from_json(chunked.to_json()).losses == chunked.losses
