@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-mlp", type=int, metavar="TOKENS", help="tokens per chunk of the MLPs (default: off)")
     p.add_argument("--chunk-loss", type=int, default=1024, metavar="TOKENS",
                    help="tokens per chunk of the LM head + loss (0: off)")
+    p.add_argument("--no-lazy-logits", action="store_true",
+                   help="lazy_logits=False: returned logits computed in the graph (default: when first read)")
     p.add_argument("--offload", action="store_true", help="keep checkpointed layers' inputs in host memory")
     p.add_argument("--dp-shard", type=int, default=1, metavar="RANKS",
                    help="ranks FSDP2 shards parameters, gradients and optimizer states over (dp x sp; 1: no FSDP)")
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                       layout=args.layout, outputs=args.outputs, topology=topology,
                       rank=args.rank, memory_budget=budget, recompute=args.recompute, chunk_mlp=args.chunk_mlp,
                       chunk_loss=args.chunk_loss or None, offload=args.offload, dp_shard=args.dp_shard,
-                      optimizer=args.optimizer, grad_sync=not args.no_grad_sync)
+                      optimizer=args.optimizer, grad_sync=not args.no_grad_sync,
+                      lazy_logits=not args.no_lazy_logits)
     except MemoryBudgetError as e:  # the plan's answer, not a crash: which budget would do, and what is left
         print(e, file=sys.stderr)
         return 1

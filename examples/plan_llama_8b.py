@@ -12,11 +12,12 @@
 and the token ids live on the meta device.
 
 * ``factory``: called as users call it, ``model(input_ids=ids, labels=ids)``: the loss *and* the logits are
-  returned (the logits stay split along the sequence, ``[tokens / P, 128256]`` per rank);
+  returned (the logits lazily: computed when first read, so the plan holds their ``[tokens / P, 4096]`` input,
+  not ``[tokens / P, 128256]``; ``--no-lazy-logits`` to plan them computed);
 * ``prompt``: serving, ``model(input_ids=ids)`` in eval mode: with ``--decode`` the plan of a decode step after
   that prompt (the KV cache split along the sequence);
-* ``loss_only``: a training step that keeps only ``.loss`` (as a training loop does): the logits are dead,
-  so the LM head and the loss run chunked and no ``[tokens, vocab]`` value exists at all.
+* ``loss_only``: a training step that keeps only ``.loss`` inside the compiled code: the logits are dead in
+  the graph, so no ``[tokens, vocab]`` value exists at all (with lazy logits, ``factory`` plans the same).
 """
 
 import torch
