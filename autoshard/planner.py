@@ -35,7 +35,11 @@ what the caller holds (the outputs) and the temporaries of every op are all in i
   (:data:`_WORKING_SETS`: the chunked LM head + loss holds a chunk's ``[tokens / chunks, V]`` values,
   :func:`~autoshard.runtime.chunked_loss.working_set_bytes`);
 * graphs run one after the other (graph breaks): graph ``g``'s forward runs on top of what the graphs before it
-  keep, its backward on top of that and the gradients of the graphs after it.
+  keep, its backward on top of that and the gradients of the graphs after it;
+* backward starts from what a training step differentiates: a graph that returns a loss (a differentiable
+  scalar) is differentiated from its losses alone -- the logits, a KV cache and hidden states returned beside it
+  are held, not differentiated (``loss.backward()``); a graph without one (a layer of several graphs) from every
+  differentiable output, with the caller's gradient of each.
 
 The breakdown (:class:`MemoryEstimate`) is the peak moment's live bytes by kind. Planning options that the graphs
 do not show are arithmetic on top: ``dp_shard`` (FSDP2 shards parameters, gradients and optimizer states over that
@@ -595,8 +599,8 @@ def _fake_leaf(mode: FakeTensorMode, x: torch.Tensor) -> torch.Tensor:
 
 
 def _memory(compiled, example_inputs: list, world: int, root_length: int, topology: Topology) -> _GraphMemory:
-    """Run the per-rank graph forward and backward on fake tensors (the caller's gradient of every differentiable
-    output: ones) and follow its live bytes (see the module docstring) and the time of its ops on ``topology``
+    """Run the per-rank graph forward and backward on fake tensors (from its losses, or the caller's gradient of every
+    differentiable output: ones; see the module docstring) and follow its live bytes (see the module docstring) and the time of its ops on ``topology``
     (:class:`~autoshard.step_time.OpTimer`)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = [_fake_leaf(mode, x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
@@ -627,6 +631,8 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int, topolo
         held = live.total - base
         live.phase = timer.phase = "backward"
         differentiable = [t for t in outputs if t.requires_grad and id(t) not in unread]
+        losses = [t for t in differentiable if t.dim() == 0]
+        differentiable = losses or differentiable
         if differentiable:
             torch.autograd.backward(differentiable, [torch.ones_like(t) for t in differentiable])
         grads = {live.serial_of(p.grad) for _, p in parameters.values() if p.grad is not None}

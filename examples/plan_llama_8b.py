@@ -14,6 +14,8 @@ and the token ids live on the meta device.
 * ``factory``: called as users call it, ``model(input_ids=ids, labels=ids)``: the loss *and* the logits are
   returned (the logits lazily: computed when first read, so the plan holds their ``[tokens / P, 4096]`` input,
   not ``[tokens / P, 128256]``; ``--no-lazy-logits`` to plan them computed);
+* ``train``: a training step's call, ``model(input_ids=ids, labels=ids, use_cache=False)`` (no KV cache returned:
+  transformers turns it off itself under gradient checkpointing), the logits returned lazily;
 * ``prompt``: serving, ``model(input_ids=ids)`` in eval mode: with ``--decode`` the plan of a decode step after
   that prompt (the KV cache split along the sequence);
 * ``loss_only``: a training step that keeps only ``.loss`` inside the compiled code: the logits are dead in
@@ -48,6 +50,11 @@ class LossOnly(nn.Module):
 def factory(seq_len: int):
     ids = torch.randint(0, CONFIG["vocab_size"], (1, seq_len), device="meta")
     return _model(seq_len), (), dict(input_ids=ids, labels=ids)
+
+
+def train(seq_len: int):
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, seq_len), device="meta")
+    return _model(seq_len), (), dict(input_ids=ids, labels=ids, use_cache=False)
 
 
 def loss_only(seq_len: int):
