@@ -40,12 +40,13 @@ from torch.utils._pytree import tree_map
 
 __all__ = ["Recipe", "DeferredTensor", "defer"]
 
-_METADATA_OPS = {torch.ops.aten.is_floating_point.default, torch.ops.aten.is_complex.default,
+METADATA_OPS = {torch.ops.aten.is_floating_point.default, torch.ops.aten.is_complex.default,
                  torch.ops.aten.dim.default, torch.ops.aten.numel.default, torch.ops.aten.sym_numel.default,
                  torch.ops.aten.size.default, torch.ops.aten.sym_size.default, torch.ops.aten.stride.default,
                  torch.ops.aten.sym_stride.default, torch.ops.aten.is_contiguous.default,
                  torch.ops.aten.is_same_size.default}
-"""Ops that read only shape, dtype or device: answered from a meta stand-in, without computing the value."""
+"""Ops that read only shape, dtype or device: a wrapper subclass answers them from a meta stand-in, without
+computing (or gathering) its value. Shared by every wrapper subclass in the runtime."""
 _SAME_VALUE_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 """Ops whose result is the deferred value itself (no gradient ever flows through it)."""
 
@@ -149,7 +150,7 @@ class DeferredTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _METADATA_OPS:
+        if func in METADATA_OPS:
             stand_in = tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
                                 if isinstance(x, DeferredTensor) else x, (args, kwargs))
             return func(*stand_in[0], **stand_in[1])

@@ -40,14 +40,10 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
+from .deferred import METADATA_OPS
+
 __all__ = ["LazyLinear", "lazy_linear"]
 
-_METADATA_OPS = {torch.ops.aten.is_floating_point.default, torch.ops.aten.is_complex.default,
-                 torch.ops.aten.dim.default, torch.ops.aten.numel.default, torch.ops.aten.sym_numel.default,
-                 torch.ops.aten.size.default, torch.ops.aten.sym_size.default, torch.ops.aten.stride.default,
-                 torch.ops.aten.sym_stride.default, torch.ops.aten.is_contiguous.default,
-                 torch.ops.aten.is_same_size.default}
-"""Ops that read only shape, dtype or device: answered from a meta stand-in, without computing the value."""
 _SAME_VALUE_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 """Ops whose result is the lazy value itself (it shares what is computed)."""
 
@@ -129,7 +125,7 @@ class LazyLinear(torch.Tensor):
     @torch._disable_dynamo
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _METADATA_OPS:
+        if func in METADATA_OPS:
             stand_in = tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
                                 if isinstance(x, LazyLinear) else x, (args, kwargs))
             return func(*stand_in[0], **stand_in[1])

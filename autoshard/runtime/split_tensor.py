@@ -38,18 +38,13 @@ import warnings
 import torch
 from torch.utils._pytree import tree_map
 
+from .deferred import METADATA_OPS
 from .groups import default_store, resolve_group
 from .kv_cache import CacheLayout, cache_write
 from .layouts import SequenceLayout
 
 __all__ = ["SplitTensor", "wrap", "local_of"]
 
-_METADATA_OPS = {torch.ops.aten.is_floating_point.default, torch.ops.aten.is_complex.default,
-                 torch.ops.aten.dim.default, torch.ops.aten.numel.default, torch.ops.aten.sym_numel.default,
-                 torch.ops.aten.size.default, torch.ops.aten.sym_size.default, torch.ops.aten.stride.default,
-                 torch.ops.aten.sym_stride.default, torch.ops.aten.is_contiguous.default,
-                 torch.ops.aten.is_same_size.default}
-"""Ops that read only shape, dtype or device: answered from a meta stand-in, without a gather."""
 _ALIASES = {torch.ops.aten.alias.default, torch.ops.aten.detach.default, torch.ops.aten.view.default,
             torch.ops.aten._unsafe_view.default}
 """Ops that return their input itself (a view of its whole shape: what autograd makes of a tensor an
@@ -194,7 +189,7 @@ class SplitTensor(torch.Tensor):
     @torch._disable_dynamo  # runs eagerly: dynamo would compile this frame when traced code meets a SplitTensor
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _METADATA_OPS:
+        if func in METADATA_OPS:
             stand_in = tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
                                 if isinstance(x, SplitTensor) else x, (args, kwargs))
             return func(*stand_in[0], **stand_in[1])
