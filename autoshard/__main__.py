@@ -52,9 +52,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="the profile the step is priced on: a100, h100, h200, b200 or a calibrated file (default h100)")
     p.add_argument("--ranks-per-node", type=int, help="override the profile's ranks per node")
     p.add_argument("--memory-budget", type=float, metavar="GIB",
-                   help="per-rank budget in GiB: the memory policy picks recomputation and MLP chunking to fit it")
+                   help="per-rank budget in GiB: the memory policy picks recomputation, chunks, tiles and offload to fit it")
+    p.add_argument("--host-budget", type=float, metavar="GIB",
+                   help="per-rank host memory in GiB that offloaded layer inputs may take (default: no limit)")
     p.add_argument("--recompute", choices=("none", "layers"), default="none")
     p.add_argument("--chunk-mlp", type=int, metavar="TOKENS", help="tokens per chunk of the MLPs (default: off)")
+    p.add_argument("--tile-tokens", type=int, metavar="TOKENS",
+                   help="tokens per tile of the token-local regions: norms, projections, MLP (default: off)")
     p.add_argument("--chunk-loss", type=int, default=1024, metavar="TOKENS",
                    help="tokens per chunk of the LM head + loss (0: off)")
     p.add_argument("--no-lazy-logits", action="store_true",
@@ -98,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = plan(model, model_args, model_kwargs, world_size=args.world_size, strategy=args.strategy,
                       layout=args.layout, outputs=args.outputs, topology=topology,
-                      rank=args.rank, memory_budget=budget, recompute=args.recompute, chunk_mlp=args.chunk_mlp,
+                      rank=args.rank, memory_budget=budget,
+                      host_budget=int(args.host_budget * 2**30) if args.host_budget is not None else None,
+                      recompute=args.recompute, chunk_mlp=args.chunk_mlp,
+                      tile_tokens=args.tile_tokens,
                       chunk_loss=args.chunk_loss or None, offload=args.offload, dp_shard=args.dp_shard,
                       optimizer=args.optimizer, grad_sync=not args.no_grad_sync,
                       lazy_logits=not args.no_lazy_logits)

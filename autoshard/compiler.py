@@ -46,7 +46,7 @@ from .passes.report import CompileReport
 from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
 from .planner import memory_policy_for, plan_graph
-from .policy import device_budget
+from .policy import device_budget, host_budget
 from .runtime.collectives import gather_facts
 from .runtime.attention.dispatch import last_dispatch
 from .runtime.layouts import SequenceLayout
@@ -198,8 +198,9 @@ class AutoshardBackend:
             budget, strict = device_budget(example_inputs), False
         if budget is None:
             return self.config, None
+        host = self.config.host_budget if self.config.host_budget is not None else host_budget()
         return memory_policy_for(gm, example_inputs, world_size=world, config=self.config, budget=budget,
-                                 strict=strict)
+                                 host_budget=host, strict=strict)
 
     def _warn_if_cache_kept_whole(self, gm: fx.GraphModule) -> None:
         """A step over a fixed-size cache written in place that arrives whole (allocated before the compiled
@@ -517,6 +518,7 @@ def _describe(index: int, report: CompileReport) -> list[str]:
               for a in report.attention if a["strategy"] in ("gathered-kv", "whole")]
     levers = {"chunked LM head + loss": counts.get("chunking", {}).get("chunked_losses", 0),
               "chunked MLP blocks": counts.get("chunk_mlp", {}).get("chunked_mlps", 0),
+              "tiled token-local regions": counts.get("tile", {}).get("tiled_regions", 0),
               "recomputed regions": len(report.recomputed),
               "offloaded regions": counts.get("outline", {}).get("offloaded", 0)}
     if any(levers.values()):

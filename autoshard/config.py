@@ -74,12 +74,19 @@ class BackendConfig:
 
     memory_budget: int | None = None
     """Per-rank memory budget in bytes. It drives the memory policy (:mod:`autoshard.policy`): of the levers
-    the user left unset, it takes the cheapest that makes the planned per-rank peak fit -- as configured,
-    then ``chunk_mlp``, then ``recompute="layers"``, then both -- and a budget nothing fits raises
+    the user left unset, it takes the cheapest that makes the planned per-rank peak fit (the ladder, cheapest
+    first: as configured, ``chunk_mlp``, ``tile_tokens``, then each with ``recompute="layers"``, then each
+    with ``offload`` too; the host bytes within ``host_budget``) -- and a budget nothing fits raises
     :class:`autoshard.policy.MemoryBudgetError` on every rank, naming the smallest feasible budget. The
     choice is in the compile report and the plan. The cost model also drops attention strategies whose
     buffers exceed it. None: on CUDA the device's memory (when nothing fits, a warning and the smallest
     option); on CPU no policy."""
+
+    host_budget: int | None = None
+    """Per-rank host memory budget in bytes for ``offload`` (the checkpointed layers' inputs kept in pinned host
+    memory): the memory policy takes offload only where the planned host bytes fit it. None: the host's
+    physical memory divided among the node's ranks (``LOCAL_WORLD_SIZE``) when the backend decides, no limit
+    when a plan does."""
 
     chunk_loss: int | None = 1024
     """Tokens per chunk of the chunked LM head + loss, or None to leave the head and its loss as they are. A
@@ -110,6 +117,14 @@ class BackendConfig:
     policy (``memory_budget``) turns it on when the budget needs it (1024 tokens, or a sixteenth of the rank's
     tokens when that is more). Every rank runs the same number of chunks,
     derived from the largest rank's share of the tokens."""
+
+    tile_tokens: int | None = None
+    """Tokens per tile of the token-local regions of the graph (norms, projections, residual adds, the MLP: every
+    op whose row ``i`` reads row ``i`` only, found from the graph, :mod:`autoshard.passes.tile`), or None to leave
+    them whole. Each tile of this rank's tokens runs a region under activation checkpointing, so a layer's
+    ``[tokens, hidden]`` temporaries (a norm's float32 upcast and its backward's) are alive one tile at a time
+    (one more forward of those ops: the price). Subsumes ``chunk_mlp`` for the MLPs it tiles. Off by default;
+    the memory policy may turn it on. Every rank runs the same number of tiles."""
 
     recompute: str = "none"
     """Activation recomputation the compiler adds: ``"none"``, or ``"layers"``: every transformer layer (the
@@ -149,17 +164,18 @@ class BackendConfig:
             for key, dim in self.seq_dims.items():
                 if not isinstance(key, (str, int)) or not isinstance(dim, int):
                     raise ValueError(f"autoshard.backend: seq_dims maps input names or positions to ints, got {key!r}: {dim!r}")
-        if self.memory_budget is not None and self.memory_budget <= 0:
-            raise ValueError("autoshard.backend: memory_budget must be a positive number of bytes")
+        for budget in ("memory_budget", "host_budget"):
+            if getattr(self, budget) is not None and getattr(self, budget) <= 0:
+                raise ValueError(f"autoshard.backend: {budget} must be a positive number of bytes")
         check("recompute", self.recompute, ("none", "layers"))
         check("lazy_logits", self.lazy_logits, (True, False))
         if self.offload and self.inner not in ("eager", "auto"):
             raise ValueError("autoshard.backend: offload=True runs with inner='eager' only (a tracing compiler would "
                              f"trace the host copies instead of running them), got inner={self.inner!r}")
-        if self.chunk_mlp is not None and (isinstance(self.chunk_mlp, bool) or not isinstance(self.chunk_mlp, int)
-                                           or self.chunk_mlp <= 0):
-            raise ValueError("autoshard.backend: chunk_mlp is a positive number of tokens or None, "
-                             f"got {self.chunk_mlp!r}")
+        for lever in ("chunk_mlp", "tile_tokens"):
+            value = getattr(self, lever)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"autoshard.backend: {lever} is a positive number of tokens or None, got {value!r}")
         if self.chunk_loss is not None and (isinstance(self.chunk_loss, bool) or not isinstance(self.chunk_loss, int)
                                             or self.chunk_loss <= 0):
             raise ValueError("autoshard.backend: chunk_loss is a positive number of tokens or None, "

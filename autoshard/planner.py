@@ -72,7 +72,7 @@ from .passes.capture import DENSE_MASK
 from .passes.deferred import inline_deferred
 from .passes.graph import keep_real_values
 from .passes.pipeline import compile_graph
-from .policy import MemoryBudgetError, choose_memory_policy, format_bytes, mlp_chunk_tokens
+from .policy import MemoryBudgetError, choose_memory_policy, chunk_tokens, format_bytes
 from .runtime.attention import formulas
 from .runtime.chunked_loss import working_set_bytes
 from .runtime.offload import planned_offload
@@ -219,6 +219,8 @@ class Plan:
     mlps: dict[str, int] = field(default_factory=dict)
     """Token-local MLP blocks: ``chunked`` (``chunk_mlp``: a chunk of the tokens at a time, each checkpointed) and
     ``unchunked``."""
+    tiles: dict[str, int] = field(default_factory=dict)
+    """Token-local regions (``tile_tokens``): ``regions`` tiled, ``tiles`` the checkpointed calls they make."""
     memory_policy: list[str] = field(default_factory=list)
     """With ``memory_budget``: per graph, what the memory policy weighed and chose (:mod:`autoshard.policy`)."""
     documents: dict = field(default_factory=dict)
@@ -282,6 +284,10 @@ class Plan:
         if self.mlps.get("chunked"):
             lines.append(f"  MLP blocks: {self.mlps['chunked']} chunked over the rank's tokens (chunk_mlp), each chunk "
                          f"recomputed in backward")
+        if self.tiles.get("regions"):
+            lines.append(f"  token-local regions: {self.tiles['regions']} tiled over the rank's tokens (tile_tokens: "
+                         f"{self.tiles['tiles']} tiles), each tile recomputed in backward: norms, projections, "
+                         f"residuals and MLPs never whole but their outputs")
         if self.documents:
             d = self.documents
             lines.append(f"  packed documents ({d['documents']}, from position_ids): attention work per rank (visible "
@@ -735,15 +741,16 @@ def _decisions(compiled, index: int, world: int, config: BackendConfig, topology
 
 
 def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, world_size: int, config: BackendConfig,
-                      budget: int, strict: bool = True, dp_shard: int = 1, optimizer: str | None = None):
+                      budget: int, host_budget: int | None = None, strict: bool = True, dp_shard: int = 1,
+                      optimizer: str | None = None):
     """The memory policy's choice for one graph (:func:`autoshard.policy.choose_memory_policy`): each option's
-    estimate is this graph's plan from rank 0 (a copy of ``gm``; the options as they are, no policy inside); the
-    MLP chunks are sized from the rank's tokens the first plan finds (:func:`autoshard.policy.mlp_chunk_tokens`).
-    Returns (the chosen config, :class:`~autoshard.policy.MemoryPolicy`)."""
-    plans: dict[tuple, Plan] = {}  # (chunk_mlp, recompute, offload) -> the plan: the options differ in these only
+    estimate is this graph's plan from rank 0 (a copy of ``gm``; the options as they are, no policy inside): its
+    peak and its host bytes; the MLP chunks and tiles are sized from the rank's tokens the first plan finds
+    (:func:`autoshard.policy.chunk_tokens`). Returns (the chosen config, :class:`~autoshard.policy.MemoryPolicy`)."""
+    plans: dict[tuple, Plan] = {}  # the levers -> the plan: the options differ in these only
 
     def planned(option: BackendConfig) -> Plan:
-        key = (option.chunk_mlp, option.recompute, option.offload)
+        key = (option.chunk_mlp, option.tile_tokens, option.recompute, option.offload)
         if key not in plans:
             plans[key] = plan_graphs([(copy.deepcopy(gm), list(example_inputs))], world_size=world_size,
                                      config=dataclasses.replace(option, memory_budget=None), dp_shard=dp_shard,
@@ -752,9 +759,14 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, world_size: i
 
     symbols = planned(config).symbols
     local = -(-symbols["S"] // symbols["P"]) if "S" in symbols else None
+
+    def estimate(option: BackendConfig) -> tuple[int, int]:
+        memory = planned(option).memory_per_rank
+        return memory.total, memory.host_offloaded
+
     try:
-        return choose_memory_policy(config, lambda option: planned(option).memory_per_rank.total, budget=budget,
-                                    strict=strict, mlp_chunk=mlp_chunk_tokens(local))
+        return choose_memory_policy(config, estimate, budget=budget, host_budget=host_budget, strict=strict,
+                                    tokens=chunk_tokens(local))
     except MemoryBudgetError as e:  # what the smallest option still holds: what a further lever must remove
         smallest = min(plans.values(), key=lambda p: p.memory_per_rank.total).memory_per_rank
         raise MemoryBudgetError(f"{e} The smallest option's memory per rank {smallest.describe()}") from None
@@ -803,7 +815,8 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
         graph_config = config
         if config.memory_budget is not None:
             graph_config, policy = memory_policy_for(gm, example_inputs, world_size=world_size, config=config,
-                                                     budget=config.memory_budget, dp_shard=dp_shard,
+                                                     budget=config.memory_budget, host_budget=config.host_budget,
+                                                     dp_shard=dp_shard,
                                                      optimizer=optimizer)
             result.memory_policy.append(f"g{index} {policy.describe()}")
         whole_inputs = example_inputs
@@ -828,6 +841,9 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
             result.losses[name] = result.losses.get(name, 0) + count
         lazy = report.passes.get("lazy")
         result.losses["lazy_logits"] = result.losses.get("lazy_logits", 0) + (lazy.counts["lazy"] if lazy else 0)
+        tiles = report.passes.get("tile")
+        for key, count in (("regions", "tiled_regions"), ("tiles", "tiles")):
+            result.tiles[key] = result.tiles.get(key, 0) + (tiles.counts[count] if tiles is not None else 0)
         mlps = report.passes.get("chunk_mlp")
         for key in ("chunked", "unchunked"):
             result.mlps[key] = result.mlps.get(key, 0) + (mlps.counts[f"{key}_mlps"] if mlps is not None else 0)

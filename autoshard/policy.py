@@ -1,13 +1,16 @@
-"""The memory policy: ``memory_budget`` picks the cheapest recomputation and chunking whose plan fits it.
+"""The memory policy: ``memory_budget`` picks the cheapest recomputation, tiling and offload whose plan fits it.
 
 Sequence parallelism divides activations by the number of ranks; when that is not enough, the compiler has
-three more levers of its own, each bought with compute or transfers:
+four more levers of its own, each bought with compute or transfers:
 
 ======================  ==========================================  ==========================================
 lever                   what it removes                             what it costs
 ======================  ==========================================  ==========================================
 ``chunk_mlp``           the MLPs' ``[tokens, intermediate]`` values  one more forward of every MLP (backward)
                         (saved and transient), a chunk at a time
+``tile_tokens``         every token-local value (norms' float32      one more forward of the token-local ops:
+                        upcasts, projections, residuals, the MLP)   norms, projections, MLP (not attention)
+                        but a region's outputs, a tile at a time
 ``recompute="layers"``  every value a layer saves but its input      one more forward of every layer, its
                                                                     collectives included
 ``offload``             the recomputed layers' inputs (host memory   a copy to the host and back per layer
@@ -15,14 +18,23 @@ lever                   what it removes                             what it cost
 ======================  ==========================================  ==========================================
 
 (The chunked LM head + loss, ``chunk_loss``, is on by default: it costs one head matmul and removes the
-largest values of a step.) The policy tries, in that order of cost, the options as configured, then with
-chunked MLPs, then with recomputed layers, then with both, then with both and offload -- never changing a
-lever the user set -- and takes the first whose planned per-rank peak (:func:`autoshard.plan`'s
-``memory_per_rank.total``, computed for rank 0 so that every rank decides the same) fits the budget. What it
-weighed and why it chose is kept (:class:`MemoryPolicy`) and shown in the plan.
+largest values of a step.) The ladder, cheapest first: as configured, chunked MLPs, tiles; the same three with
+recomputed layers; the same three with offload too -- never changing a lever the user set. The policy takes the
+first option whose planned per-rank peak (:func:`autoshard.plan`'s ``memory_per_rank.total``, computed for
+rank 0 so that every rank decides the same) fits the budget and whose host bytes fit ``host_budget``.
+
+Each estimate is a whole plan (a minute for Llama-8B at millions of tokens), so the policy does not plan every
+rung. Device memory only falls as levers are added (tiles remove what MLP chunks remove and more; offload moves
+bytes to the host), so an option whose peak exceeds the budget rules out every option it *dominates* (one with
+no lever stronger) -- when it exceeds it by more than :data:`DOMINANCE_MARGIN`: in a model too small for a lever
+to pay, the lever can add a little (a tile's concatenated outputs). The policy plans the strongest option first
+-- nothing fits when its peak clearly does not -- then the options one lever weaker than it, then walks the
+ladder, planning only the options no failure rules out. What it planned, ruled out and chose is kept
+(:class:`MemoryPolicy`) and shown in the plan.
 
 When nothing fits, an explicit budget is an error naming the smallest feasible budget (the smallest
-estimate) and the options planned. Every rank computes the same plans, so every rank raises. The budget the
+estimate planned: the options it rules out are at most :data:`DOMINANCE_MARGIN` below it) and the options
+planned. Every rank computes the same plans, so every rank raises. The budget the
 backend assumes on CUDA when none is given (the device's memory) only warns: the estimate counts
 parameters as the graph sees them, whole, which over-counts FSDP-sharded models.
 """
@@ -30,6 +42,7 @@ parameters as the graph sees them, whole, which over-counts FSDP-sharded models.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -38,9 +51,8 @@ import torch
 
 from .config import BackendConfig
 
-__all__ = ["MemoryOption", "MemoryPolicy", "MemoryBudgetError", "CHUNK_MLP_TOKENS", "MAX_MLP_CHUNKS",
-           "mlp_chunk_tokens", "choose_memory_policy",
-           "device_budget", "format_bytes"]
+__all__ = ["MemoryOption", "MemoryPolicy", "MemoryBudgetError", "CHUNK_TOKENS", "MAX_CHUNKS", "DOMINANCE_MARGIN", "chunk_tokens",
+           "choose_memory_policy", "device_budget", "host_budget", "format_bytes"]
 
 def format_bytes(nbytes: float) -> str:
     """``nbytes`` for people: ``"1.50 GiB"``, ``"12.00 KiB"``, ``"512 B"`` (the plan's and the policy's sizes)."""
@@ -50,24 +62,31 @@ def format_bytes(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
-CHUNK_MLP_TOKENS = 1024
-"""Tokens per MLP chunk the policy sets at least: a chunk's ``[1024, intermediate]`` values are small next to the
-layer's other values, and its matmuls still run at full speed."""
-MAX_MLP_CHUNKS = 16
-"""Chunks per MLP block the policy sets at most: past 16 a block's chunks hold less than a sixteenth of its
-``[tokens, intermediate]`` values -- little left to save -- and each chunk is one more call (and one more
-checkpoint for a plan to simulate)."""
+CHUNK_TOKENS = 1024
+"""Tokens per MLP chunk or tile the policy sets at least: a chunk's ``[1024, intermediate]`` values are small next
+to the layer's other values, and its matmuls still run at full speed."""
+MAX_CHUNKS = 16
+"""MLP chunks or tiles per region the policy sets at most: past 16 a region's tiles hold less than a sixteenth of
+its values -- little left to save -- and each is one more call (and one more checkpoint for a plan to
+simulate)."""
 
 
-def mlp_chunk_tokens(local_tokens: int | None) -> int:
-    """Tokens per MLP chunk for a rank holding ``local_tokens`` (unknown: :data:`CHUNK_MLP_TOKENS`)."""
+def chunk_tokens(local_tokens: int | None) -> int:
+    """Tokens per MLP chunk and per tile for a rank holding ``local_tokens`` (unknown: :data:`CHUNK_TOKENS`)."""
     if not local_tokens:
-        return CHUNK_MLP_TOKENS
-    return max(CHUNK_MLP_TOKENS, -(-local_tokens // MAX_MLP_CHUNKS))
+        return CHUNK_TOKENS
+    return max(CHUNK_TOKENS, -(-local_tokens // MAX_CHUNKS))
 
 
 class MemoryBudgetError(ValueError):
     """No option of the memory policy fits the budget."""
+
+
+_LEVERS = ("chunk_mlp", "tile_tokens", "recompute", "offload")
+DOMINANCE_MARGIN = 0.05
+"""How far above the budget an option's peak must be to rule out the options it dominates: a lever may add a
+little where it removes less (a tile's concatenated outputs in a model too small for tiles to pay), so an option
+a few percent above the budget says nothing of the weaker ones."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,18 +95,31 @@ class MemoryOption:
 
     chunk_mlp: int | None
     """Tokens per MLP chunk, or None."""
+    tile_tokens: int | None
+    """Tokens per tile of the token-local regions, or None."""
     recompute: str
     """``"none"`` or ``"layers"``."""
     offload: bool
     """Whether the checkpointed layers' inputs wait in host memory."""
-    estimate: int
-    """Planned per-rank peak bytes with these levers."""
+    estimate: int | None
+    """Planned per-rank peak bytes with these levers; None: not planned (ruled out by an option that dominates
+    it and does not fit)."""
+    host: int = 0
+    """Planned per-rank host bytes (the offloaded layer inputs)."""
 
     def describe(self) -> str:
         levers = ([f"chunk_mlp={self.chunk_mlp}"] if self.chunk_mlp else []) + \
+                 ([f"tile_tokens={self.tile_tokens}"] if self.tile_tokens else []) + \
                  ([f"recompute={self.recompute!r}"] if self.recompute != "none" else []) + \
                  (["offload"] if self.offload else [])
-        return ", ".join(levers) or "no recomputation or MLP chunking"
+        return ", ".join(levers) or "no recomputation, chunks or tiles"
+
+    def weighed(self) -> str:
+        """``<levers>: <estimate>[ + <host> in host memory]``, or ``<levers>: ruled out``."""
+        if self.estimate is None:
+            return f"{self.describe()}: ruled out"
+        host = f" + {format_bytes(self.host)} in host memory" if self.offload else ""
+        return f"{self.describe()}: {format_bytes(self.estimate)}{host}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,59 +129,112 @@ class MemoryPolicy:
     budget: int
     """The per-rank budget in bytes."""
     options: tuple[MemoryOption, ...]
-    """The options planned, in the order tried (cheapest first)."""
+    """Every option of the ladder, in its order (cheapest first), planned or ruled out."""
     chosen: MemoryOption | None
     """The first that fits, or None."""
+    host_budget: int | None = None
+    """The per-rank host budget in bytes (None: no limit)."""
 
     def describe(self) -> str:
-        weighed = "; ".join(f"{o.describe()}: {format_bytes(o.estimate)}" for o in self.options)
+        weighed = "; ".join(o.weighed() for o in self.options)
+        host = f" and {format_bytes(self.host_budget)} of host memory" if self.host_budget is not None else ""
         if self.chosen is None:
-            return f"memory policy: nothing fits {format_bytes(self.budget)} per rank ({weighed})"
+            return f"memory policy: nothing fits {format_bytes(self.budget)}{host} per rank ({weighed})"
         return (f"memory policy: {self.chosen.describe()} -- the cheapest option within "
-                f"{format_bytes(self.budget)} per rank ({weighed})")
+                f"{format_bytes(self.budget)}{host} per rank ({weighed})")
 
 
-def _options(config: BackendConfig, mlp_chunk: int = CHUNK_MLP_TOKENS) -> list[dict]:
+def _options(config: BackendConfig, tokens: int = CHUNK_TOKENS) -> list[dict]:
     """The levers to try, cheapest first, leaving those the user set as they are: offload only with the
     layers recomputed, and only with the eager inner compiler."""
-    mlp = [config.chunk_mlp] if config.chunk_mlp is not None else [None, mlp_chunk]
+    if config.chunk_mlp is not None or config.tile_tokens is not None:
+        tokenwise = [(config.chunk_mlp, config.tile_tokens)]
+    else:
+        tokenwise = [(None, None), (tokens, None), (None, tokens)]
     layers = [config.recompute] if config.recompute != "none" else ["none", "layers"]
     offload = [True] if config.offload else [False] + ([True] if config.inner in ("eager", "auto") else [])
     out = []
     for host in offload:
         for recompute in layers:
-            for chunk_mlp in mlp:
-                levers = {"chunk_mlp": chunk_mlp, "recompute": recompute, "offload": host}
+            for chunk_mlp, tile_tokens in tokenwise:
+                levers = {"chunk_mlp": chunk_mlp, "tile_tokens": tile_tokens, "recompute": recompute, "offload": host}
                 if levers not in out and not (host and recompute == "none"):
                     out.append(levers)
     return out
 
 
-def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfig], int], *, budget: int,
-                         strict: bool = True, mlp_chunk: int = CHUNK_MLP_TOKENS) -> tuple[BackendConfig, MemoryPolicy]:
-    """The config of the cheapest option whose ``estimate`` (planned per-rank peak bytes) is within ``budget``,
-    and what was weighed; ``mlp_chunk``: the tokens per MLP chunk of the options that chunk them
-    (:func:`mlp_chunk_tokens`). Nothing fits: :class:`MemoryBudgetError` when ``strict``, else a warning and
-    the option with the smallest estimate."""
-    options = []
-    for levers in _options(config, mlp_chunk):
-        candidate = dataclasses.replace(config, **levers)
-        options.append(MemoryOption(**levers, estimate=int(estimate(candidate))))
-        if options[-1].estimate <= budget:
-            policy = MemoryPolicy(budget=budget, options=tuple(options), chosen=options[-1])
-            return candidate, policy
-    policy = MemoryPolicy(budget=budget, options=tuple(options), chosen=None)
-    smallest = min(options, key=lambda o: o.estimate)
-    message = (f"autoshard: no memory policy fits memory_budget={budget:,} bytes ({format_bytes(budget)}) per "
-               f"rank: the smallest feasible budget is {smallest.estimate:,} bytes ({format_bytes(smallest.estimate)}), with "
-               f"{smallest.describe()}. Options planned: "
-               + "; ".join(f"{o.describe()}: {format_bytes(o.estimate)}" for o in options)
+def _strength(levers: dict) -> tuple[int, int, int]:
+    """How much each lever removes, comparable lever by lever: (tokenwise: none 0, MLP chunks 1, tiles 2; layers
+    recomputed; offload)."""
+    tokenwise = 2 if levers["tile_tokens"] else 1 if levers["chunk_mlp"] else 0
+    return tokenwise, int(levers["recompute"] != "none"), int(levers["offload"])
+
+
+def _dominates(a: dict, b: dict) -> bool:
+    """Whether ``a`` has every lever of ``b`` at least as strong (so ``a`` plans no more memory than ``b``)."""
+    return all(x >= y for x, y in zip(_strength(a), _strength(b)))
+
+
+def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfig], tuple[int, int]], *, budget: int,
+                         host_budget: int | None = None, strict: bool = True,
+                         tokens: int = CHUNK_TOKENS) -> tuple[BackendConfig, MemoryPolicy]:
+    """The config of the cheapest option whose ``estimate`` (planned per-rank peak bytes, host bytes) is within
+    ``budget`` and ``host_budget`` (None: no limit), and what was weighed; ``tokens``: the tokens per MLP chunk
+    and per tile of the options that chunk or tile (:func:`chunk_tokens`). Planned in the order the module
+    docstring gives. Nothing fits: :class:`MemoryBudgetError` when ``strict``, else a warning and the option
+    with the smallest estimate."""
+    ladder = _options(config, tokens)
+    planned: dict[int, tuple[int, int]] = {}
+
+    def plan(i: int) -> tuple[int, int]:
+        if i not in planned:
+            planned[i] = tuple(int(x) for x in estimate(dataclasses.replace(config, **ladder[i])))
+        return planned[i]
+
+    def within_host(i: int) -> bool:
+        return host_budget is None or plan(i)[1] <= host_budget
+
+    def fits(i: int) -> bool:
+        return plan(i)[0] <= budget and within_host(i)
+
+    def ruled_out(i: int) -> bool:  # by an option that dominates it and whose peak clearly exceeds the budget
+        return any(_dominates(ladder[j], ladder[i]) and planned[j][0] > budget * (1 + DOMINANCE_MARGIN)
+                   for j in planned)
+
+    strongest = max(range(len(ladder)), key=lambda i: (_strength(ladder[i]), -i))
+    chosen = None
+    if plan(strongest)[0] <= budget * (1 + DOMINANCE_MARGIN):
+        for i in range(len(ladder)):  # one lever weaker than the strongest: what their failures rule out
+            weaker = [a - b for a, b in zip(_strength(ladder[strongest]), _strength(ladder[i]))]
+            if sorted(weaker) == [0, 0, 1] and not ruled_out(i):
+                plan(i)
+        chosen = next((i for i in range(len(ladder)) if not ruled_out(i) and fits(i)), None)
+    options = tuple(MemoryOption(**levers, estimate=planned[i][0] if i in planned else None,
+                                 host=planned[i][1] if i in planned else 0) for i, levers in enumerate(ladder))
+    policy = MemoryPolicy(budget=budget, options=options, chosen=None if chosen is None else options[chosen],
+                          host_budget=host_budget)
+    if chosen is not None:
+        return dataclasses.replace(config, **ladder[chosen]), policy
+    feasible = [options[i] for i in planned if within_host(i)] or [options[i] for i in planned]
+    smallest = min(feasible, key=lambda o: o.estimate)
+    host = f" and {format_bytes(host_budget)} of host memory" if host_budget is not None else ""
+    message = (f"autoshard: no memory policy fits memory_budget={budget:,} bytes ({format_bytes(budget)}){host} per "
+               f"rank: the smallest feasible budget is {smallest.estimate:,} bytes ({format_bytes(smallest.estimate)}), "
+               f"with {smallest.describe()}"
+               + (f" ({format_bytes(smallest.host)} in host memory)" if smallest.offload else "")
+               + ". Options planned: " + "; ".join(o.weighed() for o in options if o.estimate is not None)
                + ". Raise the budget, use more ranks, or shard parameters and optimizer states (FSDP2).")
     if strict:
         raise MemoryBudgetError(message)
     warnings.warn(message, stacklevel=3)
-    return dataclasses.replace(config, chunk_mlp=smallest.chunk_mlp, recompute=smallest.recompute,
-                               offload=smallest.offload), policy
+    return dataclasses.replace(config, **{k: getattr(smallest, k) for k in _LEVERS}), policy
+
+
+def host_budget() -> int:
+    """This rank's share of the host's physical memory: all of it divided among the node's ranks
+    (``LOCAL_WORLD_SIZE``, 1 when unset)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def device_budget(example_inputs: list) -> int | None:

@@ -52,27 +52,15 @@ summed).
 
 from __future__ import annotations
 
-import operator
-
-import torch
 import torch.fx as fx
 
-from ..placements import Shard
 from ..runtime.chunked_loss import chunks_for
-from .ops import canonical, numel, shape_of
+from .ops import canonical
 from .regions import REGION
 from .rewrite import Rewriter
+from .tile import checkpoint_tiles, rows_of
 
-__all__ = ["chunk_mlps", "split_sizes"]
-
-_CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
-
-
-def split_sizes(rows: int, chunks: int) -> list[int]:
-    """``rows`` cut into exactly ``chunks`` near-equal sizes (the first ones one larger; zeros when there are fewer
-    rows than chunks)."""
-    size, extra = divmod(rows, chunks)
-    return [size + (k < extra) for k in range(chunks)]
+__all__ = ["chunk_mlps"]
 
 
 def _match(down: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
@@ -107,61 +95,6 @@ def _match(down: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     return x, sorted(inner, key=order.__getitem__)
 
 
-def _rows(rewriter: Rewriter, original: fx.Node | None) -> tuple[tuple[int, ...], list[int]] | None:
-    """(this rank's leading dims of the block's output, every rank's rows), read off the placement inference gave
-    ``original``, the node of the original graph whose local value the block computes (None: unknown)."""
-    if original is None or len(shape_of(original)) < 2:
-        return None
-    shape, placement = shape_of(original), rewriter.placement(original)
-    if not isinstance(placement, Shard):  # replicated (or partial): whole leading dims on every rank
-        return tuple(shape[:-1]), [numel(shape[:-1])] * rewriter.world
-    if placement.dim == len(shape) - 1:
-        return None
-    shapes = [placement.local_shape(shape, r) for r in range(rewriter.world)]
-    return tuple(shapes[rewriter.rank][:-1]), [numel(s[:-1]) for s in shapes]
-
-
-def _rewrite(gm: fx.GraphModule, down: fx.Node, x: fx.Node, block: list[fx.Node], lead: tuple[int, ...],
-             chunks: int, index: int) -> None:
-    """Replace ``block`` and ``down`` by ``chunks`` checkpointed calls of the block cut out as ``gm``'s submodule."""
-    graph, members = gm.graph, [*block, down]
-    inside = set(members)
-    externals: dict[fx.Node, None] = {}
-    for node in members:
-        for arg in node.all_input_nodes:
-            if arg not in inside and arg is not x:
-                externals.setdefault(arg)
-    body_graph = fx.Graph()
-    env = {x: body_graph.placeholder("chunk")}
-    env.update({arg: body_graph.placeholder(arg.name) for arg in externals})
-    for node in members:
-        env[node] = body_graph.node_copy(node, env.__getitem__)
-    body_graph.output((env[down],))
-    name = f"mlp_chunk_body_{index}"
-    while hasattr(gm, name):
-        name += "_"
-    setattr(gm, name, fx.GraphModule(gm, body_graph))
-    with graph.inserting_before(down):
-        body = graph.get_attr(name)
-        pieces = graph.call_function(torch.split, (graph.call_method("flatten", (x, 0, -2)),
-                                                   split_sizes(numel(lead), chunks), 0))
-        outputs = []
-        for k in range(chunks):
-            call = graph.call_function(_CHECKPOINT, (body, graph.call_function(operator.getitem, (pieces, k)),
-                                                     *externals), {"use_reentrant": False})
-            outputs.append(graph.call_function(operator.getitem, (call, 0)))
-        y = graph.call_method("unflatten", (graph.call_function(torch.cat, (outputs, 0)), 0, lead))
-    y.meta.update({k: v for k, v in down.meta.items() if k in ("stack_trace", "nn_module_stack")})
-    if REGION in down.meta:  # inside a checkpointed region: ``outline`` takes the chunks into its body
-        node = body
-        while node is not down:
-            node.meta[REGION] = down.meta[REGION]
-            node = node.next
-    down.replace_all_uses_with(y)
-    for node in reversed(members):
-        graph.erase_node(node)
-
-
 def chunk_mlps(gm: fx.GraphModule, tokens_per_chunk: int | None, rewriter: Rewriter) -> dict[str, int]:
     """Chunk every MLP block of the per-rank graph ``gm`` that ``rewriter`` made (none when ``tokens_per_chunk``
     is None; see the module docstring for the counts)."""
@@ -172,7 +105,7 @@ def chunk_mlps(gm: fx.GraphModule, tokens_per_chunk: int | None, rewriter: Rewri
         if found is None:
             continue
         x, block = found
-        rows = _rows(rewriter, original_of.get(down)) if tokens_per_chunk is not None else None
+        rows = rows_of(rewriter, original_of.get(down)) if tokens_per_chunk is not None else None
         members = {*block, down}
         closed = all(user in members for node in block for user in node.users)
         if rows is None or not closed or len({n.meta.get(REGION) for n in members}) != 1:
@@ -180,7 +113,7 @@ def chunk_mlps(gm: fx.GraphModule, tokens_per_chunk: int | None, rewriter: Rewri
             continue
         lead, every_rank = rows
         chunks = chunks_for(max(every_rank), tokens_per_chunk)
-        _rewrite(gm, down, x, block, lead, chunks, chunked)
+        checkpoint_tiles(gm, [*block, down], [x], [down], lead, chunks, f"mlp_chunk_body_{chunked}", down.next)
         chunked += 1
         emitted += chunks
     if chunked:

@@ -14,6 +14,7 @@
 ``families``       linked dims joined into sequence families (:mod:`.infer`)
 ``strategy``       an attention algorithm per attention, a layout per family (:mod:`autoshard.strategy`)
 ``rewrite``        the local graph of this rank (:mod:`.rewrite`)
+``tile``           token-local regions run in checkpointed tiles of this rank's tokens (:mod:`.tile`)
 ``chunk_mlp``      MLP blocks run in checkpointed chunks of this rank's tokens (:mod:`.chunk_mlp`)
 ``outline``        checkpointed regions are cut out of the local graph again, still checkpointed (:mod:`.regions`)
 =================  ==================================================================================
@@ -50,6 +51,7 @@ from ..runtime.groups import SequenceGroups
 from ..strategy import choose
 from .capture import capture_attention
 from .chunk_mlp import chunk_mlps
+from .tile import tile_regions
 from .chunking import chunk_losses
 from .deferred import DeferredOutput, defer_outputs
 from .functionalize import functionalize
@@ -208,6 +210,10 @@ def _rewrite(state: PipelineState) -> dict[str, int]:
             "collectives": len(report.comms)}
 
 
+def _tile(state: PipelineState) -> dict[str, int]:
+    return tile_regions(state.gm, state.config.tile_tokens, state.rewriter)
+
+
 def _chunk_mlp(state: PipelineState) -> dict[str, int]:
     return chunk_mlps(state.gm, state.config.chunk_mlp, state.rewriter)
 
@@ -254,6 +260,7 @@ PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[Pi
     ("families", _families, _families_text),
     ("strategy", _strategy, _decisions_text),
     ("rewrite", _rewrite, _graph_code),
+    ("tile", _tile, _graph_code),
     ("chunk_mlp", _chunk_mlp, _graph_code),
     ("outline", _outline, _graph_code),
 )

@@ -69,6 +69,9 @@ class Rewriter:
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.placements: dict[fx.Node, Any] = {}
+        self.replicated_uses: dict[fx.Node, fx.Node] = {}
+        """New node -> the original node it is a replicated use of (a parameter through its gradient bucket):
+        the same value as the original's, which ``env`` maps to the node before the wrapper."""
         self.report = CompileReport()
         self._cache: dict[tuple, fx.Node] = {}
         self._bucket: list | None = None  # [bucket node, bytes, dtype] of the open gradient bucket
@@ -212,6 +215,7 @@ class Rewriter:
                 self._cache[key] = self._bucketed(node, new)
             else:
                 self._cache[key] = self.call(grad_scale, new, float(self.world))
+            self.replicated_uses[self._cache[key]] = node
         return self._cache[key]
 
     def _bucketed(self, node: fx.Node, new: fx.Node) -> fx.Node:

@@ -38,7 +38,6 @@ from torch.utils.checkpoint import checkpoint
 
 import autoshard
 from autoshard.testing.models import BertClassifier, BertConfig, LlamaConfig, LlamaLM
-from autoshard.passes.chunk_mlp import split_sizes
 from autoshard.testing import run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process
 
@@ -198,12 +197,6 @@ def test_chunked_mlp_never_allocates_the_intermediate():
             f"{where}: an op allocated {forward} B in forward, {backward} B in backward with chunks; [tokens, I] {whole} B"
         assert forward_unchunked >= whole and backward_unchunked >= whole, \
             f"{where}: without chunks the largest op allocated {forward_unchunked} / {backward_unchunked} B"
-
-
-def test_split_sizes():
-    assert split_sizes(62, 7) == [9, 9, 9, 9, 9, 9, 8]
-    assert split_sizes(3, 5) == [1, 1, 1, 0, 0]
-    assert sum(split_sizes(60, 7)) == 60
 
 
 def test_chunk_mlp_option_is_checked():

@@ -5,7 +5,8 @@
   distributed, the layers are still checkpointed (one recomputed region per layer in the report), loss
   and every gradient match one process, and the bytes each rank sends, recomputation included, are the
   bytes the report books -- under the eager and the aot_eager inner compilers.
-* Training on a (dp=2, sp=2) mesh: FSDP2 over all four ranks with checkpointed layers, or DDP over ``dp``,
+* Training on a (dp=2, sp=2) mesh: FSDP2 over all four ranks with checkpointed layers (transformers', or
+  autoshard's recomputed layers with chunked MLPs or with tiled token-local regions), or DDP over ``dp``,
   autoshard over ``sp``: parameters after three AdamW steps equal one-process training on the global batch
   (float64, 1e-10 relative; measured 1e-13. In float32 the same runs differ by ~2e-4: Adam's first steps
   move every weight by about lr * sign(gradient), so the rounding of near-zero gradient entries decides
@@ -112,7 +113,8 @@ def _train(kind: str) -> float:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
     torch.manual_seed(0)
     model = _llama(kind == "fsdp").double()
-    levers = dict(recompute="layers", chunk_mlp=8) if kind == "fsdp_levers" else {}
+    levers = {"fsdp_levers": dict(recompute="layers", chunk_mlp=8),
+              "fsdp_tiles": dict(recompute="layers", tile_tokens=8)}.get(kind, {})
     reference = copy.deepcopy(model)
     batches = [torch.randint(0, 256, (4, 29)) for _ in range(3)]
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -142,8 +144,9 @@ def _train(kind: str) -> float:
         got = p.full_tensor() if hasattr(p, "full_tensor") else p
         worst = max(worst, ((got - ref[name]).abs().max() / ref[name].abs().max()).item())
     if levers:  # what the levers did, summed over the graphs FSDP2's hooks cut the model into
-        counts = [r.report.passes[p].counts for r in backend.compiled for p in ("recompute", "chunk_mlp")]
-        return worst, {key: sum(c.get(key, 0) for c in counts) for key in ("recomputed_layers", "chunked_mlps")}
+        counts = [r.report.passes[p].counts for r in backend.compiled for p in ("recompute", "chunk_mlp", "tile")]
+        return worst, {key: sum(c.get(key, 0) for c in counts) for key in ("recomputed_layers", "chunked_mlps",
+                                                                           "tiled_regions", "untiled_regions")}
     return worst
 
 
@@ -192,6 +195,7 @@ def _run(world: int):
         out["refused"] = _refused_meshes()
         out["fsdp"] = _train("fsdp")
         out["fsdp_levers"] = _train("fsdp_levers")
+        out["fsdp_tiles"] = _train("fsdp_tiles")
         out["ddp"] = _train("ddp")
         out["accumulated"] = _accumulated()
     return out
@@ -222,14 +226,18 @@ def test_checkpointed_model_at_new_lengths():
         assert results["lengths"] <= TOLERANCE, f"rank {rank}: off by {results['lengths']:.2e}"
 
 
-@pytest.mark.parametrize("kind", ["fsdp", "fsdp_levers", "ddp"])
+@pytest.mark.parametrize("kind", ["fsdp", "fsdp_levers", "fsdp_tiles", "ddp"])
 def test_training_on_a_dp_sp_mesh_matches_one_process(kind):
     """Parameters after three AdamW steps equal one-process training on the same global batch."""
     for rank, results in enumerate(_results(4)):
-        worst, used = results[kind] if kind == "fsdp_levers" else (results[kind], None)
+        worst, used = results[kind] if kind in ("fsdp_levers", "fsdp_tiles") else (results[kind], None)
         assert worst <= 1e-10, f"{kind} rank {rank}: parameters differ by {worst:.2e} (relative)"
-        if used is not None:  # each per-layer graph recomputed, its MLP chunked (the first layer takes the embedding
-            assert used == {"recomputed_layers": 2, "chunked_mlps": 2}, used  # whole, the second its input split)
+        # each per-layer graph recomputed (the first layer takes the embedding whole, the second its input split),
+        # its MLP chunked, or its RMSNorm + projections and o_proj..MLP tiled; the root's final norm tiled
+        if kind == "fsdp_levers":
+            assert used == {"recomputed_layers": 2, "chunked_mlps": 2, "tiled_regions": 0, "untiled_regions": 0}, used
+        if kind == "fsdp_tiles":
+            assert used["recomputed_layers"] == 2 and used["untiled_regions"] == 0 and used["tiled_regions"] >= 4, used
 
 
 def test_loss_over_the_global_batch_with_uneven_targets_and_accumulation():

@@ -1,0 +1,257 @@
+"""Tile the token-local regions of the per-rank graph over this rank's tokens, each tile under activation checkpointing.
+
+At long context the largest values of a step are not a layer's saved activations (``recompute="layers"`` keeps
+its input only) but what one layer makes while it runs, forward and again in backward: Llama's RMSNorm upcasts
+``[tokens, hidden]`` to float32 and its backward makes half a dozen float32 values of that size, the projections
+and residual adds one each. Row ``i`` of all of them depends on row ``i`` of the layer's input only: they are
+*token-local*, and computing them a tile of rows at a time is the same math. ALST's ``SequenceTiledCompute`` does
+this by hand for the MLP; this pass finds every such region in the graph (norms, projections, residual adds,
+the MLP, in any model's spelling) and runs each over tiles.
+
+A node is **row-local** when, with ``lead`` its shape but the last dim:
+
+* its op is pointwise (not in place), a cast or copy (``to``, ``float``, ``contiguous``), ``linear`` (any weight
+  and bias), a reduction or ``softmax`` over dim ``-1`` (reductions with ``keepdim=True``), or a ``layer_norm``
+  / ``rms_norm`` over the last dim;
+* every tensor it reads is a *row value* (shape ``lead + [n]``) or a broadcast value of at most one dim (a norm's
+  weight, a scalar) -- a ``linear``'s weight and bias are read whole;
+* it reads at least one row value.
+
+Row-local nodes with the same ``lead``, the same placement and the same checkpointed region (``regions.REGION``:
+a tile never straddles a layer's checkpoint) join into **regions**, in graph order: a node joins the region of
+one of the row values it reads unless something outside that region, between it and the node, depends on the
+region (the region must run as one call: no cycle through the outside). A region is tiled when it holds a
+``linear``, a reduction or a norm -- the ops whose values are worth tiling -- and a value that dies inside it
+(the rest, an LM head and the cast of its logits that are both handed out, would only be computed twice). It
+becomes::
+
+    pieces_j = torch.split(x_j.flatten(0, -2), sizes)    # every row input x_j, in ``tiles`` near-equal pieces
+    outs_k = tag_activation_checkpoint(body, pieces_0[k], ..., w_0, ..., use_reentrant=False)   # tile k
+    y_i = torch.cat([outs_0[i], ...]).unflatten(0, lead)  # every value the region hands out
+
+where ``body`` is the region cut out as a submodule over ``[tile, n]`` rows (reductions over ``-1`` and linear
+algebra on the last dim do not see the flattening). In forward a tile's values die with its call; backward
+reruns ``body`` a tile at a time: the region's values exist whole only as its outputs. The price is one more
+forward of the region (two with ``recompute="layers"``: the tiles' checkpoints nest inside the layer's).
+
+The tile count is derived from the largest rank's rows (the placement gives every rank's shape), so every rank
+runs the same checkpoints; each rank splits its own rows into that many near-equal tiles (as
+:mod:`.chunk_mlp`, the MLP-only form of this pass, whose rewrite this is).
+
+Counts: ``tiled_regions`` regions rewritten, ``tiles`` checkpointed calls emitted, ``untiled_regions`` regions
+worth tiling but left (rows unknown, or no point of the graph where the call can sit: an outside user of one
+output comes before an input of another).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..placements import Shard
+from ..runtime.chunked_loss import chunks_for
+from ..runtime.layouts import split_sizes
+from .ops import canonical, is_tensor_node, numel, shape_of
+from .regions import REGION
+from .rewrite import Rewriter
+
+__all__ = ["tile_regions", "rows_of", "checkpoint_tiles"]
+
+_CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+_WORTH_TILING = {"linear", "reduce", "softmax", "layer_norm", "rms_norm"}
+"""Ops whose presence makes a region worth tiling (the rest are cheap pointwise ops and casts)."""
+
+
+def rows_of(rewriter: Rewriter, original: fx.Node | None) -> tuple[tuple[int, ...], list[int]] | None:
+    """(this rank's leading dims of ``original``'s local value, every rank's rows), read off the placement
+    inference gave ``original``, a node of the original graph (None: unknown)."""
+    if original is None or len(shape_of(original)) < 2:
+        return None
+    shape, placement = shape_of(original), rewriter.placement(original)
+    if not isinstance(placement, Shard):  # replicated (or partial): whole leading dims on every rank
+        return tuple(shape[:-1]), [numel(shape[:-1])] * rewriter.world
+    if placement.dim == len(shape) - 1:
+        return None
+    shapes = [placement.local_shape(shape, r) for r in range(rewriter.world)]
+    return tuple(shapes[rewriter.rank][:-1]), [numel(s[:-1]) for s in shapes]
+
+
+def checkpoint_tiles(gm: fx.GraphModule, members: list[fx.Node], row_inputs: list[fx.Node], outputs: list[fx.Node],
+                     lead: tuple[int, ...], tiles: int, name: str, before: fx.Node) -> list[fx.Node]:
+    """Replace ``members`` (in graph order) by ``tiles`` checkpointed calls of them cut out as ``gm``'s submodule
+    ``name``, inserted before ``before``: every ``row_inputs`` value is split over its rows (all leading dims),
+    every other value the members read is passed whole, and each of ``outputs`` is the tiles' rows concatenated
+    (the new nodes returned, in the order of ``outputs``)."""
+    graph, inside = gm.graph, set(members)
+    whole: dict[fx.Node, None] = {}
+    for node in members:
+        for arg in node.all_input_nodes:
+            if arg not in inside and arg not in row_inputs:
+                whole.setdefault(arg)
+    body_graph = fx.Graph()
+    env = {x: body_graph.placeholder(f"tile_{i}") for i, x in enumerate(row_inputs)}
+    env.update({arg: body_graph.placeholder(arg.name) for arg in whole})
+    for node in members:
+        env[node] = body_graph.node_copy(node, env.__getitem__)
+    body_graph.output(tuple(env[y] for y in outputs))
+    while hasattr(gm, name):
+        name += "_"
+    setattr(gm, name, fx.GraphModule(gm, body_graph))
+    sizes = split_sizes(numel(lead), tiles)
+    with graph.inserting_before(before):
+        body = graph.get_attr(name)
+        pieces = [graph.call_function(torch.split, (graph.call_method("flatten", (x, 0, -2)), sizes, 0))
+                  for x in row_inputs]
+        calls = [graph.call_function(_CHECKPOINT, (body, *(graph.call_function(operator.getitem, (p, k))
+                                                           for p in pieces), *whole), {"use_reentrant": False})
+                 for k in range(tiles)]
+        results = []
+        for i, y in enumerate(outputs):
+            rows = [graph.call_function(operator.getitem, (call, i)) for call in calls]
+            results.append(graph.call_method("unflatten", (graph.call_function(torch.cat, (rows, 0)), 0, lead)))
+            results[-1].meta.update({k: v for k, v in y.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    region = members[0].meta.get(REGION)
+    if region is not None:  # inside a checkpointed region: ``outline`` takes the tiles into its body
+        node = body
+        while node is not before:
+            node.meta[REGION] = region
+            node = node.next
+    for y, new in zip(outputs, results):
+        y.replace_all_uses_with(new)
+    for node in reversed(members):
+        graph.erase_node(node)
+    return results
+
+
+# ----------------------------------------------------------------------------- finding the regions
+
+
+def _dim_is_last(dim) -> bool:
+    return dim == -1 or (isinstance(dim, (list, tuple)) and list(dim) == [-1])
+
+
+def _row_local(node: fx.Node, shape: dict[fx.Node, tuple]) -> bool:
+    """Whether ``node`` is row-local (see the module docstring); ``shape``: the global shape of the nodes known."""
+    out = shape.get(node)
+    op = canonical(node)
+    if out is None or len(out) < 2 or op is None or (node.op == "call_method" and node.target.endswith("_")):
+        return False
+    name = op.name
+    if name == "pointwise" and str(getattr(node.target, "__name__", node.target)).endswith("_"):
+        return False
+    if name == "reduce" and not (_dim_is_last(op["dim"]) and op["keepdim"]):
+        return False
+    if name == "softmax" and not _dim_is_last(op["dim"]):
+        return False
+    if name in ("layer_norm", "rms_norm") and len(op["normalized_shape"]) != 1:
+        return False
+    if name not in ("pointwise", "to", "identity", "linear", *_WORTH_TILING):
+        return False
+    lead, rows = out[:-1], 0
+    whole = {op["weight"], op["bias"]} if name == "linear" else set()
+    for arg in node.all_input_nodes:
+        if arg in whole:
+            continue
+        arg_shape = shape.get(arg)
+        if arg_shape is None:
+            return False
+        if len(arg_shape) >= 2 and arg_shape[:-1] == lead:
+            rows += 1
+        elif len(arg_shape) > 1:
+            return False
+    return rows > 0
+
+
+@dataclass
+class _Region:
+    key: tuple
+    """(lead, placement, checkpointed region): what every member shares."""
+    nodes: list[fx.Node] = field(default_factory=list)
+
+
+def _regions(gm: fx.GraphModule, shape: dict[fx.Node, tuple], placement: dict[fx.Node, object]) -> list[_Region]:
+    """The regions of row-local nodes (see the module docstring), in graph order."""
+    regions: list[_Region] = []
+    region_of: dict[fx.Node, int] = {}
+    upstream: dict[fx.Node, int] = {}  # node -> bitmask of the regions it depends on (members: their own too)
+    for node in gm.graph.nodes:
+        inputs = node.all_input_nodes
+        depends = 0
+        for arg in inputs:
+            depends |= upstream.get(arg, 0)
+        if not _row_local(node, shape):
+            upstream[node] = depends
+            continue
+        key = (shape[node][:-1], placement.get(node), node.meta.get(REGION))
+        chosen = None
+        for arg in inputs:
+            index = region_of.get(arg)
+            if index is None or regions[index].key != key:
+                continue
+            bit = 1 << index
+            if not any(upstream.get(other, 0) & bit for other in inputs if region_of.get(other) != index):
+                chosen = index
+                break
+        if chosen is None:
+            chosen = len(regions)
+            regions.append(_Region(key))
+        regions[chosen].nodes.append(node)
+        region_of[node] = chosen
+        upstream[node] = depends | (1 << chosen)
+    return regions
+
+
+def _hoist_inputs(members: list[fx.Node], before: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Make every value ``members`` read from outside come before ``before`` (where their tiled call goes),
+    moving up those that come later but read only values before it (a parameter through its gradient bucket,
+    emitted at its first use: the ``k_proj`` weight after the ``q_proj`` output's view); False when one cannot."""
+    inside = set(members)
+    late = sorted({arg for n in members for arg in n.all_input_nodes if arg not in inside and order[arg] > order[before]},
+                  key=order.__getitem__)
+    if any(order[arg] >= order[before] for node in late for arg in node.all_input_nodes):
+        return False
+    for node in late:
+        before.prepend(node)
+    return True
+
+
+def tile_regions(gm: fx.GraphModule, tokens_per_tile: int | None, rewriter: Rewriter) -> dict[str, int]:
+    """Tile every token-local region of the per-rank graph ``gm`` that ``rewriter`` made (none when
+    ``tokens_per_tile`` is None; see the module docstring for the counts)."""
+    if tokens_per_tile is None:
+        return {"tiled_regions": 0, "untiled_regions": 0, "tiles": 0}
+    original_of = {new: original for original, new in rewriter.env.items() if isinstance(new, fx.Node)}
+    original_of.update(rewriter.replicated_uses)
+    shape = {node: tuple(shape_of(original)) for node, original in original_of.items() if is_tensor_node(original)}
+    placement = {node: rewriter.placement(original) for node, original in original_of.items()}
+    tiled = untiled = emitted = 0
+    for region in _regions(gm, shape, placement):
+        members, inside = region.nodes, set(region.nodes)
+        outputs = [n for n in members if any(user not in inside for user in n.users)]
+        if len(outputs) == len(members) or not any(canonical(n).name in _WORTH_TILING for n in members):
+            continue  # nothing would die inside a tile, or nothing worth it
+        row_inputs = list(dict.fromkeys(arg for n in members for arg in n.all_input_nodes if arg not in inside
+                                        and len(shape.get(arg, ())) >= 2 and shape[arg][:-1] == region.key[0]
+                                        and not (canonical(n).name == "linear" and arg in (canonical(n)["weight"],
+                                                                                         canonical(n)["bias"]))))
+        order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        users = [user for y in outputs for user in y.users if user not in inside]
+        before = min(users, key=order.__getitem__) if users else None
+        rows = rows_of(rewriter, original_of.get(outputs[0])) if outputs else None
+        if rows is None or before is None or not _hoist_inputs(members, before, order):
+            untiled += 1
+            continue
+        lead, every_rank = rows
+        tiles = chunks_for(max(every_rank), tokens_per_tile)
+        results = checkpoint_tiles(gm, members, row_inputs, outputs, lead, tiles, f"tile_body_{tiled}", before)
+        shape.update({new: shape[y] for y, new in zip(outputs, results)})
+        placement.update({new: placement.get(y) for y, new in zip(outputs, results)})
+        tiled += 1
+        emitted += tiles
+    if tiled:
+        gm.graph.lint()
+        gm.recompile()
+    return {"tiled_regions": tiled, "untiled_regions": untiled, "tiles": emitted}
