@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-mlp", type=int, metavar="TOKENS", help="tokens per chunk of the MLPs (default: off)")
     p.add_argument("--tile-tokens", type=int, metavar="TOKENS",
                    help="tokens per tile of the token-local regions: norms, projections, MLP (default: off)")
+    p.add_argument("--head-chunks", type=int, default=1, metavar="GROUPS",
+                   help="head groups every attention runs one at a time (default 1: all heads at once)")
     p.add_argument("--chunk-loss", type=int, default=1024, metavar="TOKENS",
                    help="tokens per chunk of the LM head + loss (0: off)")
     p.add_argument("--no-lazy-logits", action="store_true",
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                       rank=args.rank, memory_budget=budget,
                       host_budget=int(args.host_budget * 2**30) if args.host_budget is not None else None,
                       recompute=args.recompute, chunk_mlp=args.chunk_mlp,
-                      tile_tokens=args.tile_tokens,
+                      tile_tokens=args.tile_tokens, head_chunks=args.head_chunks,
                       chunk_loss=args.chunk_loss or None, offload=args.offload, dp_shard=args.dp_shard,
                       optimizer=args.optimizer, grad_sync=not args.no_grad_sync,
                       lazy_logits=not args.no_lazy_logits)

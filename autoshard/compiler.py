@@ -185,7 +185,8 @@ class AutoshardBackend:
         if not (deferred or carried or compiled.carried_outputs or compiled.deferred_outputs or compiled.lazy_outputs):
             return lowered
         lazy = {i: functools.partial(_lazy_head, spec=spec, group_name=pg.group_name, summed=self.config.grad_sync,
-                                     world=pg.size()) for i, spec in compiled.lazy_outputs.items()}
+                                     world=pg.size(), host=config.offload)
+                for i, spec in compiled.lazy_outputs.items()}
         return _carrying(lowered, bool(deferred), set(carried), compiled.carried_outputs, compiled.deferred_outputs,
                          lazy, pg.group_name)
 
@@ -356,15 +357,16 @@ def _carrying(fn: Callable, flatten: bool, carried_inputs: set[int], carried_out
     return run
 
 
-def _lazy_head(h: torch.Tensor, args, *, spec, group_name: str, summed: bool, world: int) -> torch.Tensor:
+def _lazy_head(h: torch.Tensor, args, *, spec, group_name: str, summed: bool, world: int, host: bool) -> torch.Tensor:
     """The lazy logits of the head ``spec`` (:class:`~autoshard.passes.lazy.LazyOutput`) from the graph's output
-    ``h`` and its inputs ``args``. On split tokens, the head's parameters take this rank's share of their gradient
-    the way the graph's own uses do: ``summed`` over the group (``grad_sync``), or multiplied by its size."""
+    ``h`` and its inputs ``args`` (``h`` held in host memory when ``host``: with ``offload``). On split tokens, the
+    head's parameters take this rank's share of their gradient the way the graph's own uses do: ``summed`` over the
+    group (``grad_sync``), or multiplied by its size."""
     weight, bias = args[spec.weight], args[spec.bias] if spec.bias is not None else None
     if spec.split:
         weight, bias = (p if p is None else grad_sync(p, group_name) if summed else grad_scale(p, world)
                         for p in (weight, bias))
-    return lazy_linear(h, weight, bias, dtype=spec.dtype)
+    return lazy_linear(h, weight, bias, dtype=spec.dtype, host=host)
 
 
 def _flatten_deferred(args, like: dict | None = None) -> list:

@@ -126,6 +126,14 @@ class BackendConfig:
     (one more forward of those ops: the price). Subsumes ``chunk_mlp`` for the MLPs it tiles. Off by default;
     the memory policy may turn it on. Every rank runs the same number of tiles."""
 
+    head_chunks: int = 1
+    """Head groups every distributed attention runs one at a time (:mod:`autoshard.runtime.attention.head_chunks`:
+    UPipe's idea, for every strategy): its gathered or head-split copies, accumulators and gradients exist for one
+    group's heads at a time -- at long context they are the largest values of a layer (Ulysses holds the whole
+    sequence of its heads). Groups follow the key/value heads (a GQA group stays together); fewer when the heads
+    do not allow as many (Ulysses needs a query head per rank in every group; dropout runs whole). Costs more, smaller
+    collectives (Ulysses sends a key/value head to every rank whose group reads it). The memory policy may set it."""
+
     recompute: str = "none"
     """Activation recomputation the compiler adds: ``"none"``, or ``"layers"``: every transformer layer (the
     nodes of one ``ModuleList`` entry, from the graph's module stacks) runs under activation checkpointing, so
@@ -172,6 +180,8 @@ class BackendConfig:
         if self.offload and self.inner not in ("eager", "auto"):
             raise ValueError("autoshard.backend: offload=True runs with inner='eager' only (a tracing compiler would "
                              f"trace the host copies instead of running them), got inner={self.inner!r}")
+        if isinstance(self.head_chunks, bool) or not isinstance(self.head_chunks, int) or self.head_chunks < 1:
+            raise ValueError(f"autoshard.backend: head_chunks is a positive int, got {self.head_chunks!r}")
         for lever in ("chunk_mlp", "tile_tokens"):
             value = getattr(self, lever)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

@@ -247,6 +247,8 @@ class Pricing:
     topology: Topology
     hybrid_possible: bool
     """Whether a 2-D mesh is there to run a strategy over (or may be planned)."""
+    head_chunks: int = 1
+    """Head groups the call runs one at a time (``BackendConfig.head_chunks``)."""
 
     @cached_property
     def item(self) -> int:
@@ -263,6 +265,13 @@ class Pricing:
         """This rank's q, k, v and output: the working set every strategy holds."""
         s = self.shape
         return s.batch * self.local * (s.heads + s.kv_heads) * s.kv_dims * self.item
+
+    @cached_property
+    def memory(self) -> int:
+        """This rank's inputs and output and the strategy's working set, forward or backward, whichever is larger
+        (:attr:`~autoshard.runtime.attention.base.Strategy.working_set`)."""
+        return self.inputs_bytes + max(self.strategy.working_set(self.shape, self.world, self.head_chunks, backward)
+                                       for backward in (False, True))
 
     def busiest(self, imbalance: float) -> float:
         """Seconds of forward + backward (2.5x) compute of the most loaded rank, which does ``imbalance`` times the
@@ -329,18 +338,18 @@ class Pricing:
         sent = self.sent({"P": world})
         comm = sum(sent) / topology.bandwidth(world)
         latency = 2 * world * (topology.latency(world) + topology.step_overhead) + self.merge_time(world)
-        s = self.shape
-        in_flight = 2 * s.batch * self.local * s.kv_heads * s.kv_dims * self.item
         return self.cost(compute=compute, comm=comm, exposed=max(0.0, comm - compute), latency=latency, sent=sent,
-                         memory=self.inputs_bytes + in_flight)
+                         memory=self.memory)
 
 
 def attention_costs(shape: AttentionShape, world: int, topology: Topology = Topology(), *,
-                    hybrid_possible: bool = True, memory_budget: int | None = None) -> list[StrategyCost]:
+                    hybrid_possible: bool = True, memory_budget: int | None = None,
+                    head_chunks: int = 1) -> list[StrategyCost]:
     """The cost of every registered strategy for ``shape`` on ``world`` ranks of ``topology``, in registry order;
-    one whose working set exceeds the budget (default: the topology's memory) is not feasible."""
+    one whose working set (its head groups ``head_chunks`` at a time) exceeds the budget (default: the topology's
+    memory) is not feasible."""
     budget = memory_budget if memory_budget is not None else topology.memory_bytes
-    costs = [strategy.cost(Pricing(strategy, shape, world, topology, hybrid_possible))
+    costs = [strategy.cost(Pricing(strategy, shape, world, topology, hybrid_possible, head_chunks))
              for strategy in STRATEGIES.values()]
     for c in costs:
         if c.feasible and c.memory_bytes > budget:

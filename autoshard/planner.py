@@ -33,7 +33,8 @@ what the caller holds (the outputs) and the temporaries of every op are all in i
   as the run does;
 * ops whose fake implementation allocates only their outputs add their working set while they run
   (:data:`_WORKING_SETS`: the chunked LM head + loss holds a chunk's ``[tokens / chunks, V]`` values,
-  :func:`~autoshard.runtime.chunked_loss.working_set_bytes`);
+  :func:`~autoshard.runtime.chunked_loss.working_set_bytes`; a distributed attention its strategy's gathered or
+  head-split copies and float32 accumulators, :attr:`~autoshard.runtime.attention.base.Strategy.working_set`);
 * graphs run one after the other (graph breaks): graph ``g``'s forward runs on top of what the graphs before it
   keep, its backward on top of that and the gradients of the graphs after it;
 * backward starts from what a training step differentiates: a graph that returns a loss (a differentiable
@@ -78,10 +79,11 @@ from .runtime.chunked_loss import working_set_bytes
 from .runtime.offload import planned_offload
 from .runtime.groups import SequenceGroups
 from .strategy import attention_shape
+from .runtime.attention.base import STRATEGIES
 from .runtime.attention.dispatch import balance
 from .runtime.attention.masks import MaskSpec
 from .runtime.layouts import SequenceLayout, split_sizes
-from .step_time import LayerTime, OpTimer, StepTime, run_timed, step_time
+from .step_time import LayerTime, OpTimer, StepTime, attention_op_shape, run_timed, step_time
 
 __all__ = ["Plan", "AttentionDecision", "Collective", "MemoryEstimate", "PlanFallback", "plan", "plan_graph",
            "plan_graphs"]
@@ -178,7 +180,8 @@ class MemoryEstimate:
                 + ", ".join(f"{name} {format_bytes(value)}" for name, value in shown) + ")")
 
     host_offloaded: int = 0
-    """Bytes of checkpointed layers' inputs kept in host memory from forward to backward (``offload``): not in
+    """Bytes of checkpointed layers' inputs kept in host memory from forward to backward, and of the hidden state
+    lazy logits hold (``offload``): not in
     ``total`` (the simulation drops them when they are copied out and allocates them again when backward copies
     them back)."""
 
@@ -264,8 +267,9 @@ class Plan:
                          f"their collectives included ({format_bytes(sum(self.recomputed.values()))} sent again "
                          f"per rank)")
         if mem is not None and mem.host_offloaded:
-            lines.append(f"  offload: {format_bytes(mem.host_offloaded)} of checkpointed layer inputs wait in host "
-                         f"memory until backward (not in the total above)")
+            lines.append(f"  offload: {format_bytes(mem.host_offloaded)} of checkpointed layer inputs"
+                         + (" and lazy logits' hidden state" if self.losses.get("lazy_logits") else "")
+                         + " wait in host memory until backward (not in the total above)")
         lines += [f"  {line}" for line in self.memory_policy]
         if self.losses.get("chunked"):
             kept = self.losses.get("logits_kept", 0) - self.losses.get("lazy_logits", 0)
@@ -501,9 +505,22 @@ def _chunked_loss_working_set(args: tuple) -> int:
     return working_set_bytes(rows, weight.size(0), chunks, h.dtype, out_dtype)
 
 
+def _attention_working_set(backward: bool) -> Callable[[tuple], int]:
+    """A distributed attention: its strategy's working set (:attr:`~autoshard.runtime.attention.base.Strategy.
+    working_set`: the gathered or head-split copies, the float32 accumulators), its head groups one at a time."""
+    def working_set(args: tuple) -> int:
+        shape, config = attention_op_shape(args, backward)
+        world = SequenceLayout.decode(config.layout).world_size
+        return STRATEGIES[config.strategy].working_set(shape, world, config.head_chunks, backward)
+
+    return working_set
+
+
 _WORKING_SETS: dict[Any, Callable[[tuple], int]] = {
     torch.ops.autoshard.linear_cross_entropy.default: _chunked_loss_working_set,
     torch.ops.autoshard.linear_cross_entropy_backward.default: _chunked_loss_working_set,
+    torch.ops.autoshard.attention.default: _attention_working_set(False),
+    torch.ops.autoshard.attention_backward.default: _attention_working_set(True),
 }
 """Ops whose fake implementation allocates only their outputs -> the bytes the real op holds on top of its inputs
 and outputs while it runs (from its arguments)."""
@@ -604,7 +621,8 @@ def _fake_leaf(mode: FakeTensorMode, x: torch.Tensor) -> torch.Tensor:
     return fake.detach().requires_grad_() if fake.grad_fn is not None else fake
 
 
-def _memory(compiled, example_inputs: list, world: int, root_length: int, topology: Topology) -> _GraphMemory:
+def _memory(compiled, example_inputs: list, world: int, root_length: int, topology: Topology,
+            offload: bool = False) -> _GraphMemory:
     """Run the per-rank graph forward and backward on fake tensors (from its losses, or the caller's gradient of every
     differentiable output: ones; see the module docstring) and follow its live bytes (see the module docstring) and the time of its ops on ``topology``
     (:class:`~autoshard.step_time.OpTimer`)."""
@@ -631,8 +649,15 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int, topolo
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             results = run_timed(compiled.graph_module, inputs, timer)
             outputs = [t for t in tree_leaves(results) if isinstance(t, torch.Tensor)]
-        # lazy logits (the head's input in their place): nobody reads them, so no gradient comes through them
+        # lazy logits (the head's input in their place): nobody reads them, so no gradient comes through them;
+        # with offload the head's input waits in host memory (the device's copy dies with the output)
         unread = {id(results[i]) for i in compiled.lazy_outputs or ()}
+        if offload and compiled.lazy_outputs:
+            results = list(results)
+            for i in compiled.lazy_outputs:
+                host[0] += results[i].numel() * results[i].element_size()
+                results[i] = None
+            outputs = [t for t in tree_leaves(results) if isinstance(t, torch.Tensor)]
         output_serials = {live.serial_of(t) for t in outputs}
         held = live.total - base
         live.phase = timer.phase = "backward"
@@ -715,7 +740,8 @@ def _decisions(compiled, index: int, world: int, config: BackendConfig, topology
     for fam in compiled.families.families:
         for node in fam.attention_nodes:
             shape = attention_shape(node, fam.length)
-            costs = attention_costs(shape, world, topology, hybrid_possible=True, memory_budget=config.memory_budget)
+            costs = attention_costs(shape, world, topology, hybrid_possible=True, memory_budget=config.memory_budget,
+                                    head_chunks=config.head_chunks)
             decided = by_node.get(node.name, {})
             strategy = decided.get("strategy", compiled.strategies.get(node, "?"))
             dense = node.meta.get(DENSE_MASK)
@@ -750,7 +776,7 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, world_size: i
     plans: dict[tuple, Plan] = {}  # the levers -> the plan: the options differ in these only
 
     def planned(option: BackendConfig) -> Plan:
-        key = (option.chunk_mlp, option.tile_tokens, option.recompute, option.offload)
+        key = (option.chunk_mlp, option.tile_tokens, option.head_chunks, option.recompute, option.offload)
         if key not in plans:
             plans[key] = plan_graphs([(copy.deepcopy(gm), list(example_inputs))], world_size=world_size,
                                      config=dataclasses.replace(option, memory_budget=None), dp_shard=dp_shard,
@@ -852,7 +878,7 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
         if decisions and "S" not in symbols:
             symbols.update({k: v for k, v in decisions[0].shape.items() if k != "dtype"})
         root = compiled.families.families[0].length if compiled.families.families else 1
-        memories.append(_memory(compiled, example_inputs, world_size, root, topology))
+        memories.append(_memory(compiled, example_inputs, world_size, root, topology, offload=graph_config.offload))
         planned[(id(graphs[call][0]), kinds)] = (index, compiled, decisions, memories[-1], deferred)
     for layer, decision in enumerate(result.attention):
         decision.layer = layer

@@ -1,7 +1,7 @@
 """The memory policy: ``memory_budget`` picks the cheapest recomputation, tiling and offload whose plan fits it.
 
 Sequence parallelism divides activations by the number of ranks; when that is not enough, the compiler has
-four more levers of its own, each bought with compute or transfers:
+five more levers of its own, each bought with compute or transfers:
 
 ======================  ==========================================  ==========================================
 lever                   what it removes                             what it costs
@@ -11,6 +11,9 @@ lever                   what it removes                             what it cost
 ``tile_tokens``         every token-local value (norms' float32      one more forward of the token-local ops:
                         upcasts, projections, residuals, the MLP)   norms, projections, MLP (not attention)
                         but a region's outputs, a tile at a time
+``head_chunks``         attention's gathered / head-split copies,    more, smaller collectives (Ulysses: some
+                        accumulators and gradients but one head      key/value heads go to more ranks)
+                        group's
 ``recompute="layers"``  every value a layer saves but its input      one more forward of every layer, its
                                                                     collectives included
 ``offload``             the recomputed layers' inputs (host memory   a copy to the host and back per layer
@@ -18,8 +21,9 @@ lever                   what it removes                             what it cost
 ======================  ==========================================  ==========================================
 
 (The chunked LM head + loss, ``chunk_loss``, is on by default: it costs one head matmul and removes the
-largest values of a step.) The ladder, cheapest first: as configured, chunked MLPs, tiles; the same three with
-recomputed layers; the same three with offload too -- never changing a lever the user set. The policy takes the
+largest values of a step.) The ladder, cheapest first: as configured, chunked MLPs, tiles, tiles with attention
+in :data:`HEAD_CHUNKS` head groups (``head_chunks``: its gathered or head-split copies one group at a time); the
+same four with recomputed layers; the same four with offload too -- never changing a lever the user set. The policy takes the
 first option whose planned per-rank peak (:func:`autoshard.plan`'s ``memory_per_rank.total``, computed for
 rank 0 so that every rank decides the same) fits the budget and whose host bytes fit ``host_budget``.
 
@@ -51,8 +55,8 @@ import torch
 
 from .config import BackendConfig
 
-__all__ = ["MemoryOption", "MemoryPolicy", "MemoryBudgetError", "CHUNK_TOKENS", "MAX_CHUNKS", "DOMINANCE_MARGIN", "chunk_tokens",
-           "choose_memory_policy", "device_budget", "host_budget", "format_bytes"]
+__all__ = ["MemoryOption", "MemoryPolicy", "MemoryBudgetError", "CHUNK_TOKENS", "MAX_CHUNKS", "DOMINANCE_MARGIN",
+           "HEAD_CHUNKS", "chunk_tokens", "choose_memory_policy", "device_budget", "host_budget", "format_bytes"]
 
 def format_bytes(nbytes: float) -> str:
     """``nbytes`` for people: ``"1.50 GiB"``, ``"12.00 KiB"``, ``"512 B"`` (the plan's and the policy's sizes)."""
@@ -82,7 +86,10 @@ class MemoryBudgetError(ValueError):
     """No option of the memory policy fits the budget."""
 
 
-_LEVERS = ("chunk_mlp", "tile_tokens", "recompute", "offload")
+_LEVERS = ("chunk_mlp", "tile_tokens", "head_chunks", "recompute", "offload")
+HEAD_CHUNKS = 4
+"""Head groups the policy runs attention in when it takes that lever (fewer where the heads allow fewer: a
+Ulysses group needs a query head per rank in each)."""
 DOMINANCE_MARGIN = 0.05
 """How far above the budget an option's peak must be to rule out the options it dominates: a lever may add a
 little where it removes less (a tile's concatenated outputs in a model too small for tiles to pay), so an option
@@ -97,6 +104,8 @@ class MemoryOption:
     """Tokens per MLP chunk, or None."""
     tile_tokens: int | None
     """Tokens per tile of the token-local regions, or None."""
+    head_chunks: int
+    """Head groups every attention runs one at a time (1: all heads at once)."""
     recompute: str
     """``"none"`` or ``"layers"``."""
     offload: bool
@@ -110,6 +119,7 @@ class MemoryOption:
     def describe(self) -> str:
         levers = ([f"chunk_mlp={self.chunk_mlp}"] if self.chunk_mlp else []) + \
                  ([f"tile_tokens={self.tile_tokens}"] if self.tile_tokens else []) + \
+                 ([f"head_chunks={self.head_chunks}"] if self.head_chunks > 1 else []) + \
                  ([f"recompute={self.recompute!r}"] if self.recompute != "none" else []) + \
                  (["offload"] if self.offload else [])
         return ", ".join(levers) or "no recomputation, chunks or tiles"
@@ -148,26 +158,30 @@ def _options(config: BackendConfig, tokens: int = CHUNK_TOKENS) -> list[dict]:
     """The levers to try, cheapest first, leaving those the user set as they are: offload only with the
     layers recomputed, and only with the eager inner compiler."""
     if config.chunk_mlp is not None or config.tile_tokens is not None:
-        tokenwise = [(config.chunk_mlp, config.tile_tokens)]
+        tokenwise = [(config.chunk_mlp, config.tile_tokens, config.head_chunks)]
     else:
-        tokenwise = [(None, None), (tokens, None), (None, tokens)]
+        tokenwise = [(None, None, config.head_chunks), (tokens, None, config.head_chunks),
+                     (None, tokens, config.head_chunks)]
+    if config.head_chunks == 1:  # head groups on top of the strongest of these
+        tokenwise.append((*tokenwise[-1][:2], HEAD_CHUNKS))
     layers = [config.recompute] if config.recompute != "none" else ["none", "layers"]
     offload = [True] if config.offload else [False] + ([True] if config.inner in ("eager", "auto") else [])
     out = []
     for host in offload:
         for recompute in layers:
-            for chunk_mlp, tile_tokens in tokenwise:
-                levers = {"chunk_mlp": chunk_mlp, "tile_tokens": tile_tokens, "recompute": recompute, "offload": host}
+            for chunk_mlp, tile_tokens, head_chunks in tokenwise:
+                levers = {"chunk_mlp": chunk_mlp, "tile_tokens": tile_tokens, "head_chunks": head_chunks,
+                          "recompute": recompute, "offload": host}
                 if levers not in out and not (host and recompute == "none"):
                     out.append(levers)
     return out
 
 
-def _strength(levers: dict) -> tuple[int, int, int]:
-    """How much each lever removes, comparable lever by lever: (tokenwise: none 0, MLP chunks 1, tiles 2; layers
-    recomputed; offload)."""
+def _strength(levers: dict) -> tuple[int, int, int, int]:
+    """How much each lever removes, comparable lever by lever: (tokenwise: none 0, MLP chunks 1, tiles 2; head
+    groups; layers recomputed; offload)."""
     tokenwise = 2 if levers["tile_tokens"] else 1 if levers["chunk_mlp"] else 0
-    return tokenwise, int(levers["recompute"] != "none"), int(levers["offload"])
+    return tokenwise, levers["head_chunks"], int(levers["recompute"] != "none"), int(levers["offload"])
 
 
 def _dominates(a: dict, b: dict) -> bool:
@@ -206,7 +220,7 @@ def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfi
     if plan(strongest)[0] <= budget * (1 + DOMINANCE_MARGIN):
         for i in range(len(ladder)):  # one lever weaker than the strongest: what their failures rule out
             weaker = [a - b for a, b in zip(_strength(ladder[strongest]), _strength(ladder[i]))]
-            if sorted(weaker) == [0, 0, 1] and not ruled_out(i):
+            if sorted(x > 0 for x in weaker) == [False, False, False, True] and not ruled_out(i):
                 plan(i)
         chosen = next((i for i in range(len(ladder)) if not ruled_out(i) and fits(i)), None)
     options = tuple(MemoryOption(**levers, estimate=planned[i][0] if i in planned else None,

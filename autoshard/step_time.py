@@ -151,8 +151,9 @@ def _attention_cost(shape: AttentionShape, world: int, topology: Topology, strat
     return next(c for c in attention_costs(shape, world, topology) if c.strategy == strategy)
 
 
-def _attention_call(args: tuple, world: int, topology: Topology, backward: bool) -> tuple[float, float, float]:
-    """(compute, communication, exposed communication) seconds of one attention op (see the module docstring)."""
+def attention_op_shape(args: tuple, backward: bool) -> tuple[AttentionShape, OpConfig]:
+    """The shape (global length, this rank's heads) and the configuration of one ``autoshard::attention`` op (or its
+    backward) from its arguments."""
     first = 6 if backward else 3  # the masks follow (dout, q, k, v, out, lse) or (q, k, v)
     q, k, v = args[1:4] if backward else args[:3]
     masks = args[first:first + 2]
@@ -163,6 +164,12 @@ def _attention_call(args: tuple, world: int, topology: Topology, backward: bool)
     shape = AttentionShape(q.shape[0], length, q.shape[1], k.shape[1], q.shape[3], q.dtype, config.causal, window,
                            masks[0] is not None, masks[1].dtype if masks[1] is not None else None, config.chunk,
                            value_head_dim=v.shape[3] if v.shape[3] != q.shape[3] else 0)
+    return shape, config
+
+
+def _attention_call(args: tuple, world: int, topology: Topology, backward: bool) -> tuple[float, float, float]:
+    """(compute, communication, exposed communication) seconds of one attention op (see the module docstring)."""
+    shape, config = attention_op_shape(args, backward)
     cost = _attention_cost(shape, world, topology, config.strategy)
     share = 2.5 / 3.5 if backward else 1 / 3.5
     sent = cost.bytes_forward + cost.bytes_backward

@@ -75,7 +75,8 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
             key = (shape, heads_axis_size is not None or planning)
             if key not in decided:
                 decided[key] = choose_strategy(attention_costs(shape, world, topology, hybrid_possible=key[1],
-                                                               memory_budget=config.memory_budget))
+                                                               memory_budget=config.memory_budget,
+                                                               head_chunks=config.head_chunks))
             best, why = decided[key]
             chosen[node], reasons[node] = best.strategy, why
             wanted_layouts.add(best.layout)

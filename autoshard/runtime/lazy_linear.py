@@ -26,6 +26,10 @@ computed value; in-place changes compute the value and write into it (it is then
 hood). Under sequence parallelism the logits leave the graph split (:class:`~autoshard.runtime.split_tensor.SplitTensor`
 over this rank's ``LazyLinear``): a gather computes every rank's shard where it is used.
 
+With ``offload`` (the layers' inputs kept in host memory) the hidden state waits in host memory too: at millions of
+tokens its ``[S / P, H]`` is as large as a layer's input, and nothing reads it on the device unless the logits are
+read (then it comes back for the product, and for its gradient).
+
 The head's dtype is recorded when the graph runs (under ``torch.autocast`` the head's product runs in the
 autocast dtype): the value is computed with autocast off, from ``h``, ``W`` and ``b`` cast to it, and the
 gradient of each is returned in its own dtype.
@@ -49,10 +53,13 @@ _SAME_VALUE_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
 
 class _Pending:
-    """What a lazy value and its aliases share: the inputs until it is computed, then the value."""
+    """What a lazy value and its aliases share: the inputs until it is computed, then the value. ``h`` may be a host
+    copy (:func:`lazy_linear`'s ``host``): it goes back to ``device`` to be read."""
 
-    def __init__(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 device: torch.device):
         self.inputs: tuple | None = (h, weight, bias)
+        self.device = device
         self.versions = tuple(x._version if x is not None else None for x in self.inputs)
         self.dtype = dtype
         self.value: torch.Tensor | None = None
@@ -72,7 +79,7 @@ class _Pending:
                     "autoshard.runtime.lazy_linear.LazyLinear) and the LM head's weight (or the hidden state) has "
                     "changed since -- FSDP2 resharded it after backward, or it was updated in place outside an "
                     "optimizer step. Read the logits before the weights change, or compile with lazy_logits=False")
-            h, weight, bias = (x.to(self.dtype) if x is not None else None for x in self.inputs)
+            h, weight, bias = (x.to(self.device, self.dtype) if x is not None else None for x in self.inputs)
             with torch.autocast(h.device.type, enabled=False):
                 self.value = F.linear(h, weight, bias)
             self.inputs = None  # the hidden state is no longer held for this value
@@ -135,16 +142,33 @@ class LazyLinear(torch.Tensor):
         return func(*value[0], **value[1])
 
 
+def _to_host(h: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``h`` (pinned and asynchronous from an accelerator; ``h`` itself on the CPU)."""
+    if h.device.type == "cpu":
+        return h
+    host = torch.empty(h.shape, dtype=h.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+    return host.copy_(h, non_blocking=True)
+
+
 class _Lazy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, bias, dtype):
-        ctx.save_for_backward(h, weight, bias)
-        pending = _Pending(h.detach(), weight.detach(), bias.detach() if bias is not None else None, dtype)
+    def forward(ctx, h, weight, bias, dtype, host):
+        if host:  # the device's copy dies with the graph's output; backward and the value read the host's
+            ctx.host_h, ctx.device = _to_host(h.detach()), h.device
+            ctx.save_for_backward(weight, bias)
+        else:
+            ctx.host_h = None
+            ctx.save_for_backward(h, weight, bias)
+        kept = ctx.host_h if host else h.detach()
+        pending = _Pending(kept, weight.detach(), bias.detach() if bias is not None else None, dtype, h.device)
         return LazyLinear(pending, (*h.shape[:-1], weight.size(0)), h.device)
 
     @staticmethod
     def backward(ctx, grad):
-        h, weight, bias = ctx.saved_tensors
+        if ctx.host_h is not None:
+            h, (weight, bias) = ctx.host_h.to(ctx.device, non_blocking=True), ctx.saved_tensors
+        else:
+            h, weight, bias = ctx.saved_tensors
         rows = grad.reshape(-1, grad.size(-1))
         dh = dw = db = None
         if ctx.needs_input_grad[0]:
@@ -153,10 +177,11 @@ class _Lazy(torch.autograd.Function):
             dw = (rows.t() @ h.reshape(-1, h.size(-1)).to(grad.dtype)).to(weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
             db = rows.sum(0).to(bias.dtype)
-        return dh, dw, db, None
+        return dh, dw, db, None, None
 
 
 def lazy_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                dtype: torch.dtype | None = None) -> LazyLinear:
-    """``linear(h, weight, bias)`` in ``dtype`` (default ``h``'s), computed when first read: a :class:`LazyLinear`."""
-    return _Lazy.apply(h, weight, bias, dtype or h.dtype)
+                dtype: torch.dtype | None = None, host: bool = False) -> LazyLinear:
+    """``linear(h, weight, bias)`` in ``dtype`` (default ``h``'s), computed when first read: a :class:`LazyLinear`.
+    ``host``: hold ``h`` in host memory until then (pinned; with ``offload``, whose layer inputs wait there too)."""
+    return _Lazy.apply(h, weight, bias, dtype or h.dtype, host)

@@ -22,35 +22,38 @@ import torch
 import autoshard
 from autoshard.config import BackendConfig
 from autoshard.testing.models import LlamaConfig, LlamaLM
-from autoshard.policy import CHUNK_TOKENS, DOMINANCE_MARGIN, MemoryBudgetError, _options, choose_memory_policy
+from autoshard.policy import CHUNK_TOKENS, DOMINANCE_MARGIN, HEAD_CHUNKS, MemoryBudgetError, _options, choose_memory_policy
 from autoshard.testing import run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process
 
 CONFIG = dict(vocab_size=64, hidden=32, layers=3, heads=4, kv_heads=2, intermediate=64)
-LEVERS = ("chunk_mlp", "tile_tokens", "recompute", "offload")
-T = CHUNK_TOKENS
+LEVERS = ("chunk_mlp", "tile_tokens", "head_chunks", "recompute", "offload")
+T, G = CHUNK_TOKENS, HEAD_CHUNKS
 
 
 def _stand_in(costs: dict, asked: list | None = None):
-    """An estimator: (bytes, host bytes) by (chunk_mlp, tile_tokens, recompute, offload); ``asked`` collects the
-    options it was asked for."""
+    """An estimator: (bytes, host bytes) by (chunk_mlp, tile_tokens, head_chunks, recompute, offload) (head groups
+    not listed: 5 below the same without); ``asked`` collects the options it was asked for."""
     def estimate(config):
         key = tuple(getattr(config, k) for k in LEVERS)
         if asked is not None:
             asked.append(key)
-        return costs[key], 1000 if key[3] else 0
+        return costs.get(key, costs[(*key[:2], 1, *key[3:])] - 5), 1000 if key[4] else 0
     return estimate
 
 
-COSTS = {(None, None, "none", False): 100, (T, None, "none", False): 80, (None, T, "none", False): 70,
-         (None, None, "layers", False): 60, (T, None, "layers", False): 50, (None, T, "layers", False): 40,
-         (None, None, "layers", True): 30, (T, None, "layers", True): 20, (None, T, "layers", True): 10}
-STRONGEST = (None, T, "layers", True)
+COSTS = {(None, None, 1, "none", False): 100, (T, None, 1, "none", False): 80, (None, T, 1, "none", False): 75,
+         (None, T, G, "none", False): 70,
+         (None, None, 1, "layers", False): 60, (T, None, 1, "layers", False): 50, (None, T, 1, "layers", False): 45,
+         (None, T, G, "layers", False): 40,
+         (None, None, 1, "layers", True): 30, (T, None, 1, "layers", True): 20, (None, T, 1, "layers", True): 15,
+         (None, T, G, "layers", True): 10}
+STRONGEST = (None, T, G, "layers", True)
 
 
-@pytest.mark.parametrize("budget, chosen", [(100, (None, None, "none", False)), (90, (T, None, "none", False)),
-                                            (55, (T, None, "layers", False)), (45, (None, T, "layers", False)),
-                                            (25, (T, None, "layers", True)), (10, STRONGEST)])
+@pytest.mark.parametrize("budget, chosen", [(100, (None, None, 1, "none", False)), (90, (T, None, 1, "none", False)),
+                                            (55, (T, None, 1, "layers", False)), (42, (None, T, G, "layers", False)),
+                                            (25, (T, None, 1, "layers", True)), (10, STRONGEST)])
 def test_cheapest_option_that_fits(budget, chosen):
     asked = []
     config, policy = choose_memory_policy(BackendConfig(), _stand_in(COSTS, asked), budget=budget)
@@ -66,25 +69,27 @@ def test_cheapest_option_that_fits(budget, chosen):
 def test_options_a_failure_dominates_are_not_planned():
     asked = []
     config, policy = choose_memory_policy(BackendConfig(), _stand_in(COSTS, asked), budget=10)
-    # the strongest, its three neighbours (chunks instead of tiles; no offload; ...), then nothing weaker
-    assert set(asked) == {STRONGEST, (T, None, "layers", True), (None, T, "layers", False)}, asked
+    # the strongest and its neighbours (no head groups; no offload), whose failures rule out everything else
+    assert set(asked) == {STRONGEST, (None, T, 1, "layers", True), (None, T, G, "layers", False)}, asked
     assert sum(o.estimate is None for o in policy.options) == len(COSTS) - 3
     assert "ruled out" in policy.describe()
 
 
 def test_offload_only_within_the_host_budget():
     config, policy = choose_memory_policy(BackendConfig(), _stand_in(COSTS), budget=45, host_budget=999)
-    assert (config.tile_tokens, config.recompute, config.offload) == (T, "layers", False)
+    assert (config.tile_tokens, config.head_chunks, config.recompute, config.offload) == (T, 1, "layers", False)
     with pytest.raises(MemoryBudgetError, match=r"and 999 B of host memory per rank.*smallest feasible budget is 40 "):
         choose_memory_policy(BackendConfig(), _stand_in(COSTS), budget=25, host_budget=999)
 
 
 def test_levers_the_user_set_stay():
     config, policy = choose_memory_policy(BackendConfig(recompute="layers"), _stand_in(COSTS), budget=40)
-    assert config.recompute == "layers" and (config.tile_tokens, config.offload) == (T, False)
+    assert config.recompute == "layers" and (config.tile_tokens, config.head_chunks, config.offload) == (T, G, False)
     assert all(o.recompute == "layers" for o in policy.options)
     config, policy = choose_memory_policy(BackendConfig(chunk_mlp=T), _stand_in(COSTS), budget=25)
-    assert (config.chunk_mlp, config.tile_tokens, config.offload) == (T, None, True)
+    assert (config.chunk_mlp, config.tile_tokens, config.head_chunks, config.offload) == (T, None, 1, True)
+    config, policy = choose_memory_policy(BackendConfig(head_chunks=2), _stand_in(COSTS), budget=100)
+    assert config.head_chunks == 2 and all(o.head_chunks == 2 for o in policy.options)
     config, policy = choose_memory_policy(BackendConfig(inner="aot_eager"), _stand_in(COSTS), budget=50)
     assert not any(o.offload for o in policy.options)
 
@@ -110,12 +115,12 @@ def _inputs():
 def _run():
     torch.manual_seed(0)
     plans = {}
-    for levers in _options(BackendConfig())[:4]:  # as configured, chunked MLPs, tiles, recomputed layers
+    for levers in _options(BackendConfig())[:5]:  # as configured, chunks, tiles, tiles + head groups, layers
         torch._dynamo.reset()
         plans[tuple(levers[k] for k in LEVERS)] = autoshard.plan(_model().double(), _inputs(), world_size=2,
                                                                 outputs="gathered", **levers).memory_per_rank.total
     # the budget of "recompute the layers": the policy must take the first option, in its order, planned within it
-    budget = plans[(None, None, "layers", False)]
+    budget = plans[(None, None, 1, "layers", False)]
     out = {"plans": plans, "budget": budget, "expected": next(k for k, v in plans.items() if v <= budget)}
     torch._dynamo.reset()
     r = compare_with_one_process(_model, _inputs, dtype=torch.float64, outputs="gathered", memory_budget=budget)
@@ -141,9 +146,9 @@ def _results():
 def test_backend_takes_the_first_option_that_fits():
     for rank, r in enumerate(_results()):
         where = f"rank {rank}: plans {r['plans']}, budget {r['budget']}"
-        assert r["expected"] != (None, None, "none", False), f"{where}: the model as configured already fits"
+        assert r["expected"] != (None, None, 1, "none", False), f"{where}: the model as configured already fits"
         assert r["chosen"] == r["expected"], f"{where}: chose {r['chosen']}"
-        assert r["recomputed"] == (CONFIG["layers"] if r["chosen"][2] == "layers" else 0), where
+        assert r["recomputed"] == (CONFIG["layers"] if r["chosen"][3] == "layers" else 0), where
         assert r["error"] <= 1e-9, f"{where}: {r['summary']}"
 
 

@@ -1,5 +1,5 @@
 """Token-local regions tiled over this rank's tokens under activation checkpointing (``BackendConfig.tile_tokens``),
-against one process.
+and attention run a head group at a time (``head_chunks``), against one process.
 
 Cases, at length 61 (neither world size divides it), batch 2, ``tile_tokens=10``:
 
@@ -7,11 +7,14 @@ Cases, at length 61 (neither world size divides it), batch 2, ``tile_tokens=10``
   are the first layer's RMSNorm + q/k/v projections, then, from each layer's o_proj on, the residual add, the
   post-attention RMSNorm, the SwiGLU MLP, the next residual add and the next layer's RMSNorm + projections (the
   last one ends at the final norm): 3 regions;
-* ``hf_llama_layers`` -- the same with ``recompute="layers"``: a tile never straddles a layer's checkpoint, so each
-  layer's regions stop at its edge (RMSNorm + projections; o_proj to the residual add after the MLP) and the
-  final norm is its own: 5 regions, the tiles' checkpoints nested in the layers';
+* ``hf_llama_layers`` -- the same with ``recompute="layers"`` and ``head_chunks=2``: a tile never straddles a
+  layer's checkpoint, so each layer's regions stop at its edge (RMSNorm + projections; o_proj to the residual add
+  after the MLP) and the final norm is its own: 5 regions, the tiles' checkpoints nested in the layers'; the
+  attention runs its 2 key/value heads (and their query heads) one group at a time;
+* ``ulysses_heads`` -- ``hf_llama_layers`` with Ulysses: each head group's all-to-alls (2 query heads per group: one
+  per rank at P=2; at P=4 the groups would hold fewer query heads than ranks, so the call runs whole);
 * ``bert`` -- :class:`autoshard.testing.models.BertClassifier`: LayerNorm, GELU MLP, biases, a padding mask;
-* ``autocast`` -- ``hf_llama_layers`` in float32 under ``torch.autocast(bfloat16)``: within ``AUTOCAST_TOL``
+* ``autocast`` -- ``hf_llama_layers`` (tiles, head groups) in float32 under ``torch.autocast(bfloat16)``: within ``AUTOCAST_TOL``
   relative (the same run without tiles measures the same order: bfloat16 matmuls), and every op ran in the
   dtype it runs in on one process.
 
@@ -63,13 +66,16 @@ def _bert_inputs():
 
 CASES = {  # name: (model factory, inputs, keyword inputs, dtype, tolerance, regions tiled, other options)
     "hf_llama": (hf_llama, lambda: (), _llama_kwargs, torch.float64, 1e-6, 3, {}),
-    "hf_llama_layers": (hf_llama, lambda: (), _llama_kwargs, torch.float64, 1e-6, 5, {"recompute": "layers"}),
+    "hf_llama_layers": (hf_llama, lambda: (), _llama_kwargs, torch.float64, 1e-6, 5,
+                        {"recompute": "layers", "head_chunks": 2}),
     "bert": (lambda: BertClassifier(BertConfig(hidden=32, intermediate=64, layers=LAYERS)), _bert_inputs, None,
              torch.float64, 1e-9, None, {}),
     "autocast": (hf_llama, lambda: (), _llama_kwargs, torch.float32, AUTOCAST_TOL, 5,
-                 {"recompute": "layers", "autocast": torch.bfloat16}),
+                 {"recompute": "layers", "head_chunks": 2, "autocast": torch.bfloat16}),
+    "ulysses_heads": (hf_llama, lambda: (), _llama_kwargs, torch.float64, 1e-6, 5,
+                      {"recompute": "layers", "head_chunks": 2, "strategy": "ulysses"}),
 }
-AT_4 = ("hf_llama_layers",)
+AT_4 = ("hf_llama_layers", "ulysses_heads")
 
 
 def _cases(world: int) -> list[str]:

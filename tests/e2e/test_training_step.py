@@ -6,7 +6,8 @@
   and every gradient match one process, and the bytes each rank sends, recomputation included, are the
   bytes the report books -- under the eager and the aot_eager inner compilers.
 * Training on a (dp=2, sp=2) mesh: FSDP2 over all four ranks with checkpointed layers (transformers', or
-  autoshard's recomputed layers with chunked MLPs or with tiled token-local regions), or DDP over ``dp``,
+  autoshard's recomputed layers with chunked MLPs, or with tiled token-local regions and attention in head
+  groups), or DDP over ``dp``,
   autoshard over ``sp``: parameters after three AdamW steps equal one-process training on the global batch
   (float64, 1e-10 relative; measured 1e-13. In float32 the same runs differ by ~2e-4: Adam's first steps
   move every weight by about lr * sign(gradient), so the rounding of near-zero gradient entries decides
@@ -114,7 +115,7 @@ def _train(kind: str) -> float:
     torch.manual_seed(0)
     model = _llama(kind == "fsdp").double()
     levers = {"fsdp_levers": dict(recompute="layers", chunk_mlp=8),
-              "fsdp_tiles": dict(recompute="layers", tile_tokens=8)}.get(kind, {})
+              "fsdp_tiles": dict(recompute="layers", tile_tokens=8, head_chunks=2)}.get(kind, {})
     reference = copy.deepcopy(model)
     batches = [torch.randint(0, 256, (4, 29)) for _ in range(3)]
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)

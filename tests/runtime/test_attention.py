@@ -4,7 +4,8 @@ Every strategy x mask x head layout x dtype runs on 2, 3 and 4 ranks (hybrid on 
 size allows); each rank returns its output shard and the gradients of its q, k, v shards, and the
 parent compares them with SDPA over the whole sequence (float64, with the equivalent dense mask)
 restricted to the rank's positions; every fifth case caps its scores (``softcap``, Gemma2) and is compared
-with the explicitly capped attention instead. Cases are batched: one ``run_on_ranks`` call per world size.
+with the explicitly capped attention instead; another fifth runs its heads in 2 or 4 groups (``head_chunks``: as
+many as the key/value heads and, for Ulysses, the ranks allow; with ALiBi and position-bias terms sliced per group). Cases are batched: one ``run_on_ranks`` call per world size.
 The same runs measure bytes sent per call (forward and backward separately) on every rank against
 :func:`~autoshard.runtime.attention.formulas.bytes_sent_by_rank`, exactly (uneven shards and head splits
 included), and that against the sympy formulas of :mod:`autoshard.runtime.attention.formulas`.
@@ -60,6 +61,7 @@ def _cases(world: int) -> list[dict]:
             value_dim=(12 if n % 2 else 20) if n % 6 == 5 else None,  # v's head dim differs (MLA)
             alibi=n % 8 == 6,                              # ALiBi slopes, from global positions
             position_bias=n % 9 == 4,                      # a learned relative-position bias (T5), and its gradient
+            head_chunks=(2, 4)[n % 2] if n % 5 == 3 else 1,  # heads run in groups, one at a time (head_chunks)
             seed=n))
     return cases
 
@@ -173,7 +175,7 @@ def _run_case(case: dict, mesh) -> dict:
         out = attention(ql, kl, vl, group=group, strategy=case["strategy"], layout=given_layout,
                         key_mask=shard(key_mask), segment_ids=shard(segments), seq_len=case["length"],
                         softcap=case.get("softcap", 0.0), kernels=case.get("kernels", "auto"), position_bias=bias,
-                        **_mask_args(case))
+                        head_chunks=case.get("head_chunks", 1), **_mask_args(case))
     with comm_counter() as bwd:
         out.backward(dout[:, :, pos])
     sync = 0 if bias is None else sum(all_reduce_bytes(bias.numel(), bias.element_size(), size)  # its grad_sync
@@ -301,6 +303,8 @@ def test_bytes_sent_equal_the_exact_bytes_and_the_formulas(runs):
     world, cases, results = runs
     checked = uneven = 0
     for n, case in enumerate(cases):
+        if case["head_chunks"] > 1:  # a collective per head group (masks travel with each): the formulas count one
+            continue
         for direction in ("forward", "backward"):
             column = "fwd_bytes" if direction == "forward" else "bwd_bytes"
             measured = [0] * world
@@ -321,8 +325,9 @@ def test_bytes_sent_equal_the_exact_bytes_and_the_formulas(runs):
             else:  # uneven shards: the formula is the mean over ranks
                 assert sum(exact) == expected * world, (case, direction, exact, expected)
             checked += 1
-    assert uneven >= len(cases) // 2  # every third case of every strategy, forward and backward
-    assert checked >= len(cases)  # ulysses at 3 ranks (8 heads) is the only case without an exact formula
+    whole = sum(case["head_chunks"] == 1 for case in cases)
+    assert uneven >= whole // 2  # every third case of every strategy, forward and backward
+    assert checked >= whole  # ulysses at 3 ranks (8 heads) is the only case without an exact formula
 
 
 def test_exact_bytes_are_the_formulas_on_even_splits():
@@ -416,6 +421,7 @@ def _bad_inputs() -> dict[str, str]:
         "window": lambda: attention(q, kv, kv, window=(-2, 0), **ok),
         "dropout": lambda: attention(q, kv, kv, dropout_p=0.1, **ok),
         "softcap": lambda: attention(q, kv, kv, softcap=-1.0, **ok),
+        "head_chunks": lambda: attention(q, kv, kv, head_chunks=0, **ok),
         "ranks disagree on softcap": lambda: attention(q, kv, kv, softcap=float(rank), **ok),
         "strategy": lambda: attention(q, kv, kv, strategy="striped", **ok),
         "ranks disagree": lambda: attention(q[:, : 4 - 2 * rank], kv, kv, **ok),
@@ -454,6 +460,7 @@ EXPECTED_ERRORS = {
     "window": ["window sides must be >= 0, or -1 for unbounded"],
     "dropout": ["dropout is not part of distributed attention"],
     "softcap": ["softcap must be a finite number >= 0 (0: no capping), got -1.0"],
+    "head_chunks": ["head_chunks must be a positive int (1: all heads at once), got 0"],
     "ranks disagree on softcap": ["the ranks disagree on softcap"],
     "strategy": ["unknown strategy 'striped'"],
     "ranks disagree": ["the ranks disagree on H (per sequence rank: [4, 2])"],
@@ -487,12 +494,12 @@ def _compiled_attention():
 
     def fn(q, k, v):
         out, lse = torch.ops.autoshard.attention(q, k, v, None, None, None, None, None, "zigzag", layout.encode(),
-                                                 group, "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.0, "torch")
+                                                 group, "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.0, "torch", 1)
         return out.sum() + lse.sum().detach()
 
     torch.library.opcheck(torch.ops.autoshard.attention.default,
                           (q, k, v, None, None, None, None, None, "zigzag", layout.encode(), group, "", True, -1, -1,
-                           4, 8 ** -0.5, 2.0, 0.0, "torch"))
+                           4, 8 ** -0.5, 2.0, 0.0, "torch", 2))  # its 2 key/value heads in 2 groups
     # ALiBi slopes, a relative-position bias, dropout, a value head dim (6) other than the query/key head dim (8),
     # laid out as q is
     v_narrow = v.detach()[..., :6].clone().requires_grad_()
@@ -500,7 +507,7 @@ def _compiled_attention():
     torch.library.opcheck(torch.ops.autoshard.attention.default,
                           (q.transpose(1, 2).contiguous().transpose(1, 2), k, v_narrow, None, None, slopes,
                            torch.randn(4, 31, requires_grad=True), torch.tensor(7), "zigzag", layout.encode(), group,
-                           "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.1, "torch"))
+                           "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.1, "torch", 1))
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     compiled(q, k, v).backward()
     grads = [t.grad.clone() for t in (q, k, v)]

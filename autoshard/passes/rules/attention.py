@@ -121,7 +121,7 @@ def rewrite_attention(rw, node, op):
         groups = (rw.groups.heads, rw.groups.ring) if STRATEGIES[strategy].mesh_groups else (rw.groups.sequence, "")
         config = OpConfig(strategy, sq.layout.encode(), *groups, bool(op.get("causal")),
                           window[0] if window else -1, window[1] if window else -1, int(op.get("chunk") or 0),
-                          float(op["scale"]), softcap, dropout_p, rw.config.kernels)
+                          float(op["scale"]), softcap, dropout_p, rw.config.kernels, rw.config.head_chunks)
         call = rw.call(torch.ops.autoshard.attention.default, *args, *config.args())
         result = rw.call(operator.getitem, call, 0)
         empty_rows = op.get("empty_rows", "zero")

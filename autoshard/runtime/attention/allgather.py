@@ -41,7 +41,7 @@ from .formulas import B, D, Dv, Hkv, M, P, S, Sizes, a, e
 from .local import compute_dtype, row_delta
 
 if TYPE_CHECKING:
-    from ...cost import Pricing, StrategyCost
+    from ...cost import AttentionShape, Pricing, StrategyCost
 
 __all__ = ["allgather_attention", "allgather_bytes"]
 
@@ -175,15 +175,25 @@ def _bytes_by_rank(lengths: list[int], n: Sizes, backward: bool, P_u: int | None
 def _cost(p: Pricing) -> StrategyCost:
     s, world, topology = p.shape, p.world, p.topology
     sent = p.sent({"P": world})
-    gathered = s.batch * s.seq * s.kv_heads * s.kv_dims * p.item
     comm = sum(sent) / topology.bandwidth(world)
     latency = 4 * topology.latency(world) * max(1, math.ceil(math.log2(max(world, 2))))
     return p.cost(compute=p.balanced, comm=comm, exposed=comm, latency=latency, sent=sent,
-                  memory=p.inputs_bytes + gathered)
+                  memory=p.memory)
+
+
+def _working_set(shape: AttentionShape, world: int, head_chunks: int, backward: bool) -> int:
+    """The gathered K/V of the whole sequence and the float32 accumulators of this rank's queries (backward: dQ,
+    and dK/dV of the whole sequence in float32 until the reduce-scatter), one head group at a time."""
+    s, e, c = -(-shape.seq // world), shape.dtype.itemsize, compute_dtype(shape.dtype).itemsize
+    heads, kv_heads = -(-shape.heads // head_chunks), -(-shape.kv_heads // head_chunks)
+    gathered = shape.batch * shape.seq * kv_heads * shape.kv_dims
+    if backward:
+        return gathered * (e + c) + shape.batch * s * heads * shape.head_dim * c
+    return gathered * e + shape.batch * s * heads * (shape.dv + 1) * c
 
 
 register(Strategy(name="allgather", check=ring.RING.check, forward=_forward, backward=_backward,
-                  bytes_sent=allgather_bytes, bytes_by_rank=_bytes_by_rank, cost=_cost,
+                  bytes_sent=allgather_bytes, bytes_by_rank=_bytes_by_rank, cost=_cost, working_set=_working_set,
                   preferred_layout=zigzag_layout_when_causal, rank=3, reason="gathering K/V once is cheapest here"))
 
 

@@ -62,6 +62,7 @@ from ..redistribute import grad_sync
 from ..layouts import LAYOUTS, SequenceLayout
 from .backend import KERNELS, check_triton_dtype
 from .base import STRATEGIES, AttentionInputError, Call, Strategy
+from .head_chunks import chunked_backward, chunked_forward
 from .local import compute_dtype, without_autocast
 from .masks import MaskSpec
 
@@ -145,6 +146,9 @@ def _validate(q, k, v, key_mask, segment_ids, call: Call) -> Strategy:
     _check_slopes(call.alibi_slopes, q)
     _check_position_bias(call.position_bias, q, call.layout.length)
     check_triton_dtype(call.kernels, q)
+    if not (isinstance(call.head_chunks, int) and call.head_chunks >= 1):
+        raise AttentionInputError(f"autoshard.attention: head_chunks must be a positive int (1: all heads at once), "
+                                  f"got {call.head_chunks!r}")
     if not (call.softcap >= 0.0 and math.isfinite(call.softcap)):
         raise AttentionInputError(f"autoshard.attention: softcap must be a finite number >= 0 (0: no capping), got "
                                   f"{call.softcap}")
@@ -210,6 +214,7 @@ class OpConfig:
     softcap: float
     dropout_p: float
     kernels: str
+    head_chunks: int = 1
 
     def args(self) -> tuple:
         """The arguments, in the op's order."""
@@ -222,7 +227,7 @@ class OpConfig:
                                                               self.chunk),
                     scale=self.scale, softcap=self.softcap, alibi_slopes=alibi_slopes, dropout_p=self.dropout_p,
                     dropout_seed=dropout_seed, position_bias=position_bias, position_bias_grad=position_bias_grad,
-                    kernels=self.kernels)
+                    kernels=self.kernels, head_chunks=self.head_chunks)
 
 
 _SCHEMA_TYPES = {"str": "str", "list[int]": "SymInt[]", "bool": "bool", "int": "SymInt", "float": "float"}
@@ -243,7 +248,8 @@ def _schema(tensors: tuple[str, ...], returns: int) -> str:
 def _attention_op(q, k, v, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed, *config):
     call = OpConfig(*config).call(alibi_slopes, position_bias, dropout_seed)
     with without_autocast(q):
-        out, lse = _validate(q, k, v, key_mask, segment_ids, call).forward(q, k, v, key_mask, segment_ids, call)
+        out, lse = chunked_forward(_validate(q, k, v, key_mask, segment_ids, call), q, k, v, key_mask, segment_ids,
+                                   call)
     return _laid_out((out, _like_q(q, v.size(-1)), q.dtype), (lse, None, compute_dtype(q.dtype)))
 
 
@@ -263,7 +269,7 @@ def _attention_backward_op(dout, q, k, v, out, lse, key_mask, segment_ids, alibi
     call = OpConfig(*config).call(alibi_slopes, position_bias, dropout_seed,
                                   bias_grad if position_bias is not None else None)
     with without_autocast(q):
-        dq, dk, dv = STRATEGIES[call.strategy].backward(dout, q, k, v, out, lse, key_mask, segment_ids, call)
+        dq, dk, dv = chunked_backward(STRATEGIES[call.strategy], dout, q, k, v, out, lse, key_mask, segment_ids, call)
     like = position_bias if position_bias is not None else bias_grad
     return _laid_out((dq, q, q.dtype), (dk, k, k.dtype), (dv, v, v.dtype), (bias_grad, like, like.dtype))
 
@@ -396,6 +402,7 @@ def attention(
     kernels: str = "auto",
     seq_len: int | None = None,
     dropout_p: float = 0.0,
+    head_chunks: int = 1,
 ) -> torch.Tensor:
     """Attention over a sequence sharded across ranks; returns this rank's shard of the output.
 
@@ -418,7 +425,8 @@ def attention(
     ``position_bias[h, k_pos - q_pos + R]``; its gradient is summed over the ranks (torch path only). ``kernels``:
     ``"auto"``,
     ``"torch"`` or ``"triton"``. ``seq_len``: the global length (default: the sum of the shards, found by
-    a small exchange on every call). ``dropout_p`` must be 0. Under ``torch.autocast`` ``q``, ``k``, ``v`` are
+    a small exchange on every call). ``head_chunks``: run the heads in that many groups, one at a time
+    (:mod:`.head_chunks`). ``dropout_p`` must be 0. Under ``torch.autocast`` ``q``, ``k``, ``v`` are
     cast as SDPA casts them: to the autocast dtype, float64 excepted.
     """
     q, k, v = (_autocast_input(t) for t in (q, k, v))
@@ -451,7 +459,7 @@ def attention(
         lay = layout if isinstance(layout, SequenceLayout) else SequenceLayout.of(layout, length, world)
         return Call(strategy=strategy, layout=lay, group=names[0], ring_group=names[1], spec=spec,
                     scale=float(scale), softcap=float(softcap), alibi_slopes=alibi_slopes, position_bias=position_bias,
-                    kernels=kernels)
+                    kernels=kernels, head_chunks=int(head_chunks))
 
     error, call = None, None
     try:
@@ -497,7 +505,8 @@ def _autocast_input(t):
 
 def _run(q, k, v, key_mask, segment_ids, call: Call) -> torch.Tensor:
     config = OpConfig(call.strategy, call.layout.encode(), call.group, call.ring_group, call.spec.causal,
-                      *call.spec.window, call.spec.chunk, call.scale, call.softcap, 0.0, call.kernels)
+                      *call.spec.window, call.spec.chunk, call.scale, call.softcap, 0.0, call.kernels,
+                      call.head_chunks)
     out, _ = torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, call.alibi_slopes, call.position_bias, None,
                                            *config.args())
     return out

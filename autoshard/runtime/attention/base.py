@@ -36,6 +36,8 @@ from .terms import ScoreTerms
 
 if TYPE_CHECKING:
     import sympy
+
+    from ...cost import AttentionShape
     from torch.distributed.device_mesh import DeviceMesh
 
     from ...cost import AttentionShape, Pricing, StrategyCost
@@ -82,6 +84,8 @@ class Call:
     """In the backward: the accumulator of ``position_bias``'s gradient."""
     kernels: str = "auto"
     """``"auto"``, ``"torch"`` or ``"triton"`` (see :mod:`.backend`)."""
+    head_chunks: int = 1
+    """Head groups run one at a time (:mod:`.head_chunks`)."""
 
     @property
     def terms(self) -> ScoreTerms:
@@ -145,6 +149,15 @@ class Strategy:
     """The algorithm it runs (default: its name): strategies of one algorithm differ by :attr:`layout`."""
     layout: str | None = None
     """The layout kind it requires (None: any)."""
+    splits_heads: bool = False
+    """Whether it splits the heads over its group's ranks (Ulysses): every head group then needs a query head per
+    rank (:mod:`.head_chunks`)."""
+    working_set: Callable[[AttentionShape, int, int, bool], int]
+    """``working_set(shape, world, head_chunks, backward) -> bytes``: what one rank's call holds at its peak beyond
+    its inputs and outputs (in backward: beyond ``dout, q, k, v, out, lse`` and ``dq, dk, dv``), its heads run
+    ``head_chunks`` groups at a time (:mod:`.head_chunks`): the gathered or head-split copies, the float32
+    accumulators, the blocks in flight. The planner counts it while the op runs; the cost model drops a strategy
+    whose inputs and working set exceed the memory budget."""
     mesh_groups: Callable[[DeviceMesh], list[dist.ProcessGroup]] | None = None
     """For a strategy over a 2-D mesh: ``mesh_groups(mesh) -> [all-to-all axis group, ring axis group]``; None: it
     runs over one group (a ProcessGroup or a 1-D mesh)."""

@@ -38,7 +38,7 @@ from .formulas import P, P_r, P_u, S, Hkv, Sizes
 from .ulysses import check_heads, ulysses_backward, ulysses_forward
 
 if TYPE_CHECKING:
-    from ...cost import Pricing, StrategyCost
+    from ...cost import AttentionShape, Pricing, StrategyCost
 
 __all__ = ["hybrid_attention", "hybrid_axes", "hybrid_sequence_rank", "hybrid_layout", "hybrid_bytes"]
 
@@ -154,11 +154,18 @@ def _cost(p: Pricing) -> StrategyCost:
                + p.merge_time(outer))
     return p.cost(compute=p.balanced, comm=inner_comm + ring_comm,
                   exposed=inner_comm + max(0.0, ring_comm - p.balanced), latency=latency, sent=sent,
-                  memory=p.inputs_bytes, mesh=(outer, inner))
+                  memory=p.memory, mesh=(outer, inner))
+
+
+def _working_set(shape: AttentionShape, world: int, head_chunks: int, backward: bool) -> int:
+    """Ulysses' head-split copies (a ring rank's share of the sequence times a Ulysses rank's share of the heads:
+    the bytes of Ulysses over all ranks) and the ring's K/V blocks in flight between the Ulysses groups."""
+    return ulysses.ulysses_working_set(shape, world, head_chunks, backward) + \
+        ring.ring_working_set(dataclasses.replace(shape, heads=0), world, head_chunks, backward)
 
 
 register(Strategy(name="hybrid", check=_check, forward=_forward, backward=_backward, bytes_sent=hybrid_bytes,
-                  bytes_by_rank=_bytes_by_rank, cost=_cost, preferred_layout=zigzag_layout_when_causal, rank=4,
+                  bytes_by_rank=_bytes_by_rank, cost=_cost, working_set=_working_set, splits_heads=True, preferred_layout=zigzag_layout_when_causal, rank=4,
                   reason="the group spans nodes: all-to-all inside a node, ring across nodes",
                   mesh_groups=_mesh_groups))
 

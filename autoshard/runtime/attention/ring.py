@@ -43,9 +43,9 @@ from .masks import MaskSpec
 from .terms import ScoreTerms
 
 if TYPE_CHECKING:
-    from ...cost import Pricing, StrategyCost
+    from ...cost import AttentionShape, Pricing, StrategyCost
 
-__all__ = ["ring_attention", "ring_forward", "ring_backward", "block_source", "ring_terms", "ring_bytes",
+__all__ = ["ring_working_set", "ring_attention", "ring_forward", "ring_backward", "block_source", "ring_terms", "ring_bytes",
            "ring_rank_bytes", "RING"]
 
 
@@ -239,8 +239,19 @@ def _cost(p: Pricing) -> StrategyCost:
     return p.ring(p.contiguous)
 
 
+def ring_working_set(shape: AttentionShape, world: int, head_chunks: int, backward: bool) -> int:
+    """Two K/V blocks (the one computed, the one arriving) and the float32 accumulators of this rank's queries
+    (out and LSE; backward: dQ, and the dK/dV blocks travelling with their K/V), one head group at a time."""
+    s, e, c = -(-shape.seq // world), shape.dtype.itemsize, compute_dtype(shape.dtype).itemsize
+    heads, kv_heads = -(-shape.heads // head_chunks), -(-shape.kv_heads // head_chunks)
+    blocks = 2 * shape.batch * s * kv_heads * shape.kv_dims
+    if backward:
+        return blocks * (e + c) + shape.batch * s * heads * shape.head_dim * c
+    return blocks * e + shape.batch * s * heads * (shape.dv + 1) * c
+
+
 RING = register(Strategy(name="ring", check=_check, forward=_forward, backward=_backward, bytes_sent=ring_bytes,
-                         bytes_by_rank=_bytes_by_rank, cost=_cost, rank=0,
+                         bytes_by_rank=_bytes_by_rank, cost=_cost, working_set=ring_working_set, rank=0,
                          reason="a ring hides its traffic behind computation"))
 """The ring over any layout (the zigzag ring derives from it)."""
 

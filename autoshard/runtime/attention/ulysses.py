@@ -49,10 +49,10 @@ from .masks import MaskSpec
 from .terms import ScoreTerms
 
 if TYPE_CHECKING:
-    from ...cost import Pricing, StrategyCost
+    from ...cost import AttentionShape, Pricing, StrategyCost
 
 __all__ = ["ulysses_attention", "HeadShare", "head_plan", "group_members", "ulysses_forward", "ulysses_backward",
-           "ulysses_terms", "ulysses_bytes", "ulysses_ring_bytes"]
+           "ulysses_terms", "ulysses_bytes", "ulysses_ring_bytes", "ulysses_working_set"]
 
 
 @dataclass(frozen=True)
@@ -294,11 +294,27 @@ def _cost(p: Pricing) -> StrategyCost:
     compute = p.busiest(math.ceil(s.heads / world) / (s.heads / world))  # the rank with the most heads
     comm = sum(sent) / topology.bandwidth(world)
     return p.cost(compute=compute, comm=comm, exposed=comm, latency=10 * topology.latency(world), sent=sent,
-                  memory=p.inputs_bytes)
+                  memory=p.memory)
+
+
+def ulysses_working_set(shape: AttentionShape, world: int, head_chunks: int, backward: bool) -> int:
+    """The head-split copies of one head group over the whole sequence: q, K, V and the float32 out, LSE (and out
+    cast back before its all-to-all); backward q, out, dout, K, V, LSE and the float32 dQ, dK, dV. ``world``: the
+    ranks the heads are split over (a hybrid's Ulysses axis holds as many bytes: a ring's share of the sequence,
+    a Ulysses axis's share of the heads)."""
+    e, c = shape.dtype.itemsize, compute_dtype(shape.dtype).itemsize
+    heads = -(-shape.heads // (head_chunks * world))
+    kv_heads = -(-shape.kv_heads // (head_chunks * world))  # at least one: a kv head goes to every rank reading it
+    rows = shape.batch * shape.seq
+    kv = rows * kv_heads * shape.kv_dims
+    if backward:
+        return rows * heads * ((shape.head_dim + 2 * shape.dv) * e + c) + kv * e + \
+            (rows * heads * shape.head_dim + kv) * c
+    return rows * heads * (shape.head_dim * e + (shape.dv + 1) * c + shape.dv * e) + kv * e
 
 
 register(Strategy(name="ulysses", check=_check, forward=_forward, backward=_backward, bytes_sent=ulysses_bytes,
-                  bytes_by_rank=_bytes_by_rank, cost=_cost, rank=2,
+                  bytes_by_rank=_bytes_by_rank, cost=_cost, working_set=ulysses_working_set, splits_heads=True, rank=2,
                   reason="the heads split evenly enough and the all-to-alls are cheap at this bandwidth"))
 
 
