@@ -771,8 +771,8 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, world_size: i
                       optimizer: str | None = None):
     """The memory policy's choice for one graph (:func:`autoshard.policy.choose_memory_policy`): each option's
     estimate is this graph's plan from rank 0 (a copy of ``gm``; the options as they are, no policy inside): its
-    peak and its host bytes; the MLP chunks and tiles are sized from the rank's tokens the first plan finds
-    (:func:`autoshard.policy.chunk_tokens`). Returns (the chosen config, :class:`~autoshard.policy.MemoryPolicy`)."""
+    peak and its host bytes; the MLP chunks and tiles are sized from the rank's tokens (the sequence family the
+    compile pipeline finds; :func:`autoshard.policy.chunk_tokens`). Returns (the chosen config, :class:`~autoshard.policy.MemoryPolicy`)."""
     plans: dict[tuple, Plan] = {}  # the levers -> the plan: the options differ in these only
 
     def planned(option: BackendConfig) -> Plan:
@@ -783,8 +783,10 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, world_size: i
                                      optimizer=optimizer)
         return plans[key]
 
-    symbols = planned(config).symbols
-    local = -(-symbols["S"] // symbols["P"]) if "S" in symbols else None
+    compiled = compile_graph(copy.deepcopy(gm), config=dataclasses.replace(config, memory_budget=None),
+                             groups=SequenceGroups.planned(0, world_size), planning=True)
+    families = compiled.families.families  # the rank's tokens, which size the chunks and tiles: no plan needed
+    local = -(-families[0].length // world_size) if families else None
 
     def estimate(option: BackendConfig) -> tuple[int, int]:
         memory = planned(option).memory_per_rank

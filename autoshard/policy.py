@@ -32,9 +32,10 @@ rung. Device memory only falls as levers are added (tiles remove what MLP chunks
 bytes to the host), so an option whose peak exceeds the budget rules out every option it *dominates* (one with
 no lever stronger) -- when it exceeds it by more than :data:`DOMINANCE_MARGIN`: in a model too small for a lever
 to pay, the lever can add a little (a tile's concatenated outputs). The policy plans the strongest option first
--- nothing fits when its peak clearly does not -- then the options one lever weaker than it, then walks the
-ladder, planning only the options no failure rules out. What it planned, ruled out and chose is kept
-(:class:`MemoryPolicy`) and shown in the plan.
+-- nothing fits when its peak clearly does not -- then the options one lever weaker than it; then, while options
+before the first one known to fit are neither planned nor ruled out, it plans the one of them that dominates the
+most others (its failure rules out the most). The first option of the ladder that fits is chosen. What it
+planned, ruled out and chose is kept (:class:`MemoryPolicy`) and shown in the plan.
 
 When nothing fits, an explicit budget is an error naming the smallest feasible budget (the smallest
 estimate planned: the options it rules out are at most :data:`DOMINANCE_MARGIN` below it) and the options
@@ -222,7 +223,14 @@ def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfi
             weaker = [a - b for a, b in zip(_strength(ladder[strongest]), _strength(ladder[i]))]
             if sorted(x > 0 for x in weaker) == [False, False, False, True] and not ruled_out(i):
                 plan(i)
-        chosen = next((i for i in range(len(ladder)) if not ruled_out(i) and fits(i)), None)
+        while True:  # the first option that fits, in the ladder's order, planning as few as the failures allow
+            first = next((i for i in range(len(ladder)) if i in planned and fits(i)), len(ladder))
+            candidates = [i for i in range(first) if i not in planned and not ruled_out(i)]
+            if not candidates:
+                chosen = first if first < len(ladder) else None
+                break
+            # the candidate that dominates the most others: its failure rules out the most
+            plan(max(candidates, key=lambda i: (sum(_dominates(ladder[i], ladder[j]) for j in candidates), i)))
     options = tuple(MemoryOption(**levers, estimate=planned[i][0] if i in planned else None,
                                  host=planned[i][1] if i in planned else 0) for i, levers in enumerate(ladder))
     policy = MemoryPolicy(budget=budget, options=options, chosen=None if chosen is None else options[chosen],

@@ -15,11 +15,13 @@ value the caller gets cannot be chunked away.
   ``[S/2, 32000]`` logits, their float32 log-softmax (saved for backward) and their gradient;
 * ``P=2, chunked``: the default ``chunk_loss`` (1024 tokens per chunk);
 * ``P=2, policy``: ``memory_budget=--budget`` (default 512 MiB): the memory policy (:mod:`autoshard.policy`)
-  takes the cheapest of MLP chunking, layer recomputation (and offload: a no-op on CPU, where the layers'
-  inputs already are in host memory) whose plan fits; the ``levers`` column says what it chose.
+  takes the cheapest of MLP chunking, tiles of the token-local regions, attention in head groups, layer
+  recomputation (and offload: a no-op on CPU, where the layers' inputs already are in host memory) whose plan
+  fits; the ``levers`` column says what it chose.
 
-``--cap GIB`` instead doubles S from 4096 for each way of running until the step's measured peak per rank
-exceeds the cap (the policy run gets the cap as its budget), and prints the longest S that fit.
+``--cap GIB`` instead doubles S from ``--start`` (4096) for each way of running (``--ways``: all) until the step's
+measured peak per rank exceeds the cap (the policy run gets the cap as its budget), and prints the longest S that
+fit.
 
 Memory is the operating system's: the peak resident set of each rank's process during the step, above
 what was resident before it (``autoshard.testing.memory.peak_memory``: ``VmHWM`` reset through
@@ -42,7 +44,9 @@ Measured (2 shared CPU cores, torch 2.13 CPU, transformers 5.24; ``--budget 0.5`
      16384  P=2, policy           326 MiB   0.04    40.1  chunk_loss; recompute='layers'
 
 ``--cap 1 --max-seq 32768`` (longest S under 1 GiB per rank): one process < 4096 (4096: 1906 MiB); P=2 whole
-loss 4096; P=2 chunked 8192 (16384: 1061 MiB); P=2 policy 32768, the longest tried (849 MiB).
+loss 4096; P=2 chunked 8192 (16384: 1061 MiB); P=2 policy 32768, the longest tried (849 MiB). With tiles and head
+groups in the policy's ladder, ``--cap 1 --ways "P=2, policy" --start 32768 --max-seq 65536``: 771 MiB at 32768,
+714 MiB at 65536 (the longest tried).
 """
 
 from __future__ import annotations
@@ -125,13 +129,16 @@ def main():
     parser.add_argument("--budget", type=float, default=0.5, help="memory_budget of the policy run, GiB per rank")
     parser.add_argument("--cap", type=float, help="print the longest S (doubling from 4096) under this GiB per rank")
     parser.add_argument("--max-seq", type=int, default=131072, help="the longest S --cap tries")
+    parser.add_argument("--start", type=int, default=4096, help="the first S --cap tries")
+    parser.add_argument("--ways", nargs="*", help="the ways of running to measure (default: all)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     args = parser.parse_args()
     ways = runs(int((args.cap if args.cap is not None else args.budget) * 2**30))
+    ways = {name: way for name, way in ways.items() if args.ways is None or name in args.ways}
     if args.cap is not None:  # the policy's budget is the cap
-        print(f"longest S whose step fits {args.cap} GiB per rank (doubling from 4096, up to {args.max_seq})")
+        print(f"longest S whose step fits {args.cap} GiB per rank (doubling from {args.start}, up to {args.max_seq})")
         for name, (ranks, options) in ways.items():
-            seq, fits = 4096, None
+            seq, fits = args.start, None
             while seq <= args.max_seq:
                 try:
                     peak = measure(seq, ranks, options, args.timeout)["peak"]
@@ -142,7 +149,7 @@ def main():
                 if peak > args.cap * 2**30:
                     break
                 fits, seq = seq, seq * 2
-            print(f"{name:<16} longest S under the cap: {fits or '< 4096'}", flush=True)
+            print(f"{name:<16} longest S under the cap: {fits or f'< {args.start}'}", flush=True)
         return
     rows = []
     for seq in args.seq:

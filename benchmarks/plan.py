@@ -14,7 +14,9 @@
      recomputed one at a time in backward;
    * ``chunked``: the default ``chunk_loss`` (the LM head + loss a chunk of tokens at a time);
    * ``fsdp2``: ``chunked`` with FSDP2 (``fully_shard`` on every layer, then the root) over the same ranks
-     (``grad_sync=False``), planned with ``dp_shard=P``.
+     (``grad_sync=False``), planned with ``dp_shard=P``;
+   * ``levers``: ``chunked`` with every layer recomputed, its token-local regions tiled (``tile_tokens=2048``) and
+     its attention in 2 head groups (``head_chunks=2``).
 
    Measured: the peak resident set of each rank's process during the second step (the first compiles), above
    what was resident before it (``autoshard.testing.memory.peak_memory``, workers with
@@ -64,7 +66,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import VOCAB, _model as loss_only_llama  # noqa: E402  (benchmarks/memory.py's model)
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("plain", "checkpointed", "chunked", "fsdp2")
+CONFIGS = ("plain", "checkpointed", "chunked", "fsdp2", "levers")
+LEVERS = {"recompute": "layers", "tile_tokens": 2048, "head_chunks": 2}
+"""The ``levers`` configuration's backend options: every layer recomputed, its token-local regions in tiles of 2048
+tokens, its attention in 2 head groups."""
 TARGET = 0.15
 """The largest relative difference of predicted from measured the plan aims at."""
 
@@ -80,7 +85,7 @@ def _options(config: str) -> dict:
     """The backend options of a configuration."""
     if config in ("plain", "checkpointed"):
         return {"chunk_loss": None}
-    return {"grad_sync": False} if config == "fsdp2" else {}
+    return {"grad_sync": False} if config == "fsdp2" else LEVERS if config == "levers" else {}
 
 
 def measured_peak(config: str, seq_len: int) -> int:
@@ -117,8 +122,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per measured run")
+    parser.add_argument("--configs", nargs="*", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--lengths", type=int, nargs="*", help="sequence lengths (default 8192 16384)")
+    parser.add_argument("--worlds", type=int, nargs="*", default=[2, 4], help="ranks")
+    parser.add_argument("--no-8b", action="store_true", help="skip the 8B plan")
     opts = parser.parse_args()
-    lengths = (2048, 4096) if opts.quick else (8192, 16384)
+    lengths = opts.lengths or ((2048, 4096) if opts.quick else (8192, 16384))
 
     print("\n1. per-rank peak memory of forward + backward, transformers Llama (hidden 256, 4 layers, vocabulary "
           "32000), float32, CPU")
@@ -126,9 +135,9 @@ def main():
               "peak (plan)")
     print(header)
     worst = 0.0
-    for world in (2, 4):
+    for world in opts.worlds:
         for seq in lengths:
-            for config in CONFIGS:
+            for config in opts.configs:
                 plan = predicted(config, seq, world)
                 measured = max(run_on_ranks(measured_peak, world, config, seq, timeout=opts.timeout,
                                             env=LOW_MMAP_THRESHOLD_ENV))
@@ -137,6 +146,8 @@ def main():
                 print(f"   {config:<13} {seq:>6} {world:>2} {plan.memory_per_rank.total / 2**20:>14.1f} "
                       f"{measured / 2**20:>13.1f} {ratio:>6.3f}   {plan.memory_per_rank.peak_at}", flush=True)
     print(f"   largest difference {worst:.1%} (target: within {TARGET:.0%})")
+    if opts.no_8b:
+        return
 
     print("\n2. planning an 8B Llama shape at 1,048,576 tokens on 64 ranks (meta device)")
     seq = 1 << 20 if not opts.quick else 1 << 16

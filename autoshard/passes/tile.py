@@ -10,7 +10,7 @@ the MLP, in any model's spelling) and runs each over tiles.
 
 A node is **row-local** when, with ``lead`` its shape but the last dim:
 
-* its op is pointwise (not in place), a cast or copy (``to``, ``float``, ``contiguous``), ``linear`` (any weight
+* its op is pointwise (not in place, not random), a cast or copy (``to``, ``float``, ``contiguous``), ``linear`` (any weight
   and bias), a reduction or ``softmax`` over dim ``-1`` (reductions with ``keepdim=True``), or a ``layer_norm``
   / ``rms_norm`` over the last dim;
 * every tensor it reads is a *row value* (shape ``lead + [n]``) or a broadcast value of at most one dim (a norm's
@@ -133,6 +133,16 @@ def _dim_is_last(dim) -> bool:
     return dim == -1 or (isinstance(dim, (list, tuple)) and list(dim) == [-1])
 
 
+_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def _random(fn: str) -> bool:
+    """Whether the ATen op ``fn`` draws random numbers (a tile would draw other numbers than the whole)."""
+    packet = getattr(torch.ops.aten, fn.rstrip("_"), None)
+    return packet is not None and any(torch.Tag.nondeterministic_seeded in getattr(packet, ov).tags
+                                      for ov in packet.overloads())
+
+
 def _row_local(node: fx.Node, shape: dict[fx.Node, tuple]) -> bool:
     """Whether ``node`` is row-local (see the module docstring); ``shape``: the global shape of the nodes known."""
     out = shape.get(node)
@@ -140,7 +150,8 @@ def _row_local(node: fx.Node, shape: dict[fx.Node, tuple]) -> bool:
     if out is None or len(out) < 2 or op is None or (node.op == "call_method" and node.target.endswith("_")):
         return False
     name = op.name
-    if name == "pointwise" and str(getattr(node.target, "__name__", node.target)).endswith("_"):
+    if name == "pointwise" and (str(getattr(node.target, "__name__", node.target)).endswith("_")
+                                or node.target in _IN_PLACE_OPERATORS or _random(op["fn"])):
         return False
     if name == "reduce" and not (_dim_is_last(op["dim"]) and op["keepdim"]):
         return False
