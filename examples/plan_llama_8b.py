@@ -3,8 +3,8 @@
     python -m autoshard plan examples/plan_llama_8b.py:factory --world-size 64 --seq-len 1048576
     python -m autoshard plan examples/plan_llama_8b.py:factory --world-size 64 --seq-len 1048576 \\
         --memory-budget 80 --dp-shard 64 --optimizer adamw
-    python -m autoshard plan examples/plan_llama_8b.py:loss_only --world-size 8 --seq-len 4194304 \\
-        --memory-budget 80 --dp-shard 8 --optimizer adamw
+    python -m autoshard plan examples/plan_llama_8b.py:train --world-size 8 --seq-len 6291456 \\
+        --memory-budget 80 --host-budget 240 --dp-shard 8 --optimizer adamw --no-grad-sync
     python -m autoshard plan examples/plan_llama_8b.py:prompt --world-size 8 --seq-len 1048576 --decode
 
 32 layers, hidden 4096, 32 query heads and 8 key/value heads, SwiGLU 14336, vocabulary 128256, RoPE theta
