@@ -519,7 +519,7 @@ def _describe(index: int, report: CompileReport) -> list[str]:
     lines += [f"  attention {a['node']}: {a['strategy']}" + (f" -- {a['reason']}" if a.get("reason") else "")
               for a in report.attention if a["strategy"] in ("gathered-kv", "whole")]
     levers = {"chunked LM head + loss": counts.get("chunking", {}).get("chunked_losses", 0),
-              "chunked MLP blocks": counts.get("chunk_mlp", {}).get("chunked_mlps", 0),
+              "chunked MLP blocks": counts.get("tile", {}).get("chunked_mlps", 0),
               "tiled token-local regions": counts.get("tile", {}).get("tiled_regions", 0),
               "recomputed regions": len(report.recomputed),
               "offloaded regions": counts.get("outline", {}).get("offloaded", 0)}

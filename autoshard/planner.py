@@ -872,7 +872,7 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
         tiles = report.passes.get("tile")
         for key, count in (("regions", "tiled_regions"), ("tiles", "tiles")):
             result.tiles[key] = result.tiles.get(key, 0) + (tiles.counts[count] if tiles is not None else 0)
-        mlps = report.passes.get("chunk_mlp")
+        mlps = report.passes.get("tile")
         for key in ("chunked", "unchunked"):
             result.mlps[key] = result.mlps.get(key, 0) + (mlps.counts[f"{key}_mlps"] if mlps is not None else 0)
         decisions = _decisions(compiled, index, world_size, graph_config, topology)

@@ -14,8 +14,8 @@
 ``families``       linked dims joined into sequence families (:mod:`.infer`)
 ``strategy``       an attention algorithm per attention, a layout per family (:mod:`autoshard.strategy`)
 ``rewrite``        the local graph of this rank (:mod:`.rewrite`)
-``tile``           token-local regions run in checkpointed tiles of this rank's tokens (:mod:`.tile`)
-``chunk_mlp``      MLP blocks run in checkpointed chunks of this rank's tokens (:mod:`.chunk_mlp`)
+``tile``           token-local regions (``tile_tokens``) and MLP blocks (``chunk_mlp``) run in checkpointed tiles
+                   of this rank's tokens (:mod:`.tile`)
 ``outline``        checkpointed regions are cut out of the local graph again, still checkpointed (:mod:`.regions`)
 =================  ==================================================================================
 
@@ -50,8 +50,7 @@ from ..config import BackendConfig
 from ..runtime.groups import SequenceGroups
 from ..strategy import choose
 from .capture import capture_attention
-from .chunk_mlp import chunk_mlps
-from .tile import tile_regions
+from .tile import tile
 from .chunking import chunk_losses
 from .deferred import DeferredOutput, defer_outputs
 from .functionalize import functionalize
@@ -211,11 +210,7 @@ def _rewrite(state: PipelineState) -> dict[str, int]:
 
 
 def _tile(state: PipelineState) -> dict[str, int]:
-    return tile_regions(state.gm, state.config.tile_tokens, state.rewriter)
-
-
-def _chunk_mlp(state: PipelineState) -> dict[str, int]:
-    return chunk_mlps(state.gm, state.config.chunk_mlp, state.rewriter)
+    return tile(state.gm, state.config, state.rewriter)
 
 
 def _lazy(state: PipelineState) -> dict[str, int]:
@@ -261,7 +256,6 @@ PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[Pi
     ("strategy", _strategy, _decisions_text),
     ("rewrite", _rewrite, _graph_code),
     ("tile", _tile, _graph_code),
-    ("chunk_mlp", _chunk_mlp, _graph_code),
     ("outline", _outline, _graph_code),
 )
 """(name, pass, what the pass produced as text for a dump), in the order they run."""

@@ -1,52 +1,89 @@
-"""Tile the token-local regions of the per-rank graph over this rank's tokens, each tile under activation checkpointing.
+"""Tile token-local work over this rank's tokens, each tile under activation checkpointing: one mechanism, a
+table of what it tiles.
 
 At long context the largest values of a step are not a layer's saved activations (``recompute="layers"`` keeps
 its input only) but what one layer makes while it runs, forward and again in backward: Llama's RMSNorm upcasts
-``[tokens, hidden]`` to float32 and its backward makes half a dozen float32 values of that size, the projections
-and residual adds one each. Row ``i`` of all of them depends on row ``i`` of the layer's input only: they are
-*token-local*, and computing them a tile of rows at a time is the same math. ALST's ``SequenceTiledCompute`` does
-this by hand for the MLP; this pass finds every such region in the graph (norms, projections, residual adds,
-the MLP, in any model's spelling) and runs each over tiles.
+``[tokens, hidden]`` to float32 and its backward makes half a dozen float32 values of that size, the MLP
+``[tokens, intermediate]`` ones, the projections and residual adds one each. Row ``i`` of all of them depends on
+row ``i`` of the layer's input only: they are *token-local*, and computing them a tile of rows at a time is the
+same math (the float sums of the weights' gradients are taken tile by tile, the one difference). ALST's
+``SequenceTiledCompute`` does this by hand; this pass finds the work in the graph, in any model's spelling.
 
-A node is **row-local** when, with ``lead`` its shape but the last dim:
+What it tiles (:data:`FINDERS`; the chunked LM head + loss, :mod:`.chunking`, is the same idea inside one op):
 
-* its op is pointwise (not in place, not random), a cast or copy (``to``, ``float``, ``contiguous``), ``linear`` (any weight
-  and bias), a reduction or ``softmax`` over dim ``-1`` (reductions with ``keepdim=True``), or a ``layer_norm``
-  / ``rms_norm`` over the last dim;
+==================  ===============  ==========================================================================
+finder              lever            what it finds
+==================  ===============  ==========================================================================
+``regions``         ``tile_tokens``  every token-local region: norms, projections, residual adds, the MLP
+``mlp``             ``chunk_mlp``    MLP blocks alone (the cheaper lever: only their values), those left
+==================  ===============  ==========================================================================
+
+**Regions.** A node is *row-local* when, with ``lead`` its shape but the last dim:
+
+* its op is pointwise (not in place, not random), a cast or copy (``to``, ``float``, ``contiguous``), ``linear``
+  (any weight and bias), a reduction or ``softmax`` over dim ``-1`` (reductions with ``keepdim=True``), or a
+  ``layer_norm`` / ``rms_norm`` over the last dim;
 * every tensor it reads is a *row value* (shape ``lead + [n]``) or a broadcast value of at most one dim (a norm's
   weight, a scalar) -- a ``linear``'s weight and bias are read whole;
 * it reads at least one row value.
 
 Row-local nodes with the same ``lead``, the same placement and the same checkpointed region (``regions.REGION``:
-a tile never straddles a layer's checkpoint) join into **regions**, in graph order: a node joins the region of
-one of the row values it reads unless something outside that region, between it and the node, depends on the
-region (the region must run as one call: no cycle through the outside). A region is tiled when it holds a
-``linear``, a reduction or a norm -- the ops whose values are worth tiling -- and a value that dies inside it
-(the rest, an LM head and the cast of its logits that are both handed out, would only be computed twice). It
-becomes::
+a tile never straddles a layer's checkpoint) join into regions, in graph order: a node joins the region of one of
+the row values it reads unless something outside that region, between it and the node, depends on the region
+(the region must run as one call: no cycle through the outside). A region is tiled when it holds a ``linear``, a
+reduction or a norm -- the ops whose values are worth tiling -- and a value that dies inside it (an LM head and
+the cast of its logits, both handed out, would only be computed twice).
+
+**MLP blocks**, found from the per-rank graph (every node spelled any way :mod:`.ops` binds)::
+
+    a = linear(x, W1[, b1])              # one up projection (GELU MLP) or more (SwiGLU's gate and up), all of x
+    c = linear(x, W2[, b2])              # (optional)
+    m = pointwise ops of a [, c] and constants   # gelu(a), silu(a) * c, the tanh spelling of GELU
+    y = linear(m, W3[, b3])              # the down projection: the block's output
+
+Every value between ``x`` and ``y`` has no use outside the block and no input from outside it but the weights and
+biases. (Not matched: GPT-2's ``Conv1D``, an ``addmm`` over a flattened view; a dropout inside the block.)
+
+**The rewrite** (:func:`checkpoint_tiles`), the same for both::
 
     pieces_j = torch.split(x_j.flatten(0, -2), sizes)    # every row input x_j, in ``tiles`` near-equal pieces
     outs_k = tag_activation_checkpoint(body, pieces_0[k], ..., w_0, ..., use_reentrant=False)   # tile k
-    y_i = torch.cat([outs_0[i], ...]).unflatten(0, lead)  # every value the region hands out
+    y_i = torch.cat([outs_0[i], ...]).unflatten(0, lead)  # every value the tiled work hands out
 
-where ``body`` is the region cut out as a submodule over ``[tile, n]`` rows (reductions over ``-1`` and linear
-algebra on the last dim do not see the flattening). In forward a tile's values die with its call; backward
-reruns ``body`` a tile at a time: the region's values exist whole only as its outputs. The price is one more
-forward of the region (two with ``recompute="layers"``: the tiles' checkpoints nest inside the layer's).
+where ``body`` is the work cut out as a submodule over ``[tile, n]`` rows (reductions over ``-1`` and linear
+algebra on the last dim do not see the flattening). In forward a tile's values die with its call (the checkpoint
+keeps its input only); backward reruns ``body`` a tile at a time: the values exist whole only as outputs, at the
+price of one more forward of the tiled ops. ``torch.split``'s backward is one ``cat`` of the tiles' gradients.
 
-The tile count is derived from the largest rank's rows (the placement gives every rank's shape), so every rank
-runs the same checkpoints; each rank splits its own rows into that many near-equal tiles (as
-:mod:`.chunk_mlp`, the MLP-only form of this pass, whose rewrite this is).
+Design choices:
 
-Counts: ``tiled_regions`` regions rewritten, ``tiles`` checkpointed calls emitted, ``untiled_regions`` regions
-worth tiling but left (rows unknown, or no point of the graph where the call can sit: an outside user of one
-output comes before an input of another).
+* **A pass on the per-rank graph, after ``rewrite``.** There the work is this rank's, sizes are this rank's, and
+  nothing inside it communicates (the weights' gradient sums sit in the gradient bucket, outside), so a tile
+  reruns no collective. Inference and the rules never see the tiles.
+* **Dynamo's own checkpoint.** The tiles are the ``tag_activation_checkpoint`` calls dynamo emits for
+  ``torch.utils.checkpoint``, so every inner compiler meets what it already handles; the ops stay the model's own.
+* **Before ``outline``; nested inside checkpointed layers.** Work inside a checkpointed region (the model's
+  ``torch.utils.checkpoint``, ``recompute="layers"``) is tiled like any other and its new nodes carry the region,
+  so ``outline`` cuts them out with the layer: the tiles' checkpoints nest inside the layer's (the tiled ops run
+  three times in all, and one tile at a time in the layer's recomputation too). Work that straddles a region's
+  edge is left as it is.
+* **The same number of tiles on every rank.** The count is derived from the largest rank's rows (the placement
+  gives every rank's shape), ``chunks_for(largest rows, tokens)``, and each rank splits its own rows into that
+  many near-equal tiles (some empty), so hooks that gather parameters (FSDP) run the same number of times
+  everywhere.
+
+Counts: ``tiled_regions`` regions rewritten, ``tiles`` their checkpointed calls, ``untiled_regions`` regions worth
+tiling but left (rows unknown, or no point of the graph where the call can sit: an outside user of one output
+comes before an input of another); ``chunked_mlps`` MLP blocks rewritten, ``mlp_chunks`` their calls,
+``unchunked_mlps`` blocks found but left (all of them when ``chunk_mlp`` is None; else those whose inner values
+have other uses, that straddle a region's edge, or whose rows are unknown).
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -58,7 +95,7 @@ from .ops import canonical, is_tensor_node, numel, shape_of
 from .regions import REGION
 from .rewrite import Rewriter
 
-__all__ = ["tile_regions", "rows_of", "checkpoint_tiles"]
+__all__ = ["tile", "FINDERS", "rows_of", "checkpoint_tiles"]
 
 _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 _WORTH_TILING = {"linear", "reduce", "softmax", "layer_norm", "rms_norm"}
@@ -229,7 +266,7 @@ def _hoist_inputs(members: list[fx.Node], before: fx.Node, order: dict[fx.Node, 
     return True
 
 
-def tile_regions(gm: fx.GraphModule, tokens_per_tile: int | None, rewriter: Rewriter) -> dict[str, int]:
+def _tile_regions(gm: fx.GraphModule, tokens_per_tile: int | None, rewriter: Rewriter) -> dict[str, int]:
     """Tile every token-local region of the per-rank graph ``gm`` that ``rewriter`` made (none when
     ``tokens_per_tile`` is None; see the module docstring for the counts)."""
     if tokens_per_tile is None:
@@ -262,7 +299,87 @@ def tile_regions(gm: fx.GraphModule, tokens_per_tile: int | None, rewriter: Rewr
         placement.update({new: placement.get(y) for y, new in zip(outputs, results)})
         tiled += 1
         emitted += tiles
-    if tiled:
+    return {"tiled_regions": tiled, "untiled_regions": untiled, "tiles": emitted}
+
+
+# ----------------------------------------------------------------------------- MLP blocks
+
+
+def _match(down: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(``x``, the block's nodes before ``down`` in graph order) when ``down`` ends the ops of an MLP block (see
+    the module docstring; whether its values are used elsewhere is not checked here), else None."""
+    op = canonical(down)
+    if op is None or op.name != "linear" or not isinstance(op["input"], fx.Node):
+        return None
+    inner: set[fx.Node] = set()
+    ups: list[fx.Node] = []
+    frontier = [op["input"]]
+    while frontier:
+        node = frontier.pop()
+        if node in inner:
+            continue
+        node_op = canonical(node)
+        if node_op is None or node_op.name not in ("linear", "pointwise"):
+            return None
+        inner.add(node)
+        if node_op.name == "linear":
+            ups.append(node)
+        else:
+            frontier += node.all_input_nodes
+    if not ups or canonical(op["input"]).name != "pointwise":  # linear -> linear: no activation between
+        return None
+    x = canonical(ups[0])["input"]
+    weights = [w for o in (op, *map(canonical, ups)) for w in (o["weight"], o["bias"])]
+    if not isinstance(x, fx.Node) or any(canonical(up)["input"] is not x for up in ups) or \
+            any(isinstance(w, fx.Node) and w in inner for w in weights):
+        return None
+    order = {n: i for i, n in enumerate(down.graph.nodes)}
+    return x, sorted(inner, key=order.__getitem__)
+
+
+def _tile_mlps(gm: fx.GraphModule, tokens_per_chunk: int | None, rewriter: Rewriter) -> dict[str, int]:
+    """Chunk every MLP block of the per-rank graph ``gm`` that ``rewriter`` made (none when ``tokens_per_chunk``
+    is None; see the module docstring for the counts)."""
+    chunked = unchunked = emitted = 0
+    original_of = {new: original for original, new in rewriter.env.items() if isinstance(new, fx.Node)}
+    for down in list(gm.graph.nodes):  # a block's nodes come before its down projection: none is met erased
+        found = _match(down)
+        if found is None:
+            continue
+        x, block = found
+        rows = rows_of(rewriter, original_of.get(down)) if tokens_per_chunk is not None else None
+        members = {*block, down}
+        closed = all(user in members for node in block for user in node.users)
+        if rows is None or not closed or len({n.meta.get(REGION) for n in members}) != 1:
+            unchunked += 1
+            continue
+        lead, every_rank = rows
+        chunks = chunks_for(max(every_rank), tokens_per_chunk)
+        checkpoint_tiles(gm, [*block, down], [x], [down], lead, chunks, f"mlp_chunk_body_{chunked}", down.next)
+        chunked += 1
+        emitted += chunks
+    return {"chunked_mlps": chunked, "unchunked_mlps": unchunked, "mlp_chunks": emitted}
+
+
+# ----------------------------------------------------------------------------- the pass
+
+
+FINDERS: tuple[tuple[str, str, Callable[[fx.GraphModule, int | None, Rewriter], dict[str, int]]], ...] = (
+    ("regions", "tile_tokens", _tile_regions),
+    ("mlp", "chunk_mlp", _tile_mlps),
+)
+"""(name, the config field of its tokens per tile, the finder that tiles what it finds), in the order they run:
+the MLP blocks a region took are no longer in the graph when the MLP finder looks."""
+
+
+def tile(gm: fx.GraphModule, config, rewriter: Rewriter) -> dict[str, int]:
+    """Tile what every finder of :data:`FINDERS` finds in the per-rank graph ``gm`` that ``rewriter`` made, each
+    with its lever's tokens per tile from ``config`` (:class:`~autoshard.config.BackendConfig`); the counts of
+    all (see the module docstring)."""
+    counts: dict[str, int] = {}
+    for _, lever, finder in FINDERS:
+        counts.update(finder(gm, getattr(config, lever), rewriter))
+    if counts["tiled_regions"] or counts["chunked_mlps"]:
         gm.graph.lint()
         gm.recompile()
-    return {"tiled_regions": tiled, "untiled_regions": untiled, "tiles": emitted}
+    return counts

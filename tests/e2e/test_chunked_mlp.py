@@ -132,7 +132,7 @@ def _run(world: int):
         r = compare_with_one_process(make, inputs, kwargs=kwargs() if kwargs else None, dtype=dtype, outputs="gathered", chunk_mlp=CHUNK,
                                      **options)
         results[name] = {"error": r.max_error(), "summary": r.summary(), "fallbacks": r.fallbacks,
-                         "chunk_mlp": [g.passes["chunk_mlp"].counts for g in r.compiled_reports],
+                         "chunk_mlp": [g.passes["tile"].counts for g in r.compiled_reports],
                          "outlined": sum(g.passes["outline"].counts["outlined"] for g in r.compiled_reports)}
     if world == 2:
         results["memory"] = {chunk: _largest_op_allocations(chunk) for chunk in (64, None)}

@@ -31,7 +31,8 @@ def test_every_pass_runs_in_order_counts_and_dumps(tmp_path, monkeypatch):
     assert files["families"].count("family ") == 1
     assert files["strategy"].count(": ring (") == 2
     assert "autoshard.attention" in files["rewrite"] and "captured_attention" not in files["rewrite"]
-    assert files["chunk_mlp"].startswith("# chunk_mlp: {'chunked_mlps': 0, 'unchunked_mlps': 2, 'mlp_chunks': 0}")
+    assert files["tile"].startswith("# tile: {'tiled_regions': 0, 'untiled_regions': 0, 'tiles': 0, 'chunked_mlps': 0, "
+                                    "'unchunked_mlps': 2, 'mlp_chunks': 0}")
     assert files["outline"].startswith("# outline: {'outlined': 0, 'offloaded': 0}")
 
 
