@@ -252,10 +252,13 @@ def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfi
     return dataclasses.replace(config, **{k: getattr(smallest, k) for k in _LEVERS}), policy
 
 
-def host_budget() -> int:
+def host_budget() -> int | None:
     """This rank's share of the host's physical memory: all of it divided among the node's ranks
-    (``LOCAL_WORLD_SIZE``, 1 when unset)."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    (``LOCAL_WORLD_SIZE``, 1 when unset); None (no limit) where the system does not say."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
+        return None
     return total // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 

@@ -22,7 +22,8 @@ import torch
 import autoshard
 from autoshard.config import BackendConfig
 from autoshard.testing.models import LlamaConfig, LlamaLM
-from autoshard.policy import CHUNK_TOKENS, DOMINANCE_MARGIN, HEAD_CHUNKS, MemoryBudgetError, _options, choose_memory_policy
+from autoshard.policy import (CHUNK_TOKENS, DOMINANCE_MARGIN, HEAD_CHUNKS, MemoryBudgetError, _options,
+                              choose_memory_policy, host_budget)
 from autoshard.testing import run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process
 
@@ -80,6 +81,13 @@ def test_offload_only_within_the_host_budget():
     assert (config.tile_tokens, config.head_chunks, config.recompute, config.offload) == (T, 1, "layers", False)
     with pytest.raises(MemoryBudgetError, match=r"and 999 B of host memory per rank.*smallest feasible budget is 40 "):
         choose_memory_policy(BackendConfig(), _stand_in(COSTS), budget=25, host_budget=999)
+
+
+def test_host_budget_is_the_ranks_share_of_the_host(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    whole = host_budget()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert whole > 0 and host_budget() == whole // 4
 
 
 def test_levers_the_user_set_stay():
