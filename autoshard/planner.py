@@ -869,12 +869,11 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
             result.losses[name] = result.losses.get(name, 0) + count
         lazy = report.passes.get("lazy")
         result.losses["lazy_logits"] = result.losses.get("lazy_logits", 0) + (lazy.counts["lazy"] if lazy else 0)
-        tiles = report.passes.get("tile")
+        tiled = report.passes["tile"].counts if "tile" in report.passes else {}
         for key, count in (("regions", "tiled_regions"), ("tiles", "tiles")):
-            result.tiles[key] = result.tiles.get(key, 0) + (tiles.counts[count] if tiles is not None else 0)
-        mlps = report.passes.get("tile")
+            result.tiles[key] = result.tiles.get(key, 0) + tiled.get(count, 0)
         for key in ("chunked", "unchunked"):
-            result.mlps[key] = result.mlps.get(key, 0) + (mlps.counts[f"{key}_mlps"] if mlps is not None else 0)
+            result.mlps[key] = result.mlps.get(key, 0) + tiled.get(f"{key}_mlps", 0)
         decisions = _decisions(compiled, index, world_size, graph_config, topology)
         result.attention += decisions
         if decisions and "S" not in symbols:

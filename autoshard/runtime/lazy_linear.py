@@ -45,6 +45,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
 from .deferred import METADATA_OPS
+from .offload import HostCopy
 
 __all__ = ["LazyLinear", "lazy_linear"]
 
@@ -142,19 +143,11 @@ class LazyLinear(torch.Tensor):
         return func(*value[0], **value[1])
 
 
-def _to_host(h: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``h`` (pinned and asynchronous from an accelerator; ``h`` itself on the CPU)."""
-    if h.device.type == "cpu":
-        return h
-    host = torch.empty(h.shape, dtype=h.dtype, device="cpu", pin_memory=torch.cuda.is_available())
-    return host.copy_(h, non_blocking=True)
-
-
 class _Lazy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, dtype, host):
         if host:  # the device's copy dies with the graph's output; backward and the value read the host's
-            ctx.host_h, ctx.device = _to_host(h.detach()), h.device
+            ctx.host_h, ctx.device = HostCopy(h.detach()).host, h.device
             ctx.save_for_backward(weight, bias)
         else:
             ctx.host_h = None

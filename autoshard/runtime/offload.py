@@ -39,7 +39,8 @@ _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 
 
 class HostCopy:
-    """A saved tensor's copy in host memory, and where it came from."""
+    """A tensor's copy in host memory (pinned and asynchronous from CUDA), and where it came from: a checkpoint's
+    saved input here, the hidden state of lazy logits (:mod:`.lazy_linear`)."""
 
     def __init__(self, t: torch.Tensor):
         self.device = t.device

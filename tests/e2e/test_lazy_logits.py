@@ -112,3 +112,24 @@ def test_lazy_logits_off_computes_them():
     for rank, facts in enumerate(_results(2, False)):
         assert facts["error"] <= TOLERANCE, f"rank {rank}: {facts}"
         assert not facts["lazy"] and facts["products"] == 4, f"rank {rank}: {facts}"
+
+
+def test_hidden_state_held_in_host_memory_gives_the_same_value_and_gradients():
+    """``lazy_linear(..., host=True)`` (with ``offload``): the value and the gradients of h, W, b are those of
+    ``F.linear``, from the host copy it holds instead of ``h``."""
+    from autoshard.runtime.lazy_linear import lazy_linear
+
+    g = torch.Generator().manual_seed(0)
+    h, w, b = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+               for shape in ((2, 5, 8), (12, 8), (12,)))
+    grad = torch.randn(2, 5, 12, generator=g, dtype=torch.float64)
+    lazy = lazy_linear(h, w, b, host=True)
+    assert not lazy.computed
+    lazy.backward(grad)
+    got = [t.grad.clone() for t in (h, w, b)]
+    for t in (h, w, b):
+        t.grad = None
+    reference = torch.nn.functional.linear(h, w, b)
+    reference.backward(grad)
+    assert torch.equal(lazy.materialize(), reference.detach())
+    assert all(torch.allclose(a, t.grad) for a, t in zip(got, (h, w, b)))
