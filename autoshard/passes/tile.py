@@ -180,6 +180,17 @@ def _random(fn: str) -> bool:
                                       for ov in packet.overloads())
 
 
+def _read_whole(node: fx.Node) -> set:
+    """The inputs a row-local node reads whole whatever their shape: a ``linear``'s weight and bias."""
+    op = canonical(node)
+    return {op["weight"], op["bias"]} if op.name == "linear" else set()
+
+
+def _is_row(arg_shape: tuple | None, lead: tuple) -> bool:
+    """Whether a value of ``arg_shape`` is a row value over ``lead`` (``lead + [n]``)."""
+    return arg_shape is not None and len(arg_shape) >= 2 and arg_shape[:-1] == lead
+
+
 def _row_local(node: fx.Node, shape: dict[fx.Node, tuple]) -> bool:
     """Whether ``node`` is row-local (see the module docstring); ``shape``: the global shape of the nodes known."""
     out = shape.get(node)
@@ -198,17 +209,14 @@ def _row_local(node: fx.Node, shape: dict[fx.Node, tuple]) -> bool:
         return False
     if name not in ("pointwise", "to", "identity", "linear", *_WORTH_TILING):
         return False
-    lead, rows = out[:-1], 0
-    whole = {op["weight"], op["bias"]} if name == "linear" else set()
+    lead, rows, whole = out[:-1], 0, _read_whole(node)
     for arg in node.all_input_nodes:
         if arg in whole:
             continue
         arg_shape = shape.get(arg)
-        if arg_shape is None:
-            return False
-        if len(arg_shape) >= 2 and arg_shape[:-1] == lead:
+        if _is_row(arg_shape, lead):
             rows += 1
-        elif len(arg_shape) > 1:
+        elif arg_shape is None or len(arg_shape) > 1:
             return False
     return rows > 0
 
@@ -281,10 +289,9 @@ def _tile_regions(gm: fx.GraphModule, tokens_per_tile: int | None, rewriter: Rew
         outputs = [n for n in members if any(user not in inside for user in n.users)]
         if len(outputs) == len(members) or not any(canonical(n).name in _WORTH_TILING for n in members):
             continue  # nothing would die inside a tile, or nothing worth it
-        row_inputs = list(dict.fromkeys(arg for n in members for arg in n.all_input_nodes if arg not in inside
-                                        and len(shape.get(arg, ())) >= 2 and shape[arg][:-1] == region.key[0]
-                                        and not (canonical(n).name == "linear" and arg in (canonical(n)["weight"],
-                                                                                         canonical(n)["bias"]))))
+        row_inputs = list(dict.fromkeys(arg for n in members for arg in n.all_input_nodes
+                                        if arg not in inside and arg not in _read_whole(n)
+                                        and _is_row(shape.get(arg), region.key[0])))
         order = {node: i for i, node in enumerate(gm.graph.nodes)}
         users = [user for y in outputs for user in y.users if user not in inside]
         before = min(users, key=order.__getitem__) if users else None
