@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-lazy-logits", action="store_true",
                    help="lazy_logits=False: returned logits computed in the graph (default: when first read)")
     p.add_argument("--offload", action="store_true", help="keep checkpointed layers' inputs in host memory")
+    p.add_argument("--no-offload-prefetch", dest="offload_prefetch", action="store_false",
+                   help="with --offload: bring each layer's input back when backward uses it, not one layer ahead")
     p.add_argument("--dp-shard", type=int, default=1, metavar="RANKS",
                    help="ranks FSDP2 shards parameters, gradients and optimizer states over (dp x sp; 1: no FSDP)")
     p.add_argument("--optimizer", choices=("adamw", "adam"), help="count the optimizer's states")
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                       host_budget=int(args.host_budget * 2**30) if args.host_budget is not None else None,
                       recompute=args.recompute, chunk_mlp=args.chunk_mlp,
                       tile_tokens=args.tile_tokens, head_chunks=args.head_chunks,
-                      chunk_loss=args.chunk_loss or None, offload=args.offload, dp_shard=args.dp_shard,
+                      chunk_loss=args.chunk_loss or None, offload=args.offload,
+                      offload_prefetch=args.offload_prefetch, dp_shard=args.dp_shard,
                       optimizer=args.optimizer, grad_sync=not args.no_grad_sync,
                       lazy_logits=not args.no_lazy_logits)
     except MemoryBudgetError as e:  # the plan's answer, not a crash: which budget would do, and what is left

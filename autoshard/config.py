@@ -144,7 +144,14 @@ class BackendConfig:
     """Keep the inputs of checkpointed regions (``recompute="layers"``, or the model's own checkpoints) in host
     memory from forward until backward reaches them (:mod:`autoshard.runtime.offload`): with every layer
     recomputed they are what a rank still holds, ``layers x tokens x hidden``. Each costs one copy to the host
-    and one back. Runs with the ``"eager"`` inner compiler only. ``memory_budget`` may turn it on."""
+    and one back, on a copy stream of their own (CUDA) so that they overlap compute. Runs with the ``"eager"`` inner
+    compiler only. ``memory_budget`` may turn it on."""
+
+    offload_prefetch: bool = True
+    """With ``offload``: double-buffer backward's copies -- the first use of a region's inputs also starts bringing
+    back the inputs of the region backward reaches next, so that copy overlaps this region's recomputation and
+    backward. Costs one more region's inputs on the device (a layer's input); False: each region's inputs come back
+    when backward first uses them, the compute stream waiting for the copy. The memory policy may turn it off."""
 
     def inner_for(self, device_type: str) -> Union[str, Callable]:
         """The inner compiler for a graph whose inputs are on ``device_type``: ``inner``, with ``"auto"``

@@ -76,7 +76,7 @@ from .passes.pipeline import compile_graph
 from .policy import MemoryBudgetError, choose_memory_policy, chunk_tokens, format_bytes
 from .runtime.attention import formulas
 from .runtime.chunked_loss import working_set_bytes
-from .runtime.offload import planned_offload
+from .runtime.offload import PlannedOffload, planned_offload
 from .runtime.groups import SequenceGroups
 from .strategy import attention_shape
 from .runtime.attention.base import STRATEGIES
@@ -184,6 +184,13 @@ class MemoryEstimate:
     lazy logits hold (``offload``): not in
     ``total`` (the simulation drops them when they are copied out and allocates them again when backward copies
     them back)."""
+    host_prefetched: bool = False
+    """Whether backward brings the offloaded inputs back a region ahead (``offload_prefetch``: the copies overlap
+    compute; the region brought back early is in ``total``), or each when backward first uses it."""
+    total_prefetched: int = 0
+    """With offload: ``total`` were the copies back double-buffered, from the same simulation (what prefetching
+    holds early counted in; ``total`` itself when the plan double-buffers), so the memory policy weighs both
+    from one plan; 0 without offload."""
 
 
 @dataclass
@@ -269,7 +276,9 @@ class Plan:
         if mem is not None and mem.host_offloaded:
             lines.append(f"  offload: {format_bytes(mem.host_offloaded)} of checkpointed layer inputs"
                          + (" and lazy logits' hidden state" if self.losses.get("lazy_logits") else "")
-                         + " wait in host memory until backward (not in the total above)")
+                         + " wait in host memory until backward (not in the total above); "
+                         + ("double-buffered: each layer's input comes back while the layer after it runs backward"
+                            if mem.host_prefetched else "each comes back when backward uses it, compute waiting"))
         lines += [f"  {line}" for line in self.memory_policy]
         if self.losses.get("chunked"):
             kept = self.losses.get("logits_kept", 0) - self.losses.get("lazy_logits", 0)
@@ -564,6 +573,12 @@ class _GraphMemory:
     """This rank's tokens (the per-position scale of the activation terms)."""
     host: int = 0
     """Bytes of checkpointed regions' inputs offloaded to host memory (``offload``)."""
+    prefetched: bool = False
+    """Whether backward brings them back a region ahead (``offload_prefetch``): ``forward`` and ``backward`` then
+    hold the region brought back early."""
+    ahead: tuple[_Peak, _Peak] | None = None
+    """With offload: the forward and backward peaks double-buffered (``forward`` and ``backward`` when
+    ``prefetched``)."""
     timer: OpTimer | None = None
     """The time of its ops."""
 
@@ -571,16 +586,19 @@ class _GraphMemory:
 class _LiveBytes(TorchDispatchMode):
     """Follows every storage the ops make from their call to the death of its last reference (a weak reference's
     callback), and the peak of their sum: after each op (its inputs and outputs both alive) plus the op's working
-    set (:data:`_WORKING_SETS`). At each new peak the live storages are kept, to be sorted by kind afterwards."""
+    set (:data:`_WORKING_SETS`). At each new peak the live storages are kept, to be sorted by kind afterwards. With
+    offload, a second peak adds what double-buffering would hold early (``offload.ahead``, counted as working set)."""
 
-    def __init__(self):
+    def __init__(self, offload: PlannedOffload):
         super().__init__()
+        self.offload = offload
         self.live: dict[int, tuple[int, int]] = {}  # storage address -> (serial, bytes)
         self.refs: dict[int, weakref.ref] = {}
         self.serial = 0
         self.total = 0
         self.phase = "forward"
         self.peaks: dict[str, tuple[int, dict[int, int], int, str]] = {}  # phase -> (bytes, serials, extra, op)
+        self.peaks_ahead: dict[str, tuple[int, dict[int, int], int, str]] = {}  # the same, prefetch's bytes added
 
     def track(self, t: torch.Tensor) -> int:
         """Follow ``t``'s storage (once); returns its serial (addresses are reused, serials are not)."""
@@ -609,8 +627,9 @@ class _LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.track(t)
         extra = _WORKING_SETS[func](args) if func in _WORKING_SETS else 0
-        if self.total + extra > self.peaks.get(self.phase, (-1,))[0]:
-            self.peaks[self.phase] = (self.total + extra, dict(self.live.values()), extra, str(func))
+        for peaks, held in ((self.peaks, extra), (self.peaks_ahead, extra + self.offload.ahead)):
+            if self.total + held > peaks.get(self.phase, (-1,))[0]:
+                peaks[self.phase] = (self.total + held, dict(self.live.values()), held, str(func))
         return out
 
 
@@ -622,7 +641,7 @@ def _fake_leaf(mode: FakeTensorMode, x: torch.Tensor) -> torch.Tensor:
 
 
 def _memory(compiled, example_inputs: list, world: int, root_length: int, topology: Topology,
-            offload: bool = False) -> _GraphMemory:
+            offload: bool = False, prefetch: bool = False) -> _GraphMemory:
     """Run the per-rank graph forward and backward on fake tensors (from its losses, or the caller's gradient of every
     differentiable output: ones; see the module docstring) and follow its live bytes (see the module docstring) and the time of its ops on ``topology``
     (:class:`~autoshard.step_time.OpTimer`)."""
@@ -631,7 +650,6 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int, topolo
     placeholders = [n.name for n in compiled.graph_module.graph.nodes if n.op == "placeholder"]
     parameters = {id(orig): (name, x) for name, x, orig in zip(placeholders, inputs, example_inputs)
                   if isinstance(orig, torch.nn.Parameter)}
-    live = _LiveBytes()
     timer = OpTimer(topology, world)
     packed: set[int] = set()
 
@@ -641,7 +659,7 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int, topolo
             packed.add(serial)
         return t
 
-    with mode, live, timer, planned_offload() as host:
+    with planned_offload() as host, mode, _LiveBytes(host) as live, timer:
         for x in inputs:
             if isinstance(x, torch.Tensor):
                 live.track(x)
@@ -655,7 +673,7 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int, topolo
         if offload and compiled.lazy_outputs:
             results = list(results)
             for i in compiled.lazy_outputs:
-                host[0] += results[i].numel() * results[i].element_size()
+                host.host += results[i].numel() * results[i].element_size()
                 results[i] = None
             outputs = [t for t in tree_leaves(results) if isinstance(t, torch.Tensor)]
         output_serials = {live.serial_of(t) for t in outputs}
@@ -668,10 +686,10 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int, topolo
             torch.autograd.backward(differentiable, [torch.ones_like(t) for t in differentiable])
         grads = {live.serial_of(p.grad) for _, p in parameters.values() if p.grad is not None}
 
-    def peak(phase: str) -> _Peak:
-        if phase not in live.peaks:
+    def peak(peaks: dict, phase: str) -> _Peak:
+        if phase not in peaks:
             return _Peak()
-        _, serials, extra, op = live.peaks[phase]
+        _, serials, extra, op = peaks[phase]
         kinds = {"saved": 0, "outputs": 0, "gradients": 0, "transient": extra}
         for serial, nbytes in serials.items():
             if serial in inputs_serials:
@@ -681,9 +699,12 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int, topolo
             kinds[kind] += nbytes
         return _Peak(**kinds, op=op)
 
+    peaks = live.peaks_ahead if offload and prefetch else live.peaks
     return _GraphMemory(parameters=parameters, gradients={i for i, (_, p) in parameters.items() if p.grad is not None},
-                        held=held, forward=peak("forward"), backward=peak("backward"),
-                        local=-(-root_length // world), host=host[0], timer=timer)
+                        held=held, forward=peak(peaks, "forward"), backward=peak(peaks, "backward"),
+                        local=-(-root_length // world), host=host.host, prefetched=offload and prefetch,
+                        ahead=(peak(live.peaks_ahead, "forward"), peak(live.peaks_ahead, "backward")) if offload else None,
+                        timer=timer)
 
 
 def _shard_bytes(p: torch.Tensor, shards: int) -> int:
@@ -698,8 +719,10 @@ _UNIT = re.compile(r"^(.*?_modules_\d+_)")
 layer list), or the root."""
 
 
-def _estimate(memories: list[_GraphMemory], *, dp_shard: int, optimizer: str | None) -> MemoryEstimate:
-    """The step's peak from its graphs' (see the module docstring), with the FSDP2 and optimizer terms."""
+def _estimate(memories: list[_GraphMemory], *, dp_shard: int, optimizer: str | None,
+              ahead: bool = False) -> MemoryEstimate:
+    """The step's peak from its graphs' (see the module docstring), with the FSDP2 and optimizer terms; ``ahead``:
+    from the graphs' double-buffered peaks (:attr:`_GraphMemory.ahead`), where they offload."""
     parameters = _parameters(memories)
     full = sum(p.numel() * p.element_size() for _, p in parameters.values())
     candidates = []
@@ -707,7 +730,8 @@ def _estimate(memories: list[_GraphMemory], *, dp_shard: int, optimizer: str | N
         before = sum(h.held for h in memories[:g])
         later = set().union(*(h.gradients for h in memories[g + 1:])) - m.gradients
         later_grads = sum(parameters[i][1].numel() * parameters[i][1].element_size() for i in later)
-        for phase, p, grads in (("forward", m.forward, 0), ("backward", m.backward, later_grads)):
+        forward, backward = m.ahead if ahead and m.ahead else (m.forward, m.backward)
+        for phase, p, grads in (("forward", forward, 0), ("backward", backward, later_grads)):
             candidates.append((before + grads + p.extra, g, phase, p, before, grads))
     _, g, phase, p, before, later_grads = max(candidates, key=lambda c: c[0])
     gradients = p.gradients + later_grads
@@ -730,7 +754,8 @@ def _estimate(memories: list[_GraphMemory], *, dp_shard: int, optimizer: str | N
                           gathered_parameters=gathered, unsharded_gradients=unsharded_grads,
                           saved_activations=p.saved + before, outputs=p.outputs, transient=p.transient,
                           total=fixed + activations, formula=formula, peak_at=f"g{g} {phase}: {p.op}",
-                          host_offloaded=sum(m.host for m in memories))
+                          host_offloaded=sum(m.host for m in memories),
+                          host_prefetched=any(m.prefetched and m.host for m in memories))
 
 
 def _decisions(compiled, index: int, world: int, config: BackendConfig, topology: Topology) -> list[AttentionDecision]:
@@ -775,12 +800,12 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, world_size: i
     compile pipeline finds; :func:`autoshard.policy.chunk_tokens`). Returns (the chosen config, :class:`~autoshard.policy.MemoryPolicy`)."""
     plans: dict[tuple, Plan] = {}  # the levers -> the plan: the options differ in these only
 
-    def planned(option: BackendConfig) -> Plan:
+    def planned(option: BackendConfig) -> Plan:  # one plan for offload with and without prefetch: it has both peaks
         key = (option.chunk_mlp, option.tile_tokens, option.head_chunks, option.recompute, option.offload)
         if key not in plans:
             plans[key] = plan_graphs([(copy.deepcopy(gm), list(example_inputs))], world_size=world_size,
-                                     config=dataclasses.replace(option, memory_budget=None), dp_shard=dp_shard,
-                                     optimizer=optimizer)
+                                     config=dataclasses.replace(option, memory_budget=None, offload_prefetch=False),
+                                     dp_shard=dp_shard, optimizer=optimizer)
         return plans[key]
 
     compiled = compile_graph(copy.deepcopy(gm), config=dataclasses.replace(config, memory_budget=None),
@@ -790,7 +815,8 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, world_size: i
 
     def estimate(option: BackendConfig) -> tuple[int, int]:
         memory = planned(option).memory_per_rank
-        return memory.total, memory.host_offloaded
+        ahead = option.offload and option.offload_prefetch
+        return memory.total_prefetched if ahead else memory.total, memory.host_offloaded
 
     try:
         return choose_memory_policy(config, estimate, budget=budget, host_budget=host_budget, strict=strict,
@@ -879,7 +905,8 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
         if decisions and "S" not in symbols:
             symbols.update({k: v for k, v in decisions[0].shape.items() if k != "dtype"})
         root = compiled.families.families[0].length if compiled.families.families else 1
-        memories.append(_memory(compiled, example_inputs, world_size, root, topology, offload=graph_config.offload))
+        memories.append(_memory(compiled, example_inputs, world_size, root, topology, offload=graph_config.offload,
+                                prefetch=graph_config.offload_prefetch))
         planned[(id(graphs[call][0]), kinds)] = (index, compiled, decisions, memories[-1], deferred)
     for layer, decision in enumerate(result.attention):
         decision.layer = layer
@@ -887,6 +914,9 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
     result.symbols = symbols
     if memories:
         result.memory_per_rank = _estimate(memories, dp_shard=dp_shard, optimizer=optimizer)
+        if any(m.ahead for m in memories):
+            result.memory_per_rank.total_prefetched = _estimate(memories, dp_shard=dp_shard, optimizer=optimizer,
+                                                                ahead=True).total
         result.step_time = _step_time(result, memories, topology, dp_shard=dp_shard, optimizer=optimizer)
     return result
 
@@ -905,7 +935,8 @@ def _step_time(result: Plan, memories: list[_GraphMemory], topology: Topology, *
                      tokens=symbols.get("B", 1) * symbols.get("S", 0), collectives=result.collectives,
                      attention_nodes={a.node for a in result.attention},
                      fsdp=list(_units(parameters).values()) if dp_shard > 1 else None, dp_shard=dp_shard,
-                     host_bytes=result.memory_per_rank.host_offloaded, optimizer_bytes=optimizer_bytes)
+                     host_bytes=result.memory_per_rank.host_offloaded,
+                     host_hidden=result.memory_per_rank.host_prefetched, optimizer_bytes=optimizer_bytes)
 
 
 def _parameters(memories: list[_GraphMemory]) -> dict[int, tuple[str, torch.Tensor]]:

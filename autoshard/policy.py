@@ -16,23 +16,28 @@ lever                   what it removes                             what it cost
                         group's
 ``recompute="layers"``  every value a layer saves but its input      one more forward of every layer, its
                                                                     collectives included
-``offload``             the recomputed layers' inputs (host memory   a copy to the host and back per layer
-                        holds them until backward)                  (eager inner compiler only)
+``offload``             the recomputed layers' inputs (host memory   a copy to the host and back per layer, on
+                        holds them until backward), all but one:     a stream of its own (eager inner compiler
+                        backward brings the next layer's back while  only)
+                        it runs one (double-buffered)
+``offload_prefetch      that one: each layer's input comes back      the copy back is no longer hidden: compute
+=False``                when backward uses it                       waits for it
 ======================  ==========================================  ==========================================
 
 (The chunked LM head + loss, ``chunk_loss``, is on by default: it costs one head matmul and removes the
 largest values of a step.) The ladder, cheapest first: as configured, chunked MLPs, tiles, tiles with attention
 in :data:`HEAD_CHUNKS` head groups (``head_chunks``: its gathered or head-split copies one group at a time); the
-same four with recomputed layers; the same four with offload too -- never changing a lever the user set. The policy takes the
+same four with recomputed layers; the same four with double-buffered offload too; then with offload that brings
+each layer's input back only when backward uses it -- never changing a lever the user set. The policy takes the
 first option whose planned per-rank peak (:func:`autoshard.plan`'s ``memory_per_rank.total``, computed for
 rank 0 so that every rank decides the same) fits the budget and whose host bytes fit ``host_budget``.
 
-Each estimate is a whole plan (a minute for Llama-8B at millions of tokens), so the policy does not plan every
-rung. Device memory only falls as levers are added (tiles remove what MLP chunks remove and more; offload moves
+Each estimate is a whole plan (half a minute for Llama-8B at millions of tokens; offload with and without prefetch
+share one, whose simulation counts what prefetching holds early aside), so the policy does not plan every rung. Device memory only falls as levers are added (tiles remove what MLP chunks remove and more; offload moves
 bytes to the host), so an option whose peak exceeds the budget rules out every option it *dominates* (one with
 no lever stronger) -- when it exceeds it by more than :data:`DOMINANCE_MARGIN`: in a model too small for a lever
 to pay, the lever can add a little (a tile's concatenated outputs). The policy plans the strongest option first
--- nothing fits when its peak clearly does not -- then the options one lever weaker than it; then, while options
+-- nothing fits when its peak clearly does not -- then the options just below it (one lever a step weaker); then, while options
 before the first one known to fit are neither planned nor ruled out, it plans the one of them that dominates the
 most others (its failure rules out the most). The first option of the ladder that fits is chosen. What it
 planned, ruled out and chose is kept (:class:`MemoryPolicy`) and shown in the plan.
@@ -87,7 +92,7 @@ class MemoryBudgetError(ValueError):
     """No option of the memory policy fits the budget."""
 
 
-_LEVERS = ("chunk_mlp", "tile_tokens", "head_chunks", "recompute", "offload")
+_LEVERS = ("chunk_mlp", "tile_tokens", "head_chunks", "recompute", "offload", "offload_prefetch")
 HEAD_CHUNKS = 4
 """Head groups the policy runs attention in when it takes that lever (fewer where the heads allow fewer: a
 Ulysses group needs a query head per rank in each)."""
@@ -111,6 +116,8 @@ class MemoryOption:
     """``"none"`` or ``"layers"``."""
     offload: bool
     """Whether the checkpointed layers' inputs wait in host memory."""
+    offload_prefetch: bool
+    """With ``offload``: whether backward brings them back a layer ahead (double-buffered)."""
     estimate: int | None
     """Planned per-rank peak bytes with these levers; None: not planned (ruled out by an option that dominates
     it and does not fit)."""
@@ -122,7 +129,7 @@ class MemoryOption:
                  ([f"tile_tokens={self.tile_tokens}"] if self.tile_tokens else []) + \
                  ([f"head_chunks={self.head_chunks}"] if self.head_chunks > 1 else []) + \
                  ([f"recompute={self.recompute!r}"] if self.recompute != "none" else []) + \
-                 (["offload"] if self.offload else [])
+                 ([f"offload{'' if self.offload_prefetch else ' (no prefetch)'}"] if self.offload else [])
         return ", ".join(levers) or "no recomputation, chunks or tiles"
 
     def weighed(self) -> str:
@@ -157,7 +164,7 @@ class MemoryPolicy:
 
 def _options(config: BackendConfig, tokens: int = CHUNK_TOKENS) -> list[dict]:
     """The levers to try, cheapest first, leaving those the user set as they are: offload only with the
-    layers recomputed, and only with the eager inner compiler."""
+    layers recomputed, and only with the eager inner compiler; without prefetch after with it."""
     if config.chunk_mlp is not None or config.tile_tokens is not None:
         tokenwise = [(config.chunk_mlp, config.tile_tokens, config.head_chunks)]
     else:
@@ -166,13 +173,16 @@ def _options(config: BackendConfig, tokens: int = CHUNK_TOKENS) -> list[dict]:
     if config.head_chunks == 1:  # head groups on top of the strongest of these
         tokenwise.append((*tokenwise[-1][:2], HEAD_CHUNKS))
     layers = [config.recompute] if config.recompute != "none" else ["none", "layers"]
-    offload = [True] if config.offload else [False] + ([True] if config.inner in ("eager", "auto") else [])
+    prefetch = [True, False] if config.offload_prefetch else [False]
+    offload = [(True, ahead) for ahead in prefetch]
+    if not config.offload:
+        offload = [(False, config.offload_prefetch)] + (offload if config.inner in ("eager", "auto") else [])
     out = []
-    for host in offload:
+    for host, ahead in offload:
         for recompute in layers:
             for chunk_mlp, tile_tokens, head_chunks in tokenwise:
                 levers = {"chunk_mlp": chunk_mlp, "tile_tokens": tile_tokens, "head_chunks": head_chunks,
-                          "recompute": recompute, "offload": host}
+                          "recompute": recompute, "offload": host, "offload_prefetch": ahead}
                 if levers not in out and not (host and recompute == "none"):
                     out.append(levers)
     return out
@@ -180,9 +190,10 @@ def _options(config: BackendConfig, tokens: int = CHUNK_TOKENS) -> list[dict]:
 
 def _strength(levers: dict) -> tuple[int, int, int, int]:
     """How much each lever removes, comparable lever by lever: (tokenwise: none 0, MLP chunks 1, tiles 2; head
-    groups; layers recomputed; offload)."""
+    groups; layers recomputed; offload: none 0, double-buffered 1, without prefetch 2)."""
     tokenwise = 2 if levers["tile_tokens"] else 1 if levers["chunk_mlp"] else 0
-    return tokenwise, levers["head_chunks"], int(levers["recompute"] != "none"), int(levers["offload"])
+    offload = 0 if not levers["offload"] else 1 if levers["offload_prefetch"] else 2
+    return tokenwise, levers["head_chunks"], int(levers["recompute"] != "none"), offload
 
 
 def _dominates(a: dict, b: dict) -> bool:
@@ -219,9 +230,9 @@ def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfi
     strongest = max(range(len(ladder)), key=lambda i: (_strength(ladder[i]), -i))
     chosen = None
     if plan(strongest)[0] <= budget * (1 + DOMINANCE_MARGIN):
-        for i in range(len(ladder)):  # one lever weaker than the strongest: what their failures rule out
-            weaker = [a - b for a, b in zip(_strength(ladder[strongest]), _strength(ladder[i]))]
-            if sorted(x > 0 for x in weaker) == [False, False, False, True] and not ruled_out(i):
+        below = [i for i in range(len(ladder)) if i != strongest and _dominates(ladder[strongest], ladder[i])]
+        for i in below:  # just below the strongest (nothing between): what their failures rule out
+            if not any(j != i and _dominates(ladder[j], ladder[i]) for j in below) and not ruled_out(i):
                 plan(i)
         while True:  # the first option that fits, in the ladder's order, planning as few as the failures allow
             first = next((i for i in range(len(ladder)) if i in planned and fits(i)), len(ladder))

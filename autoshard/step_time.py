@@ -29,7 +29,8 @@ head, loss).
 On top of the ops, from the plan's counts: the collectives outside attention (gradient sync buckets, loss
 reductions, realigns) at ``(P - 1)`` latencies plus their bytes over the link, exposed; FSDP2's per-unit
 all-gathers (forward and backward) and reduce-scatters, hidden behind the layer's compute up to it (prefetch); the
-offload copies, hidden behind the step's compute up to it (double-buffered); and the optimizer's pass over its
+offload copies (their own stream): forward's to the host hidden behind forward's compute up to it, backward's back
+behind backward's when double-buffered (``offload_prefetch``), else exposed; and the optimizer's pass over its
 states.
 """
 
@@ -295,11 +296,11 @@ def run_timed(gm: fx.GraphModule, inputs: list, timer: OpTimer):
 
 def step_time(timers: list[OpTimer], *, topology: Topology, world: int, tokens: int, collectives: list,
               attention_nodes: set[str], fsdp: list[int] | None, dp_shard: int, host_bytes: int,
-              optimizer_bytes: int) -> StepTime:
+              optimizer_bytes: int, host_hidden: bool = True) -> StepTime:
     """The step's time from the timers of its graph calls and the plan's counts (see the module docstring).
     ``collectives``: the plan's :class:`~autoshard.planner.Collective` entries, those of ``attention_nodes`` already
     priced with their calls; ``fsdp``: the bytes of each FSDP2 unit's parameters (None: no FSDP2), the largest the
-    layers'; ``host_bytes``: offloaded bytes; ``optimizer_bytes``: what the optimizer reads and writes."""
+    layers'; ``host_bytes``: offloaded bytes (``host_hidden``: copied back double-buffered); ``optimizer_bytes``: what the optimizer reads and writes."""
     layers: dict[str, LayerTime] = {}
     forward = backward = 0.0
     for call, timer in enumerate(timers):
@@ -312,6 +313,7 @@ def step_time(timers: list[OpTimer], *, topology: Topology, world: int, tokens: 
                                                          exposed=row.exposed_s)
         forward += timer.phases["forward"]
         backward += timer.phases["backward"]
+    forward_compute = forward
     others = sum(topology.collective_seconds(c.bytes_per_rank, world) for c in collectives
                  if c.node not in attention_nodes)
     rest = layers.setdefault(REST, LayerTime(REST))
@@ -328,10 +330,13 @@ def step_time(timers: list[OpTimer], *, topology: Topology, world: int, tokens: 
             row.add(comm=comm, exposed=exposed)
             backward += exposed
     compute = sum(row.compute_s for row in layers.values())
-    if host_bytes:
-        copies = 2 * host_bytes / topology.host_bandwidth
-        exposed = max(0.0, copies - compute)
-        rest.add(comm=copies, exposed=exposed)
+    if host_bytes:  # the copy stream's work, behind the compute it overlaps; the compute stream waits only for what
+        one_way = host_bytes / topology.host_bandwidth  # backward copies back
+        if host_hidden:  # prefetched: each layer's copy back overlaps the layer before it in backward
+            exposed = max(0.0, 2 * one_way - compute)
+        else:  # each copy back waits in full, after whatever of the copies out forward's compute did not hide
+            exposed = one_way + max(0.0, one_way - forward_compute)
+        rest.add(comm=2 * one_way, exposed=exposed)
         backward += exposed
     optimizer = optimizer_bytes / topology.memory_bandwidth * topology.slowdown(world)
     seconds = forward + backward + optimizer

@@ -3,7 +3,9 @@
 # most of it Triton compiling and autotuning):
 #   1. the kernel tests COMPILED (no interpreter) on CUDA, with one configuration per kernel
 #      (AUTOSHARD_TRITON_AUTOTUNE=0) except the test that forces every candidate configuration;
-#   2. benchmarks/kernel_speed.py: TFLOP/s against torch SDPA flash, autotuned, plus the output difference.
+#   2. benchmarks/kernel_speed.py: TFLOP/s against torch SDPA flash, autotuned, plus the output difference;
+#   3. the offloaded checkpoints' copies on CUDA (tests/runtime/test_offload.py: pinned, their own stream,
+#      double-buffered backward holding one more region input).
 # Prints everything; exits non-zero when a step fails. Uses the machine's python3 (or $PYTHON) with
 # the repository on PYTHONPATH, so nothing needs installing. Usage: bash benchmarks/gpu_check.sh
 set -uo pipefail
@@ -27,4 +29,7 @@ echo "== benchmark =="
 SECONDS=0
 timeout 330 "$PY" benchmarks/kernel_speed.py || status=1
 echo "benchmark: ${SECONDS}s"
+
+echo "== offload (CUDA) =="
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_offload.py || status=1
 exit $status

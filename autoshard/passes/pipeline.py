@@ -219,7 +219,8 @@ def _lazy(state: PipelineState) -> dict[str, int]:
 
 
 def _outline(state: PipelineState) -> dict[str, int]:
-    outlined = outline_regions(state.gm, state.regions, offload=state.config.offload)
+    outlined = outline_regions(state.gm, state.regions, offload=state.config.offload,
+                               prefetch=state.config.offload_prefetch)
     return {"outlined": outlined, "offloaded": outlined if state.config.offload else 0}
 
 

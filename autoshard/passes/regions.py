@@ -139,8 +139,9 @@ def fill_regions(gm: fx.GraphModule) -> None:
         run, before = [], region
 
 
-def _outline_one(gm: fx.GraphModule, region: Region, members: list[fx.Node], checkpoint) -> fx.Node:
-    """Replace ``members`` (a region's nodes in the rewritten graph, in order) by one call of ``checkpoint``."""
+def _outline_one(gm: fx.GraphModule, region: Region, members: list[fx.Node], checkpoint, extra: dict) -> fx.Node:
+    """Replace ``members`` (a region's nodes in the rewritten graph, in order) by one call of ``checkpoint`` (its
+    keyword arguments the region's, and ``extra``)."""
     graph = gm.graph
     inside = set(members)
     inputs: dict[fx.Node, None] = {}
@@ -163,7 +164,7 @@ def _outline_one(gm: fx.GraphModule, region: Region, members: list[fx.Node], che
     with graph.inserting_after(members[-1]):
         attr = graph.get_attr(name)
     with graph.inserting_after(attr):
-        call = graph.call_function(checkpoint, (attr, *inputs), dict(region.kwargs))
+        call = graph.call_function(checkpoint, (attr, *inputs), dict(region.kwargs) | extra)
     last = call
     for k, n in enumerate(outputs):
         with graph.inserting_after(last):
@@ -174,11 +175,13 @@ def _outline_one(gm: fx.GraphModule, region: Region, members: list[fx.Node], che
     return call
 
 
-def outline_regions(gm: fx.GraphModule, regions: list[Region], offload: bool = False) -> int:
+def outline_regions(gm: fx.GraphModule, regions: list[Region], offload: bool = False, prefetch: bool = True) -> int:
     """Cut every region back out of the rewritten graph ``gm`` (nodes tagged ``meta[REGION]``) into a
     ``tag_activation_checkpoint`` call -- :func:`autoshard.runtime.offload.offloaded_checkpoint` with
-    ``offload``: the region's inputs wait for backward in host memory; returns how many regions were outlined."""
+    ``offload``: the region's inputs wait for backward in host memory (``prefetch``: backward brings back the next
+    region's while it runs one); returns how many regions were outlined."""
     checkpoint = offloaded_checkpoint if offload else _CHECKPOINT
+    extra = {"prefetch": prefetch} if offload else {}
     members: dict[int, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         index = n.meta.get(REGION)
@@ -199,7 +202,7 @@ def outline_regions(gm: fx.GraphModule, regions: list[Region], offload: bool = F
                     raise RuntimeError(f"autoshard: checkpointed region {index} is not contiguous in the rewritten "
                                        f"graph ({user.format_node()} uses {n.name} between its nodes)")
     for index, nodes in members.items():
-        _outline_one(gm, regions[index], nodes, checkpoint)
+        _outline_one(gm, regions[index], nodes, checkpoint, extra)
     gm.graph.lint()
     gm.recompile()
     return len(members)

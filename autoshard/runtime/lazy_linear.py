@@ -54,14 +54,15 @@ _SAME_VALUE_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
 
 class _Pending:
-    """What a lazy value and its aliases share: the inputs until it is computed, then the value. ``h`` may be a host
-    copy (:func:`lazy_linear`'s ``host``): it goes back to ``device`` to be read."""
+    """What a lazy value and its aliases share: the inputs until it is computed, then the value. ``h`` may be a
+    :class:`~autoshard.runtime.offload.HostCopy` (:func:`lazy_linear`'s ``host``): it goes back to ``device`` to be
+    read."""
 
     def __init__(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device):
         self.inputs: tuple | None = (h, weight, bias)
         self.device = device
-        self.versions = tuple(x._version if x is not None else None for x in self.inputs)
+        self.versions = tuple(x._version if isinstance(x, torch.Tensor) else None for x in self.inputs)
         self.dtype = dtype
         self.value: torch.Tensor | None = None
         _PENDING.add(self)
@@ -69,7 +70,7 @@ class _Pending:
     def changed(self) -> bool:
         """Whether an input was written since the value was made (its version moved, or its storage was freed:
         FSDP2 reshards a parameter by resizing its storage to nothing)."""
-        return any(x is not None and (x._version != v or x.untyped_storage().nbytes() == 0)
+        return any(isinstance(x, torch.Tensor) and (x._version != v or x.untyped_storage().nbytes() == 0)
                    for x, v in zip(self.inputs, self.versions))
 
     def compute(self) -> torch.Tensor:
@@ -80,7 +81,8 @@ class _Pending:
                     "autoshard.runtime.lazy_linear.LazyLinear) and the LM head's weight (or the hidden state) has "
                     "changed since -- FSDP2 resharded it after backward, or it was updated in place outside an "
                     "optimizer step. Read the logits before the weights change, or compile with lazy_logits=False")
-            h, weight, bias = (x.to(self.device, self.dtype) if x is not None else None for x in self.inputs)
+            h, weight, bias = ((x.restore(keep=False) if isinstance(x, HostCopy) else x).to(self.device, self.dtype)
+                               if x is not None else None for x in self.inputs)
             with torch.autocast(h.device.type, enabled=False):
                 self.value = F.linear(h, weight, bias)
             self.inputs = None  # the hidden state is no longer held for this value
@@ -147,7 +149,7 @@ class _Lazy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, dtype, host):
         if host:  # the device's copy dies with the graph's output; backward and the value read the host's
-            ctx.host_h, ctx.device = HostCopy(h.detach()).host, h.device
+            ctx.host_h = HostCopy(h.detach())
             ctx.save_for_backward(weight, bias)
         else:
             ctx.host_h = None
@@ -159,7 +161,7 @@ class _Lazy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.host_h is not None:
-            h, (weight, bias) = ctx.host_h.to(ctx.device, non_blocking=True), ctx.saved_tensors
+            h, (weight, bias) = ctx.host_h.restore(keep=False), ctx.saved_tensors
         else:
             h, weight, bias = ctx.saved_tensors
         rows = grad.reshape(-1, grad.size(-1))

@@ -1,9 +1,10 @@
 """``memory_budget``: the memory policy picks the cheapest levers whose plan fits, at 2 ranks against one process.
 
-* The policy alone, with a stand-in estimator: the ladder cheapest first (as configured, chunked MLPs, tiles, the
-  three with recomputed layers, then with offload too), levers the user set never changed, offload only with the
-  eager inner compiler, the first that fits taken -- without planning the options an option that does not fit
-  dominates (the strongest planned first, then its neighbours), and offload only within the host budget; nothing
+* The policy alone, with a stand-in estimator: the ladder cheapest first (as configured, chunked MLPs, tiles, tiles
+  with head groups, the four with recomputed layers, then with double-buffered offload too, then offload without
+  prefetch), levers the user set never changed, offload only with the eager inner compiler, the first that fits
+  taken -- without planning the options an option that does not fit dominates (the strongest planned first, then
+  those just below it), and offload only within the host budget; nothing
   fits: the error names the smallest feasible budget, or (the CUDA default) a warning and the smallest option.
 * The backend at 2 ranks on autoshard's Llama (float64, length 61): each option's planned peak from
   ``autoshard.plan`` (rank 0's view, which every rank's policy uses); with the budget of recomputed layers,
@@ -30,16 +31,27 @@ from autoshard.testing.equivalence import compare_with_one_process
 CONFIG = dict(vocab_size=64, hidden=32, layers=3, heads=4, kv_heads=2, intermediate=64)
 LEVERS = ("chunk_mlp", "tile_tokens", "head_chunks", "recompute", "offload")
 T, G = CHUNK_TOKENS, HEAD_CHUNKS
+AHEAD = "prefetch"
+"""The offload entry of a key for double-buffered offload (True: offload without prefetch)."""
+
+
+def _key(levers) -> tuple:
+    """(chunk_mlp, tile_tokens, head_chunks, recompute, offload: False, AHEAD or True) of a config or an option."""
+    get = levers.get if isinstance(levers, dict) else functools.partial(getattr, levers)
+    offload = get("offload") and (AHEAD if get("offload_prefetch") else True)
+    return (*(get(k) for k in LEVERS[:4]), offload)
 
 
 def _stand_in(costs: dict, asked: list | None = None):
-    """An estimator: (bytes, host bytes) by (chunk_mlp, tile_tokens, head_chunks, recompute, offload) (head groups
-    not listed: 5 below the same without); ``asked`` collects the options it was asked for."""
+    """An estimator: (bytes, host bytes) by :func:`_key` (head groups not listed: 5 below the same without;
+    double-buffered offload: 3 above the same without prefetch); ``asked`` collects the options it was asked for."""
     def estimate(config):
-        key = tuple(getattr(config, k) for k in LEVERS)
+        key = _key(config)
         if asked is not None:
             asked.append(key)
-        return costs.get(key, costs[(*key[:2], 1, *key[3:])] - 5), 1000 if key[4] else 0
+        unbuffered = (*key[:4], True) if key[4] == AHEAD else key
+        cost = costs.get(unbuffered, costs.get((*key[:2], 1, *unbuffered[3:]), 0) - 5) + (3 if key[4] == AHEAD else 0)
+        return cost, 1000 if key[4] else 0
     return estimate
 
 
@@ -50,29 +62,34 @@ COSTS = {(None, None, 1, "none", False): 100, (T, None, 1, "none", False): 80, (
          (None, None, 1, "layers", True): 30, (T, None, 1, "layers", True): 20, (None, T, 1, "layers", True): 15,
          (None, T, G, "layers", True): 10}
 STRONGEST = (None, T, G, "layers", True)
+LADDER = [k for k in COSTS if not k[4]] + [(*k[:4], AHEAD) for k in COSTS if k[4]] + [k for k in COSTS if k[4]]
+"""The policy's order: no offload, double-buffered offload, offload without prefetch."""
 
 
 @pytest.mark.parametrize("budget, chosen", [(100, (None, None, 1, "none", False)), (90, (T, None, 1, "none", False)),
                                             (55, (T, None, 1, "layers", False)), (42, (None, T, G, "layers", False)),
-                                            (25, (T, None, 1, "layers", True)), (10, STRONGEST)])
+                                            (33, (None, None, 1, "layers", AHEAD)),
+                                            (25, (T, None, 1, "layers", AHEAD)), (13, (None, T, G, "layers", AHEAD)),
+                                            (10, STRONGEST)])
 def test_cheapest_option_that_fits(budget, chosen):
     asked = []
-    config, policy = choose_memory_policy(BackendConfig(), _stand_in(COSTS, asked), budget=budget)
-    assert tuple(getattr(config, k) for k in LEVERS) == chosen
+    estimate = _stand_in(COSTS, asked)
+    config, policy = choose_memory_policy(BackendConfig(), estimate, budget=budget)
+    assert _key(config) == chosen
     assert policy.chosen is not None and policy.chosen.estimate <= budget
     assert asked[0] == STRONGEST and len(asked) == len(set(asked)), asked  # the strongest first, each planned once
-    ladder = [tuple(getattr(o, k) for k in LEVERS) for o in policy.options]
-    assert ladder == list(COSTS), ladder  # every option shown, in the ladder's order
-    assert all(o.estimate is None or o.estimate == COSTS[k] for o, k in zip(policy.options, ladder))
+    ladder = [_key(o) for o in policy.options]
+    assert ladder == LADDER, ladder  # every option shown, in the ladder's order
+    assert all(o.estimate is None or (o.estimate, o.host) == estimate(o) for o in policy.options)
     assert "memory policy" in policy.describe()
 
 
 def test_options_a_failure_dominates_are_not_planned():
     asked = []
     config, policy = choose_memory_policy(BackendConfig(), _stand_in(COSTS, asked), budget=10)
-    # the strongest and its neighbours (no head groups; no offload), whose failures rule out everything else
-    assert set(asked) == {STRONGEST, (None, T, 1, "layers", True), (None, T, G, "layers", False)}, asked
-    assert sum(o.estimate is None for o in policy.options) == len(COSTS) - 3
+    # the strongest and those just below it (no head groups; offload prefetched), whose failures rule out the rest
+    assert set(asked) == {STRONGEST, (None, T, 1, "layers", True), (None, T, G, "layers", AHEAD)}, asked
+    assert sum(o.estimate is None for o in policy.options) == len(LADDER) - 3
     assert "ruled out" in policy.describe()
 
 
@@ -95,7 +112,10 @@ def test_levers_the_user_set_stay():
     assert config.recompute == "layers" and (config.tile_tokens, config.head_chunks, config.offload) == (T, G, False)
     assert all(o.recompute == "layers" for o in policy.options)
     config, policy = choose_memory_policy(BackendConfig(chunk_mlp=T), _stand_in(COSTS), budget=25)
-    assert (config.chunk_mlp, config.tile_tokens, config.head_chunks, config.offload) == (T, None, 1, True)
+    assert _key(config) == (T, None, 1, "layers", AHEAD)
+    config, policy = choose_memory_policy(BackendConfig(chunk_mlp=T, offload_prefetch=False), _stand_in(COSTS), budget=25)
+    assert _key(config) == (T, None, 1, "layers", True)
+    assert {_key(o)[4] for o in policy.options} == {False, True}, policy.options  # never double-buffered
     config, policy = choose_memory_policy(BackendConfig(head_chunks=2), _stand_in(COSTS), budget=100)
     assert config.head_chunks == 2 and all(o.head_chunks == 2 for o in policy.options)
     config, policy = choose_memory_policy(BackendConfig(inner="aot_eager"), _stand_in(COSTS), budget=50)
@@ -107,7 +127,7 @@ def test_nothing_fits():
         choose_memory_policy(BackendConfig(), _stand_in(COSTS), budget=5)
     with pytest.warns(UserWarning, match="smallest feasible budget is 10 bytes"):
         config, policy = choose_memory_policy(BackendConfig(), _stand_in(COSTS), budget=5, strict=False)
-    assert policy.chosen is None and tuple(getattr(config, k) for k in LEVERS) == STRONGEST
+    assert policy.chosen is None and _key(config) == STRONGEST
 
 
 def _model():

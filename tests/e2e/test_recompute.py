@@ -8,8 +8,8 @@
   with the loss), float32: within 1e-4 relative as ``test_training_step``'s runs (the rotary table is float32).
 * A model that already checkpoints its layers keeps its own checkpoints (counted ``already``).
 * ``offload=True``: the regions are :func:`~autoshard.runtime.offload.offloaded_checkpoint` calls, exact as
-  well (on CPU the inputs are already in host memory and stay; the copy itself is checked in
-  ``test_host_copies``, which moves them as an accelerator's would be moved).
+  well (on CPU the inputs are already in host memory and stay; the copies themselves and their double-buffering
+  are ``tests/runtime/test_offload.py``'s).
 * The pass alone (``tests/unit``-sized, one process): a layer drawing random numbers is left as it is.
 """
 
@@ -26,8 +26,7 @@ from autoshard.testing.models import LlamaConfig, LlamaLM
 from autoshard.passes.normalize import canonicalize
 from autoshard.passes.recompute import recompute_layers
 from autoshard.passes.regions import inline_regions
-from autoshard.runtime import comm_counter, offload
-from autoshard.runtime.offload import offloaded_checkpoint
+from autoshard.runtime import comm_counter
 from autoshard.testing import run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process
 
@@ -152,39 +151,3 @@ def test_layers_found_from_module_stacks():
 def test_recompute_option_is_checked():
     with pytest.raises(ValueError, match="recompute"):
         autoshard.backend(recompute="everything")
-
-
-def test_host_copies(monkeypatch):
-    """The hooks of an offloaded checkpoint, with every non-parameter moved (as on an accelerator): the region's
-    input is copied once even when two regions take it, gradients are exact."""
-    monkeypatch.setattr(offload, "_stays", lambda t: t.is_leaf and t.requires_grad)
-    copies, original = [], offload.HostCopy
-
-    class Counted(original):
-        def __init__(self, t):
-            copies.append(t.shape)
-            super().__init__(t)
-
-    monkeypatch.setattr(offload, "HostCopy", Counted)
-
-    def body_module():
-        graph = torch.fx.Graph()
-        x, w = graph.placeholder("x"), graph.placeholder("w")
-        graph.output((graph.call_function(torch.tanh, (graph.call_function(torch.matmul, (x, w)),)),))
-        return torch.fx.GraphModule(torch.nn.Module(), graph)
-
-    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
-    x0 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    body = body_module()
-
-    def step(run):
-        x = x0 * 2  # not a leaf: offloaded
-        a = run(body, x, w)[0]
-        b = run(body, x, w)[0]  # the same input again: one copy
-        return torch.autograd.grad((a * b).sum(), (x0, w))
-
-    want = step(lambda f, *args: f(*args))
-    got = step(offloaded_checkpoint)
-    assert copies == [torch.Size([3, 4])], copies
-    for g, e in zip(got, want):
-        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
+from autoshard.hardware import PROFILES
 from autoshard.planner import Plan
 from autoshard.testing import run_on_ranks
 from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
@@ -122,6 +123,33 @@ def test_checkpointing_keeps_the_layer_inputs():
     backward."""
     assert _planned("checkpointed").saved_activations < _planned("whole loss").saved_activations
     assert _planned("checkpointed layers").peak_at.startswith("g0 backward: aten.")
+
+
+def test_double_buffered_offload_holds_one_more_layer_input():
+    """Offload (checkpointed layers): double-buffered, the peak -- a layer's backward -- holds the next layer's input
+    too, exactly one ``[S/P, hidden]`` more (the plan without prefetch says so too: the memory policy weighs both
+    from one plan), and the copies back are hidden behind compute; without prefetch each copy back is exposed in
+    full. Plans of a transformers Llama, float32, S=4096 on 2 ranks (the h100 profile)."""
+    vocab, hidden, seq = 1024, 64, 4096
+    with torch.device("meta"):
+        model = _model(vocab, hidden, seq, False)
+        ids = torch.randint(0, vocab, (1, seq))
+    plans = {}
+    for prefetch in (True, False):
+        torch._dynamo.reset()
+        plans[prefetch] = autoshard.plan(model, (ids, ids), world_size=WORLD, recompute="layers", offload=True,
+                                         offload_prefetch=prefetch, hardware="h100")
+    ahead, on_use = plans[True].memory_per_rank, plans[False].memory_per_rank
+    assert ahead.host_offloaded == on_use.host_offloaded > 0
+    assert ahead.total - on_use.total == seq // WORLD * hidden * 4, (ahead, on_use)
+    assert on_use.total_prefetched == ahead.total_prefetched == ahead.total  # one simulation gives both peaks
+    assert "double-buffered" in str(plans[True]) and "compute waiting" in str(plans[False])
+    one_way = on_use.host_offloaded / PROFILES["h100"].host_bandwidth
+    times = {prefetch: plan.step_time for prefetch, plan in plans.items()}
+    compute = sum(row.compute_s for row in times[True].layers)
+    copies = {prefetch: t.layers[-1].exposed_s - t.layers[-1].comm_s + 2 * one_way for prefetch, t in times.items()}
+    assert copies[True] == pytest.approx(max(0.0, 2 * one_way - compute))
+    assert copies[False] == pytest.approx(one_way + max(0.0, one_way - times[False].forward_s))
 
 
 class _Tiny(nn.Module):

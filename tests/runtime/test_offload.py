@@ -1,0 +1,139 @@
+"""Offloaded checkpoints (:mod:`autoshard.runtime.offload`): the saved-tensor hooks around a region, one process.
+
+* With every non-parameter moved (as on an accelerator; on CPU inputs are already in host memory and stay): a value
+  two regions take is copied once; gradients exact.
+* Double-buffered (``prefetch``): backward's first use of a region's input starts the copy back of the previous
+  region's, before using its own; without, each comes back when used; no copy outlives the backward.
+* On CUDA (skipped elsewhere; ``benchmarks/gpu_check.sh`` runs it): pinned host copies on a copy stream of their own,
+  gradients exact, and the prefetch holding the next region's input during a region's backward.
+(The backend's ``offload=True`` on real models: ``tests/e2e/test_recompute.py``; the plan's bytes and copy time:
+``tests/plan/test_plan_memory.py``.)
+"""
+
+import functools
+import weakref
+
+import pytest
+import torch
+
+from autoshard.runtime import offload
+from autoshard.runtime.offload import offloaded_checkpoint
+
+
+def _tanh_matmul() -> torch.fx.GraphModule:
+    """A region's body: ``(tanh(x @ w),)``."""
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    graph.output((graph.call_function(torch.tanh, (graph.call_function(torch.matmul, (x, w)),)),))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_host_copies(monkeypatch):
+    """The hooks of an offloaded checkpoint, with every non-parameter moved (as on an accelerator): the region's
+    input is copied once even when two regions take it, gradients are exact."""
+    monkeypatch.setattr(offload, "_stays", lambda t: t.is_leaf and t.requires_grad)
+    copies, original = [], offload.HostCopy
+
+    class Counted(original):
+        def __init__(self, t):
+            copies.append(t.shape)
+            super().__init__(t)
+
+    monkeypatch.setattr(offload, "HostCopy", Counted)
+
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x0 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    body = _tanh_matmul()
+
+    def step(run):
+        x = x0 * 2  # not a leaf: offloaded
+        a = run(body, x, w)[0]
+        b = run(body, x, w)[0]  # the same input again: one copy
+        return torch.autograd.grad((a * b).sum(), (x0, w))
+
+    want = step(lambda f, *args: f(*args))
+    got = step(offloaded_checkpoint)
+    assert copies == [torch.Size([3, 4])], copies
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_backward_brings_the_next_region_back_ahead(monkeypatch, prefetch):
+    """Three offloaded regions in a chain, every input moved: with ``prefetch`` backward's first use of a region's
+    input starts the copy back of the previous region's before using its own; without, each comes back when it is
+    used. Gradients exact either way, and no copy outlives the backward."""
+    monkeypatch.setattr(offload, "_stays", lambda t: t.is_leaf and t.requires_grad)
+    log, made = [], []
+
+    class Logged(offload.HostCopy):
+        def __init__(self, t):
+            super().__init__(t)
+            self.index = len(made)
+            made.append(weakref.ref(self))
+
+        def prefetch(self):
+            if self.restored is None:
+                log.append(("copy back", self.index))
+            super().prefetch()
+
+        def restore(self, keep=True):
+            log.append(("use", self.index))
+            return super().restore(keep)
+
+    monkeypatch.setattr(offload, "HostCopy", Logged)
+    body = _tanh_matmul()
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x0 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def step(run):
+        h = x0 * 2
+        for _ in range(3):
+            h = run(body, h, w)[0]
+        return torch.autograd.grad(h.sum(), (x0, w))
+
+    want = step(lambda f, *args: f(*args))
+    got = step(functools.partial(offloaded_checkpoint, prefetch=prefetch))
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    if prefetch:
+        assert log == [("copy back", 1), ("use", 2), ("copy back", 2), ("copy back", 0), ("use", 1), ("use", 0)], log
+    else:
+        assert log == [("use", 2), ("copy back", 2), ("use", 1), ("copy back", 1), ("use", 0), ("copy back", 0)], log
+    assert [ref() for ref in made] == [None] * 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams and pinned memory")
+def test_offload_on_cuda():
+    """A chain of four regions on CUDA, each input 64 MiB: gradients exact with and without prefetch, the host
+    copies pinned and made on the copy stream; with prefetch backward's peak holds one more region input."""
+    device = torch.device("cuda")
+    rows, width = 4096, 4096
+    w = torch.randn(width, width, device=device, requires_grad=True)
+    x0 = torch.randn(rows, width, device=device, requires_grad=True)
+    body = _tanh_matmul()
+
+    def step(run):
+        h = x0 * 2
+        for _ in range(4):
+            h = run(body, h, w)[0]
+        loss = h.sum()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        grads = torch.autograd.grad(loss, (x0, w))
+        torch.cuda.synchronize()
+        return grads, torch.cuda.max_memory_allocated() - start
+
+    want, _ = step(lambda f, *args: f(*args))
+    peaks = {}
+    for prefetch in (True, False):
+        grads, peaks[prefetch] = step(functools.partial(offloaded_checkpoint, prefetch=prefetch))
+        for g, e in zip(grads, want):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    assert device in offload._streams
+    copy = offload.HostCopy(x0.detach())
+    assert copy.host.is_pinned()
+    torch.testing.assert_close(copy.restore(), x0.detach())
+    one_input = rows * width * 4
+    assert peaks[True] - peaks[False] >= one_input * 0.9, (peaks, one_input)
