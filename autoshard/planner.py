@@ -589,9 +589,9 @@ class _LiveBytes(TorchDispatchMode):
     set (:data:`_WORKING_SETS`). At each new peak the live storages are kept, to be sorted by kind afterwards. With
     offload, a second peak adds what double-buffering would hold early (``offload.ahead``, counted as working set)."""
 
-    def __init__(self, offload: PlannedOffload):
+    def __init__(self, offload: PlannedOffload | None = None):
         super().__init__()
-        self.offload = offload
+        self.offload = offload or PlannedOffload()
         self.live: dict[int, tuple[int, int]] = {}  # storage address -> (serial, bytes)
         self.refs: dict[int, weakref.ref] = {}
         self.serial = 0
