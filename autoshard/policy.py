@@ -29,8 +29,8 @@ largest values of a step.) The ladder, cheapest first: as configured, chunked ML
 in :data:`HEAD_CHUNKS` head groups (``head_chunks``: its gathered or head-split copies one group at a time); the
 same four with recomputed layers; the same four with double-buffered offload too; then with offload that brings
 each layer's input back only when backward uses it -- never changing a lever the user set. The policy takes the
-first option whose planned per-rank peak (:func:`autoshard.plan`'s ``memory_per_rank.total``, computed for
-rank 0 so that every rank decides the same) fits the budget and whose host bytes fit ``host_budget``.
+first option whose planned per-rank peak (:func:`autoshard.plan`'s ``memory_per_rank.total``, or
+``total_prefetched`` for double-buffered offload; computed for rank 0 so that every rank decides the same) fits the budget and whose host bytes fit ``host_budget``.
 
 Each estimate is a whole plan (half a minute for Llama-8B at millions of tokens; offload with and without prefetch
 share one, whose simulation counts what prefetching holds early aside), so the policy does not plan every rung. Device memory only falls as levers are added (tiles remove what MLP chunks remove and more; offload moves

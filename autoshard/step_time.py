@@ -29,8 +29,9 @@ head, loss).
 On top of the ops, from the plan's counts: the collectives outside attention (gradient sync buckets, loss
 reductions, realigns) at ``(P - 1)`` latencies plus their bytes over the link, exposed; FSDP2's per-unit
 all-gathers (forward and backward) and reduce-scatters, hidden behind the layer's compute up to it (prefetch); the
-offload copies (their own stream): forward's to the host hidden behind forward's compute up to it, backward's back
-behind backward's when double-buffered (``offload_prefetch``), else exposed; and the optimizer's pass over its
+offload copies (their own stream): double-buffered (``offload_prefetch``), both ways hidden behind the step's
+compute up to it (the first copy back is not, left out); else each copy back exposed, after what of the copies out
+forward's compute did not hide; and the optimizer's pass over its
 states.
 """
 

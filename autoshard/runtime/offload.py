@@ -10,30 +10,36 @@ region's ``tag_activation_checkpoint`` under saved-tensor hooks of its own, and 
 inputs:
 
 * a leaf that requires grad (a parameter) or a tensor already in host memory stays as it is;
-* anything else is copied to host memory (pinned) and copied back for backward.
+* anything else is copied to host memory (pinned) and comes back for backward -- as itself when someone else still
+  holds it then (a buffer, an input the caller keeps: copying it back would only duplicate it on the device).
 
 A value several regions take (the rotary tables every layer reads) is copied once: the hooks remember the
-tensors they copied during this forward by identity (a weak reference checks the entry is still that
-tensor) and hand out the same host copy. Inside the region, the checkpoint's own hooks take precedence, so
-nothing else is moved.
+tensors they copied by identity (a weak reference checks the entry is still that tensor, its version that it was
+not written since) and hand out the same host copy. Inside the region, the checkpoint's own hooks take precedence,
+so nothing else is moved. A saved input written in place after it was saved raises when backward needs it, as
+autograd's own check would (the copy to the host may have read either value).
 
 **Double-buffered.** On CUDA the copies run on a stream of their own (one per device), so they overlap the compute
 stream instead of waiting in it: forward's copy of a layer's input to the host runs while the layer computes (the
-allocator is told the copy stream reads the input, so its memory is not reused before the copy ends); with
-``prefetch`` (``BackendConfig.offload_prefetch``), backward's first use of a region's inputs also starts the copy
-back of the inputs of the region forward ran before it -- the region backward reaches next -- so that copy
-overlaps this region's recomputation and backward. Its price is one more region's inputs on the device while a
-region runs backward (a layer's input: 6 GiB per rank for Llama-8B at 6M tokens on 8 ranks), so it is a lever the
-memory policy may turn off; without it each region's inputs come back when backward first uses them, the compute
-stream waiting for the copy. Each region keeps a weak reference to the one before it, so nothing outlives the
-backward that needs it.
+allocator is told the copy stream reads the input, so its memory is not reused before the copy ends). With
+``prefetch`` (``BackendConfig.offload_prefetch``), backward's first use of a region's inputs starts their copy back
+and then that of the inputs of the region forward ran before it -- the region backward reaches next -- so that
+copy overlaps this region's recomputation and backward. Copies back are allocated from the compute stream's memory
+(the copy stream waits for the compute stream's work queued before it) so that the compute stream reuses it. The
+price is one more region's inputs on the device while a region runs backward (a layer's input: 6 GiB per rank for
+Llama-8B at 6M tokens on 8 ranks), so it is a lever the memory policy may turn off; without it each region's inputs
+come back when backward first uses them, the compute stream waiting for the copy. Each region keeps a weak
+reference to the one before it (regions link only while the previous one's backward has not started), so nothing
+outlives the backward that needs it. Two forwards before their backwards link too: the second's first region
+brings back the first's last early (memory, not a wrong value).
 
 A plan runs the graph on fake CPU tensors, where every tensor would "stay": under :func:`planned_offload`
 the hooks model the device instead -- a packed input is dropped (its bytes counted as host memory) and
 restoring it allocates it anew, as the copy back does -- so the plan's peak is the device's. A plan does not
 prefetch: it counts aside the bytes prefetching would hold early (:attr:`PlannedOffload.ahead`, from a region's
 first use in backward until the previous region's inputs are restored), so one simulation gives the peak both with
-and without double-buffering (the memory policy weighs both from one plan).
+and without double-buffering (the memory policy weighs both from one plan). It records each region's bytes
+(:attr:`PlannedOffload.regions`): across a graph break the next graph's first region brings back this graph's last.
 
 The hooks run only in eager execution: the outline pass emits :func:`offloaded_checkpoint` only with the
 ``"eager"`` inner compiler (the backend refuses ``offload=True`` with another one), since tracing compilers
@@ -64,50 +70,82 @@ def _copy_stream(device: torch.device):
     return _streams[device]
 
 
-class HostCopy:
+class _Copy:
+    """What a host copy and a plan's stand-in for one share: the tensor it was made from (weakly), at which
+    version; the value back on the device (:meth:`restore`)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.source, self.version = weakref.ref(t), t._version
+        self.restored: torch.Tensor | None = None
+
+    def held(self) -> torch.Tensor | None:
+        """The tensor itself while someone else holds it (unwritten since: else an error), or None."""
+        t = self.source()
+        if t is not None and t._version != self.version:
+            raise RuntimeError(
+                "autoshard: a tensor an offloaded checkpoint saved for backward (a checkpointed region's input) was "
+                "modified by an inplace operation after it was saved; compute a new tensor instead")
+        return t
+
+    def prefetch(self) -> None:
+        """Start bringing it back (once; nothing to do while it is held)."""
+        raise NotImplementedError
+
+    def restore(self, keep: bool = True) -> torch.Tensor:
+        """The tensor back on its device, ready for the compute stream: itself while held, else the copy back
+        (made once and kept: regions that share the value share it; ``keep=False``: not kept)."""
+        t = self.held()
+        if t is not None:
+            return t
+        self.prefetch()
+        restored = self._ready()
+        if not keep:
+            self.restored = None
+        return restored
+
+    def _ready(self) -> torch.Tensor:
+        return self.restored
+
+
+class HostCopy(_Copy):
     """A tensor's copy in host memory and where it came from: a checkpoint's saved input here, the hidden state of
     lazy logits (:mod:`.lazy_linear`). From CUDA: pinned, both copies on the device's copy stream."""
 
     def __init__(self, t: torch.Tensor):
+        super().__init__(t)
         self.device = t.device
         stream = _copy_stream(t.device)
         self.host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=stream is not None)
+        self.copied = None  # the copy back's event (CUDA), until the compute stream waits for it
         if stream is None:
             self.host.copy_(t)
-        else:
-            stream.wait_stream(torch.cuda.current_stream(t.device))  # t is computed
-            with torch.cuda.stream(stream):
-                self.host.copy_(t, non_blocking=True)
-            t.record_stream(stream)  # t's memory is not reused before the copy ends
-        self.restored: torch.Tensor | None = None
-        self.copied = None  # the copy back's event (CUDA)
-        self.waited = False
+            return
+        stream.wait_stream(torch.cuda.current_stream(t.device))  # t is computed
+        with torch.cuda.stream(stream):
+            self.host.copy_(t, non_blocking=True)
+        t.record_stream(stream)  # t's memory is not reused before the copy ends
 
     def prefetch(self) -> None:
-        """Start the copy back to the device (once; on CUDA on the copy stream, the compute stream not waiting)."""
-        if self.restored is not None:
+        if self.restored is not None or self.held() is not None:
             return
         stream = _copy_stream(self.device)
         if stream is None:
             self.restored = self.host.to(self.device)
             return
+        current = torch.cuda.current_stream(self.device)
+        restored = torch.empty(self.host.size(), dtype=self.host.dtype, device=self.device)  # the compute stream's
+        stream.wait_stream(current)  # the memory's previous users are done with it
         with torch.cuda.stream(stream):  # after the copy to the host, which ran on this stream
-            self.restored = self.host.to(self.device, non_blocking=True)
+            restored.copy_(self.host, non_blocking=True)
             self.copied = stream.record_event()
+        restored.record_stream(stream)  # freed unused: not reused before the copy ends
+        self.restored = restored
 
-    def restore(self, keep: bool = True) -> torch.Tensor:
-        """The tensor back on its device, ready for the compute stream (copied once and kept: regions that share
-        the value share the copy; ``keep=False``: not kept, the next call copies again)."""
-        self.prefetch()
-        restored = self.restored
-        if self.copied is not None and not self.waited:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(self.copied)
-            restored.record_stream(current)  # used on the compute stream: freed after its work there
-            self.waited = True
-        if not keep:
-            self.restored, self.copied, self.waited = None, None, False
-        return restored
+    def _ready(self) -> torch.Tensor:
+        if self.copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.copied)
+            self.copied = None
+        return self.restored
 
 
 class PlannedOffload:
@@ -119,52 +157,56 @@ class PlannedOffload:
         self.ahead = 0
         """Bytes prefetching would hold on the device now and the simulation does not (yet): inputs of the region
         backward reaches next, not restored yet."""
+        self.regions: list[int] = []
+        """The bytes each offloaded region copied to the host, in forward's order."""
 
 
-class _Planned:
+class _Planned(_Copy):
     """A plan's stand-in for a host copy: the tensor's metadata; restoring it allocates it again."""
 
     def __init__(self, t: torch.Tensor, plan: PlannedOffload):
+        super().__init__(t)
         self.meta = (t.size(), t.stride(), t.dtype, t.device)
         self.nbytes = t.untyped_storage().nbytes()
         self.plan, self.early = plan, False
-        self.restored: torch.Tensor | None = None
         plan.host += self.nbytes
+        if plan.regions:
+            plan.regions[-1] += self.nbytes
 
     def hold_ahead(self) -> None:
         """Prefetching would bring it back now: count it aside until it is restored."""
-        if self.restored is None and not self.early:
+        if self.restored is None and not self.early and self.held() is None:
             self.early = True
             self.plan.ahead += self.nbytes
 
     def prefetch(self) -> None:
-        if self.restored is None:
-            size, stride, dtype, device = self.meta
-            self.restored = torch.empty_strided(size, stride, dtype=dtype, device=device)
-            if self.early:
-                self.plan.ahead -= self.nbytes
-
-    def restore(self) -> torch.Tensor:
-        self.prefetch()
-        return self.restored
+        if self.restored is not None or self.held() is not None:
+            return
+        if self.early:  # now allocated in the simulation: no longer aside
+            self.plan.ahead -= self.nbytes
+        size, stride, dtype, device = self.meta
+        self.restored = torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
 class _Region:
     """One offloaded checkpoint call: the copies of its inputs, and (weakly) the region forward ran before it."""
 
     def __init__(self, previous: _Region | None, prefetch: bool):
-        self.previous = weakref.ref(previous) if previous is not None else None
+        self.previous = weakref.ref(previous) if previous is not None and not previous.started else None
         self.prefetch = prefetch
-        self.copies: list = []
+        self.copies: list[_Copy] = []
         self.started = False
 
     def first_use(self) -> None:
-        """Backward reached this region: with prefetch, start bringing back the previous region's inputs (a plan
-        counts them aside, prefetch or not)."""
+        """Backward reached this region: with prefetch, start bringing back its inputs, then the previous region's
+        (a plan counts those aside, prefetch or not)."""
         if self.started:
             return
         self.started = True
         previous = self.previous() if self.previous is not None else None
+        if self.prefetch and _planning is None:
+            for copy in self.copies:
+                copy.prefetch()
         for copy in previous.copies if previous is not None else ():
             if isinstance(copy, _Planned):
                 copy.hold_ahead()
@@ -175,12 +217,12 @@ class _Region:
 class _Saved:
     """What the hooks save for one region input: its copy, and the region that saved it."""
 
-    def __init__(self, copy, region: _Region):
+    def __init__(self, copy: _Copy, region: _Region):
         self.copy, self.region = copy, region
 
 
-_copied: dict[int, tuple[weakref.ref, HostCopy | _Planned]] = {}
-"""id of a tensor copied during a forward -> (a weak reference to it, its copy)."""
+_copied: dict[int, tuple[weakref.ref, _Copy]] = {}
+"""id of a tensor copied -> (a weak reference to it, its copy)."""
 
 _last: weakref.ref | None = None
 """The region forward ran last (weakly)."""
@@ -192,13 +234,14 @@ _planning: PlannedOffload | None = None
 @contextlib.contextmanager
 def planned_offload():
     """Model offload on the device a plan stands for (see the module docstring); yields the
-    :class:`PlannedOffload` it counts in."""
-    global _planning
-    outer, _planning = _planning, PlannedOffload()
+    :class:`PlannedOffload` it counts in. The regions a plan runs do not link to the ones running around it."""
+    global _planning, _last
+    outer = _planning, _last
+    _planning, _last = PlannedOffload(), None
     try:
         yield _planning
     finally:
-        _planning = outer
+        _planning, _last = outer
 
 
 def _stays(t: torch.Tensor) -> bool:
@@ -207,10 +250,10 @@ def _stays(t: torch.Tensor) -> bool:
     return (t.is_leaf and t.requires_grad) or (t.device.type == "cpu" and _planning is None)
 
 
-def _copy_of(t: torch.Tensor) -> HostCopy | _Planned:
-    """``t``'s host copy, made once per tensor."""
+def _copy_of(t: torch.Tensor) -> _Copy:
+    """``t``'s host copy, made once per tensor (again once it was written)."""
     entry = _copied.get(id(t))
-    if entry is not None and entry[0]() is t:
+    if entry is not None and entry[0]() is t and entry[1].version == t._version:
         return entry[1]
     copy = HostCopy(t) if _planning is None else _Planned(t, _planning)
     _copied[id(t)] = (weakref.ref(t, lambda _, key=id(t): _copied.pop(key, None)), copy)
@@ -241,5 +284,7 @@ def offloaded_checkpoint(body, *args, prefetch: bool = True, **kwargs):
     global _last
     region = _Region(_last() if _last is not None else None, prefetch)
     _last = weakref.ref(region)
+    if _planning is not None:
+        _planning.regions.append(0)
     with _hooks(region):
         return _CHECKPOINT(body, *args, **kwargs)

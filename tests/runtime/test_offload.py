@@ -2,8 +2,10 @@
 
 * With every non-parameter moved (as on an accelerator; on CPU inputs are already in host memory and stay): a value
   two regions take is copied once; gradients exact.
-* Double-buffered (``prefetch``): backward's first use of a region's input starts the copy back of the previous
+* Double-buffered (``prefetch``): backward's first use of a region's input starts its copy back, then the previous
   region's, before using its own; without, each comes back when used; no copy outlives the backward.
+* A saved input someone still holds comes back as itself (no copy back); written in place after it was saved,
+  backward raises (as autograd's own check would).
 * On CUDA (skipped elsewhere; ``benchmarks/gpu_check.sh`` runs it): pinned host copies on a copy stream of their own,
   gradients exact, and the prefetch holding the next region's input during a region's backward.
 (The backend's ``offload=True`` on real models: ``tests/e2e/test_recompute.py``; the plan's bytes and copy time:
@@ -58,11 +60,31 @@ def test_host_copies(monkeypatch):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
 
 
+def test_a_held_input_comes_back_as_itself_and_a_written_one_raises(monkeypatch):
+    """A region's input the caller still holds at backward is used as it is (its host copy is not brought back);
+    written in place after the region saved it, backward raises."""
+    monkeypatch.setattr(offload, "_stays", lambda t: t.is_leaf and t.requires_grad)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x0 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    body = _tanh_matmul()
+    x = x0 * 2
+    out = offloaded_checkpoint(body, x, w)[0]
+    got = torch.autograd.grad(out.sum(), (x0, w), retain_graph=True)
+    want = torch.autograd.grad(body(x0 * 2, w)[0].sum(), (x0, w))
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    assert offload._copied[id(x)][1].restored is None  # held: never copied back
+    with torch.no_grad():
+        x.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation after it was saved"):
+        torch.autograd.grad(out.sum(), (x0, w))
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_backward_brings_the_next_region_back_ahead(monkeypatch, prefetch):
     """Three offloaded regions in a chain, every input moved: with ``prefetch`` backward's first use of a region's
-    input starts the copy back of the previous region's before using its own; without, each comes back when it is
-    used. Gradients exact either way, and no copy outlives the backward."""
+    input starts its own copy back, then the previous region's, before using its own; without, each comes back
+    when it is used. Gradients exact either way, and no copy outlives the backward."""
     monkeypatch.setattr(offload, "_stays", lambda t: t.is_leaf and t.requires_grad)
     log, made = [], []
 
@@ -97,7 +119,8 @@ def test_backward_brings_the_next_region_back_ahead(monkeypatch, prefetch):
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
     if prefetch:
-        assert log == [("copy back", 1), ("use", 2), ("copy back", 2), ("copy back", 0), ("use", 1), ("use", 0)], log
+        # its own copy first (the copy stream runs them in order), then the next region's
+        assert log == [("copy back", 2), ("copy back", 1), ("use", 2), ("copy back", 0), ("use", 1), ("use", 0)], log
     else:
         assert log == [("use", 2), ("copy back", 2), ("use", 1), ("copy back", 1), ("use", 0), ("copy back", 0)], log
     assert [ref() for ref in made] == [None] * 3
