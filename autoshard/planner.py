@@ -579,8 +579,6 @@ class _GraphMemory:
     ahead: tuple[_Peak, _Peak] | None = None
     """With offload: the forward and backward peaks double-buffered (``forward`` and ``backward`` when
     ``prefetched``)."""
-    regions: list[int] = field(default_factory=list)
-    """With offload: the bytes each offloaded region copied to the host, in forward's order."""
     timer: OpTimer | None = None
     """The time of its ops."""
 
@@ -708,7 +706,6 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int, topolo
                         held=held, forward=peak(peaks, "forward"), backward=peak(peaks, "backward"),
                         local=-(-root_length // world), host=host.host, prefetched=offload and prefetch,
                         ahead=(peak(live.peaks_ahead, "forward"), peak(live.peaks_ahead, "backward")) if offload else None,
-                        regions=list(host.regions),
                         timer=timer)
 
 
@@ -727,10 +724,7 @@ layer list), or the root."""
 def _estimate(memories: list[_GraphMemory], *, dp_shard: int, optimizer: str | None,
               ahead: bool = False) -> MemoryEstimate:
     """The step's peak from its graphs' (see the module docstring), with the FSDP2 and optimizer terms; ``ahead``:
-    from the graphs' double-buffered peaks (:attr:`_GraphMemory.ahead`), where they offload -- and a graph's
-    backward then also holds the inputs of the previous graph's last region, brought back across the graph break
-    (an upper bound: all that region copied, though values every layer shares -- rotary tables -- are back
-    already, and for the whole of the graph's backward, not only its first region's)."""
+    from the graphs' double-buffered peaks (:attr:`_GraphMemory.ahead`), where they offload."""
     parameters = _parameters(memories)
     full = sum(p.numel() * p.element_size() for _, p in parameters.values())
     candidates = []
@@ -738,10 +732,7 @@ def _estimate(memories: list[_GraphMemory], *, dp_shard: int, optimizer: str | N
         before = sum(h.held for h in memories[:g])
         later = set().union(*(h.gradients for h in memories[g + 1:])) - m.gradients
         later_grads = sum(parameters[i][1].numel() * parameters[i][1].element_size() for i in later)
-        double = m.ahead is not None and (ahead or m.prefetched)
-        forward, backward = m.ahead if double else (m.forward, m.backward)
-        if double and g and memories[g - 1].regions:
-            backward = dataclasses.replace(backward, transient=backward.transient + memories[g - 1].regions[-1])
+        forward, backward = m.ahead if ahead and m.ahead else (m.forward, m.backward)
         for phase, p, grads in (("forward", forward, 0), ("backward", backward, later_grads)):
             candidates.append((before + grads + p.extra, g, phase, p, before, grads))
     _, g, phase, p, before, later_grads = max(candidates, key=lambda c: c[0])

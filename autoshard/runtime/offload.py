@@ -9,7 +9,7 @@ A checkpoint saves its region's inputs once, outside its own saved-tensor hooks 
 region's ``tag_activation_checkpoint`` under saved-tensor hooks of its own, and they see exactly the region's
 inputs:
 
-* a leaf that requires grad (a parameter) or a tensor already in host memory stays as it is;
+* a leaf that requires grad (a parameter) or a view of one, or a tensor already in host memory, stays as it is;
 * anything else is copied to host memory (pinned) and comes back for backward -- as itself when someone else still
   holds it then (a buffer, an input the caller keeps: copying it back would only duplicate it on the device).
 
@@ -38,8 +38,8 @@ the hooks model the device instead -- a packed input is dropped (its bytes count
 restoring it allocates it anew, as the copy back does -- so the plan's peak is the device's. A plan does not
 prefetch: it counts aside the bytes prefetching would hold early (:attr:`PlannedOffload.ahead`, from a region's
 first use in backward until the previous region's inputs are restored), so one simulation gives the peak both with
-and without double-buffering (the memory policy weighs both from one plan). It records each region's bytes
-(:attr:`PlannedOffload.regions`): across a graph break the next graph's first region brings back this graph's last.
+and without double-buffering (the memory policy weighs both from one plan). A plan runs each graph alone: regions
+linked across a graph break (per-layer graphs) are not.
 
 The hooks run only in eager execution: the outline pass emits :func:`offloaded_checkpoint` only with the
 ``"eager"`` inner compiler (the backend refuses ``offload=True`` with another one), since tracing compilers
@@ -157,8 +157,6 @@ class PlannedOffload:
         self.ahead = 0
         """Bytes prefetching would hold on the device now and the simulation does not (yet): inputs of the region
         backward reaches next, not restored yet."""
-        self.regions: list[int] = []
-        """The bytes each offloaded region copied to the host, in forward's order."""
 
 
 class _Planned(_Copy):
@@ -170,8 +168,6 @@ class _Planned(_Copy):
         self.nbytes = t.untyped_storage().nbytes()
         self.plan, self.early = plan, False
         plan.host += self.nbytes
-        if plan.regions:
-            plan.regions[-1] += self.nbytes
 
     def hold_ahead(self) -> None:
         """Prefetching would bring it back now: count it aside until it is restored."""
@@ -230,6 +226,9 @@ _last: weakref.ref | None = None
 _planning: PlannedOffload | None = None
 """Under :func:`planned_offload`: what the plan's offload holds aside."""
 
+_HOST_DEVICE = "cpu"
+"""The device type of host memory (the tests name another, so that CPU tensors move as an accelerator's would)."""
+
 
 @contextlib.contextmanager
 def planned_offload():
@@ -245,9 +244,11 @@ def planned_offload():
 
 
 def _stays(t: torch.Tensor) -> bool:
-    """Whether a saved tensor stays where it is: a parameter, or already in host memory (on the device a plan
-    stands for, nothing is in host memory)."""
-    return (t.is_leaf and t.requires_grad) or (t.device.type == "cpu" and _planning is None)
+    """Whether a saved tensor stays where it is: a parameter or a view of one (a gradient-sync wrapper's: copying
+    it would free nothing), or already in host memory (on the device a plan stands for, nothing is in host
+    memory)."""
+    base = t if t._base is None else t._base
+    return (base.is_leaf and base.requires_grad) or (t.device.type == _HOST_DEVICE and _planning is None)
 
 
 def _copy_of(t: torch.Tensor) -> _Copy:
@@ -284,7 +285,5 @@ def offloaded_checkpoint(body, *args, prefetch: bool = True, **kwargs):
     global _last
     region = _Region(_last() if _last is not None else None, prefetch)
     _last = weakref.ref(region)
-    if _planning is not None:
-        _planning.regions.append(0)
     with _hooks(region):
         return _CHECKPOINT(body, *args, **kwargs)

@@ -1,7 +1,7 @@
 """Offloaded checkpoints (:mod:`autoshard.runtime.offload`): the saved-tensor hooks around a region, one process.
 
 * With every non-parameter moved (as on an accelerator; on CPU inputs are already in host memory and stay): a value
-  two regions take is copied once; gradients exact.
+  two regions take is copied once, a view of a parameter not at all; gradients exact.
 * Double-buffered (``prefetch``): backward's first use of a region's input starts its copy back, then the previous
   region's, before using its own; without, each comes back when used; no copy outlives the backward.
 * A saved input someone still holds comes back as itself (no copy back); written in place after it was saved,
@@ -32,8 +32,9 @@ def _tanh_matmul() -> torch.fx.GraphModule:
 
 def test_host_copies(monkeypatch):
     """The hooks of an offloaded checkpoint, with every non-parameter moved (as on an accelerator): the region's
-    input is copied once even when two regions take it, gradients are exact."""
-    monkeypatch.setattr(offload, "_stays", lambda t: t.is_leaf and t.requires_grad)
+    input is copied once even when two regions take it, a view of a parameter (a gradient-sync wrapper's) is not
+    copied, gradients are exact."""
+    monkeypatch.setattr(offload, "_HOST_DEVICE", "none: every tensor moves")
     copies, original = [], offload.HostCopy
 
     class Counted(original):
@@ -50,7 +51,7 @@ def test_host_copies(monkeypatch):
     def step(run):
         x = x0 * 2  # not a leaf: offloaded
         a = run(body, x, w)[0]
-        b = run(body, x, w)[0]  # the same input again: one copy
+        b = run(body, x, w.view_as(w))[0]  # the same input again: one copy; the parameter's view stays
         return torch.autograd.grad((a * b).sum(), (x0, w))
 
     want = step(lambda f, *args: f(*args))
@@ -63,7 +64,7 @@ def test_host_copies(monkeypatch):
 def test_a_held_input_comes_back_as_itself_and_a_written_one_raises(monkeypatch):
     """A region's input the caller still holds at backward is used as it is (its host copy is not brought back);
     written in place after the region saved it, backward raises."""
-    monkeypatch.setattr(offload, "_stays", lambda t: t.is_leaf and t.requires_grad)
+    monkeypatch.setattr(offload, "_HOST_DEVICE", "none: every tensor moves")
     w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
     x0 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     body = _tanh_matmul()
@@ -85,7 +86,7 @@ def test_backward_brings_the_next_region_back_ahead(monkeypatch, prefetch):
     """Three offloaded regions in a chain, every input moved: with ``prefetch`` backward's first use of a region's
     input starts its own copy back, then the previous region's, before using its own; without, each comes back
     when it is used. Gradients exact either way, and no copy outlives the backward."""
-    monkeypatch.setattr(offload, "_stays", lambda t: t.is_leaf and t.requires_grad)
+    monkeypatch.setattr(offload, "_HOST_DEVICE", "none: every tensor moves")
     log, made = [], []
 
     class Logged(offload.HostCopy):
