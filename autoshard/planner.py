@@ -705,7 +705,8 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int, topolo
     return _GraphMemory(parameters=parameters, gradients={i for i, (_, p) in parameters.items() if p.grad is not None},
                         held=held, forward=peak(peaks, "forward"), backward=peak(peaks, "backward"),
                         local=-(-root_length // world), host=host.host, prefetched=offload and prefetch,
-                        ahead=(peak(live.peaks_ahead, "forward"), peak(live.peaks_ahead, "backward")) if offload else None,
+                        ahead=(peak(live.peaks_ahead, "forward"), peak(live.peaks_ahead, "backward"))
+                        if offload else None,
                         timer=timer)
 
 

@@ -30,16 +30,18 @@ in :data:`HEAD_CHUNKS` head groups (``head_chunks``: its gathered or head-split 
 same four with recomputed layers; the same four with double-buffered offload too; then with offload that brings
 each layer's input back only when backward uses it -- never changing a lever the user set. The policy takes the
 first option whose planned per-rank peak (:func:`autoshard.plan`'s ``memory_per_rank.total``, or
-``total_prefetched`` for double-buffered offload; computed for rank 0 so that every rank decides the same) fits the budget and whose host bytes fit ``host_budget``.
+``total_prefetched`` for double-buffered offload; computed for rank 0 so that every rank decides the same) fits
+the budget and whose host bytes fit ``host_budget``.
 
 Each estimate is a whole plan (half a minute for Llama-8B at millions of tokens; offload with and without prefetch
-share one, whose simulation counts what prefetching holds early aside), so the policy does not plan every rung. Device memory only falls as levers are added (tiles remove what MLP chunks remove and more; offload moves
-bytes to the host), so an option whose peak exceeds the budget rules out every option it *dominates* (one with
-no lever stronger) -- when it exceeds it by more than :data:`DOMINANCE_MARGIN`: in a model too small for a lever
-to pay, the lever can add a little (a tile's concatenated outputs). The policy plans the strongest option first
--- nothing fits when its peak clearly does not -- then the options just below it (one lever a step weaker); then, while options
-before the first one known to fit are neither planned nor ruled out, it plans the one of them that dominates the
-most others (its failure rules out the most). The first option of the ladder that fits is chosen. What it
+share one, whose simulation counts what prefetching holds early aside), so the policy does not plan every rung.
+Device memory only falls as levers are added (tiles remove what MLP chunks remove and more; offload moves bytes to
+the host), so an option whose peak exceeds the budget rules out every option it *dominates* (one with no lever
+stronger) -- when it exceeds it by more than :data:`DOMINANCE_MARGIN`: in a model too small for a lever to pay,
+the lever can add a little (a tile's concatenated outputs). The policy plans the strongest option first -- nothing
+fits when its peak clearly does not -- then the options just below it (one lever a step weaker); then, while
+options before the first one known to fit are neither planned nor ruled out, it plans the one of them that
+dominates the most others (its failure rules out the most). The first option of the ladder that fits is chosen. What it
 planned, ruled out and chose is kept (:class:`MemoryPolicy`) and shown in the plan.
 
 When nothing fits, an explicit budget is an error naming the smallest feasible budget (the smallest

@@ -301,7 +301,8 @@ def step_time(timers: list[OpTimer], *, topology: Topology, world: int, tokens: 
     """The step's time from the timers of its graph calls and the plan's counts (see the module docstring).
     ``collectives``: the plan's :class:`~autoshard.planner.Collective` entries, those of ``attention_nodes`` already
     priced with their calls; ``fsdp``: the bytes of each FSDP2 unit's parameters (None: no FSDP2), the largest the
-    layers'; ``host_bytes``: offloaded bytes (``host_hidden``: copied back double-buffered); ``optimizer_bytes``: what the optimizer reads and writes."""
+    layers'; ``host_bytes``: offloaded bytes (``host_hidden``: copied back double-buffered); ``optimizer_bytes``:
+    what the optimizer reads and writes."""
     layers: dict[str, LayerTime] = {}
     forward = backward = 0.0
     for call, timer in enumerate(timers):

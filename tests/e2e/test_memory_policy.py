@@ -113,7 +113,8 @@ def test_levers_the_user_set_stay():
     assert all(o.recompute == "layers" for o in policy.options)
     config, policy = choose_memory_policy(BackendConfig(chunk_mlp=T), _stand_in(COSTS), budget=25)
     assert _key(config) == (T, None, 1, "layers", AHEAD)
-    config, policy = choose_memory_policy(BackendConfig(chunk_mlp=T, offload_prefetch=False), _stand_in(COSTS), budget=25)
+    config, policy = choose_memory_policy(BackendConfig(chunk_mlp=T, offload_prefetch=False), _stand_in(COSTS),
+                                          budget=25)
     assert _key(config) == (T, None, 1, "layers", True)
     assert {_key(o)[4] for o in policy.options} == {False, True}, policy.options  # never double-buffered
     config, policy = choose_memory_policy(BackendConfig(head_chunks=2), _stand_in(COSTS), budget=100)

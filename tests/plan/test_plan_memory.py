@@ -129,7 +129,8 @@ def test_double_buffered_offload_holds_one_more_layer_input():
     """Offload (checkpointed layers): double-buffered, a layer's backward holds the next layer's input too, so the
     peak rises by at most one ``[S/P, hidden]`` (the first layer's backward, with none to bring back, may stay the
     highest; the plan without prefetch says the same: the memory policy weighs both from one plan), and the copies
-    back are hidden behind compute; without prefetch each copy back is exposed in full. Plans of a transformers Llama, float32, S=4096 on 2 ranks (the h100 profile)."""
+    back are hidden behind compute; without prefetch each copy back is exposed in full. Plans of a transformers
+    Llama, float32, S=4096 on 2 ranks (the h100 profile)."""
     vocab, hidden, seq = 1024, 64, 4096
     with torch.device("meta"):
         model = _model(vocab, hidden, seq, False)
