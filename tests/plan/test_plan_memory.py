@@ -21,7 +21,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.hardware import PROFILES
 from autoshard.planner import Plan
 from autoshard.testing import run_on_ranks
 from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
@@ -128,9 +127,8 @@ def test_checkpointing_keeps_the_layer_inputs():
 def test_double_buffered_offload_holds_one_more_layer_input():
     """Offload (checkpointed layers): double-buffered, a layer's backward holds the next layer's input too, so the
     peak rises by at most one ``[S/P, hidden]`` (the first layer's backward, with none to bring back, may stay the
-    highest; the plan without prefetch says the same: the memory policy weighs both from one plan), and the copies
-    back are hidden behind compute; without prefetch each copy back is exposed in full. Plans of a transformers
-    Llama, float32, S=4096 on 2 ranks (the h100 profile)."""
+    highest; the plan without prefetch says the same: the memory policy weighs both from one plan). Plans of a
+    transformers Llama, float32, S=4096 on 2 ranks (what the copies cost: ``tests/plan/test_step_time.py``)."""
     vocab, hidden, seq = 1024, 64, 4096
     with torch.device("meta"):
         model = _model(vocab, hidden, seq, False)
@@ -139,18 +137,12 @@ def test_double_buffered_offload_holds_one_more_layer_input():
     for prefetch in (True, False):
         torch._dynamo.reset()
         plans[prefetch] = autoshard.plan(model, (ids, ids), world_size=WORLD, recompute="layers", offload=True,
-                                         offload_prefetch=prefetch, hardware="h100")
+                                         offload_prefetch=prefetch)
     ahead, on_use = plans[True].memory_per_rank, plans[False].memory_per_rank
     assert ahead.host_offloaded == on_use.host_offloaded > 0
     assert 0 < ahead.total - on_use.total <= seq // WORLD * hidden * 4, (ahead, on_use)
     assert on_use.total_prefetched == ahead.total_prefetched == ahead.total  # one simulation gives both peaks
     assert "double-buffered" in str(plans[True]) and "compute waiting" in str(plans[False])
-    one_way = on_use.host_offloaded / PROFILES["h100"].host_bandwidth
-    times = {prefetch: plan.step_time for prefetch, plan in plans.items()}
-    compute = sum(row.compute_s for row in times[True].layers)
-    copies = {prefetch: t.layers[-1].exposed_s - t.layers[-1].comm_s + 2 * one_way for prefetch, t in times.items()}
-    assert copies[True] == pytest.approx(max(0.0, 2 * one_way - compute))
-    assert copies[False] == pytest.approx(one_way + max(0.0, one_way - times[False].forward_s))
 
 
 class _Tiny(nn.Module):

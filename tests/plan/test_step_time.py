@@ -70,6 +70,23 @@ def test_the_profile_prices_the_step_and_chooses_the_strategy():
     assert sharded.step_time.comm_s > fast.step_time.comm_s - fast.step_time.layers[-1].comm_s
 
 
+def test_offload_copies_are_priced_double_buffered_or_exposed():
+    """The cost model's price of offload's host copies (predicted seconds from the h100 profile, not a measurement):
+    double-buffered, both ways behind the step's compute up to it; without prefetch each copy back exposed in full,
+    after what of the copies out forward's compute did not hide."""
+    times = {prefetch: _plan(4096, world=2, recompute="layers", offload=True, offload_prefetch=prefetch,
+                             hardware="h100") for prefetch in (True, False)}
+    host = times[False].memory_per_rank.host_offloaded
+    assert host > 0 and times[True].memory_per_rank.host_offloaded == host
+    one_way = host / PROFILES["h100"].host_bandwidth
+    rest = {prefetch: plan.step_time.layers[-1] for prefetch, plan in times.items()}
+    # the rest row's other collectives are all exposed: what is hidden of its communication is the copies'
+    copies = {prefetch: row.exposed_s - row.comm_s + 2 * one_way for prefetch, row in rest.items()}
+    compute = sum(row.compute_s for row in times[True].step_time.layers)
+    assert copies[True] == pytest.approx(max(0.0, 2 * one_way - compute))
+    assert copies[False] == pytest.approx(one_way + max(0.0, one_way - times[False].step_time.forward_s))
+
+
 def test_ranks_sharing_cores_compute_slower():
     cpu = dataclasses.replace(PROFILES["h100"], concurrent_ranks=2, ranks_per_node=8)
     assert (cpu.slowdown(1), cpu.slowdown(2), cpu.slowdown(4), cpu.slowdown(16)) == (1, 1, 2, 4)
