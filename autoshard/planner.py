@@ -587,11 +587,12 @@ class _LiveBytes(TorchDispatchMode):
     """Follows every storage the ops make from their call to the death of its last reference (a weak reference's
     callback), and the peak of their sum: after each op (its inputs and outputs both alive) plus the op's working
     set (:data:`_WORKING_SETS`). At each new peak the live storages are kept, to be sorted by kind afterwards. With
-    offload, a second peak adds what double-buffering would hold early (``offload.ahead``, counted as working set)."""
+    ``offload``, a second peak adds what double-buffering would hold early (``offload.ahead``, counted as working
+    set)."""
 
     def __init__(self, offload: PlannedOffload | None = None):
         super().__init__()
-        self.offload = offload or PlannedOffload()
+        self.offload = offload
         self.live: dict[int, tuple[int, int]] = {}  # storage address -> (serial, bytes)
         self.refs: dict[int, weakref.ref] = {}
         self.serial = 0
@@ -628,7 +629,8 @@ class _LiveBytes(TorchDispatchMode):
                 self.track(t)
         extra = _WORKING_SETS[func](args) if func in _WORKING_SETS else 0
         snapshot = None
-        for peaks, held in ((self.peaks, extra), (self.peaks_ahead, extra + self.offload.ahead)):
+        both = ((self.peaks, extra),) + (((self.peaks_ahead, extra + self.offload.ahead),) if self.offload else ())
+        for peaks, held in both:
             if self.total + held > peaks.get(self.phase, (-1,))[0]:
                 snapshot = snapshot or dict(self.live.values())
                 peaks[self.phase] = (self.total + held, snapshot, held, str(func))
@@ -661,7 +663,7 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int, topolo
             packed.add(serial)
         return t
 
-    with planned_offload() as host, mode, _LiveBytes(host) as live, timer:
+    with planned_offload() as host, mode, _LiveBytes(host if offload else None) as live, timer:
         for x in inputs:
             if isinstance(x, torch.Tensor):
                 live.track(x)

@@ -371,11 +371,11 @@ def _tile_mlps(gm: fx.GraphModule, tokens_per_chunk: int | None, rewriter: Rewri
 # ----------------------------------------------------------------------------- the pass
 
 
-FINDERS: tuple[tuple[str, str, Callable[[fx.GraphModule, int | None, Rewriter], dict[str, int]]], ...] = (
-    ("regions", "tile_tokens", _tile_regions),
-    ("mlp", "chunk_mlp", _tile_mlps),
+FINDERS: tuple[tuple[str, Callable[[fx.GraphModule, int | None, Rewriter], dict[str, int]]], ...] = (
+    ("tile_tokens", _tile_regions),
+    ("chunk_mlp", _tile_mlps),
 )
-"""(name, the config field of its tokens per tile, the finder that tiles what it finds), in the order they run:
+"""(the config field of its tokens per tile, the finder that tiles what it finds), in the order they run:
 the MLP blocks a region took are no longer in the graph when the MLP finder looks."""
 
 
@@ -384,9 +384,9 @@ def tile(gm: fx.GraphModule, config, rewriter: Rewriter) -> dict[str, int]:
     with its lever's tokens per tile from ``config`` (:class:`~autoshard.config.BackendConfig`); the counts of
     all (see the module docstring)."""
     counts: dict[str, int] = {}
-    for _, lever, finder in FINDERS:
+    for lever, finder in FINDERS:
         counts.update(finder(gm, getattr(config, lever), rewriter))
-    if counts["tiled_regions"] or counts["chunked_mlps"]:
+    if any(getattr(config, lever) for lever, _ in FINDERS):
         gm.graph.lint()
         gm.recompile()
     return counts

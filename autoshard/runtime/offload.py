@@ -91,6 +91,11 @@ class _Copy:
         """Start bringing it back (once; nothing to do while it is held)."""
         raise NotImplementedError
 
+    def bring_ahead(self, prefetch: bool) -> None:
+        """Backward reached the region after this one's: with ``prefetch``, start bringing it back."""
+        if prefetch:
+            self.prefetch()
+
     def restore(self, keep: bool = True) -> torch.Tensor:
         """The tensor back on its device, ready for the compute stream: itself while held, else the copy back
         (made once and kept: regions that share the value share it; ``keep=False``: not kept)."""
@@ -169,8 +174,8 @@ class _Planned(_Copy):
         self.plan, self.early = plan, False
         plan.host += self.nbytes
 
-    def hold_ahead(self) -> None:
-        """Prefetching would bring it back now: count it aside until it is restored."""
+    def bring_ahead(self, prefetch: bool) -> None:
+        """Prefetching (on or not: a plan weighs both) would bring it back now: count it aside until restored."""
         if self.restored is None and not self.early and self.held() is None:
             self.early = True
             self.plan.ahead += self.nbytes
@@ -200,14 +205,11 @@ class _Region:
             return
         self.started = True
         previous = self.previous() if self.previous is not None else None
-        if self.prefetch and _planning is None:
+        if self.prefetch and _planning is None:  # its own first: the copy stream runs them in order
             for copy in self.copies:
                 copy.prefetch()
         for copy in previous.copies if previous is not None else ():
-            if isinstance(copy, _Planned):
-                copy.hold_ahead()
-            elif self.prefetch:
-                copy.prefetch()
+            copy.bring_ahead(self.prefetch)
 
 
 class _Saved:
