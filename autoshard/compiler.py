@@ -27,7 +27,6 @@ import functools
 import hashlib
 import itertools
 import logging
-import warnings
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from .config import BackendConfig, dynamo_settings, resolve_config
+from .config import BackendConfig, resolve_config, trace_checkpointed_layers
 from .passes.decode import cache_written_in_place, decode_graph, decode_runner
 from .passes.static_cache import static_prefill, static_prefill_runner
 from .passes.deferred import inline_deferred
@@ -48,13 +47,15 @@ from .placements import Shard
 from .planner import memory_policy_for, plan_graph
 from .policy import device_budget, host_budget
 from .runtime.collectives import gather_facts
+from .runtime.input_check import checking_inputs, replicated_inputs
+from .runtime.warn import warn
 from .runtime.attention.dispatch import last_dispatch
 from .runtime.layouts import SequenceLayout
 from .runtime.deferred import DeferredTensor, defer
 from .runtime.lazy_linear import lazy_linear
 from .runtime.redistribute import grad_scale, grad_sync
 from .runtime.split_tensor import SplitTensor, local_of, wrap
-from .runtime.groups import (GroupLike, check_sequence_mesh, default_store, private_torch_api, sequence_group,
+from .runtime.groups import (GroupLike, check_sequence_mesh, default_store, sequence_group,
                              sequence_groups)
 
 __all__ = ["backend", "compile", "AutoshardBackend", "autoshard_backend", "GraphRecord", "explain"]
@@ -95,10 +96,7 @@ class AutoshardBackend:
         self.compiled: deque[GraphRecord] = deque(maxlen=RECORDS_KEPT)
         """What reports need of the graphs compiled on this rank, newest last (the last ``RECORDS_KEPT``)."""
         self._warned_whole_cache = False
-        self.backend_ctx_ctor = dynamo_settings
-        """What dynamo enters around every call of a model compiled with this backend through
-        ``torch._dynamo.optimize`` (:func:`compile`); ``torch.compile`` drops it (see :func:`compile`). An instance
-        attribute: dynamo reads it from the backend's wrapper, which copies the instance's attributes only."""
+        trace_checkpointed_layers()
 
     @property
     def sharded_layout(self) -> str:
@@ -157,6 +155,8 @@ class AutoshardBackend:
     def _compile(self, gm: fx.GraphModule, example_inputs: list, sharded_inputs: dict[str, Any] | None,
                  global_inputs: list | None) -> Callable:
         pg = self._sequence_group()
+        checked = replicated_inputs(example_inputs) if self.config.inputs == "replicated" and self.config.check_inputs else []
+        names = [_input_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
         deferred = {i: x for i, x in enumerate(example_inputs) if isinstance(x, DeferredTensor)}
         if deferred:  # values an earlier graph left uncomputed: their recipes are computed here, from their inputs
             gm = inline_deferred(gm, {i: x.recipe for i, x in deferred.items()},
@@ -171,7 +171,8 @@ class AutoshardBackend:
             global_inputs = global_inputs or example_inputs
             example_inputs = [x.local.detach().requires_grad_(x.requires_grad) if i in carried else x
                               for i, x in enumerate(example_inputs)]  # the inner compiler traces the shard's grad
-        _check_same_graph(pg, next(_COMPILES), gm, global_inputs or example_inputs,
+        index = next(_COMPILES)
+        _check_same_graph(pg, index, gm, global_inputs or example_inputs,
                           same_values=self.config.inputs == "replicated")
         config, policy = self._memory_policy(gm, global_inputs or example_inputs, pg.size())
         compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group), sharded_inputs=sharded_inputs,
@@ -181,14 +182,16 @@ class AutoshardBackend:
         self._warn_if_whole_from_earlier_graph(record, example_inputs)
         _warn_undistributed(compiled.report)
         self.compiled.append(record)
-        lowered = _lower(compiled.graph_module, example_inputs, self.config.inner_for(_device_type(example_inputs)))
-        if not (deferred or carried or compiled.carried_outputs or compiled.deferred_outputs or compiled.lazy_outputs):
-            return lowered
-        lazy = {i: functools.partial(_lazy_head, spec=spec, group_name=pg.group_name, summed=self.config.grad_sync,
-                                     world=pg.size(), host=config.offload)
-                for i, spec in compiled.lazy_outputs.items()}
-        return _carrying(lowered, bool(deferred), set(carried), compiled.carried_outputs, compiled.deferred_outputs,
-                         lazy, pg.group_name)
+        run = _lower(compiled.graph_module, example_inputs, self.config.inner_for(_device_type(example_inputs)))
+        if deferred or carried or compiled.carried_outputs or compiled.deferred_outputs or compiled.lazy_outputs:
+            lazy = {i: functools.partial(_lazy_head, spec=spec, group_name=pg.group_name,
+                                         summed=self.config.grad_sync, world=pg.size(), host=config.offload)
+                    for i, spec in compiled.lazy_outputs.items()}
+            run = _carrying(run, bool(deferred), set(carried), compiled.carried_outputs, compiled.deferred_outputs,
+                            lazy, pg.group_name)
+        if checked:
+            run = checking_inputs(run, checked, [names[i] for i in checked], pg.group_name, index)
+        return run
 
     def _memory_policy(self, gm: fx.GraphModule, example_inputs: list, world: int) -> tuple[BackendConfig, Any]:
         """The config the memory policy chooses for this graph (:mod:`autoshard.policy`) and what it weighed;
@@ -209,14 +212,13 @@ class AutoshardBackend:
         cache = cache_written_in_place(gm)
         if cache is not None and not self._warned_whole_cache:
             self._warned_whole_cache = True
-            warnings.warn(
+            warn(
                 f"autoshard: the KV cache {cache} is a fixed-size buffer (as transformers' StaticCache) that was "
                 "allocated whole before this graph ran: every rank holds the whole cache and decodes with it (the "
                 "tokens are right). autoshard splits a fixed-size cache the compiled prefill allocates (a StaticCache "
                 "initialized lazily, by the prefill of a model compiled with this backend); one allocated eagerly "
                 "(early_initialization, prefill_chunk_size, a prefill run uncompiled as generate() does with "
-                "CompileConfig) stays whole. Caches that grow by appending (DynamicCache, the default) are split.",
-                stacklevel=2)
+                "CompileConfig) stays whole. Caches that grow by appending (DynamicCache, the default) are split.")
 
     def _warn_if_whole_from_earlier_graph(self, compiled: GraphRecord, example_inputs: list) -> None:
         """A graph with no sequence of its own that takes, as input, a value an earlier graph gathered whole
@@ -224,10 +226,10 @@ class AutoshardBackend:
         gathered = {shape for c in self.compiled for shape in c.gathered_output_shapes}
         inputs = {tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor)}
         if not compiled.splits_sequence and gathered & inputs:
-            warnings.warn(
+            warn(
                 "autoshard: a graph break passes values the previous graph gathered whole (e.g. logits before a "
                 "loss computed in a separate graph); the code after the break runs unsplit on every rank. With "
-                "outputs='split' (the default) the next graph takes them still split.", stacklevel=2)
+                "outputs='split' (the default) the next graph takes them still split.")
 
     def compile_for_sizes(self, gm: fx.GraphModule, args: list, dims: list | None = None,
                           lengths: tuple | None = None) -> Callable:
@@ -336,8 +338,7 @@ def _warn_undistributed(report: CompileReport) -> None:
         key = (a.get("line", "unknown"), a.get("reason", ""))
         if a["strategy"] in ("gathered-kv", "whole") and key not in _WARNED_ATTENTION:
             _WARNED_ATTENTION.add(key)
-            warnings.warn(f"autoshard: the attention at {key[0]} is not distributed ({a['strategy']}): {key[1]}",
-                          stacklevel=3)
+            warn(f"autoshard: the attention at {key[0]} is not distributed ({a['strategy']}): {key[1]}")
 
 
 def _carrying(fn: Callable, flatten: bool, carried_inputs: set[int], carried_outputs: dict, deferred_outputs: dict,
@@ -378,6 +379,12 @@ def _flatten_deferred(args, like: dict | None = None) -> list:
         carrier = like.get(i, a)
         out.extend(carrier.recipe_inputs if isinstance(carrier, DeferredTensor) else (a,))
     return out
+
+
+def _input_name(placeholder: fx.Node) -> str:
+    """How the caller named a graph input (dynamo's source: ``L['input_ids']``), else the placeholder's name."""
+    name = getattr(getattr(placeholder.meta.get("grapharg"), "source", None), "name", placeholder.name)
+    return name() if callable(name) else name  # a method before torch 2.10, a property since
 
 
 def _device_type(example_inputs: list) -> str:
@@ -461,26 +468,11 @@ def _check_same_graph(pg: dist.ProcessGroup, index: int, gm: fx.GraphModule, exa
 
 def compile(model: torch.nn.Module | Callable, group: GroupLike = None, config: BackendConfig | None = None, *,
             dynamic: bool | None = None, fullgraph: bool = False, **overrides):
-    """``model`` compiled with :func:`backend` (``group``, ``config`` and ``overrides`` as there), like
-    ``torch.compile(model, backend=autoshard.backend(...))``, with autoshard's dynamo settings in effect while the
-    compiled model is traced and run, and only then (:func:`~autoshard.config.dynamo_settings`).
-
-    Why it exists: transformers (5.25 and later, with the ``kernels`` package) keeps bookkeeping in a module-level
-    object inside every attention layer, and dynamo refuses a side effect inside a checkpointed function unless
-    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` is set: under
-    ``model.gradient_checkpointing_enable()`` it breaks the graph at every layer, the layers run uncompiled and
-    their attention is not distributed. Dynamo reads the flag while it traces, before any backend sees a graph;
-    a backend can scope a setting to its own frames only through its ``backend_ctx_ctor``, which
-    ``torch._dynamo.optimize`` honours and ``torch.compile`` drops (it wraps every backend in a wrapper that does
-    not forward it). So ``torch.compile(model, backend=autoshard.backend(...))`` cannot set it without setting it
-    for every model in the process; this does, for this model only. The side effect skipped is the bookkeeping's
-    replay when backward recomputes a checkpointed layer; the bookkeeping itself runs in forward."""
-    optimize = private_torch_api(torch._dynamo, "optimize",
-                                 "use torch.compile(model, backend=autoshard.backend(...)) and set "
-                                 "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True")
+    """``torch.compile(model, backend=autoshard.backend(group, config, **overrides), dynamic=..., fullgraph=...)``,
+    with the backend kept as the compiled model's ``autoshard_backend`` (what :func:`explain` reads)."""
     compiled_by = backend(group, config, **overrides)
-    compiled = optimize(compiled_by, dynamic=dynamic, nopython=fullgraph)(model)
-    compiled.autoshard_backend = compiled_by  # autoshard.explain(compiled) reads it
+    compiled = torch.compile(model, backend=compiled_by, dynamic=dynamic, fullgraph=fullgraph)
+    compiled.autoshard_backend = compiled_by
     return compiled
 
 
@@ -499,9 +491,6 @@ def backend(group: GroupLike = None, config: BackendConfig | None = None, **over
         if not (isinstance(group, DeviceMesh) and group.ndim == 2):
             raise ValueError("autoshard.backend: strategy='hybrid' needs a 2-D DeviceMesh (ring axis, ulysses axis)")
     return AutoshardBackend(group, config)
-
-
-_default_backend: AutoshardBackend | None = None
 
 
 def _describe(index: int, report: CompileReport) -> list[str]:
@@ -536,7 +525,7 @@ def explain(compiled_by: AutoshardBackend | Any = None) -> str:
     documents, the attention work per rank of the latest call and its imbalance. ``compiled_by``: the
     backend ``autoshard.backend(...)`` returned, or a model :func:`compile` returned; None: the one
     ``torch.compile(model, backend="autoshard")`` uses. Each report in full is ``backend.compiled[i].report``."""
-    source = getattr(compiled_by, "autoshard_backend", compiled_by) if compiled_by is not None else _default_backend
+    source = getattr(compiled_by, "autoshard_backend", compiled_by) if compiled_by is not None else autoshard_backend
     if source is not None and not isinstance(source, AutoshardBackend):
         raise TypeError(f"autoshard.explain takes the backend autoshard.backend(...) returned (b = autoshard.backend(); "
                         f"torch.compile(fn, backend=b); autoshard.explain(b)) or a model autoshard.compile returned, "
@@ -550,9 +539,7 @@ def explain(compiled_by: AutoshardBackend | Any = None) -> str:
     return "\n".join(lines)
 
 
-def autoshard_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
-    """``torch.compile(model, backend="autoshard")``: the default group and default options."""
-    global _default_backend
-    if _default_backend is None:
-        _default_backend = AutoshardBackend()
-    return _default_backend(gm, example_inputs)
+autoshard_backend = AutoshardBackend()
+"""``torch.compile(model, backend="autoshard")`` (the ``torch_dynamo_backends`` entry point): the default group and
+default options. Made when autoshard is imported, so its dynamo setting (:func:`~autoshard.config.
+trace_checkpointed_layers`) is in effect before dynamo traces a model compiled by name."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Union
 
 import torch
 
-__all__ = ["BackendConfig", "STRATEGIES", "LAYOUT_CHOICES", "resolve_config", "dynamo_settings"]
+__all__ = ["BackendConfig", "STRATEGIES", "LAYOUT_CHOICES", "resolve_config", "dynamo_settings",
+           "trace_checkpointed_layers"]
 
 STRATEGIES = ("auto", "ring", "zigzag", "allgather", "ulysses", "hybrid")
 LAYOUT_CHOICES = ("auto", "contiguous", "zigzag")
@@ -39,6 +41,12 @@ class BackendConfig:
     inputs: str = "replicated"
     """``"replicated"``: every rank passes the same full inputs. ``"sharded"``: inputs that carry the
     sequence arrive already split by ``autoshard.shard_inputs`` (a data loader loads only its part)."""
+
+    check_inputs: bool = True
+    """With ``inputs="replicated"``: every call of a compiled graph first checks that the ranks passed the same
+    inputs (a digest of each, one all-gather of 16 bytes per input, :mod:`autoshard.runtime.input_check`), so a
+    rank fed another batch raises on every rank instead of returning a loss mixed from several batches. False
+    skips it (one small collective and one host synchronization per graph call fewer)."""
 
     outputs: str = "split"
     """What becomes of outputs split along the sequence (scalars and other reductions are always reduced):
@@ -184,6 +192,7 @@ class BackendConfig:
                 raise ValueError(f"autoshard.backend: {budget} must be a positive number of bytes")
         check("recompute", self.recompute, ("none", "layers"))
         check("lazy_logits", self.lazy_logits, (True, False))
+        check("check_inputs", self.check_inputs, (True, False))
         if self.offload and self.inner not in ("eager", "auto"):
             raise ValueError("autoshard.backend: offload=True runs with inner='eager' only (a tracing compiler would "
                              f"trace the host copies instead of running them), got inner={self.inner!r}")
@@ -214,8 +223,29 @@ def resolve_config(config: BackendConfig | None, overrides: dict, caller: str = 
     return dataclasses.replace(config, **overrides) if overrides else config
 
 
+_CHECKPOINTED_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
 def dynamo_settings():
-    """The dynamo settings autoshard traces a model with (a context manager): a checkpointed function may have side
-    effects (``skip_fwd_side_effects_in_bwd_under_checkpoint``; :func:`autoshard.compile` says why). Plans trace
-    under them too."""
-    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    """The dynamo settings autoshard traces a model with, as a context manager (plans trace under it): a
+    checkpointed function may have side effects (see :func:`trace_checkpointed_layers`)."""
+    return torch._dynamo.config.patch(**{_CHECKPOINTED_SIDE_EFFECTS: True})
+
+
+def trace_checkpointed_layers() -> None:
+    """Set the dynamo setting of :func:`dynamo_settings` for the process (what every autoshard backend does when it
+    is made, before dynamo traces anything).
+
+    Why: transformers (5.25 and later, with the ``kernels`` package) keeps bookkeeping in a module-level object
+    inside every attention layer, and dynamo refuses a side effect inside a checkpointed function unless
+    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` is set: under
+    ``model.gradient_checkpointing_enable()`` (or ``activation_checkpointing_enable()``) every layer would break out
+    of the graph and run uncompiled, its attention not distributed. Dynamo reads the setting while it traces,
+    before any backend sees a graph, and ``torch.compile`` passes a backend no hook to scope it to its own model
+    (it drops a backend's ``backend_ctx_ctor``), so it is set for the process. What it changes, for any model: a
+    checkpointed region with a side effect, which dynamo would otherwise run uncompiled (replaying the side effect
+    when backward recomputes it), is compiled, and the side effect runs once, in forward."""
+    if not getattr(torch._dynamo.config, _CHECKPOINTED_SIDE_EFFECTS):
+        setattr(torch._dynamo.config, _CHECKPOINTED_SIDE_EFFECTS, True)
+        logging.getLogger("autoshard").info("autoshard: set torch._dynamo.config.%s = True (checkpointed layers with "
+                                            "side effects compile)", _CHECKPOINTED_SIDE_EFFECTS)

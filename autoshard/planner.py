@@ -67,6 +67,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .config import BackendConfig, dynamo_settings, resolve_config
+from .runtime.input_check import check_bytes, replicated_inputs
 from .cost import AttentionShape, Topology, attention_costs, attention_seconds
 from .hardware import hardware as resolve_hardware
 from .passes.capture import DENSE_MASK
@@ -240,6 +241,10 @@ class Plan:
     ``documents`` (how many, over the batch)."""
     step_time: StepTime | None = None
     """The step's predicted time on the plan's hardware (:mod:`autoshard.step_time`), by layer."""
+    input_checks: dict[str, int] = field(default_factory=dict)
+    """With ``inputs="replicated"`` and ``check_inputs`` (the defaults): graph call (``g<i>``, numbered by call) ->
+    bytes the plan's rank sends checking that every rank passed the same inputs (:mod:`autoshard.runtime.
+    input_check`: the accountant's ``"metadata"``, not in ``collectives``)."""
 
     # ------------------------------------------------------------------ reading
     @property
@@ -306,6 +311,10 @@ class Plan:
             lines.append(f"  packed documents ({d['documents']}, from position_ids): attention work per rank (visible "
                          f"pairs of one call) {', '.join(f'{w:,}' for w in d['work'])}: max/mean "
                          f"{d['imbalance']:.2f} ({d['laid_out_imbalance']:.2f} as laid out)")
+        if self.input_checks:
+            lines.append(f"  replicated inputs checked on every call of {len(self.input_checks)} graph(s): "
+                         f"{sum(self.input_checks.values()):,} B sent per rank per step (metadata; "
+                         f"check_inputs=False skips it)")
         if self.step_time is not None:
             lines.append(f"  step time {self.step_time.describe()}")
         if self.attention:
@@ -856,6 +865,11 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
     planned: dict[tuple, tuple] = {}  # (graph, what its inputs are) -> (index, compiled, decisions, memory, config)
     for call, (gm, example_inputs, *sources) in enumerate(graphs):  # inputs and their sources)
         sources = list(sources[0]) if sources else [None] * len(example_inputs)
+        if config.inputs == "replicated" and config.check_inputs:
+            checked = [i for i in replicated_inputs(example_inputs)
+                       if sources[i] not in carried_outputs and sources[i] not in deferred_outputs]
+            if checked:
+                result.input_checks[f"g{call}"] = check_bytes(len(checked), world_size)
         kinds = tuple(str(carried_outputs[s]) if s in carried_outputs else
                       deferred_outputs[s][0].recipe.key if s in deferred_outputs else None for s in sources)
         again = planned.get((id(gm), kinds))

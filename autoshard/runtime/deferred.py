@@ -32,11 +32,12 @@ then computes for its own tokens only).
 from __future__ import annotations
 
 import hashlib
-import warnings
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
+
+from .warn import warn
 
 __all__ = ["Recipe", "DeferredTensor", "defer"]
 
@@ -139,12 +140,11 @@ class DeferredTensor(torch.Tensor):
             global _WARNED
             if not _WARNED:
                 _WARNED = True
-                warnings.warn(
+                warn(
                     f"autoshard: a value a compiled graph left uncomputed (a {list(self.shape)} {self.dtype} tensor "
                     "such as an attention mask: an autoshard.runtime.deferred.DeferredTensor) is used outside code "
                     "autoshard compiles, so it is computed whole for that use, and again for every later use. A "
-                    "graph compiled by the same backend computes only what it needs of it (a mask as its structure)",
-                    stacklevel=4)
+                    "graph compiled by the same backend computes only what it needs of it (a mask as its structure)")
         return self.recipe(*self.recipe_inputs)
 
     @classmethod

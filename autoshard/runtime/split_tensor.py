@@ -32,8 +32,6 @@ name. So:
 from __future__ import annotations
 
 import datetime
-import sys
-import warnings
 
 import torch
 from torch.utils._pytree import tree_map
@@ -42,6 +40,7 @@ from .deferred import METADATA_OPS
 from .groups import default_store, resolve_group
 from .kv_cache import CacheLayout, cache_write
 from .layouts import SequenceLayout
+from .warn import warn
 
 __all__ = ["SplitTensor", "wrap", "local_of"]
 
@@ -64,19 +63,6 @@ _GATHER_WARNING = (
     "use, and again for every later use. In user code, x.full_tensor() once keeps a whole copy, and "
     "outputs='gathered' returns plain whole tensors; in model code that dynamo did not compile (a graph break: "
     "TORCH_LOGS=graph_breaks says where), that code runs undistributed")
-_HUB_KERNELS_HINT = (
-    ". The `kernels` package is loaded: with it, transformers' layers break dynamo's tracing under gradient "
-    "checkpointing (a side effect inside the checkpointed function), so every checkpointed layer runs this way. "
-    "Compile with autoshard.compile(model, group, **options) instead of torch.compile(model, backend=...): it sets "
-    "the dynamo setting this needs for this model only (or use backend(recompute='layers') instead of "
-    "model.gradient_checkpointing_enable())")
-
-
-def _hub_kernels_break_checkpoints() -> bool:
-    """Whether the likely cause of a gather between graphs is transformers' hub-kernel layers (transformers
-    >= 5.25 loads the ``kernels`` package) under gradient checkpointing, which dynamo cannot trace unless told to
-    skip replaying forward side effects at recomputation."""
-    return "kernels" in sys.modules and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
 
 
 def _all_ranks_gather(group_name: str) -> None:
@@ -181,7 +167,7 @@ class SplitTensor(torch.Tensor):
         global _WARNED
         if not _WARNED:
             _WARNED = True
-            warnings.warn(_GATHER_WARNING + (_HUB_KERNELS_HINT if _hub_kernels_break_checkpoints() else ""), stacklevel=3)
+            warn(_GATHER_WARNING)
         return torch.ops.autoshard.seq_unshard.default(self.local, self.seq_dim, self.seq_layout.encode(),
                                                        self.group_name)
 

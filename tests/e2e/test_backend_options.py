@@ -2,6 +2,7 @@
 world size 1, dropout, mismatched ranks, attention that cannot be distributed."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard.testing.models import BertClassifier, BertConfig, LlamaLM
-from autoshard.runtime import all_reduce, unshard_sequence
+from autoshard.runtime import all_reduce, comm_counter, unshard_sequence
 from autoshard.testing import RankFailure, run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process
 
@@ -248,3 +249,56 @@ def _seq_dims_naming_a_missing_input():
 def test_seq_dims_naming_a_missing_input_fails_clearly():
     with pytest.raises(RankFailure, match="seq_dims names input 'token_ids'.*input_ids"):
         run_on_ranks(_seq_dims_naming_a_missing_input, 2, timeout=120)
+
+
+def _batches_differ_at(step: int | None, check_inputs: bool = True):
+    """Calls with the same batch on every rank until ``step`` (None: two calls, never), where each rank passes its
+    own: the metadata bytes of the last call that ran."""
+    model, _, ids, labels = _llama_and_batch(8)
+    compiled = torch.compile(model, backend=autoshard.backend(check_inputs=check_inputs))
+    own = torch.randint(0, 256, ids.shape, generator=torch.Generator().manual_seed(dist.get_rank()))
+    checked = 0
+    for i in range(1, (step or 2) + 1):
+        with torch.no_grad(), comm_counter() as counter:
+            compiled(own if i == step else ids, labels)
+        checked = counter.calls["metadata"].bytes_sent if "metadata" in counter.calls else 0
+    return checked
+
+
+@pytest.mark.parametrize("step", [2, 100])
+def test_ranks_fed_different_batches_fail_on_every_rank_at_any_step(step):
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_batches_differ_at, 2, step, timeout=120)
+    text = str(info.value)
+    assert text.count("passed different inputs to compiled graph") == 2  # both ranks raise
+    assert "L['input_ids']" in text and "L['labels']" not in text.split("ranks grouped")[0]
+
+
+def test_the_input_check_costs_what_the_plan_says_and_can_be_turned_off():
+    sent = run_on_ranks(_batches_differ_at, 2, None)
+    model, _, ids, labels = _llama_and_batch(8)
+    plan = autoshard.plan(model, (ids, labels), world_size=2)
+    assert list(plan.input_checks.values()) == [sent[0]] and sent[0] > 0  # one graph, its inputs' 16 B each
+    assert "replicated inputs checked" in str(plan)
+    assert not autoshard.plan(model, (ids, labels), world_size=2, check_inputs=False).input_checks
+    assert run_on_ranks(_batches_differ_at, 2, 2, False) == [0, 0]  # off: no check, no error
+
+
+def _warned_where():
+    """Where two of autoshard's warnings point: one raised while dynamo calls the backend, one from a split output's
+    ``__torch_dispatch__`` under torch's pytree."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        bias = torch.randn(9, 9)
+        torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, attn_mask=bias),  # a mask it cannot read:
+                      backend=autoshard.backend())(torch.randn(1, 2, 9, 4))  # attention not distributed, warned
+        model, _, ids, labels = _llama_and_batch(8)
+        _, logits = torch.compile(model, backend=autoshard.backend())(ids, labels)
+        logits.sum()  # a split output used outside compiled code: gathered, warned
+    return [(str(w.message)[:60], w.filename) for w in caught if str(w.message).startswith("autoshard")]
+
+
+def test_warnings_name_the_callers_line():
+    for warned in run_on_ranks(_warned_where, 2):
+        assert len(warned) == 2 and {file for _, file in warned} == {__file__}, warned

@@ -1,7 +1,7 @@
 """Every runnable example completes with the one command its docstring gives (``python examples/X.py``,
 which spawns its own ranks); each checks its results against one process and fails when they differ.
 ``train.py`` runs two steps of its training loop on 4 ranks, (dp=2, sp=2), with ``--check``: its losses
-must equal one-process training's."""
+must equal one-process training's. The demo (``llama.py``, what ``./dev demo`` runs) prints no warning."""
 
 import subprocess
 import sys
@@ -21,3 +21,5 @@ def test_example_runs(command):
                             text=True, timeout=300)
     assert result.returncode == 0, f"examples/{command} exited {result.returncode}:\n{result.stdout[-4000:]}\n" \
                                    f"{result.stderr[-4000:]}"
+    if name == "llama.py":  # the front door (./dev demo) prints no warning
+        assert "Warning" not in result.stdout + result.stderr, result.stderr[-4000:]

@@ -109,7 +109,6 @@ def _break(name: str) -> dict:
     def checkpointed():
         model = _llama()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True  # transformers >= 5.25
         return model.train()
     make = _gpt2 if name == "gpt2_default_loss" else checkpointed
     out = _compare(make, dict(input_ids=ids, labels=ids), functools.partial(_whole, inner="eager"))

@@ -345,12 +345,12 @@ def test_every_attention_distributed_and_exact(world, case):
         assert r["squares"] == [], (rank, r)
 
 
-def test_the_flag_stays_unset_in_the_rest_of_the_process():
-    """``autoshard.compile`` sets dynamo's checkpoint flag while its model is traced and run, and only then (the
-    checkpointed case ran with it unset, as a user's process has it, and its layers compiled)."""
+def test_the_backend_sets_the_checkpoint_flag_before_dynamo_traces():
+    """The checkpointed case started with dynamo's checkpoint flag unset, as a user's process has it: the backend
+    set it when it was made (:func:`autoshard.config.trace_checkpointed_layers`), and the layers compiled."""
     for world in (2, 4):
         for result in _results(world):
-            assert result["fsdp_checkpointed_packed"]["flag"] is False, "left set for the rest of the process"
+            assert result["fsdp_checkpointed_packed"]["flag"] is True
 
 
 @pytest.mark.parametrize("world", [2, 4])

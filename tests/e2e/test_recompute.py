@@ -46,10 +46,12 @@ def _hf():
     return transformers.LlamaForCausalLM(cfg).train()
 
 
-def _hf_checkpointed():
+def _hf_checkpointed(method: str = "gradient_checkpointing_enable"):
+    """transformers' Llama with its own checkpointing turned on by ``method`` with its defaults, in a process where
+    dynamo's setting for checkpointed side effects is as torch leaves it (autoshard's backend must set it)."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = False
     model = _hf()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True  # transformers >= 5.25
+    getattr(model, method)()
     return model
 
 
@@ -106,6 +108,23 @@ def test_recomputed_layers_match_one_process(world, name):
         assert r["outlined"] == [LAYERS] and r["recomputed"] == [LAYERS], f"{where}: {r['outlined']} {r['recomputed']}"
         assert r["booked"] == r["measured"], f"{where}: bytes booked {r['booked']}, sent {r['measured']}"
         assert r["offloaded"] == [LAYERS if name == "offload" else 0], f"{where}: {r['offloaded']}"
+
+
+def _one_liner(method: str):
+    """``torch.compile(model, backend=autoshard.backend())`` on a model checkpointed by ``method``."""
+    torch._dynamo.reset()
+    ids = torch.randint(0, 64, (2, 61), generator=torch.Generator().manual_seed(3))
+    r = compare_with_one_process(functools.partial(_hf_checkpointed, method), lambda: (),
+                                 kwargs=dict(input_ids=ids, labels=ids), outputs="gathered")
+    return r.max_error(), r.summary(), [a["strategy"] for a in r.attention], r.fallbacks
+
+
+@pytest.mark.parametrize("method", ["gradient_checkpointing_enable", "activation_checkpointing_enable"])
+def test_the_one_liner_distributes_layers_transformers_checkpoints(method):
+    for error, summary, strategies, fallbacks in run_on_ranks(_one_liner, 2, method, timeout=300):
+        assert error <= 1e-4, summary  # float32, as the transformers case above
+        assert len(strategies) == LAYERS and "gathered-kv" not in strategies and "whole" not in strategies, strategies
+        assert fallbacks == []
 
 
 class _Block(nn.Module):

@@ -48,7 +48,6 @@ def _llama(checkpointing: bool):
     model = transformers.LlamaForCausalLM(cfg)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True  # transformers >= 5.25
     return model.train()
 
 
