@@ -4,8 +4,9 @@ After a model sees two sequence lengths, dynamo recompiles it with symbolic size
 ``SymInt`` placeholders and sizes inside the graph are expressions of them. The compiler's rules work
 on concrete sizes (each rank's local sizes differ anyway), so a dynamic graph is compiled once per
 distinct set of sizes it is called with: the graph is copied, its example values are recomputed on
-fake tensors of the concrete sizes, and every size-valued node is folded into its integer. Dynamo
-keeps one dynamic graph (no recompile limit is hit); this pass caches one static graph per length.
+fake tensors of the concrete sizes, and every size-valued node is folded into its integer (a test of
+sizes, as ``s0 == 1``, into its bool, as dynamo folds it in a static graph). Dynamo keeps one dynamic
+graph (no recompile limit is hit); this pass caches one static graph per length.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def specialize(gm: fx.GraphModule, args: list, shapes: dict[int, tuple] | None =
         node.meta["example_value"] = val
     for node in list(static.graph.nodes):
         val = node.meta.get("val")
-        if isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool) and node.op != "output":
-            node.replace_all_uses_with(int(val))  # noqa -- fx accepts constants as replacements
+        if isinstance(val, (int, torch.SymInt, torch.SymBool)) and node.op != "output":  # a size or a test of one
+            node.replace_all_uses_with(bool(val) if isinstance(val, (bool, torch.SymBool)) else int(val))  # noqa
     eliminate_dead_code(static.graph)
     static.recompile()
     return static

@@ -3,15 +3,16 @@
 A ``StaticCache`` layer allocates its buffers on first use -- inside the compiled prefill -- as
 ``torch.zeros([B, Hkv, max_cache_len, D])``, writes the prompt's keys and values with
 ``buffer.index_copy_(2, arange(S) + cumulative_length, keys)``, attends the prompt's queries over the whole buffer
-with a mask over its ``max_cache_len`` columns, and keeps the buffer. Run as written, every rank would hold the
-whole buffer. In a fresh cache (``cumulative_length`` 0) whose mask hides the columns past the prompt (a causal
-mask always does), the attention over the buffer is the attention over the prompt's own keys and values with the
-mask's first ``S`` columns: this pass rewrites it so (the training pipeline then distributes it as any
-self-attention) and returns the prompt's keys and values in the buffer's place. :func:`static_prefill_runner`
-checks at run time what the rewrite assumes (the cache is fresh, the mask hides the rest), and makes each rank's
-buffer of the cache's layout (:class:`~autoshard.runtime.kv_cache.CacheLayout`: the prompt as the prefill split it,
-later positions round robin) from its shard: a ``SplitTensor`` of the buffer's global shape, the decode steps
-write into in place (:mod:`autoshard.passes.decode`).
+with a mask over its ``max_cache_len`` columns (or, where transformers drops a mask that hides nothing but the
+future, as for one prompt, causally over the buffer's first ``S`` positions), and keeps the buffer. Run as written,
+every rank would hold the whole buffer. In a fresh cache (``cumulative_length`` 0) whose mask hides the columns past
+the prompt (a causal mask always does), the attention over the buffer is the attention over the prompt's own keys
+and values with the mask's first ``S`` columns (causal without one): this pass rewrites it so (the training
+pipeline then distributes it as any self-attention) and returns the prompt's keys and values in the buffer's
+place. :func:`static_prefill_runner` checks at run time what the rewrite assumes (the cache is fresh, the mask
+hides the rest), and makes each rank's buffer of the cache's layout (:class:`~autoshard.runtime.kv_cache.CacheLayout`:
+the prompt as the prefill split it, later positions round robin) from its shard: a ``SplitTensor`` of the buffer's
+global shape, the decode steps write into in place (:mod:`autoshard.passes.decode`).
 
 A prefill into a cache that already holds positions (chunked prefill's later chunks) is refused with the reason:
 its writes would land on positions other ranks hold.
@@ -81,18 +82,53 @@ def static_prefill(gm: fx.GraphModule) -> StaticPrefill | None:
         op = canonical(node)  # not op_of: a specialized copy keeps the cached ops of the graph it copies
         if op is None or op.name != "attention":
             continue
-        k, v = repetition_source(op["k"], buffers, chains), repetition_source(op["v"], buffers, chains)
+        k, v = _buffer_read(op["k"], buffers, chains), _buffer_read(op["v"], buffers, chains)
         if k is None and v is None:
             continue
         mask = op["attn_mask"]
-        if k is None or v is None or op["is_causal"] or mask not in placeholders:
-            return None  # the rewrite needs a mask it can check at run time
+        causal = op["is_causal"] and mask is None  # upper-left aligned: row i sees the positions up to i
+        if k is None or v is None or not (causal or (not op["is_causal"] and mask in placeholders)):
+            return None  # the rewrite needs a causal attention, or a mask it can check at run time
         attentions[node] = (k, v, mask)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for node, (_, _, write) in buffers.items():
         if any(u not in (write, output) and u not in chains and u not in attentions for u in node.users):
             return None  # read some other way: it stays whole
     return _rewrite(gm, buffers, attentions, placeholders)
+
+
+def _buffer_read(node, buffers, chains: set):
+    """The buffer among ``buffers`` that attention input ``node`` reads whole (itself or its GQA repetition:
+    :func:`~autoshard.passes.decode.repetition_source`), or its first ``n`` positions for ``n`` at least the prompt's
+    length (``buffer[:, :, :n]``: what transformers' SDPA attention reads of an empty cache when it attends causally
+    without a mask, as at batch size 1); else None. In a fresh cache either holds the prompt's keys first and zeros
+    after, which a causal attention or a mask that hides them never reads. The nodes walked are added to
+    ``chains``."""
+    walked: set = set()
+    source = repetition_source(node, buffers, walked)
+    if source is None:
+        op = canonical(node) if isinstance(node, fx.Node) else None
+        if op is None or op.name != "getitem" or not isinstance(op["input"], fx.Node):
+            return None
+        source = repetition_source(op["input"], buffers, walked)
+        if source is None or not _keeps_prompt(op["index"], buffers[source][0], buffers[source][2]):
+            return None
+        walked.add(node)
+    chains.update(walked)
+    return source
+
+
+def _keeps_prompt(index, dim: int, write: fx.Node) -> bool:
+    """Whether ``index`` keeps the first positions along ``dim`` and all of the other dims (``[:, :, :n]``), at least
+    the ``write``'s prompt."""
+    index = index if isinstance(index, tuple) else (index,)
+    if len(index) <= dim or not all(isinstance(i, slice) for i in index):
+        return False
+    if any(i != slice(None) for d, i in enumerate(index) if d != dim):
+        return False
+    kept = index[dim]
+    return (kept.start in (None, 0) and kept.step in (None, 1) and isinstance(kept.stop, int)
+            and kept.stop >= value_of(write.args[3]).shape[dim])
 
 
 def _start_input(positions, placeholders) -> int | None:
@@ -128,26 +164,28 @@ def _rewritten(gm, buffers, attentions, placeholders, *, structured: bool) -> St
         node = by_name[node.name]
         op = canonical(node)  # not op_of: the copy's cached ops name the original graph's nodes
         (dim, _, write_k), (_, _, write_v) = buffers[by_name[k.name]], buffers[by_name[v.name]]
-        keys, values, mask = write_k.args[3], write_v.args[3], by_name[mask.name]
+        keys, values = write_k.args[3], write_v.args[3]
+        mask = by_name[mask.name] if mask is not None else None  # None: causal (upper-left), over the prompt too
         length = int(value_of(keys).shape[dim])
         heads, kv_heads = value_of(op["q"]).shape[1], value_of(keys).shape[1]
-        if structured and mask not in rebuilt:
+        if structured and mask is not None and mask not in rebuilt:
             with graph.inserting_after(last):
                 last = visible = graph.placeholder(f"{mask.name}_keys")
             visible.meta["example_value"] = _empty(value_of(mask), (value_of(mask).shape[0], length), torch.bool)
             with graph.inserting_before(node):
                 rebuilt[mask] = _causal_and_keys(graph, visible, length, value_of(mask).device)
         with graph.inserting_before(node):  # the prompt's keys unrepeated: GQA by the attention itself
-            columns = (rebuilt[mask] if structured else
+            columns = (None if mask is None else rebuilt[mask] if structured else
                        new_node(graph, operator.getitem, (mask, (Ellipsis, slice(None, length)))))
             attention = new_node(graph, torch._C._nn.scaled_dot_product_attention, (op["q"], keys, values),
-                                 {"attn_mask": columns, "dropout_p": op["dropout_p"], "is_causal": False,
+                                 {"attn_mask": columns, "dropout_p": op["dropout_p"], "is_causal": mask is None,
                                   "scale": op["scale"], "enable_gqa": heads != kv_heads},
                                  example_value=value_of(node))
         attention.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
         node.replace_all_uses_with(attention)
         graph.erase_node(node)
-        result.masks[placeholders[mask]] = length
+        if mask is not None:
+            result.masks[placeholders[mask]] = length
     output = next(n for n in graph.nodes if n.op == "output")
     flat = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
     for node, (dim, capacity, write) in buffers.items():

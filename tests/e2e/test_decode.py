@@ -155,6 +155,18 @@ def test_generate_with_a_sliding_window_cache():
     assert sum(held) == len(lengths) * LAYERS * 2 * (WINDOW - 1), held  # keys and values: each entry on one rank
 
 
+def _static_shares(result, rank: int) -> list[tuple[int, int, int]]:
+    """(local length, the layout's share of the rank, capacity) of every layer's fixed-size keys and values, each
+    asserted a ``SplitTensor`` of a ``CacheLayout``."""
+    shares = []
+    for layer in result.past_key_values.layers:
+        for cache in (layer.keys, layer.values):
+            assert isinstance(cache, SplitTensor) and isinstance(cache.layout_rule, CacheLayout), cache
+            shares.append((cache.local.shape[-2], cache.layout_rule.local_length(rank, cache.shape[-2]),
+                           cache.shape[-2]))
+    return shares
+
+
 def _static_rank(lengths) -> dict:
     import warnings
 
@@ -168,11 +180,7 @@ def _static_rank(lengths) -> dict:
         merge = counter.calls["decode_merge"]
         out["tokens"].append(result.sequences)
         out["merges"].append((merge.count, merge.bytes_sent))
-        for layer in result.past_key_values.layers:
-            for cache in (layer.keys, layer.values):
-                assert isinstance(cache, SplitTensor) and isinstance(cache.layout_rule, CacheLayout), cache
-                out["shares"].append((cache.local.shape[-2], cache.layout_rule.local_length(rank, cache.shape[-2]),
-                                      cache.shape[-2]))
+        out["shares"] += _static_shares(result, rank)
     out["sampled"] = _generate(model, lengths[0], sample=True, cache_implementation="static").sequences
     out["explain"] = autoshard.explain(backend)
     config = transformers.CompileConfig(backend=autoshard.backend())  # transformers compiles the decode steps
@@ -211,3 +219,56 @@ def test_generate_with_a_static_cache():
         tokens, warned = r["compile_config"]
         assert torch.equal(tokens, expected[0]), (tokens, expected[0])
         assert len(warned) == 1 and "StaticCache" in warned[0] and "layers[0].keys" in warned[0], warned
+
+
+def _one_prompt(length: int, masked: bool) -> dict:
+    ids = torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(length))
+    return dict(input_ids=ids, pad_token_id=0, **({"attention_mask": torch.ones_like(ids)} if masked else {}))
+
+
+def _generate_one(model, length: int, masked: bool):
+    return model.generate(**_one_prompt(length, masked), max_new_tokens=NEW, do_sample=False,
+                          cache_implementation="static", return_dict_in_generate=True)
+
+
+def _static_one_rank(runs) -> dict:
+    import warnings
+
+    rank = torch.distributed.get_rank()
+    model, backend = _model(), autoshard.backend()
+    model.forward = torch.compile(model.forward, backend=backend)
+    out = {"tokens": [], "merges": [], "shares": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for length, masked in runs:
+            with comm_counter() as counter:
+                result = _generate_one(model, length, masked)
+            merge = counter.calls["decode_merge"]
+            out["tokens"].append(result.sequences)
+            out["merges"].append((merge.count, merge.bytes_sent))
+            out["shares"] += _static_shares(result, rank)
+    out["warned"] = [str(w.message) for w in caught if str(w.message).startswith("autoshard")]
+    out["explain"] = autoshard.explain(backend)
+    return out
+
+
+def test_generate_with_a_static_cache_at_batch_size_one():
+    """One prompt (the common serving case), with and without an attention mask: transformers drops the all-visible
+    mask and its SDPA attention reads the empty cache's first ``S`` positions under ``is_causal`` (no mask input);
+    the prefill still attends as a causal self-attention and the cache leaves split. At P=2, two prompt lengths
+    (the second, without a mask, through the dynamic-shape graph): one process's tokens, every layer's buffer a
+    ``SplitTensor`` of the cache layout, one decode merge per layer and step, 0 fallbacks, no warning."""
+    runs = ((13, True), (22, False))
+    results = run_on_ranks(_static_one_rank, 2, runs, timeout=600)
+    model = _model()
+    expected = [_generate_one(model, length, masked).sequences for length, masked in runs]
+    per_call = HEADS * 1 * (HEAD_DIM + 1) * 4  # one other rank's fp32 (out, lse) of one query per head
+    for r in results:
+        for got, want in zip(r["tokens"], expected):
+            assert torch.equal(got, want), (got, want)
+        for local, share, total in r["shares"]:
+            assert local == share and abs(local - total / 2) <= 1, (local, share, total)
+        assert r["merges"] == [(LAYERS * (NEW - 1), LAYERS * (NEW - 1) * per_call)] * len(runs), r["merges"]
+        graphs = [line for line in r["explain"].splitlines() if line.startswith("graph")]
+        assert all(" 0 fallback(s)" in line for line in graphs), r["explain"]
+        assert "decode" in r["explain"] and not r["warned"], (r["explain"], r["warned"])
