@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from .config import BackendConfig, resolve_config, trace_checkpointed_layers
 from .passes.decode import cache_written_in_place, decode_graph, decode_runner
+from .passes.dense_masks import dense_mask_inputs, dense_mask_runner
 from .passes.static_cache import static_prefill, static_prefill_runner
 from .passes.deferred import inline_deferred
 from .passes.ops import value_of
@@ -140,9 +141,15 @@ class AutoshardBackend:
         """Compile one static graph for this rank and lower it. ``sharded_inputs``: placeholder name -> the
         Shard placement its (local) input arrives in; ``global_inputs``: the inputs' global shapes, when
         they differ from ``example_inputs``'. A prefill into a fixed-size KV cache is compiled as
-        :mod:`autoshard.passes.static_cache` rewrites it, and its cache leaves split."""
+        :mod:`autoshard.passes.static_cache` rewrites it, and its cache leaves split. A graph whose attention mask
+        arrives dense is compiled per structure its values hold (:mod:`autoshard.passes.dense_masks`)."""
         static = None if torch.is_grad_enabled() else static_prefill(gm)
         if static is None:
+            masks = dense_mask_inputs(gm, example_inputs)
+            if masks:  # built by code this backend does not compile: read at run time (autoshard.passes.dense_masks)
+                return dense_mask_runner(gm, masks, lambda graph, args: self._compile(graph, args, sharded_inputs,
+                                                                                      global_inputs),
+                                         self._sequence_group())
             return self._compile(gm, example_inputs, sharded_inputs, global_inputs)
         pg = self._sequence_group()
         extra = [value_of(n) for n in static.structured.graph.nodes if n.op == "placeholder"][len(example_inputs):]

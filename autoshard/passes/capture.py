@@ -363,9 +363,11 @@ def _dense(reason: str, mask) -> DenseMask:
     unknown = _unknown_buffers(mask)
     if isinstance(mask, fx.Node) and mask.op == "placeholder" and not is_module_state(mask):
         reason = ("its mask is an input of this graph made by code autoshard did not compile (per-block compilation "
-                  "with the mask built outside the blocks): only a dense value arrives. Compile the code that builds "
-                  "the mask with the same backend (the model whole, or the function that builds it): a mask an "
-                  "autoshard graph makes reaches the next graph as the recipe it is made by")
+                  "with the mask built outside the blocks): only a dense value arrives, and its values are not a "
+                  "causal mask of documents, padding and a window (a [B, 1, S, S] mask is checked on every call, "
+                  "autoshard.passes.dense_masks). Compile the code that builds the mask with the same backend (the "
+                  "model whole, or the function that builds it): a mask an autoshard graph makes reaches the next "
+                  "graph as the recipe it is made by")
     if unknown:
         reason = (f"its mask is computed from module state {', '.join(unknown)}, whose values are unknown here (a "
                   f"model on the meta device): planned as a dense mask; plan the model with its buffers' values "

@@ -22,6 +22,12 @@ document ``mask_mod`` and an ALiBi ``score_mod``. Bad input: a mask the compiler
 runs on gathered keys with this rank's rows of it, exact, warned once with the user's line, and the plan says so.
 The plan of the FSDP2 recipe on the meta device (``per_layer_graphs``) has the run's attention and bytes. Lengths the
 world size does not divide; one launch per world size, one pytest item per case.
+
+A mask built eagerly (transformers' model compiled layer by layer, the rest of it eager: the layers take the mask
+dense) is read back into its structure at run time, checked once per mask object, and every attention distributed
+(packed documents, a float mask, a sliding window over left padding); one that is no structure (a custom mask, one
+entry off) runs on gathered keys, warned. One launch at P=2 of its own (these cases make the dense mask eagerly,
+so the ``S x S`` check does not apply).
 """
 
 import copy
@@ -313,6 +319,80 @@ def _unreadable() -> dict:
                                                                   for a in r.report.attention],
             "warnings": [str(w.message) for w in caught if "is not distributed" in str(w.message)],
             "plan": [(a.strategy, a.mask) for a in plan.attention]}
+
+
+def _eager_mask_model(kind: str) -> dict:
+    """transformers' model compiled layer by layer (``layer.compile``), the rest of it eager: the mask transformers
+    builds before the layers reaches every layer graph dense, and is read back into its structure at run time
+    (``packed``: documents; ``float``: documents in eager attention's float mask; ``mistral``: a sliding window
+    over left padding); ``perturbed``: a 4-D mask passed in, the packed documents' with one entry more, which no
+    structure makes (gathered, warned, exact)."""
+    from autoshard.runtime import dense_masks
+
+    torch._dynamo.reset()
+    model = _hf_model("mistral" if kind == "mistral" else "llama")
+    if kind == "float":
+        model.config._attn_implementation = "eager"
+    reference = copy.deepcopy(model)
+    kwargs = _inputs("padding" if kind == "mistral" else "packed")
+    if kind == "perturbed":
+        mask = _document_mask(kwargs["position_ids"])
+        mask[:, :, 200, 30] = True  # a key of another document
+        kwargs["attention_mask"] = mask
+    ref_loss = reference(**kwargs).loss
+    ref_loss.backward()
+    backend = autoshard.backend()
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    reads, read = [], dense_masks._read
+    dense_masks._read = lambda mask, pg: reads.append(mask.shape) or read(mask, pg)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = model(**kwargs).loss
+            loss.backward()
+    finally:
+        dense_masks._read = read
+    ref = dict(reference.named_parameters())
+    grads = max(_relative(p.grad, ref[n].grad) for n, p in model.named_parameters())
+    out = _summary(backend, [], _relative(loss.detach(), ref_loss.detach()), grads)
+    out["reads"] = len(reads)
+    out["warnings"] = [str(w.message) for w in caught if "is not distributed" in str(w.message)]
+    return out
+
+
+EAGER_MASKS = ("packed", "float", "mistral", "perturbed")
+
+
+def _eager_masks() -> dict:
+    return {kind: _eager_mask_model(kind) for kind in EAGER_MASKS}
+
+
+@functools.cache
+def _eager_mask_results() -> list[dict]:
+    return run_on_ranks(_eager_masks, 2, timeout=900)
+
+
+@pytest.mark.parametrize("kind", EAGER_MASKS[:3])
+def test_per_block_compile_reads_an_eager_mask_as_structure(kind):
+    """The dense mask built outside the compiled layers is checked (each rank its rows, once for both layers) and
+    taken as its structure: every attention distributed, no fallback, loss and gradients as one process's."""
+    for rank, r in enumerate(_eager_mask_results()):
+        r = r[kind]
+        assert r["loss"] < TOLERANCE["hf"] and r["grads"] < TOLERANCE["hf"], (rank, r)
+        assert r["strategies"] and not set(r["strategies"]) & set(NOT_DISTRIBUTED), (rank, r)
+        assert r["fallbacks"] == [] and r["warnings"] == [], (rank, r)
+        assert r["reads"] == 1, (rank, r)
+
+
+def test_per_block_compile_keeps_an_eager_mask_no_structure_makes_dense():
+    """A mask that is not the structure its values suggest runs on gathered keys with this rank's rows of it,
+    exact, warned with the reason; the entry off is in rank 1's rows only, and both ranks take the gathered path."""
+    for rank, r in enumerate(_eager_mask_results()):
+        r = r["perturbed"]
+        assert r["loss"] < TOLERANCE["hf"] and r["grads"] < TOLERANCE["hf"], (rank, r)
+        assert set(r["strategies"]) == {"gathered-kv"}, (rank, r)
+        assert len(r["warnings"]) == 1 and "checked on every call" in r["warnings"][0], (rank, r)
 
 
 def _run(world: int) -> dict:
