@@ -42,10 +42,12 @@ what the caller holds (the outputs) and the temporaries of every op are all in i
   are held, not differentiated (``loss.backward()``); a graph without one (a layer of several graphs) from every
   differentiable output, with the caller's gradient of each.
 
-The breakdown (:class:`MemoryEstimate`) is the peak moment's live bytes by kind. Planning options that the graphs
-do not show are arithmetic on top: ``dp_shard`` (FSDP2 shards parameters, gradients and optimizer states over that
-many ranks, all-gathers one unit's parameters -- and prefetches the next -- and reduce-scatters its gradients) and
-``optimizer`` (its states, resident all step); see :func:`plan`.
+The breakdown (:class:`MemoryEstimate`) is the peak moment's live bytes by kind; a returned KV cache's keys and
+values that autograd does not save (checkpointed layers: the attention's are recomputed) are a kind of their own,
+named with its fix (``use_cache=False``; :mod:`autoshard.passes.lazy` says why they are not made lazy). Planning
+options that the graphs do not show are arithmetic on top: ``dp_shard`` (FSDP2 shards parameters, gradients and
+optimizer states over that many ranks, all-gathers one unit's parameters -- and prefetches the next -- and
+reduce-scatters its gradients) and ``optimizer`` (its states, resident all step); see :func:`plan`.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ from .passes.capture import DENSE_MASK
 from .passes.deferred import inline_deferred
 from .passes.graph import keep_real_values
 from .passes.pipeline import compile_graph
-from .policy import MemoryBudgetError, choose_memory_policy, chunk_tokens, format_bytes
+from .policy import choose_memory_policy, chunk_tokens, format_bytes
 from .runtime.attention import formulas
 from .runtime.chunked_loss import working_set_bytes
 from .runtime.offload import PlannedOffload, planned_offload
@@ -156,8 +158,11 @@ class MemoryEstimate:
     saved_activations: int
     """What forward saved for backward and is still held at the peak (checkpointed regions: their inputs; the
     graphs before a graph break: all they keep)."""
+    kv_cache: int = 0
+    """The keys and values of a returned KV cache (a call with transformers' default ``use_cache=True``) that the
+    caller holds and autograd does not save: what ``use_cache=False`` removes."""
     outputs: int
-    """Graph outputs the caller holds that autograd does not save (returned logits, a loss)."""
+    """Graph outputs the caller holds that autograd does not save (returned logits, a loss), but a KV cache."""
     transient: int
     """Everything else alive at the peak: gradients of activations, the activations a checkpointed region
     recomputes, the working set of the op that runs (a chunk of the chunked loss)."""
@@ -169,16 +174,19 @@ class MemoryEstimate:
     peak_at: str = ""
     """Where the peak is: the graph, the phase and the op that runs then (``g0 backward: aten.mm.default``)."""
     def describe(self) -> str:
-        """``at its peak (<where>): <total> (<the terms>)``."""
+        """``at its peak (<where>): <total> (<the terms>)``, and the fix of a returned KV cache."""
         terms = [("parameters", self.parameters), ("gradients", self.gradients),
                  ("optimizer states", self.optimizer_states), ("FSDP gathered parameters", self.gathered_parameters),
                  ("FSDP unsharded gradients", self.unsharded_gradients),
-                 ("saved activations", self.saved_activations), ("outputs", self.outputs),
-                 ("transient", self.transient)]
+                 ("saved activations", self.saved_activations), ("returned KV cache", self.kv_cache),
+                 ("outputs", self.outputs), ("transient", self.transient)]
         shown = [(name, value) for name, value in terms
                  if value or name in ("parameters", "gradients", "saved activations", "outputs", "transient")]
+        cache = ("; the returned KV cache is every layer's keys and values (transformers' default use_cache=True), "
+                 "held by the caller and not saved for backward: call the model with use_cache=False where the step "
+                 "does not read it" if self.kv_cache else "")
         return (f"at its peak ({self.peak_at}): {format_bytes(self.total)} ("
-                + ", ".join(f"{name} {format_bytes(value)}" for name, value in shown) + ")")
+                + ", ".join(f"{name} {format_bytes(value)}" for name, value in shown) + ")" + cache)
 
     host_offloaded: int = 0
     """Bytes of checkpointed layers' inputs kept in host memory from forward to backward, and of the hidden state
@@ -550,8 +558,10 @@ class _Peak:
 
     saved: int = 0
     """Storages autograd saved in forward (outside checkpointed regions; the regions' inputs)."""
+    kv_cache: int = 0
+    """The keys and values of a returned KV cache, not saved."""
     outputs: int = 0
-    """The graph's outputs, not saved."""
+    """The graph's other outputs, not saved."""
     gradients: int = 0
     """The parameters' gradients."""
     transient: int = 0
@@ -562,7 +572,7 @@ class _Peak:
     @property
     def extra(self) -> int:
         """All of it."""
-        return self.saved + self.outputs + self.gradients + self.transient
+        return self.saved + self.kv_cache + self.outputs + self.gradients + self.transient
 
 
 @dataclass(kw_only=True)
@@ -576,6 +586,8 @@ class _GraphMemory:
     """The ids of the parameters it makes gradients for."""
     held: int
     """Bytes its forward leaves alive above its inputs (saved for backward, outputs)."""
+    held_cache: int
+    """Of ``held``: a returned KV cache's keys and values, not saved."""
     forward: _Peak
     backward: _Peak
     local: int
@@ -690,6 +702,8 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int, topolo
                 results[i] = None
             outputs = [t for t in tree_leaves(results) if isinstance(t, torch.Tensor)]
         output_serials = {live.serial_of(t) for t in outputs}
+        cache = {live.serial_of(results[i]): results[i].untyped_storage().nbytes()  # a returned KV cache's storages
+                 for i in compiled.cache_outputs or ()}
         held = live.total - base
         live.phase = timer.phase = "backward"
         differentiable = [t for t in outputs if t.requires_grad and id(t) not in unread]
@@ -703,18 +717,19 @@ def _memory(compiled, example_inputs: list, world: int, root_length: int, topolo
         if phase not in peaks:
             return _Peak()
         _, serials, extra, op = peaks[phase]
-        kinds = {"saved": 0, "outputs": 0, "gradients": 0, "transient": extra}
+        kinds = {"saved": 0, "kv_cache": 0, "outputs": 0, "gradients": 0, "transient": extra}
         for serial, nbytes in serials.items():
             if serial in inputs_serials:
                 continue
-            kind = ("gradients" if serial in grads else "saved" if serial in packed
+            kind = ("gradients" if serial in grads else "saved" if serial in packed else "kv_cache" if serial in cache
                     else "outputs" if serial in output_serials else "transient")
             kinds[kind] += nbytes
         return _Peak(**kinds, op=op)
 
     peaks = live.peaks_ahead if offload and prefetch else live.peaks
     return _GraphMemory(parameters=parameters, gradients={i for i, (_, p) in parameters.items() if p.grad is not None},
-                        held=held, forward=peak(peaks, "forward"), backward=peak(peaks, "backward"),
+                        held=held, held_cache=sum(n for serial, n in cache.items() if serial not in packed),
+                        forward=peak(peaks, "forward"), backward=peak(peaks, "backward"),
                         local=-(-root_length // world), host=host.host, prefetched=offload and prefetch,
                         ahead=(peak(live.peaks_ahead, "forward"), peak(live.peaks_ahead, "backward"))
                         if offload else None,
@@ -760,13 +775,15 @@ def _estimate(memories: list[_GraphMemory], *, dp_shard: int, optimizer: str | N
     if optimizer is not None:
         for _, x in parameters.values():
             states += _shard_bytes(x, dp_shard) // x.element_size() * _state_bytes(x)
-    activations = p.saved + before + p.outputs + p.transient
+    cached = sum(h.held_cache for h in memories[:g])  # the graphs before it keep their returned caches too
+    activations = p.saved + before + p.kv_cache + p.outputs + p.transient
     fixed = sharded + gradients + states + gathered + unsharded_grads
     local = next((m.local for m in memories if m.local > 0), 1)
     formula = fixed + sympy.Rational(activations, local) * sympy.ceiling(formulas.S / formulas.P)
     return MemoryEstimate(parameters=sharded, gradients=gradients, optimizer_states=states,
                           gathered_parameters=gathered, unsharded_gradients=unsharded_grads,
-                          saved_activations=p.saved + before, outputs=p.outputs, transient=p.transient,
+                          saved_activations=p.saved + before - cached, kv_cache=p.kv_cache + cached,
+                          outputs=p.outputs, transient=p.transient,
                           total=fixed + activations, formula=formula, peak_at=f"g{g} {phase}: {p.op}",
                           host_offloaded=sum(m.host for m in memories),
                           host_prefetched=any(m.prefetched and m.host for m in memories))
@@ -811,7 +828,9 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, world_size: i
     """The memory policy's choice for one graph (:func:`autoshard.policy.choose_memory_policy`): each option's
     estimate is this graph's plan from rank 0 (a copy of ``gm``; the options as they are, no policy inside): its
     peak and its host bytes; the MLP chunks and tiles are sized from the rank's tokens (the sequence family the
-    compile pipeline finds; :func:`autoshard.policy.chunk_tokens`). Returns (the chosen config, :class:`~autoshard.policy.MemoryPolicy`)."""
+    compile pipeline finds; :func:`autoshard.policy.chunk_tokens`). Returns (the chosen config, :class:`~autoshard.policy.MemoryPolicy`).
+    When nothing fits, the error (or warning) ends with the smallest option's breakdown
+    (:meth:`MemoryEstimate.describe`: a returned KV cache named with its fix)."""
     plans: dict[tuple, Plan] = {}  # the levers -> the plan: the options differ in these only
 
     def planned(option: BackendConfig) -> Plan:  # one plan for offload with and without prefetch: it has both peaks
@@ -832,12 +851,11 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, world_size: i
         ahead = option.offload and option.offload_prefetch
         return memory.total_prefetched if ahead else memory.total, memory.host_offloaded
 
-    try:
-        return choose_memory_policy(config, estimate, budget=budget, host_budget=host_budget, strict=strict,
-                                    tokens=chunk_tokens(local))
-    except MemoryBudgetError as e:  # what the smallest option still holds: what a further lever must remove
-        smallest = min(plans.values(), key=lambda p: p.memory_per_rank.total).memory_per_rank
-        raise MemoryBudgetError(f"{e} The smallest option's memory per rank {smallest.describe()}") from None
+    def held(option: BackendConfig) -> str:  # what the smallest option still holds: what a further lever must remove
+        return f"The smallest option's memory per rank {planned(option).memory_per_rank.describe()}"
+
+    return choose_memory_policy(config, estimate, budget=budget, host_budget=host_budget, strict=strict,
+                                tokens=chunk_tokens(local), held=held)
 
 
 def _check_planning_options(dp_shard: int, optimizer: str | None) -> None:

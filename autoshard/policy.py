@@ -45,9 +45,10 @@ dominates the most others (its failure rules out the most). The first option of 
 planned, ruled out and chose is kept (:class:`MemoryPolicy`) and shown in the plan.
 
 When nothing fits, an explicit budget is an error naming the smallest feasible budget (the smallest
-estimate planned: the options it rules out are at most :data:`DOMINANCE_MARGIN` below it) and the options
-planned. Every rank computes the same plans, so every rank raises. The budget the
-backend assumes on CUDA when none is given (the device's memory) only warns: the estimate counts
+estimate planned: the options it rules out are at most :data:`DOMINANCE_MARGIN` below it), the options planned
+and what that option still holds (the planner's breakdown of its peak: a returned KV cache, which no lever removes,
+is named there with its fix, ``use_cache=False``). Every rank computes the same plans, so every rank raises. The
+budget the backend assumes on CUDA when none is given (the device's memory) only warns: the estimate counts
 parameters as the graph sees them, whole, which over-counts FSDP-sharded models.
 """
 
@@ -55,13 +56,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .config import BackendConfig
+from .runtime.warn import warn
 
 __all__ = ["MemoryOption", "MemoryPolicy", "MemoryBudgetError", "CHUNK_TOKENS", "MAX_CHUNKS", "DOMINANCE_MARGIN",
            "HEAD_CHUNKS", "chunk_tokens", "choose_memory_policy", "device_budget", "host_budget", "format_bytes"]
@@ -204,13 +205,14 @@ def _dominates(a: dict, b: dict) -> bool:
 
 
 def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfig], tuple[int, int]], *, budget: int,
-                         host_budget: int | None = None, strict: bool = True,
-                         tokens: int = CHUNK_TOKENS) -> tuple[BackendConfig, MemoryPolicy]:
+                         host_budget: int | None = None, strict: bool = True, tokens: int = CHUNK_TOKENS,
+                         held: Callable[[BackendConfig], str] | None = None) -> tuple[BackendConfig, MemoryPolicy]:
     """The config of the cheapest option whose ``estimate`` (planned per-rank peak bytes, host bytes) is within
     ``budget`` and ``host_budget`` (None: no limit), and what was weighed; ``tokens``: the tokens per MLP chunk
     and per tile of the options that chunk or tile (:func:`chunk_tokens`). Planned in the order the module
     docstring gives. Nothing fits: :class:`MemoryBudgetError` when ``strict``, else a warning and the option
-    with the smallest estimate."""
+    with the smallest estimate; either ends with ``held`` of that option's config, when given (what it still
+    holds: what a further lever, or the caller, must remove)."""
     ladder = _options(config, tokens)
     planned: dict[int, tuple[int, int]] = {}
 
@@ -252,17 +254,19 @@ def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfi
         return dataclasses.replace(config, **ladder[chosen]), policy
     feasible = [options[i] for i in planned if within_host(i)] or [options[i] for i in planned]
     smallest = min(feasible, key=lambda o: o.estimate)
+    smallest_config = dataclasses.replace(config, **{k: getattr(smallest, k) for k in _LEVERS})
     host = f" and {format_bytes(host_budget)} of host memory" if host_budget is not None else ""
     message = (f"autoshard: no memory policy fits memory_budget={budget:,} bytes ({format_bytes(budget)}){host} per "
                f"rank: the smallest feasible budget is {smallest.estimate:,} bytes ({format_bytes(smallest.estimate)}), "
                f"with {smallest.describe()}"
                + (f" ({format_bytes(smallest.host)} in host memory)" if smallest.offload else "")
                + ". Options planned: " + "; ".join(o.weighed() for o in options if o.estimate is not None)
-               + ". Raise the budget, use more ranks, or shard parameters and optimizer states (FSDP2).")
+               + ". Raise the budget, use more ranks, or shard parameters and optimizer states (FSDP2)."
+               + (f" {held(smallest_config)}" if held is not None else ""))
     if strict:
         raise MemoryBudgetError(message)
-    warnings.warn(message, stacklevel=3)
-    return dataclasses.replace(config, **{k: getattr(smallest, k) for k in _LEVERS}), policy
+    warn(message)
+    return smallest_config, policy
 
 
 def host_budget() -> int | None:

@@ -13,7 +13,10 @@ and the token ids live on the meta device.
 
 * ``factory``: called as users call it, ``model(input_ids=ids, labels=ids)``: the loss *and* the logits are
   returned (the logits lazily: computed when first read, so the plan holds their ``[tokens / P, 4096]`` input,
-  not ``[tokens / P, 128256]``; ``--no-lazy-logits`` to plan them computed);
+  not ``[tokens / P, 128256]``; ``--no-lazy-logits`` to plan them computed), and so is the KV cache
+  (transformers' default ``use_cache=True``): with checkpointed layers its keys and values are held for the
+  caller alone -- 80 GiB per rank at 5,242,880 tokens on 8 ranks, which the plan names with its fix
+  (``train``'s ``use_cache=False``);
 * ``train``: a training step's call, ``model(input_ids=ids, labels=ids, use_cache=False)`` (no KV cache returned:
   transformers turns it off itself under gradient checkpointing), the logits returned lazily;
 * ``prompt``: serving, ``model(input_ids=ids)`` in eval mode: with ``--decode`` the plan of a decode step after

@@ -21,6 +21,17 @@ condition keeps the rewrite invisible or worth it):
 
 The plan (:mod:`autoshard.planner`) counts the lazy logits as unread: its step backpropagates the loss, not
 them, and holds ``h`` for them.
+
+A returned KV cache is found here too (:func:`kv_cache_outputs`) but not made lazy. transformers' models default
+to ``use_cache=True``, so a training call that does not pass ``use_cache=False`` returns every layer's keys and
+values (a ``DynamicCache``): ``Hkv * D`` per token and layer, each. Where autograd saves them for the attention's
+backward anyway they cost nothing more; under checkpointed layers it does not, and the cache is held beside what
+the step needs (80 GiB per rank for Llama-3-8B at 5M tokens on 8 ranks). Handing them back lazily would mean
+keeping what recomputes them -- the layer's input, ``H`` per token, where the cache is ``2 * Hkv * D`` (half of
+that for grouped-query attention: Llama-3-8B's 4096 against 2048), and kept past the checkpoint, which frees it
+after the layer's backward (or keeps it in host memory, with offload) -- so the lazy form would hold more than
+the cache. The plan names the cache's bytes and the fix (``use_cache=False``) instead, and a compiled training
+call that returns one warns once (:mod:`.pipeline`).
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ import torch.fx as fx
 
 from .ops import numel, op_of, shape_of, value_of
 
-__all__ = ["LazyOutput", "lazy_outputs", "LAZY_RATIO"]
+__all__ = ["LazyOutput", "lazy_outputs", "kv_cache_outputs", "LAZY_RATIO"]
 
 LAZY_RATIO = 8
 """A returned ``linear`` becomes lazy only when its output has at least this many times its input's elements
@@ -79,3 +90,14 @@ def lazy_outputs(gm: fx.GraphModule) -> dict[int, LazyOutput]:
             if not node.users:  # returned twice: still erased once
                 gm.graph.erase_node(node)
     return lazy
+
+
+def kv_cache_outputs(gm: fx.GraphModule) -> list[int]:
+    """The output positions of ``gm`` that return an attention's keys or values: a returned KV cache
+    (transformers' ``use_cache=True``: the ``DynamicCache`` hands back the very tensors the attention reads)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if not isinstance(output.args[0], (tuple, list)):
+        return []
+    attentions = [op for op in map(op_of, gm.graph.nodes) if op is not None and op.name == "attention"]
+    read = {op[key] for op in attentions for key in ("k", "v")}
+    return [position for position, node in enumerate(output.args[0]) if isinstance(node, fx.Node) and node in read]

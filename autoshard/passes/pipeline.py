@@ -8,7 +8,8 @@
 ``defer``          masks and other cheap large outputs are handed on uncomputed (:mod:`.deferred`)
 ``decompose``      composites (``diff``) become ops that have rules (:mod:`.normalize`)
 ``chunking``       the LM head and its cross-entropy become one chunked op (:mod:`.chunking`)
-``lazy``           a returned LM head's logits are computed when first read (:mod:`.lazy`)
+``lazy``           a returned LM head's logits are computed when first read; a returned KV cache is found
+                   (:mod:`.lazy`)
 ``recompute``      with ``recompute="layers"``, every layer becomes a checkpointed region (:mod:`.recompute`)
 ``link``           every node's rule links its dims to its inputs' dims; annotations seed (:mod:`.rules`)
 ``families``       linked dims joined into sequence families (:mod:`.infer`)
@@ -37,7 +38,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -48,6 +48,7 @@ import torch.fx as fx
 
 from ..config import BackendConfig
 from ..runtime.groups import SequenceGroups
+from ..runtime.warn import warn
 from ..strategy import choose
 from .capture import capture_attention
 from .tile import tile
@@ -55,7 +56,7 @@ from .chunking import chunk_losses
 from .deferred import DeferredOutput, defer_outputs
 from .functionalize import functionalize
 from .infer import Families, LinkContext, find_families
-from .lazy import LazyOutput, lazy_outputs
+from .lazy import LazyOutput, kv_cache_outputs, lazy_outputs
 from .normalize import canonicalize, decompose
 from .ops import op_of, value_of
 from .regions import Region, fill_regions, inline_regions, outline_regions
@@ -112,6 +113,8 @@ class PipelineState:
     """defer: output position -> how the value the graph no longer computes is computed where it is used."""
     lazy_outputs: dict[int, LazyOutput] = field(default_factory=dict)
     """lazy: output position -> the head the backend makes lazy logits of (the graph returns its input)."""
+    cache_outputs: list[int] = field(default_factory=list)
+    """lazy: the output positions that return an attention's keys or values (a returned KV cache)."""
     links: LinkContext | None = None
     """link: the dims every rule linked."""
     families: Families | None = None
@@ -215,7 +218,8 @@ def _tile(state: PipelineState) -> dict[str, int]:
 
 def _lazy(state: PipelineState) -> dict[str, int]:
     state.lazy_outputs = lazy_outputs(state.gm) if state.config.lazy_logits else {}
-    return {"lazy": len(state.lazy_outputs)}
+    state.cache_outputs = kv_cache_outputs(state.gm)
+    return {"lazy": len(state.lazy_outputs), "kv_cache": len(state.cache_outputs)}
 
 
 def _outline(state: PipelineState) -> dict[str, int]:
@@ -299,7 +303,8 @@ class CompiledGraph:
     lazy_outputs: dict = None
     """Position in the output tuple -> :class:`~.lazy.LazyOutput` of the outputs handed back as
     :class:`~autoshard.runtime.lazy_linear.LazyLinear` (the graph returns the head's input there)."""
-
+    cache_outputs: list = None
+    """Positions in the output tuple of a returned KV cache's keys and values (:func:`~.lazy.kv_cache_outputs`)."""
 
 
 def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, groups: SequenceGroups,
@@ -324,13 +329,19 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, groups: Sequence
         detail = "; ".join(f.reason for f in state.missed) if state.missed else (
             "no scaled_dot_product_attention or softmax(QK^T)V in it, and no input marked with "
             "autoshard.mark_sequence or seq_dims")
-        warnings.warn(f"autoshard: nothing in this graph is split along a sequence, so it runs whole on every "
-                      f"rank: {detail}", stacklevel=3)
+        warn(f"autoshard: nothing in this graph is split along a sequence, so it runs whole on every rank: {detail}")
+    returned = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    if (not planning and torch.is_grad_enabled() and rewriter.report.recomputed
+            and any(value_of(returned[i]).requires_grad for i in state.cache_outputs)):
+        warn("autoshard: this training call returns a KV cache (every layer's keys and values: transformers' default "
+             "use_cache=True); its layers are checkpointed, so autograd does not keep the keys and values and the "
+             "caller holds the cache beside what backward needs. Call the model with use_cache=False where the step "
+             "does not read it")
     rewriter.report.passes = state.stats
     rewriter.report.fallbacks[:0] = state.missed
     gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
     return CompiledGraph(state.gm, rewriter.report, families, state.strategies, gathered, state.reasons,
-                         rewriter.carried_outputs, state.deferred_outputs, state.lazy_outputs)
+                         rewriter.carried_outputs, state.deferred_outputs, state.lazy_outputs, state.cache_outputs)
 
 
 def input_name(node: fx.Node) -> str | None:

@@ -1,11 +1,13 @@
 """Dry-run plans: predicted bytes equal measured bytes, plans are deterministic and round-trip,
-the backend's dry run and the command line work, and nothing needs a process group."""
+the backend's dry run and the command line work, nothing needs a process group, and a KV cache a training call
+returns is named with its fix."""
 
 import functools
 import json
 import logging
 import subprocess
 import sys
+import warnings
 
 import pytest
 import sympy
@@ -13,10 +15,14 @@ import torch
 import torch.distributed as dist
 
 import autoshard
+from autoshard.config import BackendConfig
 from autoshard.cost import Topology
+from autoshard.passes.pipeline import compile_graph
 from autoshard.testing.models import BertClassifier, HandwrittenLM, LlamaConfig, LlamaLM, ViTClassifier, ViTConfig
-from autoshard.planner import Plan
+from autoshard.planner import Plan, _capture
+from autoshard.policy import MemoryBudgetError
 from autoshard.runtime import comm_counter
+from autoshard.runtime.groups import SequenceGroups
 from autoshard.runtime.attention import formulas
 from autoshard.testing import run_on_ranks
 
@@ -212,3 +218,57 @@ def test_plan_says_whether_the_lm_head_and_loss_are_chunked():
     assert whole.losses == {"chunked": 0, "unchunked": 1, "lazy_logits": 0}, whole.losses
     assert "1 not chunked" in str(whole)
     assert Plan.from_json(chunked.to_json()).losses == chunked.losses
+
+
+def _hf_llama(use_cache: bool | None, **options) -> Plan:
+    """The plan of a tiny transformers Llama on meta called for training with ``labels`` (``use_cache`` None: at
+    transformers' default, True) on 4 ranks."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
+    ids = torch.randint(0, 256, (1, 256), device="meta")
+    kwargs = dict(input_ids=ids, labels=ids) | ({} if use_cache is None else dict(use_cache=use_cache))
+    torch._dynamo.reset()
+    return autoshard.plan(model, (), kwargs, world_size=4, **options)
+
+
+def test_plan_names_a_returned_kv_cache_and_its_fix():
+    """A training call at transformers' default ``use_cache=True`` returns every layer's keys and values: with
+    checkpointed layers autograd does not save them, so the caller's cache is its own term of the peak, named with
+    ``use_cache=False``; without the cache, or with the attention saving them anyway, there is none."""
+    cached = _hf_llama(None, recompute="layers")
+    cache = 2 * 2 * (1 * 2 * (256 // 4) * 16 * 2)  # layers x (K, V) x [B, Hkv, S / P, D] bfloat16
+    assert cached.memory_per_rank.kv_cache == cache, cached.memory_per_rank
+    assert f"returned KV cache {cache // 1024}.00 KiB" in str(cached) and "use_cache=False" in str(cached)
+    uncached = _hf_llama(False, recompute="layers")
+    assert uncached.memory_per_rank.kv_cache == 0 and "KV cache" not in str(uncached)
+    assert uncached.memory_per_rank.total == cached.memory_per_rank.total - cache
+    saved = _hf_llama(None)  # the attention saves the keys and values the cache returns: no bytes of its own
+    assert saved.memory_per_rank.kv_cache == 0 and "KV cache" not in str(saved)
+    assert Plan.from_json(cached.to_json()).memory_per_rank == cached.memory_per_rank
+    with pytest.raises(MemoryBudgetError, match=r"returned KV cache 16\.00 KiB.*use_cache=False"):  # no lever removes it
+        _hf_llama(None, memory_budget=2**16)
+
+
+def test_a_compiled_training_call_that_returns_a_kv_cache_warns():
+    """The compiler (not a plan) warns with the fix where a call with grad enabled returns a KV cache of
+    checkpointed layers; not where autograd saves the keys and values anyway (no checkpoints), not under
+    ``no_grad`` (a prefill's cache is its point), nor without one."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model, ids = transformers.LlamaForCausalLM(config).train(), torch.randint(0, 256, (1, 64))
+    for use_cache, grad, recompute, warns in ((True, True, "layers", True), (True, True, "none", False),
+                                              (True, False, "layers", False), (False, True, "layers", False)):
+        torch._dynamo.reset()
+        with torch.set_grad_enabled(grad):
+            (gm, _, _), = _capture(model, (), dict(input_ids=ids, labels=ids, use_cache=use_cache))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                compiled = compile_graph(gm, config=BackendConfig(recompute=recompute),
+                                         groups=SequenceGroups.planned(0, 2))
+        assert len(compiled.cache_outputs) == (2 if use_cache else 0)
+        assert any("use_cache=False" in str(w.message) for w in caught) == warns, [str(w.message) for w in caught]
