@@ -6,7 +6,9 @@ to plan sizes that do not fit this machine. Prints the plan; ``--json`` / ``--do
 ``--hardware h100`` (or a profile file) prices the step on that hardware (:mod:`autoshard.hardware`).
 
 ``python -m autoshard calibrate --out FILE`` measures this machine into a profile file; launched on several ranks
-(``torchrun --nproc-per-node N -m autoshard calibrate --out FILE``), its collectives too.
+(``torchrun --nproc-per-node N -m autoshard calibrate --out FILE``), its collectives too. A CPU profile records the
+threads per rank it was measured with; ``plan --threads N`` prices ranks of N threads (default: what torchrun gives
+them, one each when several ranks run).
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hardware", default="h100", metavar="NAME_OR_FILE",
                    help="the profile the step is priced on: a100, h100, h200, b200 or a calibrated file (default h100)")
     p.add_argument("--ranks-per-node", type=int, help="override the profile's ranks per node")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads per rank of the run: a CPU profile's rates, measured with the threads it records, "
+                        "scale to them (FLOP/s in proportion, memory bandwidth as the square root; GPU profiles do not "
+                        "change); default what torchrun gives: OMP_NUM_THREADS when set, else 1 with several ranks, "
+                        "else the profile's own")
     p.add_argument("--memory-budget", type=float, metavar="GIB",
                    help="per-rank budget in GiB: the memory policy picks recomputation, chunks, tiles and offload to fit it")
     p.add_argument("--host-budget", type=float, metavar="GIB",
@@ -79,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the plan as JSON to this file")
     p.add_argument("--dot", help="also write the graph, coloured by placement, as Graphviz to this file")
     c = sub.add_parser("calibrate", help="measure this machine (and, launched on several ranks, its collectives) "
-                                         "into a hardware profile file")
+                                         "into a hardware profile file; a CPU's with this process's threads "
+                                         "(OMP_NUM_THREADS sets them), which the file records")
     c.add_argument("--out", required=True, help="the JSON profile to write")
     c.add_argument("--tokens", type=int, default=4096, help="tokens of the products and attention measured")
     args = parser.parse_args(argv)
@@ -106,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = plan(model, model_args, model_kwargs, world_size=args.world_size, strategy=args.strategy,
                       layout=args.layout, outputs=args.outputs, topology=topology,
-                      rank=args.rank, memory_budget=budget,
+                      threads=args.threads, rank=args.rank, memory_budget=budget,
                       host_budget=int(args.host_budget * 2**30) if args.host_budget is not None else None,
                       recompute=args.recompute, chunk_mlp=args.chunk_mlp,
                       tile_tokens=args.tile_tokens, head_chunks=args.head_chunks,

@@ -30,7 +30,9 @@ the strategy's formulas, the working set of the inputs).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
@@ -97,6 +99,10 @@ class Topology:
     sharing_efficiency: float = 1.0
     """How much of the cores ranks beyond :attr:`concurrent_ranks` get when they share them (1: perfect time slicing;
     context switches and caches make it less)."""
+    threads: int = 0
+    """CPU threads per rank the compute figures were measured with (a CPU calibration's ``torch.get_num_threads()``;
+    :meth:`with_threads` prices ranks with other threads). 0: each rank has a device whose speed its host's threads do
+    not change (a GPU)."""
 
     def __post_init__(self):
         rates = (self.intra_node_bandwidth, self.inter_node_bandwidth, self.attention_flops, self.memory_bandwidth,
@@ -104,9 +110,12 @@ class Topology:
                  self.host_memory_bytes, self.host_bandwidth)
         times = (self.intra_node_latency, self.inter_node_latency, self.step_overhead, self.op_overhead)
         if (self.ranks_per_node < 1 or min(rates) <= 0 or min(times) < 0 or self.concurrent_ranks < 0
-                or self.attention_pair_flops < 0 or not 0 < self.sharing_efficiency <= 1):
+                or self.attention_pair_flops < 0 or not 0 < self.sharing_efficiency <= 1 or self.threads < 0):
             raise ValueError(f"Topology: ranks per node, bandwidths, FLOP/s and memory must be positive and "
                              f"latencies not negative: {self}")
+        if self.threads and not self.concurrent_ranks:
+            raise ValueError(f"Topology: a CPU profile (threads {self.threads}) needs its concurrent ranks (the cores "
+                             f"over the threads): {self}")
 
     def bandwidth(self, ranks: int) -> float:
         """Bandwidth of a collective over ``ranks`` consecutive ranks."""
@@ -129,6 +138,43 @@ class Topology:
         if not self.concurrent_ranks or sharing <= self.concurrent_ranks:
             return 1.0
         return sharing / self.concurrent_ranks / self.sharing_efficiency
+
+    def with_threads(self, threads: int | None = None, *, world: int = 1) -> "Topology":
+        """This profile for a run whose ranks get ``threads`` CPU threads each (:attr:`threads`); None: what torchrun
+        gives a rank of a ``world``-rank run -- ``OMP_NUM_THREADS`` when set, else one thread when several ranks run
+        (torchrun sets it so for more than one rank per node, and :func:`autoshard.testing.run_on_ranks` runs one per
+        rank), else the profile's own (a lone process keeps PyTorch's default, what a calibration in one process
+        measured). A profile without threads (a GPU's) is returned as it is.
+
+        The model, for a CPU rank on the cores the profile saw (:attr:`concurrent_ranks` x :attr:`threads`; threads
+        beyond them add nothing):
+
+        * matrix multiplies and attention split their work over the threads: their FLOP/s scale in proportion to
+          them (measured on 2 cores, 1 -> 2 threads: float32 products x1.9, attention x2.1; assumed for 16-bit
+          products too, though a CPU without 16-bit matrix units runs them on one thread: x1.0 on that machine);
+        * memory-bound ops split their bytes over the threads but share one memory system: bandwidth scales as the
+          square root of the threads (measured there: an add x1.6, noisy from x1.2 to x2.0);
+        * an op's overhead (its dispatch, on one thread) does not change;
+        * :attr:`concurrent_ranks` becomes the cores over the new threads (ranks beyond them share the cores,
+          :meth:`slowdown`)."""
+        if not self.threads:
+            return self
+        if threads is None:
+            threads = int(os.environ.get("OMP_NUM_THREADS") or (1 if world > 1 else self.threads))
+        if threads < 1:
+            raise ValueError(f"Topology.with_threads: threads per rank must be positive, got {threads}")
+        if threads == self.threads:
+            return self
+        cores = self.concurrent_ranks * self.threads
+        compute = min(threads, cores) / self.threads
+        memory = compute ** 0.5
+        concurrent = max(1, cores // threads)
+        return dataclasses.replace(
+            self, name=f"{self.name}, at {threads} thread(s) per rank", threads=threads, concurrent_ranks=concurrent,
+            ranks_per_node=max(self.ranks_per_node, concurrent), matmul_flops=self.matmul_flops * compute,
+            matmul_flops_fp32=self.matmul_flops_fp32 * compute, attention_flops=self.attention_flops * compute,
+            attention_flops_fp32=self.attention_flops_fp32 * compute, memory_bandwidth=self.memory_bandwidth * memory,
+            host_bandwidth=self.host_bandwidth * memory)
 
     def matmul_rate(self, dtype: torch.dtype) -> float:
         """Matrix-multiply FLOP/s in ``dtype``."""

@@ -38,12 +38,14 @@ and 4 TB of host memory per node). Efficiencies applied (stated, not measured un
 * host copies run at 80% of the PCIe link (pinned memory): 25 GB/s on PCIe 4, 50 GB/s on PCIe 5.
 
 **Calibrated profiles** (:func:`calibrate`, ``python -m autoshard calibrate --out FILE``) measure the machine they
-run on: its GPU, or the CPU with the threads each rank gets (``torch.get_num_threads()``), through the kernels a
-step runs (``torch.mm``, autoshard's local attention forward + backward, an elementwise add), and the collectives of
-the process group when launched on several ranks (``torchrun --nproc-per-node N -m autoshard calibrate``). A CPU
-profile's :attr:`~autoshard.cost.Topology.concurrent_ranks` is its cores over the threads per rank: ranks beyond it
-share cores, and the prediction slows them accordingly (by the :attr:`~autoshard.cost.Topology.sharing_efficiency`
-measured when more ranks than cores were launched). Attention is timed at head dims 32 and 128 to fit its per-pair
+run on: its GPU, or the CPU with the threads each rank gets (``torch.get_num_threads()``, recorded as
+:attr:`~autoshard.cost.Topology.threads`: a plan for ranks with other threads scales the rates,
+:meth:`~autoshard.cost.Topology.with_threads`), through the kernels a step runs (``torch.mm``, autoshard's local
+attention forward + backward, an elementwise add), and the collectives of the process group when launched on several
+ranks (``torchrun --nproc-per-node N -m autoshard calibrate``). A CPU profile's
+:attr:`~autoshard.cost.Topology.concurrent_ranks` is its cores over the threads per rank: ranks beyond it share cores,
+and the prediction slows them accordingly (by the :attr:`~autoshard.cost.Topology.sharing_efficiency` measured when
+more ranks than cores were launched). Attention is timed at head dims 32 and 128 to fit its per-pair
 cost beyond the FLOPs (:attr:`~autoshard.cost.Topology.attention_pair_flops`).
 """
 
@@ -52,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -109,8 +112,13 @@ def save_profile(profile: Topology, path: str | os.PathLike) -> None:
 
 
 def load_profile(path: str | os.PathLike) -> Topology:
-    """The profile a JSON file holds; a missing or unknown field is named."""
+    """The profile a JSON file holds; a missing or unknown field is named. A file written before profiles recorded
+    their :attr:`~autoshard.cost.Topology.threads` gets the threads its name says it was calibrated with (``cpu x2
+    thread(s)``), none for a GPU's (:attr:`~autoshard.cost.Topology.concurrent_ranks` 0); a CPU profile whose name
+    does not say them is refused."""
     data = json.loads(Path(path).read_text())
+    if "threads" not in data:
+        data["threads"] = _old_threads(data, path)
     fields = {f.name for f in dataclasses.fields(Topology)}
     missing, unknown = sorted(fields - set(data)), sorted(set(data) - fields)
     if missing or unknown:
@@ -118,6 +126,19 @@ def load_profile(path: str | os.PathLike) -> Topology:
                          + "; ".join(([f"missing field(s) {', '.join(missing)}"] if missing else [])
                                      + ([f"unknown field(s) {', '.join(unknown)}"] if unknown else [])))
     return Topology(**data)
+
+
+def _old_threads(data: dict, path: str | os.PathLike) -> int:
+    """The threads of a profile file written without them (see :func:`load_profile`)."""
+    if not data.get("concurrent_ranks"):
+        return 0
+    match = re.match(r"cpu x(\d+) thread", str(data.get("name", "")))
+    if match is None:
+        raise ValueError(f"autoshard: hardware profile {str(path)!r}: a CPU profile without the threads per rank its "
+                         f"rates were measured with (field threads; its name {data.get('name')!r} does not say "
+                         f"them): the rates scale with the threads, so it cannot price ranks; add the field or "
+                         f"recalibrate (python -m autoshard calibrate --out FILE)")
+    return int(match.group(1))
 
 
 # ----------------------------------------------------------------------------------------------- calibration
@@ -230,15 +251,16 @@ def calibrate(*, tokens: int = 4096) -> Topology:
     profile = measured[0]
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if distributed else 1))
+    threads = 0 if cuda else torch.get_num_threads()
     if cuda:
         name = torch.cuda.get_device_name(device)
         memory = torch.cuda.get_device_properties(device).total_memory
         concurrent = 0
         ranks_per_node = local_ranks
     else:
-        name = f"cpu x{torch.get_num_threads()} thread(s)"
+        name = f"cpu x{threads} thread(s)"
         memory = host // max(1, local_ranks)
-        concurrent = max(1, len(os.sched_getaffinity(0)) // torch.get_num_threads())
+        concurrent = max(1, len(os.sched_getaffinity(0)) // threads)
         ranks_per_node = max(local_ranks, concurrent)
     base = Topology()
     latency, bandwidth, sharing = base.intra_node_latency, base.intra_node_bandwidth, 1.0
@@ -258,7 +280,7 @@ def calibrate(*, tokens: int = 4096) -> Topology:
                     inter_node_bandwidth=bandwidth, intra_node_latency=latency, inter_node_latency=latency,
                     step_overhead=profile["op_overhead"] * 10, memory_bytes=memory,
                     host_memory_bytes=host // max(1, local_ranks), concurrent_ranks=concurrent,
-                    sharing_efficiency=sharing, **profile)
+                    sharing_efficiency=sharing, threads=threads, **profile)
 
 
 def _compute(device: torch.device, tokens: int) -> dict:

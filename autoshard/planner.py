@@ -1018,7 +1018,8 @@ def plan_graph(gm: fx.GraphModule, example_inputs: list, *, world_size: int, con
 
 def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict | None = None, *, world_size: int,
          config: BackendConfig | None = None, rank: int = 0, dp_shard: int = 1, optimizer: str | None = None,
-         per_layer_graphs: bool = False, hardware: str | Topology | None = None, **overrides) -> Plan:
+         per_layer_graphs: bool = False, hardware: str | Topology | None = None, threads: int | None = None,
+         **overrides) -> Plan:
     """What ``torch.compile(model, backend=autoshard.backend(...))`` would do on ``world_size`` ranks.
 
     No process group is needed and nothing full-size is allocated when the model and the inputs are on
@@ -1042,6 +1043,8 @@ def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict |
       ``"a100"``, ``"h100"``, ``"h200"``, ``"b200"``, a calibrated profile file, or a
       :class:`~autoshard.cost.Topology`): ``plan.step_seconds``, ``plan.step_time`` (by layer). The same as
       ``topology=`` (give one of them); neither: the default (H100-class) profile.
+    * ``threads``: CPU threads per rank of the run priced: a CPU profile's rates scale to them
+      (:meth:`~autoshard.cost.Topology.with_threads`; None: what torchrun gives a rank); a GPU's do not change.
     * ``per_layer_graphs``: plan the graphs FSDP2's hooks cut the model into when every layer is wrapped (one
       graph per layer, the mask made before them handed on uncomputed, :mod:`autoshard.runtime.deferred`), as the
       run makes them, instead of one graph of the whole model: the same attention, and the bytes the per-layer
@@ -1052,6 +1055,8 @@ def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict |
             raise ValueError("autoshard.plan: give hardware= or topology=, not both (they are the same profile)")
         overrides["topology"] = resolve_hardware(hardware)
     config = resolve_config(config, overrides, "autoshard.plan")
+    if config.topology is not None:
+        config = dataclasses.replace(config, topology=config.topology.with_threads(threads, world=world_size))
     args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
     graphs = _capture(model, args, dict(kwargs or {}), per_layer_graphs=per_layer_graphs)
     result = plan_graphs(graphs, world_size=world_size, config=config, rank=rank, dp_shard=dp_shard,

@@ -2,18 +2,22 @@
 
     python benchmarks/step_time.py                                    # S = 4096, 8192, 16384; P = 1, 2, 4 (~30 min)
     python benchmarks/step_time.py --lengths 4096 --worlds 2 --repeat 2   # quicker
+    python benchmarks/step_time.py --calibrate process --lengths 4096 --worlds 2 --strategies zigzag
 
 1. ``autoshard.hardware.calibrate()`` on ``max(--worlds)`` gloo ranks, one thread each (the compute on rank 0 alone
-   while the others wait, the collectives on all of them); with ``--profile FILE`` the profile is written there, or
-   read from it when the file exists (one calibration for several runs).
+   while the others wait, the collectives on all of them); with ``--calibrate process``, in this process with its
+   default threads instead (what ``python -m autoshard calibrate --out FILE`` measures), the plan scaling its rates to
+   the ranks' one thread (``Topology.with_threads``). With ``--profile FILE`` the profile is written there, or read
+   from it when the file exists (one calibration for several runs).
 2. For every S, P and strategy that applies (P = 1: the default; P > 1: ring, zigzag, ulysses, allgather):
-   ``autoshard.plan(model on meta, world_size=P, strategy=..., topology=profile).step_seconds`` against the
+   ``autoshard.plan(model on meta, world_size=P, strategy=..., topology=profile, threads=1).step_seconds`` against the
    median over ``--repeat`` steps (after a warm-up step) of the slowest rank of
    ``autoshard.compile(model, strategy=...)`` on P gloo ranks, one thread per rank; with ``--levers`` also the
    default strategy with ``recompute="layers"`` and with ``chunk_mlp=1024`` (recomputation priced again).
 
 Model: transformers ``LlamaForCausalLM`` (vocab 8000, hidden 256, 4 layers, 8 / 2 heads, SwiGLU 688, fp32), forward
-+ backward of the causal-LM loss over one sequence of S tokens. ``error`` is predicted / measured - 1.
++ backward of the causal-LM loss over one sequence of S tokens. ``error`` is predicted / measured - 1; a profile
+measured with several threads adds ``unscaled``: the same for the plan priced at the profile's threads.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def _model(device: str = "cpu"):
         return transformers.LlamaForCausalLM(cfg).train()
 
 
-def _calibrate() -> dict:
+def _calibrate_ranks() -> dict:
     profile = calibrate()
     return dataclasses.asdict(profile) if dist.get_rank() == 0 else {}
 
@@ -76,11 +80,12 @@ def _measure(length: int, options: dict, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _predict(length: int, world: int, options: dict, profile) -> tuple[float, str]:
+def _predict(length: int, world: int, options: dict, profile, threads: int = 1) -> tuple[float, str]:
+    """The plan's step seconds and strategy for ranks of ``threads`` threads (the measured ranks have one)."""
     model = _model("meta")
     ids = torch.zeros(1, length, dtype=torch.long, device="meta")
     plan = autoshard.plan(model, (), dict(input_ids=ids, labels=ids, use_cache=False), world_size=world,
-                          topology=profile, **options)
+                          topology=profile, threads=threads, **options)
     return plan.step_seconds, plan.attention[0].strategy
 
 
@@ -95,6 +100,9 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--levers", action="store_true", help=f"also the default strategy with {', '.join(LEVERS)}")
     parser.add_argument("--repeat", type=int, default=3, help="measured steps; the median counts")
+    parser.add_argument("--calibrate", choices=("ranks", "process"), default="ranks",
+                        help="where the profile is measured: on max(--worlds) ranks of one thread (default), or in "
+                             "this process with its default threads, scaled to the ranks' one thread")
     parser.add_argument("--profile", help="the calibrated profile: written when missing, read when present "
                                            "(default: calibrate, keep nothing)")
     args = parser.parse_args()
@@ -103,13 +111,17 @@ def main() -> None:
         profile = load_profile(args.profile)
     else:
         start = time.perf_counter()
-        ranks = run_on_ranks(_calibrate, max(max(args.worlds), 2), threads=1, timeout=600)
-        profile = autoshard.Topology(**ranks[0])
+        if args.calibrate == "process":
+            profile = calibrate()
+        else:
+            profile = autoshard.Topology(**run_on_ranks(_calibrate_ranks, max(max(args.worlds), 2), threads=1,
+                                                        timeout=600)[0])
         print(f"calibrated in {time.perf_counter() - start:.0f} s" + (f" -> {args.profile}" if args.profile else ""))
         if args.profile:
             save_profile(profile, args.profile)
     print(f"profile: {profile}")
 
+    unscaled = profile.threads > 1  # also the plan at the threads the profile was measured with
     rows, errors = [], []
     for length in args.lengths:
         for world in args.worlds:
@@ -123,9 +135,13 @@ def main() -> None:
                 errors.append(predicted / measured - 1)
                 label = chosen if name is None else name if "strategy" in options else f"{chosen}, {name}"
                 rows.append([length, world, label, f"{measured:.2f}", f"{predicted:.2f}", f"{errors[-1]:+.1%}"])
+                if unscaled:
+                    as_measured = _predict(length, world, options, profile, profile.threads)[0]
+                    rows[-1].append(f"{as_measured / measured - 1:+.1%}")
                 print("  ".join(map(str, rows[-1])), flush=True)
     print_table(f"Step time predicted on {profile.name} against measured (median of {args.repeat})",
-                ["S", "P", "run", "measured s", "predicted s", "error"], rows)
+                ["S", "P", "run", "measured s", "predicted s", "error"]
+                + ([f"unscaled ({profile.threads} threads)"] if unscaled else []), rows)
     if errors:
         print(f"\nmean |error| {statistics.mean(abs(e) for e in errors):.1%}, worst {max(errors, key=abs):+.1%}")
 

@@ -93,6 +93,56 @@ def test_ranks_sharing_cores_compute_slower():
     assert PROFILES["h100"].slowdown(8) == 1
 
 
+_CPU = dataclasses.replace(PROFILES["h100"], name="cpu x2 thread(s)", threads=2, concurrent_ranks=4, ranks_per_node=4)
+"""A CPU profile measured with 2 threads per rank on 8 cores (its rates the h100's: only their ratios matter)."""
+
+
+def test_a_cpu_profile_scales_to_the_threads_per_rank(monkeypatch):
+    """The model of :meth:`Topology.with_threads`: FLOP/s in proportion to the threads (up to the cores), memory
+    bandwidth as the square root, the overheads unchanged, the cores shared out again; GPU profiles unchanged."""
+    one = _CPU.with_threads(1)
+    assert (one.threads, one.concurrent_ranks, one.ranks_per_node) == (1, 8, 8)
+    assert one.name == "cpu x2 thread(s), at 1 thread(s) per rank"
+    for name in ("matmul_flops", "matmul_flops_fp32", "attention_flops", "attention_flops_fp32"):
+        assert getattr(one, name) == pytest.approx(getattr(_CPU, name) / 2)
+    for name in ("memory_bandwidth", "host_bandwidth"):
+        assert getattr(one, name) == pytest.approx(getattr(_CPU, name) / 2**0.5)
+    assert (one.op_overhead, one.step_overhead, one.attention_pair_flops) == (
+        _CPU.op_overhead, _CPU.step_overhead, _CPU.attention_pair_flops)
+    many = _CPU.with_threads(16)  # threads beyond the 8 cores add nothing
+    assert many.matmul_flops == pytest.approx(_CPU.matmul_flops * 4) and many.concurrent_ranks == 1
+    assert _CPU.with_threads(2) is _CPU and PROFILES["h100"].with_threads(1) is PROFILES["h100"]
+    with pytest.raises(ValueError, match="positive, got 0"):
+        _CPU.with_threads(0)
+    # the default is torchrun's: OMP_NUM_THREADS when set, else one thread per rank of several, else the profile's
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert _CPU.with_threads(world=2) == one and _CPU.with_threads(world=1) is _CPU
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert _CPU.with_threads(world=2).threads == 4
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    # the plan prices the run's threads: one thread per rank, slower than the two the profile measured
+    plans = {threads: _plan(2048, world=2, hardware=_CPU, threads=threads) for threads in (None, 1, 2)}
+    assert plans[None].step_seconds == plans[1].step_seconds > plans[2].step_seconds
+    assert plans[1].step_time.hardware == one.name and plans[2].step_time.hardware == _CPU.name
+
+
+def test_profile_files_record_their_threads(tmp_path):
+    path = tmp_path / "cpu.json"
+    save_profile(_CPU, path)
+    assert json.loads(path.read_text())["threads"] == 2 and load_profile(path) == _CPU
+    # a file written before profiles recorded them: a CPU's from its name, a GPU's none; else refused with why
+    for profile, threads in ((dataclasses.replace(_CPU, name="cpu x2 thread(s), gloo over 4 rank(s)"), 2),
+                             (PROFILES["a100"], 0)):
+        data = dataclasses.asdict(profile)
+        del data["threads"]
+        path.write_text(json.dumps(data))
+        assert load_profile(path) == dataclasses.replace(profile, threads=threads)
+    data["name"], data["concurrent_ranks"] = "my laptop", 2
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="a CPU profile without the threads per rank.*'my laptop' does not say"):
+        load_profile(path)
+
+
 def test_unknown_hardware_and_incomplete_profiles_are_named(tmp_path):
     with pytest.raises(ValueError, match="unknown hardware 'tpu'.*a100, b200, h100, h200"):
         _plan(1024, hardware="tpu")
@@ -124,6 +174,10 @@ def test_the_command_line_prints_the_step_time(tmp_path, capsys):
     """))
     assert main(["plan", f"{factory}:build", "--world-size", "4", "--seq-len", "2048", "--hardware", "a100"]) == 0
     assert "step time" in capsys.readouterr().out and "on a100" in str(_plan(2048, hardware="a100"))
+    save_profile(_CPU, tmp_path / "cpu.json")
+    assert main(["plan", f"{factory}:build", "--world-size", "2", "--seq-len", "2048", "--hardware",
+                 str(tmp_path / "cpu.json"), "--threads", "1"]) == 0
+    assert "on cpu x2 thread(s), at 1 thread(s) per rank" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown hardware 'x100'"):
         main(["plan", f"{factory}:build", "--world-size", "4", "--seq-len", "2048", "--hardware", "x100"])
 
@@ -161,4 +215,5 @@ def test_calibration_measures_the_machine_and_its_collectives():
     # and everyone's collectives, complete (a Topology checks its fields) and writable
     assert profile == other
     assert profile.name.endswith("gloo over 2 rank(s)") and profile.concurrent_ranks >= 1
+    assert profile.threads == 1  # the ranks' (run_on_ranks gives each one thread)
     assert profile != dataclasses.replace(PROFILES["h100"], name=profile.name)
