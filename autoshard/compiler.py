@@ -41,7 +41,7 @@ from .passes.dense_masks import dense_mask_inputs, dense_mask_runner
 from .passes.static_cache import static_prefill, static_prefill_runner
 from .passes.deferred import inline_deferred
 from .passes.ops import value_of
-from .passes.pipeline import compile_graph
+from .passes.pipeline import compile_graph, source_name
 from .passes.report import CompileReport
 from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
@@ -162,8 +162,9 @@ class AutoshardBackend:
     def _compile(self, gm: fx.GraphModule, example_inputs: list, sharded_inputs: dict[str, Any] | None,
                  global_inputs: list | None) -> Callable:
         pg = self._sequence_group()
-        checked = replicated_inputs(example_inputs) if self.config.inputs == "replicated" and self.config.check_inputs else []
-        names = [_input_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        check = self.config.inputs == "replicated" and self.config.check_inputs
+        checked = replicated_inputs(example_inputs) if check else []
+        names = [source_name(n) or n.name for n in gm.graph.nodes if n.op == "placeholder"]
         deferred = {i: x for i, x in enumerate(example_inputs) if isinstance(x, DeferredTensor)}
         if deferred:  # values an earlier graph left uncomputed: their recipes are computed here, from their inputs
             gm = inline_deferred(gm, {i: x.recipe for i, x in deferred.items()},
@@ -386,12 +387,6 @@ def _flatten_deferred(args, like: dict | None = None) -> list:
         carrier = like.get(i, a)
         out.extend(carrier.recipe_inputs if isinstance(carrier, DeferredTensor) else (a,))
     return out
-
-
-def _input_name(placeholder: fx.Node) -> str:
-    """How the caller named a graph input (dynamo's source: ``L['input_ids']``), else the placeholder's name."""
-    name = getattr(getattr(placeholder.meta.get("grapharg"), "source", None), "name", placeholder.name)
-    return name() if callable(name) else name  # a method before torch 2.10, a property since
 
 
 def _device_type(example_inputs: list) -> str:

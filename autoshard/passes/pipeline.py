@@ -344,13 +344,19 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, groups: Sequence
                          rewriter.carried_outputs, state.deferred_outputs, state.lazy_outputs, state.cache_outputs)
 
 
-def input_name(node: fx.Node) -> str | None:
-    """The user-facing name of a graph input: ``input_ids`` for ``L['kwargs']['input_ids']`` or ``L['input_ids']``."""
-    arg = node.meta.get("grapharg")
-    source = getattr(arg, "source", None)
+def source_name(node: fx.Node) -> str | None:
+    """Dynamo's source of a graph input, as the caller wrote it (``L['kwargs']['input_ids']``), or None."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
     if source is None:
         return None
-    text = source.name if isinstance(source.name, str) else source.name()
+    return source.name if isinstance(source.name, str) else source.name()  # a method before torch 2.10
+
+
+def input_name(node: fx.Node) -> str | None:
+    """The user-facing name of a graph input: ``input_ids`` for ``L['kwargs']['input_ids']`` or ``L['input_ids']``."""
+    text = source_name(node)
+    if text is None:
+        return None
     if text.endswith("']"):
         return text[text.rfind("['") + 2:-2]
     return text
