@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .attention_problem import _kernel_args, _Problem, _strides
-from .attention_tiles import (_LOG2E, _alibi_bias, _band_tiles, _document_tiles, _dot, _dropout_keep, _dropout_row_hash,
-                              _phase_tiles, _query_terms, _soft_cap, _tile_visibility)
+from .attention_tiles import (_band_tiles, _document_tiles, _dot, _dropout_keep, _dropout_row_hash, _LOG2E,
+                              _phase_tiles, _query_key_tiles, _query_terms, _tile_scores)
 from .autotune import RUNTIME_INTS, TUNING_KEY, configs, pruner
 from .common import aligned_empty, aligned_rows, check_like, load_tile, padded_dim, row_block, store_tile
 
@@ -92,25 +92,16 @@ def _dkdv_query_tiles(dk, dv, k, v, k_idx, Q_b, DO_b, Lse_b, Delta_b, SegQ_b, Ke
         do = load_tile(DO_b + h * stride_doh + tl.cast(start_m, tl.int64) * stride_dos + do_offsets, q_idx, Sq,
                        offs_dv, V_DIM, BLOCK_DV, PARTIAL).to(v.dtype)
         lse2, delta = _load_row_stats(Lse_b + h * Sq, Delta_b + h * Sq, q_idx, Sq, PARTIAL)
-        qk_t = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [keys, queries]
-        if SOFTCAP:
-            qk_t, tanh_t = _soft_cap(qk_t, qk_cap)
-        if PARTIAL or HAS_KEY_MASK or HAS_SEG:
-            seg_q = q_idx
-            if HAS_SEG:
-                seg_q = tl.load(SegQ_b + q_idx, mask=q_idx < Sq, other=0)
-            visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, chunk, seg_q, KeyMask, SegK,
-                                       1, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG)
-            if HAS_ALIBI:
-                s_t = qk_t * qk_scale + _alibi_bias(tl.load(Alibi + h) * _LOG2E, q_idx, k_idx, q_offset, k_offset, 1)
-                p_t = tl.exp2(tl.where(visible, s_t, float("-inf")) - lse2[None, :])
-            else:
-                p_t = tl.exp2(tl.where(visible, qk_t * qk_scale, float("-inf")) - lse2[None, :])
-        elif HAS_ALIBI:
-            s_t = qk_t * qk_scale + _alibi_bias(tl.load(Alibi + h) * _LOG2E, q_idx, k_idx, q_offset, k_offset, 1)
-            p_t = tl.exp2(s_t - lse2[None, :])
-        else:
-            p_t = tl.exp2(qk_t * qk_scale - lse2[None, :])
+        seg_q = q_idx
+        if HAS_SEG:
+            seg_q = tl.load(SegQ_b + q_idx, mask=q_idx < Sq, other=0)
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = tl.load(Alibi + h) * _LOG2E
+        s_t, tanh_t = _tile_scores(k, q, q_idx, k_idx, seg_q, KeyMask, SegK, Sk, q_offset, k_offset, left, right,
+                                   chunk, qk_scale, qk_cap, slope2, 1, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                   HAS_KEY_MASK, HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)  # [keys, queries]
+        p_t = tl.exp2(s_t - lse2[None, :])
         if HAS_DROPOUT:
             keep_t = _dropout_keep(_dropout_row_hash(seed, drop_bh + h, q_offset + q_idx), k_offset + k_idx,
                                    drop_threshold, 1)
@@ -223,21 +214,10 @@ def _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask,
                       HEAD_DIM, BLOCK_D, PARTIAL)
         v = load_tile(V_head + tl.cast(start_n, tl.int64) * stride_vs + v_offsets, k_idx, Sk, offs_dv,
                       V_DIM, BLOCK_DV, PARTIAL)
-        qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
-        if SOFTCAP:
-            qk, tanh = _soft_cap(qk, qk_cap)
-        if PARTIAL or HAS_KEY_MASK or HAS_SEG:
-            visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, chunk, seg_q, KeyMask, SegK,
-                                       0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG)
-            if HAS_ALIBI:
-                s = qk * qk_scale + _alibi_bias(slope2, q_idx, k_idx, q_offset, k_offset, 0)
-                p = tl.exp2(tl.where(visible, s, float("-inf")) - lse2[:, None])
-            else:
-                p = tl.exp2(tl.where(visible, qk * qk_scale, float("-inf")) - lse2[:, None])
-        elif HAS_ALIBI:
-            p = tl.exp2(qk * qk_scale + _alibi_bias(slope2, q_idx, k_idx, q_offset, k_offset, 0) - lse2[:, None])
-        else:
-            p = tl.exp2(qk * qk_scale - lse2[:, None])
+        s, tanh = _tile_scores(q, k, q_idx, k_idx, seg_q, KeyMask, SegK, Sk, q_offset, k_offset, left, right, chunk,
+                               qk_scale, qk_cap, slope2, 0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK,
+                               HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        p = tl.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION)
         if HAS_DROPOUT:
             dp = tl.where(_dropout_keep(row_hash, k_offset + k_idx, drop_threshold, 0), dp * drop_scale, 0.0)
@@ -296,12 +276,9 @@ def _attn_bwd_dq_kernel(
     slope2, row_hash = _query_terms(Alibi, Seed, b, h, drop_head_offset, q_offset, q_idx, HAS_ALIBI, HAS_DROPOUT)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
-                                           k_offset, Sk, left, right, chunk, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                                           HAS_CHUNK)
-    if HAS_SEG:
-        lo, full_lo, full_hi, hi = _document_tiles(lo, full_lo, full_hi, hi, seg_q, q_idx < Sq, SegK_b, Sk,
-                                                   SegSorted, b, BLOCK_N)
+    lo, full_lo, full_hi, hi = _query_key_tiles(q_start, q_idx, seg_q, q_offset, Sq, k_offset, Sk, left, right, chunk,
+                                                SegK_b, SegSorted, b, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                                HAS_SEG)
     for phase in tl.static_range(3):
         start, end = _phase_tiles(lo, full_lo, full_hi, hi, phase)
         dq = _dq_key_tiles(dq, q, do, lse2, delta, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b, k_offsets,

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from .attention_problem import _kernel_args, _Problem, _strides
-from .attention_tiles import (_LOG2E, _alibi_bias, _band_tiles, _document_tiles, _dot, _dropout_keep, _phase_tiles,
-                              _query_terms, _soft_cap, _tile_visibility)
+from .attention_tiles import (_dot, _dropout_keep, _LOG2E, _phase_tiles, _query_key_tiles, _query_terms,
+                              _tile_scores)
 from .autotune import RUNTIME_INTS, TUNING_KEY, configs, pruner
 from .common import aligned_empty, load_tile, store_tile
 
@@ -49,29 +49,14 @@ def _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask, SegK
         k_idx = start_n + offs_n
         k = load_tile(K_head + tl.cast(start_n, tl.int64) * stride_ks + k_offsets, k_idx, Sk, offs_d,
                       HEAD_DIM, BLOCK_D, PARTIAL)
-        qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
-        if SOFTCAP:
-            qk, _ = _soft_cap(qk, qk_cap)
+        s, _ = _tile_scores(q, k, q_idx, k_idx, seg_q, KeyMask, SegK, Sk, q_offset, k_offset, left, right, chunk,
+                            qk_scale, qk_cap, slope2, 0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK,
+                            HAS_SEG, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = m_new
         if PARTIAL or HAS_KEY_MASK or HAS_SEG:
-            visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, chunk, seg_q, KeyMask, SegK,
-                                       0, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG)
-            if HAS_ALIBI:
-                s = tl.where(visible, qk * qk_scale + _alibi_bias(slope2, q_idx, k_idx, q_offset, k_offset, 0),
-                             float("-inf"))
-            else:
-                s = tl.where(visible, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            p = tl.exp2(s - m_ref[:, None])
-        elif HAS_ALIBI:
-            s = qk * qk_scale + _alibi_bias(slope2, q_idx, k_idx, q_offset, k_offset, 0)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_ref = m_new
-            p = tl.exp2(s - m_ref[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_ref = m_new
-            p = tl.exp2(qk * qk_scale - m_ref[:, None])
+        p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:  # after the row sum: lse is of the probabilities before dropout
@@ -130,12 +115,9 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
-                                           k_offset, Sk, left, right, chunk, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                                           HAS_CHUNK)
-    if HAS_SEG:
-        lo, full_lo, full_hi, hi = _document_tiles(lo, full_lo, full_hi, hi, seg_q, q_idx < Sq, SegK_b, Sk,
-                                                   SegSorted, b, BLOCK_N)
+    lo, full_lo, full_hi, hi = _query_key_tiles(q_start, q_idx, seg_q, q_offset, Sq, k_offset, Sk, left, right, chunk,
+                                                SegK_b, SegSorted, b, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK,
+                                                HAS_SEG)
     for phase in tl.static_range(3):
         start, end = _phase_tiles(lo, full_lo, full_hi, hi, phase)
         acc, m_i, l_i = _fwd_key_tiles(acc, m_i, l_i, q, q_idx, seg_q, K_head, V_head, KeyMask_b, SegK_b,

@@ -124,6 +124,20 @@ def _document_tiles(lo, full_lo, full_hi, hi, seg_rows, rows_valid, SegOther, ot
 
 
 @triton.jit
+def _query_key_tiles(q_start, q_idx, seg_q, q_offset, Sq, k_offset, Sk, left, right, chunk, SegK, SegSorted, b,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                     HAS_CHUNK: tl.constexpr, HAS_SEG: tl.constexpr):
+    """``(lo, full_lo, full_hi, hi)`` of one query tile's key tiles: its band and chunks (``_band_tiles``), narrowed
+    to its documents (``_document_tiles``) with segments. The forward and dq programs walk the same ones."""
+    lo, full_lo, full_hi, hi = _band_tiles(q_offset + q_start, q_offset + tl.minimum(q_start + BLOCK_M, Sq) - 1,
+                                           k_offset, Sk, left, right, chunk, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_CHUNK)
+    if HAS_SEG:
+        lo, full_lo, full_hi, hi = _document_tiles(lo, full_lo, full_hi, hi, seg_q, q_idx < Sq, SegK, Sk, SegSorted,
+                                                   b, BLOCK_N)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
 def _phase_tiles(lo, full_lo, full_hi, hi, PHASE: tl.constexpr):
     """[start, end) of phase PHASE of a tile range from :func:`_band_tiles` / :func:`_document_tiles`: 0 the partial
     tiles before the fully visible ones, 1 the fully visible tiles, 2 the partial tiles after them. A kernel's tile
@@ -184,6 +198,30 @@ def _alibi_bias(slope2, q_idx, k_idx, q_offset, k_offset, Q_AXIS: tl.constexpr):
     q_pos = tl.expand_dims(q_offset + q_idx, 1 - Q_AXIS)
     k_pos = tl.expand_dims(k_offset + k_idx, Q_AXIS)
     return slope2 * (k_pos - q_pos).to(tl.float32)
+
+
+@triton.jit
+def _tile_scores(a, b, q_idx, k_idx, seg_q, KeyMask, SegK, Sk, q_offset, k_offset, left, right, chunk, qk_scale,
+                 qk_cap, slope2, Q_AXIS: tl.constexpr, PARTIAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+                 HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_SEG: tl.constexpr,
+                 SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(s, tanh)`` of one tile, the one definition of the scores the forward, dk/dv and dq kernels share: the
+    base-2 scores ``s = qk_scale * cap(a b^T) + bias``, -inf where not visible (only tiles that need the check:
+    PARTIAL, key mask, segments), and ``tanh`` of the cap for the backward's chain rule (the raw dot without a cap;
+    unused, so compiled away, where nothing reads it). ``a b^T`` is ``q k^T`` (Q_AXIS 0) or ``k q^T`` (Q_AXIS 1);
+    ``slope2`` is the head's ALiBi slope in base 2 (read only with HAS_ALIBI)."""
+    qk = _dot(a, tl.trans(b), None, DOT_PRECISION)
+    tanh = qk
+    if SOFTCAP:
+        qk, tanh = _soft_cap(qk, qk_cap)
+    s = qk * qk_scale
+    if HAS_ALIBI:
+        s = s + _alibi_bias(slope2, q_idx, k_idx, q_offset, k_offset, Q_AXIS)
+    if PARTIAL or HAS_KEY_MASK or HAS_SEG:
+        visible = _tile_visibility(q_idx, k_idx, q_offset, k_offset, Sk, left, right, chunk, seg_q, KeyMask, SegK,
+                                   Q_AXIS, PARTIAL, HAS_LEFT, HAS_RIGHT, HAS_CHUNK, HAS_KEY_MASK, HAS_SEG)
+        s = tl.where(visible, s, float("-inf"))
+    return s, tanh
 
 
 @triton.jit
