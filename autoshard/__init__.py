@@ -12,14 +12,13 @@ under the split. See README.md for the tour.
 from . import launch, runtime
 from .compiler import AutoshardBackend, backend, compile, explain
 from .config import BackendConfig
-from .cost import Topology
-from .hardware import calibrate, hardware
+from .calibration import calibrate
+from .hardware import HardwareProfile, hardware
 from .annotations import attention_function, mark_sequence, token_local, whole
 from .inputs import shard_inputs
-from .planner import Plan, plan
-from .decode_plan import DecodePlan, plan_decode
+from .planner import DecodePlan, Plan, plan, plan_decode
 from .runtime.split_tensor import SplitTensor
 
-__all__ = ["backend", "compile", "explain", "AutoshardBackend", "BackendConfig", "plan", "Plan", "plan_decode", "DecodePlan", "Topology", "hardware", "calibrate", "shard_inputs", "mark_sequence",
+__all__ = ["backend", "compile", "explain", "AutoshardBackend", "BackendConfig", "plan", "Plan", "plan_decode", "DecodePlan", "HardwareProfile", "hardware", "calibrate", "shard_inputs", "mark_sequence",
            "whole", "token_local", "attention_function", "runtime", "launch", "SplitTensor"]
 __version__ = "0.1.0"

@@ -14,13 +14,19 @@ them, one each when several ranks run).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
-from .config import LAYOUT_CHOICES, STRATEGIES
-import dataclasses
+import torch
+import torch.distributed as dist
 
+from .config import LAYOUT_CHOICES, STRATEGY_CHOICES
+from .calibration import calibrate
+from .hardware import hardware, save_profile
+from .planner import plan, plan_decode
 from .policy import MemoryBudgetError
 
 __all__ = ["main"]
@@ -47,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("factory", help="path/to/file.py:factory, factory(seq_len) -> (model, args, kwargs)")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--strategy", choices=STRATEGIES, default="auto")
+    p.add_argument("--strategy", choices=STRATEGY_CHOICES, default="auto")
     p.add_argument("--layout", choices=LAYOUT_CHOICES, default="auto")
     p.add_argument("--outputs", choices=("split", "gathered", "sharded"), default="split")
     p.add_argument("--hardware", default="h100", metavar="NAME_OR_FILE",
@@ -74,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="lazy_logits=False: returned logits computed in the graph (default: when first read)")
     p.add_argument("--offload", action="store_true", help="keep checkpointed layers' inputs in host memory")
     p.add_argument("--no-offload-prefetch", dest="offload_prefetch", action="store_false",
-                   help="with --offload: bring each layer's input back when backward uses it, not one layer ahead")
+                   help="with --offload: bring each layer's input back when backward uses it, not prefetched")
     p.add_argument("--dp-shard", type=int, default=1, metavar="RANKS",
                    help="ranks FSDP2 shards parameters, gradients and optimizer states over (dp x sp; 1: no FSDP)")
     p.add_argument("--optimizer", choices=("adamw", "adam"), help="count the optimizer's states")
@@ -94,13 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "calibrate":
         return _calibrate(args.out, args.tokens)
 
-    from .hardware import hardware
-    from .planner import plan
-
     model, model_args, model_kwargs = _load_factory(args.factory)(args.seq_len)
     if args.decode:
-        from .decode_plan import plan_decode
-
         print(plan_decode(model, model_args, model_kwargs, world_size=args.world_size, rank=args.rank,
                           layout="zigzag" if args.layout == "auto" else args.layout))
         return 0
@@ -135,13 +136,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _calibrate(out: str, tokens: int) -> int:
     """``calibrate``: on the ranks ``torchrun`` launched (a process group over them) or alone."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    from .hardware import calibrate, save_profile
-
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

@@ -1,9 +1,13 @@
 """The torch.compile backend: ``torch.compile(model, backend=autoshard.backend(mesh))``.
 
-Dynamo hands the backend one graph per captured region; the backend runs the passes of
-:data:`autoshard.passes.pipeline.PASSES` in order (canonical ops, capture, decompose, link, families,
-strategy, rewrite; ``AUTOSHARD_DUMP=<dir>`` writes what each produced) and lowers the per-rank graph
-with the inner compiler (by default inductor on CUDA, eager elsewhere).
+Dynamo hands the backend one graph per captured region. The backend classifies it once
+(:func:`~autoshard.passes.pipeline.graph_kind`: a dry run, a decode step, dynamic sizes, a static-cache prefill,
+dense masks or plain) and compiles it as its kind says (:data:`_COMPILE_KIND`); every graph it compiles for a
+sequence goes through one sequence of steps (:meth:`AutoshardBackend._compile`): check that every rank compiled the
+same graph, choose the memory policy's config, run the passes of :data:`autoshard.passes.pipeline.PASSES` in order
+(canonical ops, capture, decompose, link, families, strategy, rewrite; ``AUTOSHARD_DUMP=<dir>`` writes what each
+produced), record what they did (:class:`GraphRecord`, :func:`explain`), and lower the per-rank graph with the inner
+compiler (by default inductor on CUDA, eager elsewhere).
 
 Every rank compiles its own graph (uneven shards make ranks' shapes differ) and, before the first
 run, checks through the rendezvous store that all ranks compiled the same graph for the same shapes:
@@ -35,27 +39,25 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from .boundary import (carrying, deferred_inputs_of, inline_inputs, lazy_head, shard_inputs,
+                       split_inputs_of)
 from .config import BackendConfig, resolve_config, trace_checkpointed_layers
-from .passes.decode import cache_written_in_place, decode_graph, decode_runner
-from .passes.dense_masks import dense_mask_inputs, dense_mask_runner
-from .passes.static_cache import static_prefill, static_prefill_runner
-from .passes.deferred import inline_deferred
+from .passes.decode import cache_written_in_place, decode_runner
+from .passes.dense_masks import dense_mask_runner
+from .passes.static_cache import static_prefill_runner
 from .passes.ops import value_of
-from .passes.pipeline import compile_graph, source_name
+from .passes.pipeline import DynamoGraph, GraphKind, compile_graph, graph_kind, source_name
 from .passes.report import CompileReport
-from .passes.specialize import is_dynamic, size_key, specialize, symbol_of, symbolic_dims
+from .passes.specialize import size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
-from .planner import memory_policy_for, plan_graph
-from .policy import device_budget, host_budget
+from .planner import plan_graph, plan_graphs
+from .policy import device_budget, host_budget, memory_policy_for
 from .runtime.collectives import gather_facts
 from .runtime.input_check import checking_inputs, replicated_inputs
 from .runtime.warn import warn
 from .runtime.attention.dispatch import last_dispatch
 from .runtime.layouts import SequenceLayout
-from .runtime.deferred import DeferredTensor, defer
-from .runtime.lazy_linear import lazy_linear
-from .runtime.redistribute import grad_scale, grad_sync
-from .runtime.split_tensor import SplitTensor, local_of, wrap
+from .runtime.split_tensor import SplitTensor
 from .runtime.groups import (GroupLike, check_sequence_mesh, default_store, sequence_group,
                              sequence_groups)
 
@@ -110,93 +112,110 @@ class AutoshardBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, *, mode: str | None = None,
                  options: dict | None = None) -> Callable:
-        """Compile ``gm`` for this rank. ``mode`` (what ``torch.compile(mode=...)`` and transformers'
-        ``CompileConfig`` pass on) names inductor's modes: the per-rank graphs run as they are, so it is ignored;
-        ``options`` are inductor's too, and refused rather than ignored."""
+        """Compile ``gm`` for this rank: classify it once (:func:`~autoshard.passes.pipeline.graph_kind`), then
+        compile it as its kind says (:data:`_COMPILE_KIND`). ``mode`` (what ``torch.compile(mode=...)`` and
+        transformers' ``CompileConfig`` pass on) names inductor's modes: the per-rank graphs run as they are, so it
+        is ignored; ``options`` are inductor's too, and refused rather than ignored."""
         if options:
             raise ValueError(f"autoshard: torch.compile options {sorted(options)} are inductor's; autoshard takes its "
                              "settings as autoshard.backend(**settings) (see autoshard.BackendConfig)")
         pg = self._sequence_group()
-        world, rank = pg.size(), pg.rank()
-        if self.config.dry_run:
-            if rank == 0:
-                logger.info("%s", plan_graph(copy.deepcopy(gm), example_inputs, world_size=world, config=self.config))
-            return gm.forward
-        if any(isinstance(x, SplitTensor) for x in example_inputs):
-            decode, why_not = decode_graph(gm, example_inputs, rank=rank, group_name=pg.group_name)
-            if decode is not None:  # a decode step over a cache split along the sequence: any cache length
-                self.compiled.append(GraphRecord(decode.report, set(), True))
-                return decode_runner(decode, rank, pg.group_name)
-            logger.debug("autoshard: not a decode step: %s", why_not)
-        elif not torch.is_grad_enabled():
-            self._warn_if_cache_kept_whole(gm)
-        if is_dynamic(gm):
-            return _PerSizes(self, gm, example_inputs)
-        if self.config.inputs == "sharded":
-            raise ValueError(_NO_SHARDED_INPUT)
-        return self.compile(gm, example_inputs)
+        graph = DynamoGraph(gm=gm, example_inputs=example_inputs, dry_run=self.config.dry_run, rank=pg.rank(),
+                            group_name=pg.group_name)
+        kind = graph_kind(graph)
+        if kind.name != "dry_run":
+            self._warn_if_cache_kept_whole(gm, example_inputs)
+        if kind.name not in ("dry_run", "decode", "dynamic") and self.config.inputs == "sharded":
+            raise ValueError(_NO_SHARDED_INPUT)  # split inputs arrive with a dynamic sequence dim
+        return _COMPILE_KIND[kind.name](self, kind, graph)
 
     def compile(self, gm: fx.GraphModule, example_inputs: list, sharded_inputs: dict[str, Any] | None = None,
                 global_inputs: list | None = None) -> Callable:
-        """Compile one static graph for this rank and lower it. ``sharded_inputs``: placeholder name -> the
-        Shard placement its (local) input arrives in; ``global_inputs``: the inputs' global shapes, when
-        they differ from ``example_inputs``'. A prefill into a fixed-size KV cache is compiled as
-        :mod:`autoshard.passes.static_cache` rewrites it, and its cache leaves split. A graph whose attention mask
-        arrives dense is compiled per structure its values hold (:mod:`autoshard.passes.dense_masks`)."""
-        static = None if torch.is_grad_enabled() else static_prefill(gm)
-        if static is None:
-            masks = dense_mask_inputs(gm, example_inputs)
-            if masks:  # built by code this backend does not compile: read at run time (autoshard.passes.dense_masks)
-                return dense_mask_runner(gm, masks, lambda graph, args: self._compile(graph, args, sharded_inputs,
-                                                                                      global_inputs),
-                                         self._sequence_group())
-            return self._compile(gm, example_inputs, sharded_inputs, global_inputs)
+        """Compile one static copy of a dynamic graph for this rank as its kind says (a prefill into a fixed-size
+        KV cache, masks that arrive dense, or plain). ``sharded_inputs``: placeholder name -> the Shard placement
+        its (local) input arrives in; ``global_inputs``: the inputs' global shapes, when they differ from
+        ``example_inputs``'."""
+        graph = DynamoGraph(gm=gm, example_inputs=example_inputs, sharded_inputs=sharded_inputs,
+                            global_inputs=global_inputs)
+        kind = graph_kind(graph, specialized=True)
+        return _COMPILE_KIND[kind.name](self, kind, graph)
+
+    def _plan_only(self, kind: GraphKind, graph: DynamoGraph) -> Callable:
+        """A dry run: rank 0 logs the plan (:func:`autoshard.planner.plan_graph`), the graph runs as it is."""
         pg = self._sequence_group()
-        extra = [value_of(n) for n in static.structured.graph.nodes if n.op == "placeholder"][len(example_inputs):]
-        structured = self._compile(static.structured, [*example_inputs, *extra], sharded_inputs,
+        if pg.rank() == 0:
+            logger.info("%s", plan_graph(copy.deepcopy(graph.gm), graph.example_inputs, world_size=pg.size(),
+                                         config=self.config))
+        return graph.gm.forward
+
+    def _decode_step(self, kind: GraphKind, graph: DynamoGraph) -> Callable:
+        """A decode step over a cache split along the sequence (:mod:`autoshard.passes.decode`): any cache length."""
+        self._record(GraphRecord(kind.found.report, set(), True), graph.example_inputs)
+        return decode_runner(kind.found, graph.rank, graph.group_name)
+
+    def _per_sizes(self, kind: GraphKind, graph: DynamoGraph) -> Callable:
+        """Symbolic sizes: each set of sizes compiled on first use (:meth:`compile_for_sizes`)."""
+        return _PerSizes(self, graph.gm, graph.example_inputs)
+
+    def _static_prefill(self, kind: GraphKind, graph: DynamoGraph) -> Callable:
+        """A prefill into a fixed-size KV cache, compiled as :mod:`autoshard.passes.static_cache` rewrites it (its
+        structured variant now, its dense one on first need): its cache leaves split."""
+        pg, prefill = self._sequence_group(), kind.found
+        example_inputs, global_inputs = graph.example_inputs, graph.global_inputs
+        extra = [value_of(n) for n in prefill.structured.graph.nodes if n.op == "placeholder"][len(example_inputs):]
+        structured = self._compile(prefill.structured, [*example_inputs, *extra], graph.sharded_inputs,
                                    [*global_inputs, *extra] if global_inputs is not None else None)
         return static_prefill_runner(
-            static, structured, lambda: self._compile(static.gm, example_inputs, sharded_inputs, global_inputs),
+            prefill, structured,
+            lambda: self._compile(prefill.gm, example_inputs, graph.sharded_inputs, global_inputs),
             pg.rank(), pg.group_name)
+
+    def _dense_masks(self, kind: GraphKind, graph: DynamoGraph) -> Callable:
+        """Masks built by code this backend does not compile: compiled per structure their values hold, read at
+        run time (:mod:`autoshard.passes.dense_masks`)."""
+        return dense_mask_runner(graph.gm, kind.found, lambda gm, args: self._compile(gm, args, graph.sharded_inputs,
+                                                                                       graph.global_inputs),
+                                 self._sequence_group())
+
+    def _plain(self, kind: GraphKind, graph: DynamoGraph) -> Callable:
+        """Any other graph: the pipeline on the graph itself."""
+        return self._compile(graph.gm, graph.example_inputs, graph.sharded_inputs, graph.global_inputs)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list, sharded_inputs: dict[str, Any] | None,
                  global_inputs: list | None) -> Callable:
+        """Compile one graph for this rank in a sequence of steps: take the values earlier graphs hand over,
+        check that every rank compiled the same graph, choose the memory policy's config, run the pipeline
+        (:func:`~autoshard.passes.pipeline.compile_graph`), record, lower with the inner compiler, and hand values
+        on to the next graph."""
         pg = self._sequence_group()
         check = self.config.inputs == "replicated" and self.config.check_inputs
         checked = replicated_inputs(example_inputs) if check else []
         names = [source_name(n) or n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        deferred = {i: x for i, x in enumerate(example_inputs) if isinstance(x, DeferredTensor)}
-        if deferred:  # values an earlier graph left uncomputed: their recipes are computed here, from their inputs
-            gm = inline_deferred(gm, {i: x.recipe for i, x in deferred.items()},
-                                 {i: list(x.recipe_inputs) for i, x in deferred.items()})
-            example_inputs = _flatten_deferred(example_inputs)
-            global_inputs = _flatten_deferred(global_inputs, deferred) if global_inputs is not None else None
-        carried = {i: x for i, x in enumerate(example_inputs) if isinstance(x, SplitTensor) and x.group_name == pg.group_name}
+        deferred = deferred_inputs_of(example_inputs)  # values an earlier graph left uncomputed: computed here
+        gm, example_inputs, global_inputs = inline_inputs(gm, example_inputs, deferred, global_inputs)
+        carried = split_inputs_of(example_inputs, pg.group_name)
+        placements, local = shard_inputs(gm, example_inputs, carried)
         if carried:  # values an earlier graph returned split: they arrive split, the graph gets their shards
-            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            sharded_inputs = {**(sharded_inputs or {}),
-                              **{placeholders[i].name: Shard(x.seq_dim, x.seq_layout) for i, x in carried.items()}}
+            sharded_inputs = {**(sharded_inputs or {}), **placements}
             global_inputs = global_inputs or example_inputs
-            example_inputs = [x.local.detach().requires_grad_(x.requires_grad) if i in carried else x
-                              for i, x in enumerate(example_inputs)]  # the inner compiler traces the shard's grad
+            example_inputs = local
         index = next(_COMPILES)
         _check_same_graph(pg, index, gm, global_inputs or example_inputs,
                           same_values=self.config.inputs == "replicated")
         config, policy = self._memory_policy(gm, global_inputs or example_inputs, pg.size())
         compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group), sharded_inputs=sharded_inputs,
-                                 carried_inputs={placeholders[i].name for i in carried} if carried else None)
+                                 carried_inputs=set(placements) or None)
         compiled.report.memory_policy = policy
-        record = GraphRecord(compiled.report, compiled.gathered_output_shapes, bool(compiled.families.families))
-        self._warn_if_whole_from_earlier_graph(record, example_inputs)
-        _warn_undistributed(compiled.report)
-        self.compiled.append(record)
+        self._record(GraphRecord(compiled.report, compiled.gathered_output_shapes, bool(compiled.families.families)),
+                     example_inputs)
         run = _lower(compiled.graph_module, example_inputs, self.config.inner_for(_device_type(example_inputs)))
         if deferred or carried or compiled.carried_outputs or compiled.deferred_outputs or compiled.lazy_outputs:
-            lazy = {i: functools.partial(_lazy_head, spec=spec, group_name=pg.group_name,
+            lazy = {i: functools.partial(lazy_head, spec=spec, group_name=pg.group_name,
                                          summed=self.config.grad_sync, world=pg.size(), host=config.offload)
                     for i, spec in compiled.lazy_outputs.items()}
-            run = _carrying(run, bool(deferred), set(carried), compiled.carried_outputs, compiled.deferred_outputs,
-                            lazy, pg.group_name)
+            run = carrying(run, flatten=bool(deferred), split_inputs=set(carried),
+                           split_outputs=compiled.carried_outputs, deferred_outputs=compiled.deferred_outputs,
+                           lazy_outputs=lazy, group_name=pg.group_name)
         if checked:
             run = checking_inputs(run, checked, [names[i] for i in checked], pg.group_name, index)
         return run
@@ -211,12 +230,15 @@ class AutoshardBackend:
         if budget is None:
             return self.config, None
         host = self.config.host_budget if self.config.host_budget is not None else host_budget()
-        return memory_policy_for(gm, example_inputs, world_size=world, config=self.config, budget=budget,
-                                 host_budget=host, strict=strict)
+        return memory_policy_for(gm, example_inputs, plan_graphs=plan_graphs, world_size=world, config=self.config,
+                                 budget=budget, host_budget=host, strict=strict)
 
-    def _warn_if_cache_kept_whole(self, gm: fx.GraphModule) -> None:
-        """A step over a fixed-size cache written in place that arrives whole (allocated before the compiled
-        prefill): correct, but the cache is whole on every rank (warned once per backend)."""
+    def _warn_if_cache_kept_whole(self, gm: fx.GraphModule, example_inputs: list) -> None:
+        """A step (no gradients, no split input) over a fixed-size cache written in place that arrives whole
+        (allocated before the compiled prefill): correct, but the cache is whole on every rank (warned once per
+        backend)."""
+        if torch.is_grad_enabled() or any(isinstance(x, SplitTensor) for x in example_inputs):
+            return
         cache = cache_written_in_place(gm)
         if cache is not None and not self._warned_whole_cache:
             self._warned_whole_cache = True
@@ -228,16 +250,20 @@ class AutoshardBackend:
                 "(early_initialization, prefill_chunk_size, a prefill run uncompiled as generate() does with "
                 "CompileConfig) stays whole. Caches that grow by appending (DynamicCache, the default) are split.")
 
-    def _warn_if_whole_from_earlier_graph(self, compiled: GraphRecord, example_inputs: list) -> None:
-        """A graph with no sequence of its own that takes, as input, a value an earlier graph gathered whole
-        (a graph break between the logits and the loss): correct, but the work after the break is not split."""
+    def _record(self, record: GraphRecord, example_inputs: list) -> None:
+        """Keep ``record`` of a graph compiled for ``example_inputs`` (:attr:`compiled`), warning about what it
+        runs undistributed: its attentions on gathered keys or whole (:func:`_warn_undistributed`), and, in a graph
+        with no sequence of its own, the work on a value an earlier graph gathered whole (a graph break between the
+        logits and the loss): correct, but the work after the break is not split."""
         gathered = {shape for c in self.compiled for shape in c.gathered_output_shapes}
         inputs = {tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor)}
-        if not compiled.splits_sequence and gathered & inputs:
+        if not record.splits_sequence and gathered & inputs:
             warn(
                 "autoshard: a graph break passes values the previous graph gathered whole (e.g. logits before a "
                 "loss computed in a separate graph); the code after the break runs unsplit on every rank. With "
                 "outputs='split' (the default) the next graph takes them still split.")
+        _warn_undistributed(record.report)
+        self.compiled.append(record)
 
     def compile_for_sizes(self, gm: fx.GraphModule, args: list, dims: list | None = None,
                           lengths: tuple | None = None) -> Callable:
@@ -262,6 +288,17 @@ class AutoshardBackend:
         static = specialize(gm, global_args, {i: tuple(s) for i, s in shapes.items()})
         global_inputs = [value_of(p) for p in static.graph.nodes if p.op == "placeholder"]
         return self.compile(static, args, sharded, global_inputs)
+
+
+_COMPILE_KIND: dict[str, Callable[[AutoshardBackend, GraphKind, DynamoGraph], Callable]] = {
+    "dry_run": AutoshardBackend._plan_only,
+    "decode": AutoshardBackend._decode_step,
+    "dynamic": AutoshardBackend._per_sizes,
+    "static_prefill": AutoshardBackend._static_prefill,
+    "dense_masks": AutoshardBackend._dense_masks,
+    "plain": AutoshardBackend._plain,
+}
+"""Kind of graph (:data:`~autoshard.passes.pipeline.KINDS`) -> how the backend compiles one of that kind."""
 
 
 class _PerSizes:
@@ -347,46 +384,6 @@ def _warn_undistributed(report: CompileReport) -> None:
         if a["strategy"] in ("gathered-kv", "whole") and key not in _WARNED_ATTENTION:
             _WARNED_ATTENTION.add(key)
             warn(f"autoshard: the attention at {key[0]} is not distributed ({a['strategy']}): {key[1]}")
-
-
-def _carrying(fn: Callable, flatten: bool, carried_inputs: set[int], carried_outputs: dict, deferred_outputs: dict,
-              lazy_outputs: dict, group_name: str) -> Callable:
-    """``fn`` (a compiled per-rank graph) called with the inner tensors of its DeferredTensor inputs in their
-    place (``flatten``) and the shards of the SplitTensor inputs at ``carried_inputs`` (positions among those
-    flattened inputs); its outputs at ``lazy_outputs`` made by their function (:func:`_lazy_head`) of the output
-    and the flattened inputs, those at ``carried_outputs`` handed back as SplitTensor, at ``deferred_outputs``
-    (None from the graph) as DeferredTensor of the inputs their recipes read."""
-    def run(*args):
-        args = _flatten_deferred(args) if flatten else args
-        out = fn(*(local_of(a) if i in carried_inputs else a for i, a in enumerate(args)))
-        out = type(out)(lazy_outputs[i](o, args) if i in lazy_outputs else o for i, o in enumerate(out))
-        return type(out)(wrap(o, carried_outputs[i].dim, carried_outputs[i].layout, group_name) if i in carried_outputs
-                         else defer(deferred_outputs[i].recipe, [args[j] for j in deferred_outputs[i].inputs])
-                         if i in deferred_outputs else o for i, o in enumerate(out))
-    return run
-
-
-def _lazy_head(h: torch.Tensor, args, *, spec, group_name: str, summed: bool, world: int, host: bool) -> torch.Tensor:
-    """The lazy logits of the head ``spec`` (:class:`~autoshard.passes.lazy.LazyOutput`) from the graph's output
-    ``h`` and its inputs ``args`` (``h`` held in host memory when ``host``: with ``offload``). On split tokens, the
-    head's parameters take this rank's share of their gradient the way the graph's own uses do: ``summed`` over the
-    group (``grad_sync``), or multiplied by its size."""
-    weight, bias = args[spec.weight], args[spec.bias] if spec.bias is not None else None
-    if spec.split:
-        weight, bias = (p if p is None else grad_sync(p, group_name) if summed else grad_scale(p, world)
-                        for p in (weight, bias))
-    return lazy_linear(h, weight, bias, dtype=spec.dtype, host=host)
-
-
-def _flatten_deferred(args, like: dict | None = None) -> list:
-    """``args`` with every DeferredTensor (or, given ``like``, the argument at each of its positions) replaced by
-    its inner tensors (those of ``like[i]``)."""
-    like = like or {}
-    out = []
-    for i, a in enumerate(args):
-        carrier = like.get(i, a)
-        out.extend(carrier.recipe_inputs if isinstance(carrier, DeferredTensor) else (a,))
-    return out
 
 
 def _device_type(example_inputs: list) -> str:

@@ -9,11 +9,15 @@ from typing import Any, Callable, Mapping, Union
 
 import torch
 
-__all__ = ["BackendConfig", "STRATEGIES", "LAYOUT_CHOICES", "resolve_config", "dynamo_settings",
+from .runtime.attention import STRATEGIES
+
+__all__ = ["BackendConfig", "STRATEGY_CHOICES", "LAYOUT_CHOICES", "resolve_config", "dynamo_settings",
            "trace_checkpointed_layers"]
 
-STRATEGIES = ("auto", "ring", "zigzag", "allgather", "ulysses", "hybrid")
+STRATEGY_CHOICES = ("auto", *STRATEGIES)
+"""What the ``strategy`` option takes: ``"auto"`` or a registered strategy's name."""
 LAYOUT_CHOICES = ("auto", "contiguous", "zigzag")
+"""What the ``layout`` option takes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,9 +80,9 @@ class BackendConfig:
     ``logging.basicConfig(level=logging.INFO)``), then run the model unsharded."""
 
     topology: Any = None
-    """The hardware profile the cost model chooses strategies with (:class:`~autoshard.cost.Topology`: ranks per
-    node, FLOP/s, bandwidths, latencies; ``autoshard.hardware("a100")`` or a calibrated file gives one); None = the
-    default (H100 nodes: 8 GPUs on NVLink, InfiniBand between nodes)."""
+    """The hardware profile the cost model chooses strategies with (:class:`~autoshard.hardware.HardwareProfile`:
+    ranks per node, FLOP/s, bandwidths, latencies; ``autoshard.hardware("a100")`` or a calibrated file gives one);
+    None = the default (H100 nodes: 8 GPUs on NVLink, InfiniBand between nodes)."""
 
     memory_budget: int | None = None
     """Per-rank memory budget in bytes. It drives the memory policy (:mod:`autoshard.policy`): of the levers
@@ -156,8 +160,8 @@ class BackendConfig:
     compiler only. ``memory_budget`` may turn it on."""
 
     offload_prefetch: bool = True
-    """With ``offload``: double-buffer backward's copies -- the first use of a region's inputs also starts bringing
-    back the inputs of the region backward reaches next, so that copy overlaps this region's recomputation and
+    """With ``offload``: prefetch in backward -- the first use of a region's inputs also starts bringing back the
+    inputs of the region backward reaches next, so that copy runs during this region's recomputation and
     backward. Costs one more region's inputs on the device (a layer's input); False: each region's inputs come back
     when backward first uses them, the compute stream waiting for the copy. The memory policy may turn it off."""
 
@@ -173,7 +177,7 @@ class BackendConfig:
             if value not in allowed:
                 raise ValueError(f"autoshard.backend: {name}={value!r} is not one of {allowed}")
 
-        check("strategy", self.strategy, STRATEGIES)
+        check("strategy", self.strategy, STRATEGY_CHOICES)
         check("layout", self.layout, LAYOUT_CHOICES)
         check("inputs", self.inputs, ("replicated", "sharded"))
         check("outputs", self.outputs, ("split", "gathered", "sharded"))

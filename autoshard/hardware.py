@@ -1,10 +1,10 @@
 """Hardware profiles: what a rank computes, moves and holds per second, built in or measured.
 
-    autoshard.hardware("h100")                    # a built-in profile (a, :class:`~autoshard.cost.Topology`)
+    autoshard.hardware("h100")                    # a built-in profile (a :class:`HardwareProfile`)
     autoshard.hardware("cpu.json")                # one ``python -m autoshard calibrate --out cpu.json`` wrote
     autoshard.plan(model, args, world_size=8, hardware="h100").step_seconds
 
-A profile is a :class:`~autoshard.cost.Topology`: the cost model chooses attention strategies with it and the
+A profile is a :class:`HardwareProfile`: the cost model chooses attention strategies with it and the
 step-time prediction (:mod:`autoshard.step_time`) prices every op of a planned step with it.
 
 **Built-in profiles** (:data:`PROFILES`): one 8-GPU node's GPU as its vendor specifies it, times the efficiency a
@@ -31,22 +31,14 @@ and 4 TB of host memory per node). Efficiencies applied (stated, not measured un
 * attention (autoshard's Triton kernels, forward + backward, FLOPs counted as FlashAttention counts them):
   **measured** 306-409 TF/s on one H200 in bf16 (``bash benchmarks/gpu_check.sh``, S = 16k, D = 128), so 35% of
   peak on Hopper; the same 35% is assumed on A100 and B200, and 40% of the FP32 peak; no per-pair cost beyond it
-  (:attr:`~autoshard.cost.Topology.attention_pair_flops` 0: head dim 128 measured, smaller ones not);
+  (:attr:`HardwareProfile.attention_pair_flops` 0: head dim 128 measured, smaller ones not);
 * elementwise ops sustain 80% of the HBM bandwidth; NVLink collectives 80% of the link (NCCL's bus bandwidth on
   8 GPUs), the network 80% of the adapter; 25 us per message between nodes, 5 us inside one (NCCL's small-message
   latency); a kernel launch 4 us;
 * host copies run at 80% of the PCIe link (pinned memory): 25 GB/s on PCIe 4, 50 GB/s on PCIe 5.
 
-**Calibrated profiles** (:func:`calibrate`, ``python -m autoshard calibrate --out FILE``) measure the machine they
-run on: its GPU, or the CPU with the threads each rank gets (``torch.get_num_threads()``, recorded as
-:attr:`~autoshard.cost.Topology.threads`: a plan for ranks with other threads scales the rates,
-:meth:`~autoshard.cost.Topology.with_threads`), through the kernels a step runs (``torch.mm``, autoshard's local
-attention forward + backward, an elementwise add), and the collectives of the process group when launched on several
-ranks (``torchrun --nproc-per-node N -m autoshard calibrate``). A CPU profile's
-:attr:`~autoshard.cost.Topology.concurrent_ranks` is its cores over the threads per rank: ranks beyond it share cores,
-and the prediction slows them accordingly (by the :attr:`~autoshard.cost.Topology.sharing_efficiency` measured when
-more ranks than cores were launched). Attention is timed at head dims 32 and 128 to fit its per-pair
-cost beyond the FLOPs (:attr:`~autoshard.cost.Topology.attention_pair_flops`).
+**Calibrated profiles** measure the machine they run on (:func:`autoshard.calibration.calibrate`, ``python -m
+autoshard calibrate --out FILE``); :func:`save_profile` and :func:`load_profile` write and read them.
 """
 
 from __future__ import annotations
@@ -55,31 +47,170 @@ import dataclasses
 import json
 import os
 import re
-import statistics
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from .cost import Topology
-
-__all__ = ["PROFILES", "hardware", "calibrate", "save_profile", "load_profile"]
+__all__ = ["HardwareProfile", "PROFILES", "hardware", "save_profile", "load_profile"]
 
 _GiB = 2**30
 
 
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """A cluster, as the cost model and the step-time prediction see it: what one rank computes, moves and holds.
+    The defaults are an H100 SXM node (:data:`PROFILES` ``["h100"]`` says where each figure comes from);
+    :func:`hardware` gives the built-in profiles by name and reads calibrated ones from files
+    (``python -m autoshard calibrate``)."""
+
+    name: str = "h100"
+    """What the profile describes (a built-in's name, or where it was calibrated)."""
+    ranks_per_node: int = 8
+    """Ranks that share the fast intra-node links."""
+    intra_node_bandwidth: float = 450e9
+    """Bytes per second a rank sends to ranks of its node."""
+    inter_node_bandwidth: float = 50e9
+    """Bytes per second a rank sends to other nodes."""
+    intra_node_latency: float = 3e-6
+    """Seconds per message inside a node (a collective over P ranks sends P - 1 of them)."""
+    inter_node_latency: float = 10e-6
+    """Seconds per message between nodes."""
+    attention_flops: float = 400e12
+    """Attention FLOP/s a rank sustains in 16-bit (forward and backward together, FLOPs counted as
+    :class:`~autoshard.runtime.attention.base.AttentionShape` does)."""
+    attention_flops_fp32: float = 40e12
+    """The same in float32 (and float64)."""
+    attention_pair_flops: float = 0.0
+    """What each visible (query, key) pair and head costs beyond the products' ``14 D`` FLOPs (forward + backward: the
+    softmax's exponentials, the mask, the online rescaling), in FLOPs at the attention rate: it makes small head dims
+    slower per FLOP. 0: folded into the rate (the built-in profiles, measured at head dim 128)."""
+    matmul_flops: float = 700e12
+    """Matrix-multiply FLOP/s a rank sustains in 16-bit (``2 M N K`` per product)."""
+    matmul_flops_fp32: float = 50e12
+    """The same in float32 (PyTorch's default: no TF32)."""
+    step_overhead: float = 20e-6
+    """Seconds each ring step costs beyond its compute and traffic (launches, synchronization)."""
+    op_overhead: float = 4e-6
+    """Seconds every other op costs beyond its arithmetic and memory traffic (a kernel launch; an eager CPU op's
+    dispatch)."""
+    memory_bandwidth: float = 3.0e12
+    """Bytes per second of device memory an elementwise op sustains (reads and writes together; a ring merges
+    every block's partial output through it)."""
+    memory_bytes: int = 80 * 2**30
+    """Memory per rank."""
+    host_memory_bytes: int = 256 * 2**30
+    """Host memory per rank (offloaded activations live there)."""
+    host_bandwidth: float = 40e9
+    """Bytes per second between a rank's device and pinned host memory, each way."""
+    concurrent_ranks: int = 0
+    """Ranks of a node that compute at full speed at once (a CPU's cores over each rank's threads); more ranks on
+    a node share them, each computing that much slower. 0: every rank has its own device."""
+    sharing_efficiency: float = 1.0
+    """How much of the cores ranks beyond :attr:`concurrent_ranks` get when they share them (1: perfect time slicing;
+    context switches and caches make it less)."""
+    threads: int = 0
+    """CPU threads per rank the compute figures were measured with (a CPU calibration's ``torch.get_num_threads()``;
+    :meth:`with_threads` prices ranks with other threads). 0: each rank has a device whose speed its host's threads do
+    not change (a GPU)."""
+
+    def __post_init__(self):
+        rates = (self.intra_node_bandwidth, self.inter_node_bandwidth, self.attention_flops, self.memory_bandwidth,
+                 self.memory_bytes, self.attention_flops_fp32, self.matmul_flops, self.matmul_flops_fp32,
+                 self.host_memory_bytes, self.host_bandwidth)
+        times = (self.intra_node_latency, self.inter_node_latency, self.step_overhead, self.op_overhead)
+        if (self.ranks_per_node < 1 or min(rates) <= 0 or min(times) < 0 or self.concurrent_ranks < 0
+                or self.attention_pair_flops < 0 or not 0 < self.sharing_efficiency <= 1 or self.threads < 0):
+            raise ValueError(f"HardwareProfile: ranks per node, bandwidths, FLOP/s and memory must be positive and "
+                             f"latencies not negative: {self}")
+        if self.threads and not self.concurrent_ranks:
+            raise ValueError(f"HardwareProfile: a CPU profile (threads {self.threads}) needs its concurrent ranks "
+                             f"(the cores over the threads): {self}")
+
+    def bandwidth(self, ranks: int) -> float:
+        """Bandwidth of a collective over ``ranks`` consecutive ranks."""
+        return self.intra_node_bandwidth if ranks <= self.ranks_per_node else self.inter_node_bandwidth
+
+    def latency(self, ranks: int) -> float:
+        """Seconds per message of a collective over ``ranks`` consecutive ranks."""
+        return self.intra_node_latency if ranks <= self.ranks_per_node else self.inter_node_latency
+
+    def collective_seconds(self, nbytes: float, ranks: int) -> float:
+        """Seconds of a collective over ``ranks`` ranks in which a rank sends ``nbytes``: ``P - 1`` messages' latency
+        and the bytes over the links they cross (0 on one rank)."""
+        if ranks <= 1:
+            return 0.0
+        return (ranks - 1) * self.latency(ranks) + nbytes / self.bandwidth(ranks)
+
+    def slowdown(self, ranks: int) -> float:
+        """How much slower a rank computes when ``ranks`` ranks run (:attr:`concurrent_ranks`): 1 with a device each."""
+        sharing = min(ranks, self.ranks_per_node)
+        if not self.concurrent_ranks or sharing <= self.concurrent_ranks:
+            return 1.0
+        return sharing / self.concurrent_ranks / self.sharing_efficiency
+
+    def with_threads(self, threads: int | None = None, *, world: int = 1) -> "HardwareProfile":
+        """This profile for a run whose ranks get ``threads`` CPU threads each (:attr:`threads`); None: what torchrun
+        gives a rank of a ``world``-rank run -- ``OMP_NUM_THREADS`` when set, else one thread when several ranks run
+        (torchrun sets it so for more than one rank per node, and :func:`autoshard.testing.run_on_ranks` runs one per
+        rank), else the profile's own (a lone process keeps PyTorch's default, what a calibration in one process
+        measured). A profile without threads (a GPU's) is returned as it is.
+
+        The model, for a CPU rank on the cores the profile saw (:attr:`concurrent_ranks` x :attr:`threads`; threads
+        beyond them add nothing):
+
+        * matrix multiplies and attention split their work over the threads: their FLOP/s scale in proportion to
+          them (measured on 2 cores, 1 -> 2 threads: float32 products x1.9, attention x2.1; assumed for 16-bit
+          products too, though a CPU without 16-bit matrix units runs them on one thread: x1.0 on that machine);
+        * memory-bound ops split their bytes over the threads but share one memory system: bandwidth scales as the
+          square root of the threads (measured there: an add x1.6, noisy from x1.2 to x2.0);
+        * an op's overhead (its dispatch, on one thread) does not change;
+        * :attr:`concurrent_ranks` becomes the cores over the new threads (ranks beyond them share the cores,
+          :meth:`slowdown`)."""
+        if not self.threads:
+            return self
+        if threads is None:
+            threads = int(os.environ.get("OMP_NUM_THREADS") or (1 if world > 1 else self.threads))
+        if threads < 1:
+            raise ValueError(f"HardwareProfile.with_threads: threads per rank must be positive, got {threads}")
+        if threads == self.threads:
+            return self
+        cores = self.concurrent_ranks * self.threads
+        compute = min(threads, cores) / self.threads
+        memory = compute ** 0.5
+        concurrent = max(1, cores // threads)
+        return dataclasses.replace(
+            self, name=f"{self.name}, at {threads} thread(s) per rank", threads=threads, concurrent_ranks=concurrent,
+            ranks_per_node=max(self.ranks_per_node, concurrent), matmul_flops=self.matmul_flops * compute,
+            matmul_flops_fp32=self.matmul_flops_fp32 * compute, attention_flops=self.attention_flops * compute,
+            attention_flops_fp32=self.attention_flops_fp32 * compute, memory_bandwidth=self.memory_bandwidth * memory,
+            host_bandwidth=self.host_bandwidth * memory)
+
+    def matmul_rate(self, dtype: torch.dtype) -> float:
+        """Matrix-multiply FLOP/s in ``dtype``."""
+        return self.matmul_flops if _sixteen_bit(dtype) else self.matmul_flops_fp32
+
+    def attention_rate(self, dtype: torch.dtype) -> float:
+        """Attention FLOP/s in ``dtype``."""
+        return self.attention_flops if _sixteen_bit(dtype) else self.attention_flops_fp32
+
+
+def _sixteen_bit(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and torch.finfo(dtype).bits <= 16
+
+
 def _gpu(name: str, *, bf16: float, fp32: float, hbm: float, memory: int, nvlink: float, network: float,
-         host: int, pcie: float) -> Topology:
+         host: int, pcie: float) -> HardwareProfile:
     """A profile from a GPU's peaks and the efficiencies of the module docstring."""
-    return Topology(name=name, ranks_per_node=8, intra_node_bandwidth=0.8 * nvlink, inter_node_bandwidth=0.8 * network,
-                    intra_node_latency=5e-6, inter_node_latency=25e-6, attention_flops=0.35 * bf16,
-                    attention_flops_fp32=0.4 * fp32, matmul_flops=0.7 * bf16, matmul_flops_fp32=0.8 * fp32,
-                    step_overhead=20e-6, op_overhead=4e-6, memory_bandwidth=0.8 * hbm, memory_bytes=memory,
-                    host_memory_bytes=host, host_bandwidth=0.8 * pcie)
+    return HardwareProfile(name=name, ranks_per_node=8, intra_node_bandwidth=0.8 * nvlink,
+                           inter_node_bandwidth=0.8 * network, intra_node_latency=5e-6, inter_node_latency=25e-6,
+                           attention_flops=0.35 * bf16, attention_flops_fp32=0.4 * fp32, matmul_flops=0.7 * bf16,
+                           matmul_flops_fp32=0.8 * fp32, step_overhead=20e-6, op_overhead=4e-6,
+                           memory_bandwidth=0.8 * hbm, memory_bytes=memory, host_memory_bytes=host,
+                           host_bandwidth=0.8 * pcie)
 
 
-PROFILES: dict[str, Topology] = {
+PROFILES: dict[str, HardwareProfile] = {
     "a100": _gpu("a100", bf16=312e12, fp32=19.5e12, hbm=2.039e12, memory=80 * _GiB, nvlink=300e9, network=25e9,
                  host=128 * _GiB, pcie=32e9),
     "h100": _gpu("h100", bf16=989e12, fp32=67e12, hbm=3.35e12, memory=80 * _GiB, nvlink=450e9, network=50e9,
@@ -92,10 +223,10 @@ PROFILES: dict[str, Topology] = {
 """The built-in profiles, by name (see the module docstring for their figures and sources)."""
 
 
-def hardware(spec: str | os.PathLike | Topology) -> Topology:
-    """The profile ``spec`` names: a :class:`~autoshard.cost.Topology` as it is, a built-in name (:data:`PROFILES`),
+def hardware(spec: str | os.PathLike | HardwareProfile) -> HardwareProfile:
+    """The profile ``spec`` names: a :class:`HardwareProfile` as it is, a built-in name (:data:`PROFILES`),
     or a JSON file :func:`save_profile` wrote. An unknown name lists the known ones."""
-    if isinstance(spec, Topology):
+    if isinstance(spec, HardwareProfile):
         return spec
     key = str(spec).lower()
     if key in PROFILES:
@@ -106,26 +237,26 @@ def hardware(spec: str | os.PathLike | Topology) -> Topology:
                      f"{', '.join(sorted(PROFILES))} (python -m autoshard calibrate --out FILE measures this machine)")
 
 
-def save_profile(profile: Topology, path: str | os.PathLike) -> None:
+def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> None:
     """Write ``profile`` as JSON (every field)."""
     Path(path).write_text(json.dumps(dataclasses.asdict(profile), indent=1, sort_keys=True) + "\n")
 
 
-def load_profile(path: str | os.PathLike) -> Topology:
+def load_profile(path: str | os.PathLike) -> HardwareProfile:
     """The profile a JSON file holds; a missing or unknown field is named. A file written before profiles recorded
-    their :attr:`~autoshard.cost.Topology.threads` gets the threads its name says it was calibrated with (``cpu x2
-    thread(s)``), none for a GPU's (:attr:`~autoshard.cost.Topology.concurrent_ranks` 0); a CPU profile whose name
+    their :attr:`HardwareProfile.threads` gets the threads its name says it was calibrated with (``cpu x2
+    thread(s)``), none for a GPU's (:attr:`HardwareProfile.concurrent_ranks` 0); a CPU profile whose name
     does not say them is refused."""
     data = json.loads(Path(path).read_text())
     if "threads" not in data:
         data["threads"] = _old_threads(data, path)
-    fields = {f.name for f in dataclasses.fields(Topology)}
+    fields = {f.name for f in dataclasses.fields(HardwareProfile)}
     missing, unknown = sorted(fields - set(data)), sorted(set(data) - fields)
     if missing or unknown:
         raise ValueError(f"autoshard: hardware profile {str(path)!r}: "
                          + "; ".join(([f"missing field(s) {', '.join(missing)}"] if missing else [])
                                      + ([f"unknown field(s) {', '.join(unknown)}"] if unknown else [])))
-    return Topology(**data)
+    return HardwareProfile(**data)
 
 
 def _old_threads(data: dict, path: str | os.PathLike) -> int:
@@ -139,160 +270,3 @@ def _old_threads(data: dict, path: str | os.PathLike) -> int:
                          f"them): the rates scale with the threads, so it cannot price ranks; add the field or "
                          f"recalibrate (python -m autoshard calibrate --out FILE)")
     return int(match.group(1))
-
-
-# ----------------------------------------------------------------------------------------------- calibration
-
-
-def _seconds(fn, device: torch.device, repeat: int = 5) -> float:
-    """The median wall time of ``fn()`` after a warm-up."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _matmul_rate(device: torch.device, dtype: torch.dtype, tokens: int) -> float:
-    """FLOP/s of the products a transformer layer makes: ``[tokens, hidden] @ [hidden, out]`` and its backward's."""
-    rates = []
-    for k, n in ((1024, 1024), (1024, 4096), (4096, 1024), (256, 8192)):
-        a = torch.randn(tokens, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        rates.append(2 * tokens * k * n / _seconds(lambda: a @ b, device))
-    return statistics.median(rates)
-
-
-def _attention_seconds(device: torch.device, dtype: torch.dtype, seq: int, dim: int) -> float:
-    """Seconds of autoshard's local attention, forward + backward, causal, per visible (query, key) pair and head
-    (``[1, 8, seq, dim]``, kv heads 2)."""
-    from .runtime.attention.local import local_attention, local_attention_backward
-
-    heads, kv_heads = 8, 2
-    q = torch.randn(1, heads, seq, dim, device=device, dtype=dtype)
-    k, v = (torch.randn(1, kv_heads, seq, dim, device=device, dtype=dtype) for _ in range(2))
-    dout = torch.randn_like(q)
-
-    def step():
-        out, lse = local_attention(q, k, v, causal=True)
-        local_attention_backward(dout, q, k, v, out.to(dtype), lse, causal=True)
-
-    return _seconds(step, device, repeat=3) / (heads * seq * (seq + 1) / 2)
-
-
-def _attention_rates(device: torch.device, seq: int) -> dict:
-    """The attention fields of a profile: ``seconds per pair = (14 D + pair FLOPs) / rate`` fitted at head dims 32 and
-    128 in the dtype the device trains in (bfloat16 on a GPU, float32 on a CPU), the other dtype's rate at 128."""
-    main, other = (torch.bfloat16, torch.float32) if device.type == "cuda" else (torch.float32, torch.bfloat16)
-    small, large = (_attention_seconds(device, main, seq, dim) for dim in (32, 128))
-    rate = 14 * (128 - 32) / max(large - small, 1e-15)
-    pair = max(0.0, rate * small - 14 * 32)
-    other_rate = (14 * 128 + pair) / _attention_seconds(device, other, seq, 128)
-    fp32, low = (rate, other_rate) if main is torch.float32 else (other_rate, rate)
-    return dict(attention_flops=low, attention_flops_fp32=fp32, attention_pair_flops=pair)
-
-
-def _memory_bandwidth(device: torch.device) -> float:
-    """Bytes per second an elementwise op moves (an add: two reads and a write) on values a layer makes."""
-    x, y = (torch.randn(4 * 2**20, device=device) for _ in range(2))
-    return 3 * x.numel() * 4 / _seconds(lambda: x + y, device, repeat=10)
-
-
-def _op_overhead(device: torch.device) -> float:
-    """Seconds an op costs beyond its work (an add of one element)."""
-    x = torch.ones(1, device=device)
-    return _seconds(lambda: [x + x for _ in range(200)], device) / 200
-
-
-def _collective_rates(device: torch.device) -> tuple[float, float]:
-    """(latency per message, bandwidth) of the process group's all-gathers and all-to-alls, fitted to
-    ``(P - 1) latency + sent / bandwidth`` at a small and a large message."""
-    world = dist.get_world_size()
-    times = {}
-    for numel in (2**10, 2**22):
-        per_rank = numel // world
-        x = torch.randn(per_rank * world, device=device)
-        gathered = torch.empty(per_rank * world, device=device)
-        exchanged = torch.empty_like(x)
-
-        def both():
-            dist.all_gather_into_tensor(gathered, x[:per_rank])
-            dist.all_to_all_single(exchanged, x)
-
-        dist.barrier()
-        seconds = torch.tensor(_seconds(both, device), device=device)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        sent = 2 * per_rank * (world - 1) * 4  # what a rank sends in the two
-        times[sent] = seconds.item() / 2
-    (small, t_small), (large, t_large) = sorted(times.items())
-    bandwidth = (large - small) / 2 / max(t_large - t_small, 1e-9)
-    latency = max(0.0, t_small - small / 2 / bandwidth) / (world - 1)
-    return latency, bandwidth
-
-
-def calibrate(*, tokens: int = 4096) -> Topology:
-    """Measure the machine this process runs on (see the module docstring): its CUDA device, or the CPU with this
-    process's threads; with an initialized process group of several ranks (every rank must call this), rank 0
-    measures the compute alone while the others wait (CPU ranks share cores: measured together, each would see a
-    share of them) and every rank gets its figures, then all of them measure the collectives. Takes well under two
-    minutes."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    measured = [_compute(device, tokens) if not distributed or dist.get_rank() == 0 else None]
-    if distributed:
-        dist.broadcast_object_list(measured, src=0)
-    profile = measured[0]
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if distributed else 1))
-    threads = 0 if cuda else torch.get_num_threads()
-    if cuda:
-        name = torch.cuda.get_device_name(device)
-        memory = torch.cuda.get_device_properties(device).total_memory
-        concurrent = 0
-        ranks_per_node = local_ranks
-    else:
-        name = f"cpu x{threads} thread(s)"
-        memory = host // max(1, local_ranks)
-        concurrent = max(1, len(os.sched_getaffinity(0)) // threads)
-        ranks_per_node = max(local_ranks, concurrent)
-    base = Topology()
-    latency, bandwidth, sharing = base.intra_node_latency, base.intra_node_bandwidth, 1.0
-    if distributed:
-        latency, bandwidth = _collective_rates(device)
-        world = dist.get_world_size()
-        if concurrent and world > concurrent:  # more ranks than cores: how well they share them
-            dist.barrier()
-            together = torch.tensor(_matmul_rate(device, torch.float32, tokens // 4))
-            dist.all_reduce(together, op=dist.ReduceOp.MIN)
-            alone = [_matmul_rate(device, torch.float32, tokens // 4) if dist.get_rank() == 0 else None]
-            dist.barrier()
-            dist.broadcast_object_list(alone, src=0)
-            sharing = min(1.0, world / concurrent * together.item() / alone[0])
-        name += f", {dist.get_backend()} over {dist.get_world_size()} rank(s)"
-    return Topology(name=name, ranks_per_node=ranks_per_node, intra_node_bandwidth=bandwidth,
-                    inter_node_bandwidth=bandwidth, intra_node_latency=latency, inter_node_latency=latency,
-                    step_overhead=profile["op_overhead"] * 10, memory_bytes=memory,
-                    host_memory_bytes=host // max(1, local_ranks), concurrent_ranks=concurrent,
-                    sharing_efficiency=sharing, threads=threads, **profile)
-
-
-def _compute(device: torch.device, tokens: int) -> dict:
-    """The compute figures of one rank's device (:class:`~autoshard.cost.Topology` fields)."""
-    profile = dict(matmul_flops=_matmul_rate(device, torch.bfloat16, tokens),
-                   matmul_flops_fp32=_matmul_rate(device, torch.float32, tokens),
-                   memory_bandwidth=_memory_bandwidth(device), op_overhead=_op_overhead(device),
-                   **_attention_rates(device, tokens))
-    if device.type == "cuda":
-        pinned = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
-        on_device = torch.empty_like(pinned, device=device)
-        profile["host_bandwidth"] = pinned.numel() / _seconds(lambda: on_device.copy_(pinned), device)
-    else:
-        profile["host_bandwidth"] = profile["memory_bandwidth"] * 2 / 3  # a copy: one read, one write
-    return profile

@@ -19,7 +19,7 @@ lever                   what it removes                             what it cost
 ``offload``             the recomputed layers' inputs (host memory   a copy to the host and back per layer, on
                         holds them until backward), all but one:     a stream of its own (eager inner compiler
                         backward brings the next layer's back while  only)
-                        it runs one (double-buffered)
+                        it runs one (prefetch)
 ``offload_prefetch      that one: each layer's input comes back      the copy back is no longer hidden: compute
 =False``                when backward uses it                       waits for it
 ======================  ==========================================  ==========================================
@@ -27,14 +27,14 @@ lever                   what it removes                             what it cost
 (The chunked LM head + loss, ``chunk_loss``, is on by default: it costs one head matmul and removes the
 largest values of a step.) The ladder, cheapest first: as configured, chunked MLPs, tiles, tiles with attention
 in :data:`HEAD_CHUNKS` head groups (``head_chunks``: its gathered or head-split copies one group at a time); the
-same four with recomputed layers; the same four with double-buffered offload too; then with offload that brings
+same four with recomputed layers; the same four with prefetching offload too; then with offload that brings
 each layer's input back only when backward uses it -- never changing a lever the user set. The policy takes the
 first option whose planned per-rank peak (:func:`autoshard.plan`'s ``memory_per_rank.total``, or
-``total_prefetched`` for double-buffered offload; computed for rank 0 so that every rank decides the same) fits
+``total_prefetched`` for offload with prefetch; computed for rank 0 so that every rank decides the same) fits
 the budget and whose host bytes fit ``host_budget``.
 
 Each estimate is a whole plan (half a minute for Llama-8B at millions of tokens; offload with and without prefetch
-share one, whose simulation counts what prefetching holds early aside), so the policy does not plan every rung.
+share one, whose simulation counts what prefetching holds aside), so the policy does not plan every rung.
 Device memory only falls as levers are added (tiles remove what MLP chunks remove and more; offload moves bytes to
 the host), so an option whose peak exceeds the budget rules out every option it *dominates* (one with no lever
 stronger) -- when it exceeds it by more than :data:`DOMINANCE_MARGIN`: in a model too small for a lever to pay,
@@ -54,18 +54,23 @@ parameters as the graph sees them, whole, which over-counts FSDP-sharded models.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+import torch.fx as fx
 
 from .config import BackendConfig
+from .passes.pipeline import compile_graph
+from .runtime.groups import SequenceGroups
 from .runtime.warn import warn
 
 __all__ = ["MemoryOption", "MemoryPolicy", "MemoryBudgetError", "CHUNK_TOKENS", "MAX_CHUNKS", "DOMINANCE_MARGIN",
-           "HEAD_CHUNKS", "chunk_tokens", "choose_memory_policy", "device_budget", "host_budget", "format_bytes"]
+           "HEAD_CHUNKS", "chunk_tokens", "choose_memory_policy", "memory_policy_for", "device_budget", "host_budget",
+           "format_bytes"]
 
 def format_bytes(nbytes: float) -> str:
     """``nbytes`` for people: ``"1.50 GiB"``, ``"12.00 KiB"``, ``"512 B"`` (the plan's and the policy's sizes)."""
@@ -120,7 +125,7 @@ class MemoryOption:
     offload: bool
     """Whether the checkpointed layers' inputs wait in host memory."""
     offload_prefetch: bool
-    """With ``offload``: whether backward brings them back a layer ahead (double-buffered)."""
+    """With ``offload``: whether backward prefetches them a layer early."""
     estimate: int | None
     """Planned per-rank peak bytes with these levers; None: not planned (ruled out by an option that dominates
     it and does not fit)."""
@@ -176,16 +181,16 @@ def _options(config: BackendConfig, tokens: int = CHUNK_TOKENS) -> list[dict]:
     if config.head_chunks == 1:  # head groups on top of the strongest of these
         tokenwise.append((*tokenwise[-1][:2], HEAD_CHUNKS))
     layers = [config.recompute] if config.recompute != "none" else ["none", "layers"]
-    prefetch = [True, False] if config.offload_prefetch else [False]
-    offload = [(True, ahead) for ahead in prefetch]
+    prefetch_choices = [True, False] if config.offload_prefetch else [False]
+    offload = [(True, prefetch) for prefetch in prefetch_choices]
     if not config.offload:
         offload = [(False, config.offload_prefetch)] + (offload if config.inner in ("eager", "auto") else [])
     out = []
-    for host, ahead in offload:
+    for host, prefetch in offload:
         for recompute in layers:
             for chunk_mlp, tile_tokens, head_chunks in tokenwise:
                 levers = {"chunk_mlp": chunk_mlp, "tile_tokens": tile_tokens, "head_chunks": head_chunks,
-                          "recompute": recompute, "offload": host, "offload_prefetch": ahead}
+                          "recompute": recompute, "offload": host, "offload_prefetch": prefetch}
                 if levers not in out and not (host and recompute == "none"):
                     out.append(levers)
     return out
@@ -193,7 +198,7 @@ def _options(config: BackendConfig, tokens: int = CHUNK_TOKENS) -> list[dict]:
 
 def _strength(levers: dict) -> tuple[int, int, int, int]:
     """How much each lever removes, comparable lever by lever: (tokenwise: none 0, MLP chunks 1, tiles 2; head
-    groups; layers recomputed; offload: none 0, double-buffered 1, without prefetch 2)."""
+    groups; layers recomputed; offload: none 0, with prefetch 1, without prefetch 2)."""
     tokenwise = 2 if levers["tile_tokens"] else 1 if levers["chunk_mlp"] else 0
     offload = 0 if not levers["offload"] else 1 if levers["offload_prefetch"] else 2
     return tokenwise, levers["head_chunks"], int(levers["recompute"] != "none"), offload
@@ -267,6 +272,43 @@ def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfi
         raise MemoryBudgetError(message)
     warn(message)
     return smallest_config, policy
+
+
+def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, plan_graphs: Callable[..., Any], world_size: int,
+                      config: BackendConfig, budget: int, host_budget: int | None = None, strict: bool = True,
+                      dp_shard: int = 1, optimizer: str | None = None) -> tuple[BackendConfig, MemoryPolicy]:
+    """The memory policy's choice for one graph (:func:`choose_memory_policy`): each option's estimate is this
+    graph's plan from rank 0 (``plan_graphs``, :func:`autoshard.planner.plan_graphs`, of a copy of ``gm``; the
+    options as they are, no policy inside): its peak and its host bytes; the MLP chunks and tiles are sized from the
+    rank's tokens (the sequence family the compile pipeline finds; :func:`chunk_tokens`). Returns (the chosen
+    config, :class:`MemoryPolicy`). When nothing fits, the error (or warning) ends with the smallest option's
+    breakdown (:meth:`autoshard.planner.MemoryEstimate.describe`: a returned KV cache named with its fix).
+    The planner is passed in, not imported: it plans a graph with a budget through this function."""
+    plans: dict[tuple, Any] = {}  # the levers -> the plan: the options differ in these only
+
+    def planned(option: BackendConfig):  # one plan for offload with and without prefetch: it has both peaks
+        key = (option.chunk_mlp, option.tile_tokens, option.head_chunks, option.recompute, option.offload)
+        if key not in plans:
+            plans[key] = plan_graphs([(copy.deepcopy(gm), list(example_inputs))], world_size=world_size,
+                                     config=dataclasses.replace(option, memory_budget=None, offload_prefetch=False),
+                                     dp_shard=dp_shard, optimizer=optimizer)
+        return plans[key]
+
+    compiled = compile_graph(copy.deepcopy(gm), config=dataclasses.replace(config, memory_budget=None),
+                             groups=SequenceGroups.planned(0, world_size), planning=True)
+    families = compiled.families.families  # the rank's tokens, which size the chunks and tiles: no plan needed
+    local = -(-families[0].length // world_size) if families else None
+
+    def estimate(option: BackendConfig) -> tuple[int, int]:
+        memory = planned(option).memory_per_rank
+        prefetch = option.offload and option.offload_prefetch
+        return memory.total_prefetched if prefetch else memory.total, memory.host_offloaded
+
+    def held(option: BackendConfig) -> str:  # what the smallest option still holds: what a further lever must remove
+        return f"The smallest option's memory per rank {planned(option).memory_per_rank.describe()}"
+
+    return choose_memory_policy(config, estimate, budget=budget, host_budget=host_budget, strict=strict,
+                                tokens=chunk_tokens(local), held=held)
 
 
 def host_budget() -> int | None:

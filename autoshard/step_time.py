@@ -5,20 +5,22 @@
 
 The planner already runs every per-rank graph forward and backward on fake tensors to follow its memory
 (:mod:`autoshard.planner`); :class:`OpTimer` rides along in the same run and prices every op it dispatches on the
-profile (:class:`~autoshard.cost.Topology`, :mod:`autoshard.hardware`), the way the per-operator predictors of the
-literature do (a calibrated cost per op class, collectives by latency and bandwidth, overlap as it really happens):
+profile (:class:`~autoshard.hardware.HardwareProfile`), the way the per-operator predictors of the literature
+do (a calibrated cost per op class, collectives by latency and bandwidth, overlap as it really happens):
 
 * **matrix multiplies** (``mm``, ``addmm``, ``bmm``, ``baddbmm``): ``2 M N K`` FLOPs over the profile's rate in their
   dtype;
 * **attention** (``autoshard::attention`` and its backward): the cost model's price of the call for the strategy
   the compiler chose (:func:`autoshard.cost.attention_costs`: the rank's share of the work, its imbalance on the
   layout, the exposed part of its communication, the ring's per-step latency and merges), forward 1 / 3.5 of its
-  compute, backward the rest, the communication by the bytes each direction sends;
-* **the chunked LM head + loss** (``autoshard::linear_cross_entropy``): its three products (the logits and the two
-  gradients, made in forward when the loss wants them; else the backward recomputes the logits) and its softmax passes over the ``[tokens, V]`` values;
+  compute, backward the rest, the communication by the bytes each direction sends (this module registers that
+  price in the op registry, :mod:`autoshard.runtime.op_info`: it needs the cost model);
+* **ops that declare their work** in the op registry (the chunked LM head + loss, ``autoshard::linear_cross_entropy``:
+  its products of ``[tokens, H] x [H, V]`` and its softmax passes over the ``[tokens, V]`` values): their FLOPs over
+  the profile's rate in their dtype plus the bytes they stream over the memory bandwidth;
 * **everything else**: the bytes it reads and writes over the memory bandwidth; views cost nothing; every op also
-  pays :attr:`~autoshard.cost.Topology.op_overhead`. A CPU rank that shares its cores
-  (:meth:`~autoshard.cost.Topology.slowdown`) computes that much slower.
+  pays :attr:`~autoshard.hardware.HardwareProfile.op_overhead`. A CPU rank that shares its cores
+  (:meth:`~autoshard.hardware.HardwareProfile.slowdown`) computes that much slower.
 
 What runs again runs again: checkpointed regions are recomputed in the simulated backward, their ops priced a
 second time. Each op's time is booked to the layer it belongs to -- forward, the layer of the graph node that runs
@@ -29,7 +31,7 @@ head, loss).
 On top of the ops, from the plan's counts: the collectives outside attention (gradient sync buckets, loss
 reductions, realigns) at ``(P - 1)`` latencies plus their bytes over the link, exposed; FSDP2's per-unit
 all-gathers (forward and backward) and reduce-scatters, hidden behind the layer's compute up to it (prefetch); the
-offload copies (their own stream): double-buffered (``offload_prefetch``), both ways hidden behind the step's
+offload copies (their own stream): prefetched (``offload_prefetch``), both ways hidden behind the step's
 compute up to it (the first copy back is not, left out); else each copy back exposed, after what of the copies out
 forward's compute did not hide; and the optimizer's pass over its
 states.
@@ -48,10 +50,12 @@ import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .cost import AttentionShape, Topology, attention_costs
+from .cost import attention_costs
+from .hardware import HardwareProfile
 from .passes.recompute import layer_of
-from .runtime.attention.api import OpConfig
-from .runtime.layouts import SequenceLayout
+from .runtime.attention.api import attention_op_shape
+from .runtime.attention.base import AttentionShape
+from .runtime.op_info import Arguments, lookup, register
 
 __all__ = ["StepTime", "LayerTime", "OpTimer", "run_timed", "step_time"]
 
@@ -61,16 +65,6 @@ REST = "rest"
 _MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.aten.bmm.default: 0,
             torch.ops.aten.baddbmm.default: 1}
 """Matrix multiplies -> the position of their first factor (after the added term of ``addmm`` / ``baddbmm``)."""
-_ATTENTION = {torch.ops.autoshard.attention.default: "forward",
-              torch.ops.autoshard.attention_backward.default: "backward"}
-_LOSS = {torch.ops.autoshard.linear_cross_entropy.default: lambda args: 3 if args[10] else 1,
-         torch.ops.autoshard.linear_cross_entropy_backward.default: lambda args: 3}
-"""The chunked LM head + loss -> products of ``[tokens, H] x [H, V]`` it makes from its arguments: the logits, and
-the gradients of the hidden state and of the weight where it makes them (in forward when asked to, else its
-backward op recomputes the logits)."""
-_SOFTMAX_PASSES = 3
-"""Passes over the float32 ``[tokens, V]`` values the chunked loss makes per product (max, exp-sum, the
-probabilities or their gradient)."""
 _FREE_NAMESPACES = ("prim",)
 """Ops that exist only on fake tensors (a device query)."""
 
@@ -149,29 +143,14 @@ class StepTime:
 
 
 @lru_cache(maxsize=256)
-def _attention_cost(shape: AttentionShape, world: int, topology: Topology, strategy: str):
+def _attention_cost(shape: AttentionShape, world: int, topology: HardwareProfile, strategy: str):
     return next(c for c in attention_costs(shape, world, topology) if c.strategy == strategy)
 
 
-def attention_op_shape(args: tuple, backward: bool) -> tuple[AttentionShape, OpConfig]:
-    """The shape (global length, this rank's heads) and the configuration of one ``autoshard::attention`` op (or its
-    backward) from its arguments."""
-    first = 6 if backward else 3  # the masks follow (dout, q, k, v, out, lse) or (q, k, v)
-    q, k, v = args[1:4] if backward else args[:3]
-    masks = args[first:first + 2]
-    config = OpConfig(*args[-len(OpConfig.__dataclass_fields__):])
-    window = None if (config.window_left, config.window_right) == (-1, -1) else (config.window_left,
-                                                                                config.window_right)
-    length = SequenceLayout.decode(config.layout).length
-    shape = AttentionShape(q.shape[0], length, q.shape[1], k.shape[1], q.shape[3], q.dtype, config.causal, window,
-                           masks[0] is not None, masks[1].dtype if masks[1] is not None else None, config.chunk,
-                           value_head_dim=v.shape[3] if v.shape[3] != q.shape[3] else 0)
-    return shape, config
-
-
-def _attention_call(args: tuple, world: int, topology: Topology, backward: bool) -> tuple[float, float, float]:
+@register("seconds", torch.ops.autoshard.attention.default, torch.ops.autoshard.attention_backward.default)
+def _attention_seconds(a: Arguments, topology: HardwareProfile, world: int) -> tuple[float, float, float]:
     """(compute, communication, exposed communication) seconds of one attention op (see the module docstring)."""
-    shape, config = attention_op_shape(args, backward)
+    shape, config, backward = attention_op_shape(a)
     cost = _attention_cost(shape, world, topology, config.strategy)
     share = 2.5 / 3.5 if backward else 1 / 3.5
     sent = cost.bytes_forward + cost.bytes_backward
@@ -188,7 +167,7 @@ class OpTimer(TorchDispatchMode):
     """Prices every op dispatched under it on ``topology`` for a rank of ``world`` (see the module docstring),
     booked to :attr:`layer` in :attr:`phase` (set by :func:`run_timed`)."""
 
-    def __init__(self, topology: Topology, world: int):
+    def __init__(self, topology: HardwareProfile, world: int):
         super().__init__()
         self.topology, self.world = topology, world
         self.slowdown = topology.slowdown(world)
@@ -227,22 +206,17 @@ class OpTimer(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace in _FREE_NAMESPACES:
             return out
-        layer, t = self._current_layer(), self.topology
-        if func in _ATTENTION:
-            compute, comm, exposed = _attention_call(args, self.world, t, _ATTENTION[func] == "backward")
+        layer, t, info = self._current_layer(), self.topology, lookup(func)
+        if info is not None and info.seconds is not None:
+            compute, comm, exposed = info.seconds(info.arguments(args, kwargs), t, self.world)
             self.book(layer, attention=compute, comm=comm, exposed=exposed)
             return out
         if func in _MATMULS:
             a, b = args[_MATMULS[func]:_MATMULS[func] + 2]
             flops = 2 * a.numel() * b.shape[-1]
             seconds = flops / t.matmul_rate(a.dtype)
-        elif func in _LOSS:
-            forward = func is torch.ops.autoshard.linear_cross_entropy.default
-            h, weight = (args[0], args[1]) if forward else (args[1], args[2])
-            rows, vocab = h.numel() // h.shape[-1], weight.shape[0]
-            products = _LOSS[func](args)
-            seconds = (products * 2 * rows * vocab * h.shape[-1] / t.matmul_rate(h.dtype)
-                       + products * _SOFTMAX_PASSES * rows * vocab * 4 / t.memory_bandwidth)
+        elif info is not None and info.flops is not None:
+            seconds = info.flops(info.arguments(args, kwargs)).seconds(t)
         else:
             seconds = self._memory_seconds(func, args, kwargs, out)
         self.book(layer, compute=(seconds + t.op_overhead) * self.slowdown)
@@ -295,13 +269,13 @@ def run_timed(gm: fx.GraphModule, inputs: list, timer: OpTimer):
     return _Timed(gm, timer).run(*inputs)
 
 
-def step_time(timers: list[OpTimer], *, topology: Topology, world: int, tokens: int, collectives: list,
+def step_time(timers: list[OpTimer], *, topology: HardwareProfile, world: int, tokens: int, collectives: list,
               attention_nodes: set[str], fsdp: list[int] | None, dp_shard: int, host_bytes: int,
-              optimizer_bytes: int, host_hidden: bool = True) -> StepTime:
+              optimizer_bytes: int, host_prefetched: bool = True) -> StepTime:
     """The step's time from the timers of its graph calls and the plan's counts (see the module docstring).
     ``collectives``: the plan's :class:`~autoshard.planner.Collective` entries, those of ``attention_nodes`` already
     priced with their calls; ``fsdp``: the bytes of each FSDP2 unit's parameters (None: no FSDP2), the largest the
-    layers'; ``host_bytes``: offloaded bytes (``host_hidden``: copied back double-buffered); ``optimizer_bytes``:
+    layers'; ``host_bytes``: offloaded bytes (``host_prefetched``: copied back prefetched); ``optimizer_bytes``:
     what the optimizer reads and writes."""
     layers: dict[str, LayerTime] = {}
     forward = backward = 0.0
@@ -334,7 +308,7 @@ def step_time(timers: list[OpTimer], *, topology: Topology, world: int, tokens: 
     compute = sum(row.compute_s for row in layers.values())
     if host_bytes:  # the copy stream's work, behind the compute it overlaps; the compute stream waits only for what
         one_way = host_bytes / topology.host_bandwidth  # backward copies back
-        if host_hidden:  # prefetched: each layer's copy back overlaps the layer before it in backward
+        if host_prefetched:  # each layer's copy back runs during the layer before it in backward
             exposed = max(0.0, 2 * one_way - compute)
         else:  # each copy back waits in full, after whatever of the copies out forward's compute did not hide
             exposed = one_way + max(0.0, one_way - forward_compute)

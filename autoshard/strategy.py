@@ -17,9 +17,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .config import BackendConfig
-from .cost import AttentionShape, Topology, attention_costs, choose_strategy, preferred_layout
+from .cost import attention_costs, choose_strategy, preferred_layout
+from .hardware import HardwareProfile
 from .passes.ops import op_of, value_of
 from .runtime.attention import STRATEGIES
+from .runtime.attention.base import AttentionShape
+from .runtime.attention.masks import MaskSpec
 from .runtime.layouts import SequenceLayout
 
 if TYPE_CHECKING:
@@ -34,30 +37,32 @@ def attention_shape(node, length: int) -> AttentionShape:
     op = op_of(node)
     q, k, v = value_of(op["q"]), value_of(op["k"]), value_of(op["v"])
     seg = op.get("segment_ids")
-    return AttentionShape(q.shape[0], length, q.shape[1], k.shape[1], q.shape[3], value_of(node).dtype,
-                          bool(op.get("causal")), op.get("window"), op.get("key_mask") is not None,
-                          value_of(seg).dtype if seg is not None else None, int(op.get("chunk") or 0),
+    return AttentionShape(batch=q.shape[0], seq=length, heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
+                          dtype=value_of(node).dtype,
+                          mask=MaskSpec.of(op.get("causal"), op.get("window"), op.get("chunk") or 0),
+                          key_mask=op.get("key_mask") is not None,
+                          segment_ids_dtype=value_of(seg).dtype if seg is not None else None,
                           value_head_dim=v.shape[3] if v.shape[3] != q.shape[3] else 0)
 
 
-def _planned_mesh(strategy: str, shape: AttentionShape, world: int, topology: Topology) -> tuple[int, int]:
+def _planned_mesh(strategy: str, shape: AttentionShape, world: int, topology: HardwareProfile) -> tuple[int, int]:
     """The (ring, ulysses) mesh a plan of a strategy over a 2-D mesh (``strategy="hybrid"``) without one assumes:
     the one the cost model prices for ``topology`` (Ulysses inside a node)."""
     cost = next(c for c in attention_costs(shape, world, topology) if c.strategy == strategy)
     if not cost.feasible:
         raise ValueError(f"autoshard: strategy={strategy!r} cannot be planned on {world} ranks: {cost.why_not}. Pass "
-                         f"topology=Topology(ranks_per_node=...) with nodes smaller than the group")
+                         f"topology=autoshard.HardwareProfile(ranks_per_node=...) with nodes smaller than the group")
     return cost.mesh
 
 
 def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_size: int | None = None,
-           topology: Topology | None = None, planning: bool = False,
+           topology: HardwareProfile | None = None, planning: bool = False,
            carried_layouts: dict[int, str] | None = None) -> tuple[dict[int, SequenceLayout], dict, dict, int | None]:
     """(root layout per family index, strategy per attention node, reason per attention node, Ulysses axis
     size of the hybrid). ``planning``: the hybrid may be chosen without a 2-D mesh (the plan then says
     which mesh to build). ``carried_layouts``: family index -> the layout kind a value an earlier graph
     returned split arrives in; under ``layout="auto"`` the family keeps it (no re-alignment)."""
-    topology = topology or config.topology or Topology()
+    topology = topology or config.topology or HardwareProfile()
     layouts, strategies, reasons = {}, {}, {}
     decided = {}  # (shape, hybrid possible) -> (best, why): the layers of a model share a few shapes
     for fam in families.families:

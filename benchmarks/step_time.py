@@ -4,11 +4,11 @@
     python benchmarks/step_time.py --lengths 4096 --worlds 2 --repeat 2   # quicker
     python benchmarks/step_time.py --calibrate process --lengths 4096 --worlds 2 --strategies zigzag
 
-1. ``autoshard.hardware.calibrate()`` on ``max(--worlds)`` gloo ranks, one thread each (the compute on rank 0 alone
+1. ``autoshard.calibrate()`` on ``max(--worlds)`` gloo ranks, one thread each (the compute on rank 0 alone
    while the others wait, the collectives on all of them); with ``--calibrate process``, in this process with its
    default threads instead (what ``python -m autoshard calibrate --out FILE`` measures), the plan scaling its rates to
-   the ranks' one thread (``Topology.with_threads``). With ``--profile FILE`` the profile is written there, or read
-   from it when the file exists (one calibration for several runs).
+   the ranks' one thread (``HardwareProfile.with_threads``). With ``--profile FILE`` the profile is written there, or
+   read from it when the file exists (one calibration for several runs).
 2. For every S, P and strategy that applies (P = 1: the default; P > 1: ring, zigzag, ulysses, allgather):
    ``autoshard.plan(model on meta, world_size=P, strategy=..., topology=profile, threads=1).step_seconds`` against the
    median over ``--repeat`` steps (after a warm-up step) of the slowest rank of
@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.hardware import calibrate, load_profile, save_profile
+from autoshard.calibration import calibrate
+from autoshard.hardware import load_profile, save_profile
 from autoshard.testing import run_on_ranks
 
 try:
@@ -114,7 +115,7 @@ def main() -> None:
         if args.calibrate == "process":
             profile = calibrate()
         else:
-            profile = autoshard.Topology(**run_on_ranks(_calibrate_ranks, max(max(args.worlds), 2), threads=1,
+            profile = autoshard.HardwareProfile(**run_on_ranks(_calibrate_ranks, max(max(args.worlds), 2), threads=1,
                                                         timeout=600)[0])
         print(f"calibrated in {time.perf_counter() - start:.0f} s" + (f" -> {args.profile}" if args.profile else ""))
         if args.profile:

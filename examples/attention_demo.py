@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard.runtime import attention, comm_counter, sequence_positions, shard_sequence
-from autoshard.runtime.attention.formulas import bytes_sent, values
+from autoshard.runtime.attention.base import bytes_sent
+from autoshard.runtime.attention.formulas import values
 
 
 def main():

@@ -40,7 +40,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..runtime.attention.empty_rows import soft_capped_attention, uniform_attention
 from .graph import eliminate_dead_code, is_module_state, new_node, real_value, unused_impure, user_line
-from .masks import MASKING_FILL, StructuredMask, Unstructurable, empty_rows_of, structure_mask, structure_mask_mod
+from ..runtime.attention.masks import MaskSpec
+from .masks import MASKING_FILL, MaskData, Unstructurable, empty_rows_of, structure_mask, structure_mask_mod
 from .ops import canonical, is_tensor_node, permutation, register_canonical, shape_of, value_of
 from .report import Fallback
 
@@ -93,7 +94,7 @@ def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None
                        chunk=0, scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero", alibi_slopes=None,
                        position_bias=None):
     """Attention with a structured mask, on whole tensors (what one device computes). ``empty_rows``: what
-    a row with no visible key gets (see :class:`~autoshard.passes.masks.StructuredMask`). ``chunk``: chunked
+    a row with no visible key gets (see :attr:`~autoshard.passes.masks.MaskData.empty_rows`). ``chunk``: chunked
     local attention (query i sees key j only if i // chunk == j // chunk; 0: none). ``softcap``: see the
     module docstring. ``alibi_slopes``: ALiBi, ``[H]`` slopes; every visible score gets ``slope[h] * (k - q)``
     after the cap. ``position_bias``: ``[H, 2R + 1]``, every visible score gets ``position_bias[h, k - q + R]``."""
@@ -389,17 +390,17 @@ def _capture_flex(gm: fx.GraphModule, node: fx.Node) -> fx.Node | str:
         return f"{where}: queries, keys or values are not [B, H, S, D]"
     mask_mod = getattr(gm, block_mask[-1].target) if isinstance(block_mask[-1], fx.Node) else None
     try:
-        spec, softcap = structure_mask_mod(gm.graph, node, mask_mod, mask_buffers, getattr(gm, score_mod.target),
-                                           score_buffers, shape_of(q)[-2], shape_of(k)[-2], shape_of(q)[0],
-                                           shape_of(q)[-3])
+        spec, data, softcap = structure_mask_mod(gm.graph, node, mask_mod, mask_buffers,
+                                                 getattr(gm, score_mod.target), score_buffers, shape_of(q)[-2],
+                                                 shape_of(k)[-2], shape_of(q)[0], shape_of(q)[-3])
     except Unstructurable as exc:
         return f"{where}: its mask_mod / score_mod cannot be read as structure ({exc})"
-    kwargs = {"causal": spec.causal, "window": spec.window, "chunk": spec.chunk, "scale": float(scale),
+    kwargs = {"causal": spec.causal, "window": spec.window_arg, "chunk": spec.chunk, "scale": float(scale),
               "softcap": softcap, "empty_rows": "zero"}
-    kwargs.update({key: value for key in ("alibi_slopes", "position_bias") if (value := getattr(spec, key)) is not None})
+    kwargs.update({key: value for key in ("alibi_slopes", "position_bias") if (value := getattr(data, key)) is not None})
     out = uses.get(0)
     with gm.graph.inserting_before(node):
-        new = new_node(gm.graph, captured_attention, (q, k, v, spec.key_mask, spec.segment_ids, None), kwargs,
+        new = new_node(gm.graph, captured_attention, (q, k, v, data.key_mask, data.segment_ids, None), kwargs,
                        example_value=value_of(out) if out is not None else None)
     new.meta["stack_trace"] = node.meta.get("stack_trace")
     for user in uses.values():
@@ -415,7 +416,7 @@ def capture_attention(gm: fx.GraphModule, missed: list[Fallback] | None = None) 
     graph = gm.graph
     keep = unused_impure(graph) | {n for n in graph.nodes if _VMAP_LEVEL in str(n.target)}
     captured = []
-    mask_cache: dict[tuple, StructuredMask | DenseMask] = {}
+    mask_cache: dict[tuple, tuple[MaskSpec, MaskData] | DenseMask] = {}
     for node in list(graph.nodes):
         op = _op(node)
         if node.op == "call_function" and node.target is _FLEX_ATTENTION:
@@ -448,20 +449,21 @@ def capture_attention(gm: fx.GraphModule, missed: list[Fallback] | None = None) 
                 mask_cache[key] = structure_mask(graph, node, mask, causal, q_len, k_len, batch, shape_of(q)[-3])
             except Unstructurable as exc:
                 mask_cache[key] = _dense(str(exc), mask)
-        spec = mask_cache[key]
+        structured = mask_cache[key]
         dense = why_dense = None
-        if isinstance(spec, DenseMask):
-            why_dense, dense, spec = spec, mask, StructuredMask(causal=causal)
-        kwargs = {"causal": spec.causal, "window": spec.window, "chunk": spec.chunk,
+        if isinstance(structured, DenseMask):
+            why_dense, dense, structured = structured, mask, (MaskSpec(causal=causal), MaskData())
+        spec, data = structured
+        kwargs = {"causal": spec.causal, "window": spec.window_arg, "chunk": spec.chunk,
                   "scale": float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1]),
                   "softcap": softcap, "dropout_p": dropout_p,
-                  "empty_rows": empty_rows_of(fill) if fill is not None else spec.empty_rows}
-        if spec.alibi_slopes is not None:
-            kwargs["alibi_slopes"] = spec.alibi_slopes
-        if spec.position_bias is not None:
-            kwargs["position_bias"] = spec.position_bias
+                  "empty_rows": empty_rows_of(fill) if fill is not None else data.empty_rows}
+        if data.alibi_slopes is not None:
+            kwargs["alibi_slopes"] = data.alibi_slopes
+        if data.position_bias is not None:
+            kwargs["position_bias"] = data.position_bias
         with graph.inserting_before(node):
-            new = new_node(graph, captured_attention, (q, k, v, spec.key_mask, spec.segment_ids, dense), kwargs,
+            new = new_node(graph, captured_attention, (q, k, v, data.key_mask, data.segment_ids, dense), kwargs,
                            example_value=value_of(node))
         if node.meta.get("stack_trace"):
             new.meta["stack_trace"] = node.meta["stack_trace"]

@@ -1,12 +1,13 @@
 """Every communication a compiled graph performs, predicted per rank from the collectives the rewrite emitted.
 
 The rewrite emits collectives as calls in the per-rank graph and books nothing. Once the graph is built,
-:func:`derive_comms` walks it and asks every call whose target has a *traffic declaration* (the table
-:data:`TRAFFIC`, filled with :func:`declares`) what that call sends: a :class:`Comm` for the forward, and
-one for the backward its autograd formula implies when the value it serves needs a gradient, each with the
-bytes *every* rank sends (the accountant's convention, computed with the same functions the runtime records
-with) and a sympy formula in the planner's symbols (``S`` the sequence length, ``P`` the ranks, and the
-attention shapes ``B``, ``H``, ``Hkv``, ``D``). The formula is exact for values aligned with their family's
+:func:`derive_comms` walks it and asks every call whose target has a *traffic declaration* (the ``traffic`` of its
+entry in the op registry, :mod:`autoshard.runtime.op_info`, registered with :func:`declares` beside the rule that
+emits the call: a declaration reads the compiler's graphs, which the runtime that defines the ops cannot import)
+what that call sends: a :class:`Comm` for the forward, and one for the backward its autograd formula implies when
+the value it serves needs a gradient, each with the bytes *every* rank sends (the accountant's convention, computed
+with the same functions the runtime records with) and a sympy formula in the planner's symbols (``S`` the sequence
+length, ``P`` the ranks, and the attention shapes ``B``, ``H``, ``Hkv``, ``D``). The formula is exact for values aligned with their family's
 layout; values the layout reaches through a shift (shifted labels, a CLS token) have exact byte counts and
 the formula of the aligned value.
 
@@ -25,7 +26,6 @@ forward collectives a region's node emitted are booked a second time right after
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,11 +38,12 @@ from ..runtime.attention.formulas import P as P_SYMBOL
 from ..runtime.attention.formulas import S as S_SYMBOL
 from ..runtime.conv_halo import decode_windows, window_bytes
 from ..runtime.layouts import SequenceLayout
+from ..runtime.op_info import arguments, lookup, register
 from ..runtime.redistribute import cumsum_totals_bytes, grad_sync, grad_sync_bucket, realign_bytes, reduce_partial
 from .ops import numel, op_of, value_of
 from .regions import REGION
 
-__all__ = ["Comm", "CommBook", "Call", "TRAFFIC", "declares", "derive_comms", "max_local_formula", "SERVES",
+__all__ = ["Comm", "CommBook", "Call", "declares", "derive_comms", "max_local_formula", "SERVES",
            "EMITTED_BY", "REASON", "LAYOUT"]
 
 SERVES = "autoshard_serves"
@@ -94,10 +95,7 @@ class Call:
     @property
     def arguments(self) -> dict:
         """The call's arguments by parameter name (a custom op's schema names, a function's parameters)."""
-        target, args, kwargs = self.node.target, self.node.args, self.node.kwargs
-        if isinstance(target, torch._ops.OpOverload):
-            return {**dict(zip((a.name for a in target._schema.arguments), args)), **kwargs}
-        return inspect.signature(target).bind(*args, **kwargs).arguments
+        return arguments(self.node.target, self.node.args, self.node.kwargs)
 
     def layout(self, name: str = "layout") -> SequenceLayout:
         """The layout the call's argument ``name`` encodes: the one the emitter attached (``LAYOUT``) when it did,
@@ -181,17 +179,15 @@ class CommBook:
 
 # ---------------------------------------------------------------------------- traffic declarations
 
-TRAFFIC: dict[object, Callable[[CommBook, Call], None]] = {}
-"""Target of an emitted call -> what that call sends (books it on the :class:`CommBook`)."""
+def declares(*targets) -> Callable[[Callable[[CommBook, Call], None]], Callable]:
+    """Register the decorated function, ``(book, call)`` booking what a call sends, as the traffic of ``targets``
+    in the op registry."""
+    return register("traffic", *targets)
 
 
-def declares(*targets) -> Callable:
-    """Register the decorated function as the traffic declaration of calls to ``targets``."""
-    def register(fn):
-        for target in targets:
-            TRAFFIC[target] = fn
-        return fn
-    return register
+def _traffic(target) -> Callable[[CommBook, Call], None] | None:
+    info = lookup(target)
+    return info.traffic if info is not None else None
 
 
 @declares(torch.ops.autoshard.seq_shard.default)
@@ -274,14 +270,14 @@ def derive_comms(graph: fx.Graph, book: CommBook, rank: int) -> dict[int, int]:
             if call.node.target is grad_sync_bucket:
                 last.append(call)
             else:
-                TRAFFIC[call.node.target](book, call)
+                _traffic(call.node.target)(book, call)
         if region is not None:
             again = [dataclasses.replace(c, phase="backward", reason="recomputed (activation checkpointing)")
                      for c in book.comms[start:] if c.phase == "forward"]
             book.comms.extend(again)
             recomputed[region] = recomputed.get(region, 0) + sum(c.bytes_by_rank[rank] for c in again)
     for call in last:
-        TRAFFIC[call.node.target](book, call)
+        _traffic(call.node.target)(book, call)
     for node in graph.nodes:  # the marks hold original-graph nodes: they must not outlive the derivation
         for key in (EMITTED_BY, SERVES, LAYOUT):
             node.meta.pop(key, None)
@@ -296,6 +292,6 @@ def _by_emitter(graph: fx.Graph):
         served = node.meta.get(SERVES, emitter)
         if not runs or runs[-1][0] is not emitter:
             runs.append((emitter, node.meta.get(REGION) if emitter is not None else None, []))
-        if node.op == "call_function" and node.target in TRAFFIC:
+        if node.op == "call_function" and _traffic(node.target) is not None:
             runs[-1][2].append(Call(node, served))
     return [(region, calls) for _, region, calls in runs]

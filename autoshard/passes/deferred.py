@@ -36,7 +36,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
 
 from ..runtime.deferred import Recipe
-from .graph import eliminate_dead_code, fake_mode_of, has_side_effects, new_node, unused_impure
+from .graph import eliminate_dead_code, fake_mode_of, has_side_effects, new_node, reachable, unused_impure
 from .ops import canonical, is_tensor_node, numel, shape_of, value_of
 
 __all__ = ["DeferredOutput", "defer_outputs", "inline_deferred", "DEFER_RATIO"]
@@ -80,12 +80,8 @@ def _deterministic(node: fx.Node) -> bool:
 def _recipe_nodes(output: fx.Node, excluded: set[str]) -> list[fx.Node] | None:
     """The nodes computing ``output`` back to the graph's inputs, in graph order; None when it is not deferrable
     (see the module docstring)."""
-    seen, stack = set(), [output]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
+    nodes = []
+    for node in reachable(output, lambda n: n.all_input_nodes):
         value = value_of(node)
         if isinstance(value, torch.Tensor) and value.requires_grad:
             return None
@@ -94,9 +90,9 @@ def _recipe_nodes(output: fx.Node, excluded: set[str]) -> list[fx.Node] | None:
                 return None
         elif not _deterministic(node):
             return None
-        stack.extend(node.all_input_nodes)
+        nodes.append(node)
     position = {n: i for i, n in enumerate(output.graph.nodes)}
-    return sorted(seen, key=position.__getitem__)
+    return sorted(nodes, key=position.__getitem__)
 
 
 def _worth_deferring(nodes: list[fx.Node], output: fx.Node) -> bool:

@@ -59,18 +59,17 @@ def _shaped_like_mask(x) -> bool:
 
 def _reaches_attention(node: fx.Node) -> bool:
     """Whether ``node``'s value flows into an op that reads a mask (:data:`_READERS`) or a higher-order op."""
-    seen, todo = set(), [node]
+    seen, todo = {node}, [node]
     while todo:
         user = todo.pop()
-        if user in seen:
-            continue
-        seen.add(user)
         if isinstance(user.target, torch._ops.HigherOrderOperator):
             return True
         op = canonical(user)
         if op is not None and op.name in _READERS:
             return True
-        todo.extend(user.users)
+        reached = [u for u in user.users if u not in seen]
+        seen.update(reached)
+        todo.extend(reached)
     return False
 
 

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import inspect
 import operator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -27,8 +28,8 @@ from torch.utils.weak import TensorWeakRef
 
 from .ops import canonical, value_of
 
-__all__ = ["new_node", "user_line", "fake_mode_of", "mutates", "has_side_effects", "is_pure", "eliminate_dead_code",
-           "unused_impure", "is_module_state", "keep_real_values", "real_value", "REAL_VALUE"]
+__all__ = ["new_node", "user_line", "reachable", "fake_mode_of", "mutates", "has_side_effects", "is_pure",
+           "eliminate_dead_code", "unused_impure", "is_module_state", "keep_real_values", "real_value", "REAL_VALUE"]
 
 REAL_VALUE = "autoshard_real_value"
 """``node.meta`` key: a weak reference to the real value of a module-state placeholder (:func:`keep_real_values`)."""
@@ -169,6 +170,20 @@ def new_node(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, o
         fn = getattr(vals[0], target) if op == "call_method" else target
         node.meta["example_value"] = fn(*vals[1:], **kvals) if op == "call_method" else fn(*vals, **kvals)
     return node
+
+
+def reachable(start: fx.Node, step: Callable[[fx.Node], Iterable[fx.Node]]) -> Iterator[fx.Node]:
+    """Every node reachable from ``start`` (itself included) through ``step`` (``lambda n: n.all_input_nodes``:
+    what it is computed from; ``lambda n: n.users``: what reads it), each once, depth first. A caller that stops
+    early walks no further."""
+    seen, stack = set(), [start]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        stack.extend(step(node))
 
 
 def user_line(node: fx.Node) -> str:

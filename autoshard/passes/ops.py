@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .. import annotations as _annotations  # noqa: F401 -- defines the markers' ops
 from ..runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines autoshard::check_band
 
 __all__ = ["Op", "OP_KEY", "UNBOUND", "canonical", "op_of", "permutation", "register_canonical", "value_of",
@@ -397,8 +398,6 @@ def _bind_dropout(input, p=0.5, training=True, inplace=False):
 
 # --- autoshard's own markers (autoshard/annotations.py)
 def _marker_targets(name: str) -> list:
-    from .. import annotations  # noqa: F401 -- defines the ops
-
     packet = getattr(torch.ops.autoshard, name)
     return [packet, packet.default]
 

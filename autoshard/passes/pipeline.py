@@ -1,4 +1,22 @@
-"""The compile pipeline: the passes one graph goes through, in one ordered list, each with a name.
+"""The compile pipeline: what kind of graph dynamo handed over, and the passes it goes through.
+
+A graph is first classified, once (:func:`graph_kind`): it is of the first kind in :data:`KINDS` whose front pass
+applies, and that pass's result (:attr:`GraphKind.found`) is what the backend (:mod:`autoshard.compiler`) compiles:
+
+==================  =================================================================================================
+``dry_run``         ``dry_run=True``: the plan is logged, the graph runs as it is
+``decode``          a decode step over a KV cache split along the sequence, rewritten for it whole
+                    (:mod:`.decode`; it has no sequence of its own, so the passes below do not apply)
+``dynamic``         symbolic sizes: each set of sizes is specialized (:mod:`.specialize`) and classified from
+                    ``static_prefill`` on (the dynamic graph was no dry run and no decode step)
+``static_prefill``  a prefill into a fresh fixed-size KV cache, rewritten to attend over the prompt
+                    (:mod:`.static_cache`): its variants go through the passes below
+``dense_masks``     attention masks that arrive dense: one variant per structure their values hold
+                    (:mod:`.dense_masks`), each through the passes below
+``plain``           the graph itself goes through the passes below
+==================  =================================================================================================
+
+The passes (:data:`PASSES`), in one ordered list, each with a name:
 
 =================  ==================================================================================
 ``inline``         checkpointed and wrapped subgraphs are copied into the graph (:mod:`.regions`)
@@ -36,6 +54,7 @@ the other way round.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections import Counter
@@ -48,12 +67,15 @@ import torch.fx as fx
 
 from ..config import BackendConfig
 from ..runtime.groups import SequenceGroups
+from ..runtime.split_tensor import SplitTensor
 from ..runtime.warn import warn
 from ..strategy import choose
 from .capture import capture_attention
 from .tile import tile
 from .chunking import chunk_losses
+from .decode import decode_graph
 from .deferred import DeferredOutput, defer_outputs
+from .dense_masks import dense_mask_inputs
 from .functionalize import functionalize
 from .infer import Families, LinkContext, find_families
 from .lazy import LazyOutput, kv_cache_outputs, lazy_outputs
@@ -64,8 +86,15 @@ from .recompute import recompute_layers
 from .report import CompileReport
 from .rewrite import Rewriter, is_parameter
 from .rules import link_graph
+from .specialize import is_dynamic
+from .static_cache import static_prefill
 
-__all__ = ["PipelineState", "PassStats", "PASSES", "run_pipeline", "CompiledGraph", "compile_graph"]
+__all__ = ["GraphKind", "DynamoGraph", "KINDS", "graph_kind", "PipelineState", "PassStats", "PASSES", "run_pipeline",
+           "CompiledGraph", "compile_graph"]
+
+logger = logging.getLogger("autoshard")
+"""The package's logger (:mod:`autoshard.compiler`'s): why a graph with a split cache input is not a decode step
+(DEBUG)."""
 
 _DUMPS = itertools.count()
 """Numbers this process's dumped compiles (``AUTOSHARD_DUMP``), one folder each."""
@@ -342,6 +371,85 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, groups: Sequence
     gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
     return CompiledGraph(state.gm, rewriter.report, families, state.strategies, gathered, state.reasons,
                          rewriter.carried_outputs, state.deferred_outputs, state.lazy_outputs, state.cache_outputs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynamoGraph:
+    """A graph dynamo handed the backend (or a static copy of one for one call's sizes), with what its kind depends
+    on and how its inputs arrive."""
+
+    gm: fx.GraphModule
+    example_inputs: list
+    dry_run: bool = False
+    """The backend's ``dry_run``."""
+    rank: int = 0
+    """This rank in the sequence group (a decode step is rewritten for it)."""
+    group_name: str | None = None
+    """The sequence group's name: inputs split over it may be a decode step's cache."""
+    sharded_inputs: dict[str, Any] | None = None
+    """Placeholder name -> the Shard placement its local input arrives in (``inputs="sharded"``)."""
+    global_inputs: list | None = None
+    """The inputs' global shapes, when they differ from ``example_inputs``' (split inputs)."""
+
+
+@dataclass(frozen=True)
+class GraphKind:
+    """What a graph is (:data:`KINDS`), and what the kind's front pass made of it."""
+
+    name: str
+    """``dry_run``, ``decode``, ``dynamic``, ``static_prefill``, ``dense_masks`` or ``plain``."""
+    found: Any = None
+    """The decode step (:class:`~.decode.DecodeGraph`), the prefill (:class:`~.static_cache.StaticPrefill`), the
+    positions of the dense masks; True for the other kinds."""
+
+
+def _dry_run(graph: DynamoGraph) -> bool | None:
+    return graph.dry_run or None
+
+
+def _decode_step(graph: DynamoGraph):
+    if not any(isinstance(x, SplitTensor) for x in graph.example_inputs):
+        return None
+    decode, why_not = decode_graph(graph.gm, graph.example_inputs, rank=graph.rank, group_name=graph.group_name)
+    if decode is None:
+        logger.debug("autoshard: not a decode step: %s", why_not)
+    return decode
+
+
+def _dynamic_sizes(graph: DynamoGraph) -> bool | None:
+    return is_dynamic(graph.gm) or None
+
+
+def _static_prefill(graph: DynamoGraph):
+    return None if torch.is_grad_enabled() else static_prefill(graph.gm)  # a training step keeps its buffers
+
+
+def _dense_masks(graph: DynamoGraph) -> tuple[int, ...] | None:
+    return dense_mask_inputs(graph.gm, graph.example_inputs) or None
+
+
+KINDS: tuple[tuple[str, Callable[[DynamoGraph], Any]], ...] = (
+    ("dry_run", _dry_run),
+    ("decode", _decode_step),
+    ("dynamic", _dynamic_sizes),
+    ("static_prefill", _static_prefill),
+    ("dense_masks", _dense_masks),
+)
+"""(kind, its front pass: what it makes of the graph, None where it does not apply), in the order they are tried
+(see the module docstring); a graph none applies to is ``plain``."""
+
+_SPECIALIZED = [name for name, _ in KINDS].index("static_prefill")
+"""Where a specialization of a dynamic graph starts in :data:`KINDS`."""
+
+
+def graph_kind(graph: DynamoGraph, *, specialized: bool = False) -> GraphKind:
+    """The first kind of :data:`KINDS` whose front pass applies to ``graph``; ``specialized``: a static copy of a
+    dynamic graph for one call's sizes (:func:`~.specialize.specialize`), tried from ``static_prefill`` on."""
+    for name, front in KINDS[_SPECIALIZED if specialized else 0:]:
+        found = front(graph)
+        if found is not None:
+            return GraphKind(name, found)
+    return GraphKind("plain", True)
 
 
 def source_name(node: fx.Node) -> str | None:

@@ -178,7 +178,7 @@ def _outline_one(gm: fx.GraphModule, region: Region, members: list[fx.Node], che
 def outline_regions(gm: fx.GraphModule, regions: list[Region], offload: bool = False, prefetch: bool = True) -> int:
     """Cut every region back out of the rewritten graph ``gm`` (nodes tagged ``meta[REGION]``) into a
     ``tag_activation_checkpoint`` call -- :func:`autoshard.runtime.offload.offloaded_checkpoint` with
-    ``offload``: the region's inputs wait for backward in host memory (``prefetch``: backward brings back the next
+    ``offload``: the region's inputs wait for backward in host memory (``prefetch``: backward prefetches the next
     region's while it runs one); returns how many regions were outlined."""
     checkpoint = offloaded_checkpoint if offload else _CHECKPOINT
     extra = {"prefetch": prefetch} if offload else {}

@@ -222,15 +222,18 @@ def _row_local(node: fx.Node, shape: dict[fx.Node, tuple]) -> bool:
 
 
 @dataclass
-class _Region:
+class _TokenLocalRegion:
+    """Row-local nodes tiled as one call (see the module docstring)."""
+
     key: tuple
     """(lead, placement, checkpointed region): what every member shares."""
     nodes: list[fx.Node] = field(default_factory=list)
 
 
-def _regions(gm: fx.GraphModule, shape: dict[fx.Node, tuple], placement: dict[fx.Node, object]) -> list[_Region]:
+def _token_local_regions(gm: fx.GraphModule, shape: dict[fx.Node, tuple],
+                         placement: dict[fx.Node, object]) -> list[_TokenLocalRegion]:
     """The regions of row-local nodes (see the module docstring), in graph order."""
-    regions: list[_Region] = []
+    regions: list[_TokenLocalRegion] = []
     region_of: dict[fx.Node, int] = {}
     upstream: dict[fx.Node, int] = {}  # node -> bitmask of the regions it depends on (members: their own too)
     for node in gm.graph.nodes:
@@ -253,7 +256,7 @@ def _regions(gm: fx.GraphModule, shape: dict[fx.Node, tuple], placement: dict[fx
                 break
         if chosen is None:
             chosen = len(regions)
-            regions.append(_Region(key))
+            regions.append(_TokenLocalRegion(key))
         regions[chosen].nodes.append(node)
         region_of[node] = chosen
         upstream[node] = depends | (1 << chosen)
@@ -284,7 +287,7 @@ def _tile_regions(gm: fx.GraphModule, tokens_per_tile: int | None, rewriter: Rew
     shape = {node: tuple(shape_of(original)) for node, original in original_of.items() if is_tensor_node(original)}
     placement = {node: rewriter.placement(original) for node, original in original_of.items()}
     tiled = untiled = emitted = 0
-    for region in _regions(gm, shape, placement):
+    for region in _token_local_regions(gm, shape, placement):
         members, inside = region.nodes, set(region.nodes)
         outputs = [n for n in members if any(user not in inside for user in n.users)]
         if len(outputs) == len(members) or not any(canonical(n).name in _WORTH_TILING for n in members):

@@ -11,6 +11,10 @@
   :mod:`~autoshard.runtime.sequence_ops` -- positions chosen by data (``argmax`` along the split sequence,
   rows read there) and the guard on a buffer read as a mask; :mod:`~autoshard.runtime.conv_halo` -- the
   windows (own positions plus halos) a convolution along the split sequence reads.
+* :mod:`~autoshard.runtime.carrier` -- the base of the tensor subclasses that carry a value in another form:
+  split along the sequence (:mod:`~autoshard.runtime.split_tensor`), left uncomputed
+  (:mod:`~autoshard.runtime.deferred`), computed on first read (:mod:`~autoshard.runtime.lazy_linear`);
+  :mod:`autoshard.boundary` hands them across graph boundaries.
 """
 
 from .accounting import CommCounter, comm_counter

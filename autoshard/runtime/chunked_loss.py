@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention.local import compute_dtype, without_autocast
+from .op_info import Arguments, Work, declare
 
 __all__ = ["linear_cross_entropy", "chunk_bounds", "chunks_for", "working_set_bytes"]
 
@@ -307,6 +308,34 @@ def _autograd_backward(ctx, grad, *_grad_saved):
 
 
 _linear_cross_entropy_op.register_autograd(_autograd_backward, setup_context=_setup)
+
+_SOFTMAX_PASSES = 3
+"""Passes over the float32 ``[tokens, V]`` values per product (max, exp-sum, the probabilities or their
+gradient)."""
+
+
+def _rows(h: torch.Tensor) -> int:
+    return h.numel() // max(1, h.size(-1))
+
+
+def _work(a: Arguments, products: int) -> Work:
+    """``products`` products of ``[tokens, H] x [H, V]`` and their softmax passes."""
+    h, classes = a["h"], a["weight"].size(0)
+    return Work(flops=products * 2 * _rows(h) * classes * h.size(-1), dtype=h.dtype,
+                bytes=products * _SOFTMAX_PASSES * _rows(h) * classes * 4)
+
+
+def _working_set(a: Arguments, out_dtype: torch.dtype) -> int:
+    """A chunk's ``[tokens / chunks, V]`` values alive at once (:func:`working_set_bytes`)."""
+    return working_set_bytes(_rows(a["h"]), a["weight"].size(0), a["chunks"], a["h"].dtype, out_dtype)
+
+
+# forward: the logits, and the gradients of the hidden state and of the weight when it makes them; backward:
+# the logits again and both gradients
+declare(torch.ops.autoshard.linear_cross_entropy.default, flops=lambda a: _work(a, 3 if a["grads"] else 1),
+        working_set=lambda a: _working_set(a, a["out_dtype"]))
+declare(torch.ops.autoshard.linear_cross_entropy_backward.default, flops=lambda a: _work(a, 3),
+        working_set=lambda a: _working_set(a, a["grad"].dtype))
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,

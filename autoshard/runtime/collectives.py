@@ -45,6 +45,7 @@ import torch.distributed as dist
 from .accounting import all_gather_bytes, all_reduce_bytes, record, reduce_scatter_bytes
 from .groups import GroupLike, global_rank, group_name, metadata_device, resolve_group
 from .layouts import split_sizes as balanced_split
+from .op_info import declare
 
 __all__ = [
     "all_gather",
@@ -55,6 +56,7 @@ __all__ = [
     "all_gather_impl",
     "reduce_scatter_impl",
     "all_reduce_impl",
+    "define_all_reduce",
     "all_to_all_impl",
     "exchange_impl",
     "gather_facts",
@@ -177,6 +179,7 @@ def _all_gather_backward(ctx, grad):
 
 
 _all_gather_op.register_autograd(_all_gather_backward, setup_context=_gather_setup)
+declare(torch.ops.autoshard.all_gather.default)
 
 
 def all_gather(x: torch.Tensor, dim: int, *, group: GroupLike = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
@@ -224,6 +227,7 @@ def _reduce_scatter_backward(ctx, grad):
 
 
 _reduce_scatter_op.register_autograd(_reduce_scatter_backward, setup_context=_gather_setup)
+declare(torch.ops.autoshard.reduce_scatter.default)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, *, group: GroupLike = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
@@ -245,14 +249,20 @@ def all_reduce_impl(x: torch.Tensor, op: str, pg: dist.ProcessGroup) -> torch.Te
     return out
 
 
-@torch.library.custom_op("autoshard::all_reduce", mutates_args=())
-def _all_reduce_op(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
-    return all_reduce_impl(x, op, _pg(group))
+def define_all_reduce(name: str):
+    """Define ``autoshard::<name>(x, op, group)``, :func:`all_reduce_impl` over the group named ``group``, and its
+    fake, and declare it; the caller registers its gradient (:func:`all_reduce`'s; :func:`~.redistribute.reduce_partial`'s)."""
+    def forward(x, op, group):
+        return all_reduce_impl(x, op, _pg(group))
+
+    custom = torch.library.custom_op(f"autoshard::{name}", forward, mutates_args=(),
+                                     schema="(Tensor x, str op, str group) -> Tensor")
+    custom.register_fake(lambda x, op, group: torch.empty_like(x))
+    declare(getattr(torch.ops.autoshard, name).default)
+    return custom
 
 
-@_all_reduce_op.register_fake
-def _(x, op, group):
-    return torch.empty_like(x)
+_all_reduce_op = define_all_reduce("all_reduce")
 
 
 def _all_reduce_setup(ctx, inputs, output):
@@ -360,6 +370,7 @@ def _all_to_all_backward(ctx, grad):
 
 
 _all_to_all_op.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+declare(torch.ops.autoshard.all_to_all.default)
 
 
 def all_to_all(

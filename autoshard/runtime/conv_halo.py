@@ -23,11 +23,8 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
-import torch
-
-from .collectives import _pg, _with
 from .layouts import SequenceLayout
-from .redistribute import _move_runs, runs_bytes
+from .redistribute import define_run_moves, runs_bytes
 
 __all__ = ["window_plan", "window_bytes", "encode_windows", "decode_windows"]
 
@@ -103,42 +100,16 @@ def _width(windows: Windows, rank: int) -> int:
     return sum(hi - lo for lo, hi in windows[rank])
 
 
-@torch.library.custom_op("autoshard::seq_windows", mutates_args=())
-def _seq_windows(x: torch.Tensor, dim: int, layout: list[int], windows: list[int], group: str) -> torch.Tensor:
-    pg = _pg(group)
+def _windows_plan(layout: list[int], windows: list[int], rank: int):
     src = SequenceLayout.decode(layout)
-    plan = decode_windows(tuple(windows), src.world_size)
-    keep, sends, recvs = window_plan(src, plan, pg.rank())
-    out = x.new_zeros(_with(x.shape, dim, _width(plan, pg.rank())))
-    return _move_runs(x, dim, out, keep, sends, recvs, pg, "copy_", "halo_exchange")
+    return window_plan(src, decode_windows(tuple(windows), src.world_size), rank)
 
 
-@_seq_windows.register_fake
-def _(x, dim, layout, windows, group):
-    plan = decode_windows(tuple(windows), SequenceLayout.decode(layout).world_size)
-    return x.new_empty(_with(x.shape, dim, _width(plan, _pg(group).rank())))
-
-
-@torch.library.custom_op("autoshard::seq_windows_backward", mutates_args=())
-def _seq_windows_backward(g: torch.Tensor, dim: int, layout: list[int], windows: list[int],
-                          group: str) -> torch.Tensor:
-    pg = _pg(group)
+def _windows_lengths(layout: list[int], windows: list[int], rank: int) -> tuple[int, int]:
     src = SequenceLayout.decode(layout)
-    keep, sends, recvs = window_plan(src, decode_windows(tuple(windows), src.world_size), pg.rank())
-    out = g.new_zeros(_with(g.shape, dim, src.local_length(pg.rank())))
-    return _move_runs(g, dim, out, [(frm, to, n) for to, frm, n in keep], recvs, sends, pg, "add_", "halo_exchange")
+    return src.local_length(rank), _width(decode_windows(tuple(windows), src.world_size), rank)
 
 
-@_seq_windows_backward.register_fake
-def _(g, dim, layout, windows, group):
-    return g.new_empty(_with(g.shape, dim, SequenceLayout.decode(layout).local_length(_pg(group).rank())))
-
-
-def _setup(ctx, inputs, output):
-    ctx.args = inputs[1:]
-
-
-_seq_windows.register_autograd(
-    lambda ctx, g: (torch.ops.autoshard.seq_windows_backward(g, *ctx.args), None, None, None, None),
-    setup_context=_setup)
+define_run_moves("seq_windows", ("layout", "windows"), _windows_plan, _windows_lengths, "halo_exchange",
+                 zero_fill=True)
 

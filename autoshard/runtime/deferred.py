@@ -35,24 +35,10 @@ import hashlib
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
 
-from .warn import warn
+from .carrier import Carrier, is_fake_or_meta
 
 __all__ = ["Recipe", "DeferredTensor", "defer"]
-
-METADATA_OPS = {torch.ops.aten.is_floating_point.default, torch.ops.aten.is_complex.default,
-                 torch.ops.aten.dim.default, torch.ops.aten.numel.default, torch.ops.aten.sym_numel.default,
-                 torch.ops.aten.size.default, torch.ops.aten.sym_size.default, torch.ops.aten.stride.default,
-                 torch.ops.aten.sym_stride.default, torch.ops.aten.is_contiguous.default,
-                 torch.ops.aten.is_same_size.default}
-"""Ops that read only shape, dtype or device: a wrapper subclass answers them from a meta stand-in, without
-computing (or gathering) its value. Shared by every wrapper subclass in the runtime."""
-_SAME_VALUE_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
-"""Ops whose result is the deferred value itself (no gradient ever flows through it)."""
-
-_WARNED = False
-"""Whether a deferred value computed outside compiled code was warned about (once per process)."""
 
 
 class Recipe:
@@ -103,7 +89,15 @@ class Recipe:
         return f"Recipe({self.key[:8]}: {self.inputs} input(s) -> {list(self.shape)} {self.dtype})"
 
 
-class DeferredTensor(torch.Tensor):
+def _cast(source: DeferredTensor, **kwargs) -> DeferredTensor:
+    """``source.to(dtype, device)`` (FSDP2's mixed precision casts floating inputs): still deferred, the cast one
+    more node of the recipe. Any other copy computes the value."""
+    if set(kwargs) - {"dtype", "device"}:
+        return NotImplemented
+    return DeferredTensor(source.recipe.cast(kwargs.get("dtype"), kwargs.get("device")), source.recipe_inputs)
+
+
+class DeferredTensor(Carrier):
     """A value computed where it is used, from the small inputs it is made from (see the module docstring)."""
 
     recipe: Recipe
@@ -111,16 +105,17 @@ class DeferredTensor(torch.Tensor):
     recipe_inputs: tuple[torch.Tensor, ...]
     """What the recipe reads (at least one: a recipe without inputs reads an empty anchor tensor)."""
 
+    own_ops = {torch.ops.aten._to_copy.default: _cast}
+    in_place_error = ("autoshard: {op} changes in place a value a compiled graph left uncomputed (a DeferredTensor, "
+                      "such as an attention mask); take a computed copy first (x = x.materialize())")
+
     @staticmethod
     def __new__(cls, recipe: Recipe, inputs, shape=None):
-        out = torch.Tensor._make_wrapper_subclass(cls, shape if shape is not None else recipe.shape,
-                                                  dtype=recipe.dtype, device=recipe.device, requires_grad=False)
+        out = cls._wrapper(shape if shape is not None else recipe.shape, recipe.dtype, recipe.device)
         out.recipe, out.recipe_inputs = recipe, tuple(inputs)
         for i, value in enumerate(out.recipe_inputs):
             setattr(out, f"input{i}", value)  # dynamo reads the inner tensors as attributes
         return out
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __tensor_flatten__(self):
         return [f"input{i}" for i in range(len(self.recipe_inputs))], self.recipe
@@ -132,42 +127,18 @@ class DeferredTensor(torch.Tensor):
     def __repr__(self) -> str:
         return f"DeferredTensor(shape={tuple(self.shape)}, dtype={self.dtype}, {self.recipe!r})"
 
+    def aliased(self) -> DeferredTensor:
+        return self  # no gradient ever flows through it
+
     def materialize(self) -> torch.Tensor:
         """The value, computed (a plain tensor)."""
-        from torch._subclasses.fake_tensor import is_fake
-
-        if not any(is_fake(x) or x.device.type == "meta" for x in self.recipe_inputs):
-            global _WARNED
-            if not _WARNED:
-                _WARNED = True
-                warn(
-                    f"autoshard: a value a compiled graph left uncomputed (a {list(self.shape)} {self.dtype} tensor "
-                    "such as an attention mask: an autoshard.runtime.deferred.DeferredTensor) is used outside code "
-                    "autoshard compiles, so it is computed whole for that use, and again for every later use. A "
-                    "graph compiled by the same backend computes only what it needs of it (a mask as its structure)")
+        if not any(is_fake_or_meta(x) for x in self.recipe_inputs):
+            self.warn_once(
+                f"autoshard: a value a compiled graph left uncomputed (a {list(self.shape)} {self.dtype} tensor "
+                "such as an attention mask: an autoshard.runtime.deferred.DeferredTensor) is used outside code "
+                "autoshard compiles, so it is computed whole for that use, and again for every later use. A "
+                "graph compiled by the same backend computes only what it needs of it (a mask as its structure)")
         return self.recipe(*self.recipe_inputs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in METADATA_OPS:
-            stand_in = tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
-                                if isinstance(x, DeferredTensor) else x, (args, kwargs))
-            return func(*stand_in[0], **stand_in[1])
-        if func in _SAME_VALUE_OPS:
-            return args[0]
-        if func is torch.ops.aten._to_copy.default and not set(kwargs) - {"dtype", "device"}:
-            source = args[0]
-            return DeferredTensor(source.recipe.cast(kwargs.get("dtype"), kwargs.get("device")), source.recipe_inputs)
-        if func._schema.is_mutable:
-            written = [a for a, arg in zip(args, func._schema.arguments)
-                       if isinstance(a, DeferredTensor) and arg.alias_info is not None and arg.alias_info.is_write]
-            if written:
-                raise RuntimeError(
-                    f"autoshard: {func} changes in place a value a compiled graph left uncomputed (a DeferredTensor, "
-                    "such as an attention mask); take a computed copy first (x = x.materialize())")
-        value = tree_map(lambda x: x.materialize() if isinstance(x, DeferredTensor) else x, (args, kwargs))
-        return func(*value[0], **value[1])
 
 
 def defer(recipe: Recipe, inputs: list[torch.Tensor]) -> DeferredTensor:

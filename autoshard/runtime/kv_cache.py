@@ -46,6 +46,7 @@ import torch
 
 from .collectives import _pg, all_gather_impl
 from .layouts import SequenceLayout
+from .op_info import declare
 
 __all__ = ["CacheLayout", "appended", "cache_append", "cache_write", "decode_attention", "room"]
 
@@ -177,6 +178,9 @@ def _(extended, new, dim, past_length, prompt_length, slot, world):
     return None
 
 
+declare(torch.ops.autoshard.cache_append.default)
+
+
 def appended(cache: CacheLayout, rank: int, past_length: int, new: int) -> int:
     """How many of ``new`` positions added to a cache of ``past_length`` positions ``rank`` keeps."""
     return len(_owned(past_length - cache.prompt.length, new, cache.slot(rank), cache.world_size))
@@ -205,6 +209,9 @@ def _cache_write_op(cache: torch.Tensor, positions: torch.Tensor, new: torch.Ten
 @_cache_write_op.register_fake
 def _(cache, positions, new, dim, slots):
     return None
+
+
+declare(torch.ops.autoshard.cache_write.default)
 
 
 def cache_write(cache: torch.Tensor, positions: torch.Tensor, new: torch.Tensor, dim: int, *, layout: CacheLayout,
@@ -254,6 +261,9 @@ def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 @_decode_attention_op.register_fake
 def _(q, k, v, mask, scale, group):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+declare(torch.ops.autoshard.decode_attention.default)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Optional[torch.Tensor] = None,

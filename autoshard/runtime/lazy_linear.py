@@ -42,15 +42,11 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_map
 
-from .deferred import METADATA_OPS
+from .carrier import Carrier
 from .offload import HostCopy
 
 __all__ = ["LazyLinear", "lazy_linear"]
-
-_SAME_VALUE_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
-"""Ops whose result is the lazy value itself (it shares what is computed)."""
 
 
 class _Pending:
@@ -105,18 +101,16 @@ def _compute_pending(optimizer, args, kwargs) -> None:
 register_optimizer_step_pre_hook(_compute_pending)
 
 
-class LazyLinear(torch.Tensor):
+class LazyLinear(Carrier):
     """``linear(h, weight, bias)`` computed on first read (see the module docstring)."""
 
     pending: _Pending
 
     @staticmethod
     def __new__(cls, pending: _Pending, shape: torch.Size, device: torch.device):
-        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=pending.dtype, device=device, requires_grad=False)
+        out = cls._wrapper(shape, pending.dtype, device)
         out.pending = pending
         return out
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __repr__(self) -> str:
         state = "computed" if self.pending.value is not None else "not computed"
@@ -131,18 +125,8 @@ class LazyLinear(torch.Tensor):
         """The value, computed on the first call (a plain tensor, kept for later reads)."""
         return self.pending.compute()
 
-    @classmethod
-    @torch._disable_dynamo
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in METADATA_OPS:
-            stand_in = tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
-                                if isinstance(x, LazyLinear) else x, (args, kwargs))
-            return func(*stand_in[0], **stand_in[1])
-        if func in _SAME_VALUE_OPS:
-            return LazyLinear(args[0].pending, args[0].shape, args[0].device)
-        value = tree_map(lambda x: x.materialize() if isinstance(x, LazyLinear) else x, (args, kwargs))
-        return func(*value[0], **value[1])
+    def aliased(self) -> LazyLinear:
+        return LazyLinear(self.pending, self.shape, self.device)  # it shares what is computed
 
 
 class _Lazy(torch.autograd.Function):

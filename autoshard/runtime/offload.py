@@ -19,26 +19,26 @@ not written since) and hand out the same host copy. Inside the region, the check
 so nothing else is moved. A saved input written in place after it was saved raises when backward needs it, as
 autograd's own check would (the copy to the host may have read either value).
 
-**Double-buffered.** On CUDA the copies run on a stream of their own (one per device), so they overlap the compute
+**Prefetch.** On CUDA the copies run on a stream of their own (one per device), so they run beside the compute
 stream instead of waiting in it: forward's copy of a layer's input to the host runs while the layer computes (the
 allocator is told the copy stream reads the input, so its memory is not reused before the copy ends). With
 ``prefetch`` (``BackendConfig.offload_prefetch``), backward's first use of a region's inputs starts their copy back
-and then that of the inputs of the region forward ran before it -- the region backward reaches next -- so that
-copy overlaps this region's recomputation and backward. Copies back are allocated from the compute stream's memory
+and then prefetches the inputs of the region forward ran before it -- the region backward reaches next -- so that
+copy runs during this region's recomputation and backward. Copies back are allocated from the compute stream's memory
 (the copy stream waits for the compute stream's work queued before it) so that the compute stream reuses it. The
 price is one more region's inputs on the device while a region runs backward (a layer's input: 6 GiB per rank for
 Llama-8B at 6M tokens on 8 ranks), so it is a lever the memory policy may turn off; without it each region's inputs
 come back when backward first uses them, the compute stream waiting for the copy. Each region keeps a weak
 reference to the one before it (regions link only while the previous one's backward has not started), so nothing
 outlives the backward that needs it. Two forwards before their backwards link too: the second's first region
-brings back the first's last early (memory, not a wrong value).
+prefetches the first's last (memory, not a wrong value).
 
 A plan runs the graph on fake CPU tensors, where every tensor would "stay": under :func:`planned_offload`
 the hooks model the device instead -- a packed input is dropped (its bytes counted as host memory) and
 restoring it allocates it anew, as the copy back does -- so the plan's peak is the device's. A plan does not
-prefetch: it counts aside the bytes prefetching would hold early (:attr:`PlannedOffload.ahead`, from a region's
+prefetch: it counts aside the bytes prefetching would hold (:attr:`PlannedOffload.prefetched`, from a region's
 first use in backward until the previous region's inputs are restored), so one simulation gives the peak both with
-and without double-buffering (the memory policy weighs both from one plan). A plan runs each graph alone: regions
+and without prefetch (the memory policy weighs both from one plan). A plan runs each graph alone: regions
 linked across a graph break (per-layer graphs) are not.
 
 The hooks run only in eager execution: the outline pass emits :func:`offloaded_checkpoint` only with the
@@ -91,7 +91,7 @@ class _Copy:
         """Start bringing it back (once; nothing to do while it is held)."""
         raise NotImplementedError
 
-    def bring_ahead(self, prefetch: bool) -> None:
+    def prefetch_next(self, prefetch: bool) -> None:
         """Backward reached the region after this one's: with ``prefetch``, start bringing it back."""
         if prefetch:
             self.prefetch()
@@ -159,7 +159,7 @@ class PlannedOffload:
     def __init__(self):
         self.host = 0
         """Bytes packed to host memory so far."""
-        self.ahead = 0
+        self.prefetched = 0
         """Bytes prefetching would hold on the device now and the simulation does not (yet): inputs of the region
         backward reaches next, not restored yet."""
 
@@ -171,28 +171,29 @@ class _Planned(_Copy):
         super().__init__(t)
         self.meta = (t.size(), t.stride(), t.dtype, t.device)
         self.nbytes = t.untyped_storage().nbytes()
-        self.plan, self.early = plan, False
+        self.plan, self.prefetched = plan, False
         plan.host += self.nbytes
 
-    def bring_ahead(self, prefetch: bool) -> None:
+    def prefetch_next(self, prefetch: bool) -> None:
         """Prefetching (on or not: a plan weighs both) would bring it back now: count it aside until restored."""
-        if self.restored is None and not self.early and self.held() is None:
-            self.early = True
-            self.plan.ahead += self.nbytes
+        if self.restored is None and not self.prefetched and self.held() is None:
+            self.prefetched = True
+            self.plan.prefetched += self.nbytes
 
     def prefetch(self) -> None:
         if self.restored is not None or self.held() is not None:
             return
-        if self.early:  # now allocated in the simulation: no longer aside
-            self.plan.ahead -= self.nbytes
+        if self.prefetched:  # now allocated in the simulation: no longer aside
+            self.plan.prefetched -= self.nbytes
         size, stride, dtype, device = self.meta
         self.restored = torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
-class _Region:
-    """One offloaded checkpoint call: the copies of its inputs, and (weakly) the region forward ran before it."""
+class _OffloadedCall:
+    """One call of an offloaded checkpoint (a run of its region): the copies of its inputs, and (weakly) the call
+    forward ran before it."""
 
-    def __init__(self, previous: _Region | None, prefetch: bool):
+    def __init__(self, previous: _OffloadedCall | None, prefetch: bool):
         self.previous = weakref.ref(previous) if previous is not None and not previous.started else None
         self.prefetch = prefetch
         self.copies: list[_Copy] = []
@@ -209,21 +210,21 @@ class _Region:
             for copy in self.copies:
                 copy.prefetch()
         for copy in previous.copies if previous is not None else ():
-            copy.bring_ahead(self.prefetch)
+            copy.prefetch_next(self.prefetch)
 
 
 class _Saved:
-    """What the hooks save for one region input: its copy, and the region that saved it."""
+    """What the hooks save for one region input: its copy, and the call that saved it."""
 
-    def __init__(self, copy: _Copy, region: _Region):
-        self.copy, self.region = copy, region
+    def __init__(self, copy: _Copy, call: _OffloadedCall):
+        self.copy, self.call = copy, call
 
 
 _copied: dict[int, tuple[weakref.ref, _Copy]] = {}
 """id of a tensor copied -> (a weak reference to it, its copy)."""
 
 _last: weakref.ref | None = None
-"""The region forward ran last (weakly)."""
+"""The offloaded call forward ran last (weakly)."""
 
 _planning: PlannedOffload | None = None
 """Under :func:`planned_offload`: what the plan's offload holds aside."""
@@ -263,18 +264,18 @@ def _copy_of(t: torch.Tensor) -> _Copy:
     return copy
 
 
-def _hooks(region: _Region):
+def _hooks(call: _OffloadedCall):
     def pack(t: torch.Tensor):
         if _stays(t):
             return t
         copy = _copy_of(t)
-        region.copies.append(copy)
-        return _Saved(copy, region)
+        call.copies.append(copy)
+        return _Saved(copy, call)
 
     def unpack(saved):
         if not isinstance(saved, _Saved):
             return saved
-        saved.region.first_use()
+        saved.call.first_use()
         return saved.copy.restore()
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -282,10 +283,10 @@ def _hooks(region: _Region):
 
 def offloaded_checkpoint(body, *args, prefetch: bool = True, **kwargs):
     """``tag_activation_checkpoint(body, *args, **kwargs)`` with the region's inputs kept in host memory until
-    backward; ``prefetch``: backward's first use of them starts bringing back the previous region's (see the
-    module docstring)."""
+    backward; ``prefetch``: backward's first use of them prefetches the previous region's (see the module
+    docstring)."""
     global _last
-    region = _Region(_last() if _last is not None else None, prefetch)
-    _last = weakref.ref(region)
-    with _hooks(region):
+    call = _OffloadedCall(_last() if _last is not None else None, prefetch)
+    _last = weakref.ref(call)
+    with _hooks(call):
         return _CHECKPOINT(body, *args, **kwargs)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .layouts import SequenceLayout
+from .op_info import declare
 
 __all__ = ["DRAWS", "sequence_draw"]
 
@@ -77,3 +78,6 @@ def sequence_draw(kind: str, p: float, shape: list[int], dim: int, factors: list
 def _(kind, p, shape, dim, factors, factor, layout, rank, site, dtype, device):
     length = SequenceLayout.decode(layout).local_length(rank)
     return torch.empty(_local_shape(shape, dim, factors, factor, length), dtype=dtype, device=device)
+
+
+declare(torch.ops.autoshard.sequence_draw.default)

@@ -15,7 +15,8 @@
     Shard(layout A) -> Shard(layout B) of the same sequence: each rank fetches the positions B gives it
     from their owners under A (point-to-point). Covers halo exchanges (B a shifted A) and any
     re-layout. Positions B holds several times are fetched several times; backward sends gradients
-    back to the owners under A and adds them.
+    back to the owners under A and adds them. Defined by :func:`define_run_moves`, as the convolutions' windows
+    (:mod:`.conv_halo`) are: runs moved point to point, and their adjoint.
 ``seq_cumsum``
     cumulative sum along a sharded dim: local cumsum plus the sum of all earlier positions held by
     other ranks (an all-gather of per-interval totals). ``reverse=True`` sums from the end; each is the
@@ -25,29 +26,22 @@
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
-from .collectives import _p2p, _pg, _with, all_gather_impl, all_reduce_impl
+from .collectives import _p2p, _pg, _with, all_gather_impl, define_all_reduce
 from .layouts import SequenceLayout
+from .op_info import declare
 
 __all__ = ["reduce_partial", "grad_sync", "grad_sync_bucket", "grad_scale", "seq_realign", "seq_cumsum", "realign_plan",
-           "realign_bytes", "runs_bytes", "cumsum_totals_bytes"]
+           "realign_bytes", "runs_bytes", "cumsum_totals_bytes", "define_run_moves"]
 
 
 # ---------------------------------------------------------------------------- reduce_partial
 
 
-@torch.library.custom_op("autoshard::reduce_partial", mutates_args=())
-def _reduce_partial(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
-    return all_reduce_impl(x, op, _pg(group))
-
-
-@_reduce_partial.register_fake
-def _(x, op, group):
-    return torch.empty_like(x)
-
-
+_reduce_partial = define_all_reduce("reduce_partial")
 _reduce_partial.register_autograd(lambda ctx, g: (g, None, None))
 
 
@@ -177,7 +171,7 @@ def realign_bytes(src: SequenceLayout, dst: SequenceLayout, row_bytes: int, phas
 
 
 def _move_runs(x: torch.Tensor, dim: int, out: torch.Tensor, keep, outgoing: dict, incoming: dict, pg,
-               combine: str, kind: str = "realign") -> torch.Tensor:
+               combine: str, kind: str) -> torch.Tensor:
     """Runs of ``x`` along ``dim`` into ``out`` (``combine``: ``"copy_"`` or ``"add_"``): ``keep`` holds the
     local ``(to, from, length)`` runs, ``outgoing`` peer -> the ``(from, length)`` runs sent to it,
     ``incoming`` peer -> the ``(to, length)`` runs received from it, in order. The bytes are counted as
@@ -196,47 +190,55 @@ def _move_runs(x: torch.Tensor, dim: int, out: torch.Tensor, keep, outgoing: dic
     return out
 
 
-def _realign_impl(x: torch.Tensor, dim: int, src: SequenceLayout, dst: SequenceLayout, pg) -> torch.Tensor:
-    keep, sends, recvs = realign_plan(src, dst, pg.rank())
-    out = x.new_empty(_with(x.shape, dim, dst.local_length(pg.rank())))
-    return _move_runs(x, dim, out, keep, sends, recvs, pg, "copy_")
+def define_run_moves(name: str, arg_names: tuple[str, str], plan: Callable, lengths: Callable, kind: str, *,
+                     zero_fill: bool = False) -> None:
+    """Define ``autoshard::<name>(x, dim, a, b, group)`` (``a`` and ``b`` named ``arg_names``): the runs of ``x``
+    along ``dim`` moved between the ranks of ``group`` as ``plan(a, b, rank)`` says (``(keep, sends, receives)``,
+    :func:`realign_plan`'s form) into a tensor of ``lengths(a, b, rank)[1]`` positions along ``dim`` (zeros where
+    no run lands with ``zero_fill``), the bytes counted as ``kind``; and its backward
+    ``autoshard::<name>_backward(g, dim, a, b, group)``, the adjoint: gradients return to their source owners and
+    are added there into ``lengths(a, b, rank)[0]`` positions (what this rank received forward, it now sends back;
+    what it sent, it receives back)."""
+    first, second = arg_names
+    signature = f"(Tensor {{}}, SymInt dim, SymInt[] {first}, SymInt[] {second}, str group) -> Tensor"
+
+    def forward(x, dim, a, b, group):
+        pg = _pg(group)
+        keep, sends, recvs = plan(a, b, pg.rank())
+        out = (x.new_zeros if zero_fill else x.new_empty)(_with(x.shape, dim, lengths(a, b, pg.rank())[1]))
+        return _move_runs(x, dim, out, keep, sends, recvs, pg, "copy_", kind)
+
+    def backward(g, dim, a, b, group):
+        pg = _pg(group)
+        keep, sends, recvs = plan(a, b, pg.rank())
+        out = g.new_zeros(_with(g.shape, dim, lengths(a, b, pg.rank())[0]))
+        return _move_runs(g, dim, out, [(frm, to, n) for to, frm, n in keep], recvs, sends, pg, "add_", kind)
+
+    forward_op = torch.library.custom_op(f"autoshard::{name}", forward, mutates_args=(),
+                                         schema=signature.format("x"))
+    backward_op = torch.library.custom_op(f"autoshard::{name}_backward", backward, mutates_args=(),
+                                          schema=signature.format("g"))
+    for op, side in ((forward_op, 1), (backward_op, 0)):
+        op.register_fake(lambda t, dim, a, b, group, side=side:
+                         t.new_empty(_with(t.shape, dim, lengths(a, b, _pg(group).rank())[side])))
+    backward_packet = getattr(torch.ops.autoshard, f"{name}_backward")
+    declare(getattr(torch.ops.autoshard, name).default)
+    declare(backward_packet.default)
+    forward_op.register_autograd(lambda ctx, g: (backward_packet(g, *ctx.args), None, None, None, None),
+                                 setup_context=_keep_arguments)
 
 
-def _realign_backward_impl(g: torch.Tensor, dim: int, src: SequenceLayout, dst: SequenceLayout, pg) -> torch.Tensor:
-    """Adjoint of the realign: gradients return to their source owners and are added there (what this
-    rank received forward, it now sends back; what it sent, it receives back)."""
-    keep, sends, recvs = realign_plan(src, dst, pg.rank())
-    out = g.new_zeros(_with(g.shape, dim, src.local_length(pg.rank())))
-    return _move_runs(g, dim, out, [(frm, to, n) for to, frm, n in keep], recvs, sends, pg, "add_")
-
-
-@torch.library.custom_op("autoshard::seq_realign", mutates_args=())
-def _seq_realign(x: torch.Tensor, dim: int, src: list[int], dst: list[int], group: str) -> torch.Tensor:
-    return _realign_impl(x, dim, SequenceLayout.decode(src), SequenceLayout.decode(dst), _pg(group))
-
-
-@_seq_realign.register_fake
-def _(x, dim, src, dst, group):
-    return x.new_empty(_with(x.shape, dim, SequenceLayout.decode(dst).local_length(_pg(group).rank())))
-
-
-@torch.library.custom_op("autoshard::seq_realign_backward", mutates_args=())
-def _seq_realign_backward(g: torch.Tensor, dim: int, src: list[int], dst: list[int], group: str) -> torch.Tensor:
-    return _realign_backward_impl(g, dim, SequenceLayout.decode(src), SequenceLayout.decode(dst), _pg(group))
-
-
-@_seq_realign_backward.register_fake
-def _(g, dim, src, dst, group):
-    return g.new_empty(_with(g.shape, dim, SequenceLayout.decode(src).local_length(_pg(group).rank())))
-
-
-def _realign_setup(ctx, inputs, output):
+def _keep_arguments(ctx, inputs, output):
     ctx.args = inputs[1:]
 
 
-_seq_realign.register_autograd(
-    lambda ctx, g: (torch.ops.autoshard.seq_realign_backward(g, *ctx.args), None, None, None, None),
-    setup_context=_realign_setup)
+def _realign_lengths(src: list[int], dst: list[int], rank: int) -> tuple[int, int]:
+    return SequenceLayout.decode(src).local_length(rank), SequenceLayout.decode(dst).local_length(rank)
+
+
+define_run_moves("seq_realign", ("src", "dst"),
+                 lambda src, dst, rank: realign_plan(SequenceLayout.decode(src), SequenceLayout.decode(dst), rank),
+                 _realign_lengths, "realign")
 
 
 def seq_realign(x: torch.Tensor, dim: int, src: SequenceLayout, dst: SequenceLayout, group: str) -> torch.Tensor:
@@ -300,6 +302,9 @@ _seq_cumsum.register_autograd(
     lambda ctx, g: (torch.ops.autoshard.seq_cumsum(g, ctx.dim, ctx.layout, not ctx.reverse, ctx.group),
                     None, None, None, None),
     setup_context=_cumsum_setup)
+
+
+declare(torch.ops.autoshard.seq_cumsum.default)
 
 
 def seq_cumsum(x: torch.Tensor, dim: int, layout: SequenceLayout, group: str, reverse: bool = False) -> torch.Tensor:

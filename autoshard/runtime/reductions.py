@@ -15,7 +15,7 @@ uneven shards:
 A rank's shard may be empty (a slice of the sequence can leave a rank no position of it). Every rank still joins
 every all-reduce, with the reduction's identity as its part (:func:`extreme_identity`; zero for sums), so the
 all-reduced answer is the one over the ranks that hold positions. Which collectives each function runs is declared
-beside the rule that emits it (:data:`autoshard.passes.comms.TRAFFIC`).
+beside the rule that emits it (:mod:`autoshard.runtime.op_info`).
 """
 
 from __future__ import annotations

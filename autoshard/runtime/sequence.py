@@ -21,6 +21,7 @@ import torch
 from .collectives import _per_position, _pg, _with, all_gather_impl, gather_facts, reduce_scatter_impl
 from .groups import GroupLike, resolve_group
 from .layouts import SequenceLayout
+from .op_info import declare
 
 __all__ = ["shard_sequence", "unshard_sequence", "sequence_positions", "resolve_layout"]
 
@@ -123,6 +124,10 @@ _seq_unshard.register_autograd(
 _seq_unshard_local_use.register_autograd(
     lambda ctx, g: (torch.ops.autoshard.seq_reduce_scatter(g, ctx.dim, ctx.layout, ctx.group), None, None, None),
     setup_context=_setup)
+declare(torch.ops.autoshard.seq_shard.default)
+declare(torch.ops.autoshard.seq_unshard.default)
+declare(torch.ops.autoshard.seq_reduce_scatter.default)
+declare(torch.ops.autoshard.seq_unshard_for_local_use.default)
 
 
 def shard_sequence(x: torch.Tensor, dim: int, *, group: GroupLike = None,

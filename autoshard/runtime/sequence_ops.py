@@ -40,6 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .collectives import _pg, all_gather_impl
 from .layouts import SequenceLayout
+from .op_info import declare
 from .reductions import extreme_identity
 
 __all__ = ["Band", "constant_band", "local_index", "local_arange", "select_owned"]
@@ -86,6 +87,9 @@ def _seq_local_index(index: torch.Tensor, layout: list[int], rank: int) -> torch
 @_seq_local_index.register_fake
 def _(index, layout, rank):
     return torch.empty_like(index)
+
+
+declare(torch.ops.autoshard.seq_local_index.default)
 
 
 # ---------------------------------------------------------------------------- max / min with indices
@@ -148,6 +152,7 @@ def _arg_extreme_backward(ctx, grad, _grad_index):
 
 
 _seq_arg_extreme.register_autograd(_arg_extreme_backward, setup_context=_arg_extreme_setup)
+declare(torch.ops.autoshard.seq_arg_extreme.default)
 
 
 # ---------------------------------------------------------------------------- constant band buffers
@@ -212,6 +217,9 @@ def _(x, inside, outside, lo, hi, name):
     return None
 
 
+declare(torch.ops.autoshard.check_band.default)
+
+
 torch.fx.node.has_side_effect(torch.ops.autoshard.check_band.default)
 
 
@@ -230,6 +238,9 @@ def _check_runs(segments: torch.Tensor, positions: torch.Tensor, names: str) -> 
 @_check_runs.register_fake
 def _(segments, positions, names):
     return None
+
+
+declare(torch.ops.autoshard.check_runs.default)
 
 
 torch.fx.node.has_side_effect(torch.ops.autoshard.check_runs.default)

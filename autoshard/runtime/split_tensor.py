@@ -34,22 +34,13 @@ from __future__ import annotations
 import datetime
 
 import torch
-from torch.utils._pytree import tree_map
 
-from .deferred import METADATA_OPS
+from .carrier import Carrier, is_fake_or_meta
 from .groups import default_store, resolve_group
 from .kv_cache import CacheLayout, cache_write
 from .layouts import SequenceLayout
-from .warn import warn
 
 __all__ = ["SplitTensor", "wrap", "local_of"]
-
-_ALIASES = {torch.ops.aten.alias.default, torch.ops.aten.detach.default, torch.ops.aten.view.default,
-            torch.ops.aten._unsafe_view.default}
-"""Ops that return their input itself (a view of its whole shape: what autograd makes of a tensor an
-``autograd.Function`` returns unchanged, as FSDP2's pre-forward hook does to every layer input): answered with a
-``SplitTensor`` of a view of the shard, without a gather."""
-
 
 GATHER_TIMEOUT = datetime.timedelta(seconds=300)
 """How long a rank that gathers a SplitTensor waits for the other ranks of its group to gather it too."""
@@ -88,11 +79,27 @@ def _all_ranks_gather(group_name: str) -> None:
         store.delete_key(f"autoshard/split_gather/{group_name}/{count - 2}/all")
 
 
-_WARNED = False
-"""Whether the first gather of a SplitTensor outside compiled code was warned about (once per process)."""
+def _whole_view(x: SplitTensor, size) -> SplitTensor:
+    """A view of the whole shape (what autograd makes of a tensor an ``autograd.Function`` returns unchanged, as
+    FSDP2's pre-forward hook does to every layer input): a ``SplitTensor`` of a view of the shard, without a
+    gather. Any other view gathers."""
+    return x.aliased() if list(size) == list(x.shape) else NotImplemented
 
 
-class SplitTensor(torch.Tensor):
+def _cache_write(cache: SplitTensor, dim: int, index, source) -> SplitTensor:
+    """``cache.index_copy_(dim, index, source)`` on a fixed-size KV cache split along ``dim`` (a ``CacheLayout``
+    carrier; ``index`` and ``source`` whole): each rank writes the positions it holds. Anything else gathers (and
+    is refused: an in-place change)."""
+    if not (isinstance(cache, SplitTensor) and isinstance(cache.layout_rule, CacheLayout)
+            and dim % cache.dim() == cache.seq_dim and not isinstance(index, SplitTensor)
+            and not isinstance(source, SplitTensor)):
+        return NotImplemented
+    cache_write(cache.local, index, source, cache.seq_dim, layout=cache.layout_rule,
+                capacity=cache.shape[cache.seq_dim], rank=resolve_group(cache.group_name).rank())
+    return cache
+
+
+class SplitTensor(Carrier):
     """A value split along a sequence dim over a group's ranks (see the module docstring)."""
 
     local: torch.Tensor
@@ -109,6 +116,12 @@ class SplitTensor(torch.Tensor):
     it dropped. It changes every step, so it is not part of what dynamo guards (the flatten context): it travels
     with the carrier object, read by the decode step that takes it (:mod:`autoshard.passes.decode`)."""
 
+    own_ops = {torch.ops.aten.view.default: _whole_view, torch.ops.aten._unsafe_view.default: _whole_view,
+               torch.ops.aten.index_copy_.default: _cache_write}
+    in_place_error = ("autoshard: {op} changes a SplitTensor in place (a value compiled code returned split along the "
+                      "sequence); take a whole copy first (x = x.full_tensor()), or compile with outputs='gathered'")
+    keyword_carriers_written = True
+
     @staticmethod
     def __new__(cls, local: torch.Tensor, dim: int, layout: SequenceLayout | CacheLayout, group_name: str,
                 shape=None, cache_start: int = 0):
@@ -117,8 +130,7 @@ class SplitTensor(torch.Tensor):
                 raise ValueError("autoshard: a SplitTensor of a growing cache needs its global shape")
             shape = list(local.shape)
             shape[dim] = layout.length
-        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
-                                                  requires_grad=False)
+        out = cls._wrapper(shape, local.dtype, local.device)
         out.local, out.seq_dim, out.layout_rule, out.group_name = local, dim, layout, group_name
         if cache_start:
             out.cache_start = cache_start
@@ -131,8 +143,6 @@ class SplitTensor(torch.Tensor):
         if isinstance(rule, SequenceLayout):
             return rule
         return rule.at(self.cache_start + int(self.shape[self.seq_dim]), self.cache_start)
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __tensor_flatten__(self):
         # The layout, or a cache's rule (it does not change as the cache grows: dynamo's guard on it holds)
@@ -150,63 +160,24 @@ class SplitTensor(torch.Tensor):
 
     def full_tensor(self) -> torch.Tensor:
         """The whole value (all-gathered), as a plain tensor; differentiable. Asked for, so not warned about."""
-        global _WARNED
-        warned, _WARNED = _WARNED, True
+        warned, SplitTensor._warned = SplitTensor._warned, True
         try:
             return self.clone()
         finally:
-            _WARNED = warned
+            SplitTensor._warned = warned
 
-    def whole(self) -> torch.Tensor:
+    def aliased(self) -> SplitTensor:
+        return SplitTensor(torch.ops.aten.alias.default(self.local), self.seq_dim, self.layout_rule, self.group_name,
+                           self.shape, self.cache_start)
+
+    def materialize(self) -> torch.Tensor:
         """The whole value, gathered over the group (no autograd: called under dispatch)."""
-        from torch._subclasses.fake_tensor import is_fake
-
-        if is_fake(self.local) or self.local.device.type == "meta":
+        if is_fake_or_meta(self.local):
             return self.local.new_empty(self.shape)
         _all_ranks_gather(self.group_name)
-        global _WARNED
-        if not _WARNED:
-            _WARNED = True
-            warn(_GATHER_WARNING)
+        self.warn_once(_GATHER_WARNING)
         return torch.ops.autoshard.seq_unshard.default(self.local, self.seq_dim, self.seq_layout.encode(),
                                                        self.group_name)
-
-    @classmethod
-    @torch._disable_dynamo  # runs eagerly: dynamo would compile this frame when traced code meets a SplitTensor
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in METADATA_OPS:
-            stand_in = tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
-                                if isinstance(x, SplitTensor) else x, (args, kwargs))
-            return func(*stand_in[0], **stand_in[1])
-        if func in _ALIASES and isinstance(args[0], SplitTensor) and (len(args) == 1 or list(args[1]) == list(args[0].shape)):
-            x = args[0]
-            return SplitTensor(torch.ops.aten.alias.default(x.local), x.seq_dim, x.layout_rule, x.group_name, x.shape,
-                               x.cache_start)
-        if func is torch.ops.aten.index_copy_.default and _cache_write(*args):
-            return args[0]
-        if func._schema.is_mutable:
-            written = [a for a, arg in zip(args, func._schema.arguments)
-                       if isinstance(a, SplitTensor) and arg.alias_info is not None and arg.alias_info.is_write]
-            if written or any(isinstance(v, SplitTensor) for v in kwargs.values()):
-                raise RuntimeError(
-                    f"autoshard: {func} changes a SplitTensor in place (a value compiled code returned split along "
-                    f"the sequence); take a whole copy first (x = x.full_tensor()), or compile with "
-                    f"outputs='gathered'")
-        return func(*tree_map(lambda x: x.whole() if isinstance(x, SplitTensor) else x, args),
-                    **tree_map(lambda x: x.whole() if isinstance(x, SplitTensor) else x, kwargs))
-
-
-def _cache_write(cache, dim: int, index, source) -> bool:
-    """``cache.index_copy_(dim, index, source)`` on a fixed-size KV cache split along ``dim`` (a ``CacheLayout``
-    carrier; ``index`` and ``source`` whole): each rank writes the positions it holds. False for anything else."""
-    if not (isinstance(cache, SplitTensor) and isinstance(cache.layout_rule, CacheLayout)
-            and dim % cache.dim() == cache.seq_dim and not isinstance(index, SplitTensor)
-            and not isinstance(source, SplitTensor)):
-        return False
-    cache_write(cache.local, index, source, cache.seq_dim, layout=cache.layout_rule,
-                capacity=cache.shape[cache.seq_dim], rank=resolve_group(cache.group_name).rank())
-    return True
 
 
 class _Wrap(torch.autograd.Function):

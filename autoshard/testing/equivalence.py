@@ -28,6 +28,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..compiler import backend as make_backend
+
 __all__ = ["compare_with_one_process", "Comparison"]
 
 
@@ -130,8 +132,6 @@ def compare_with_one_process(make_model: Callable[[], torch.nn.Module], make_inp
                              *, seed: int = 0, dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
                              group=None, kwargs: dict | None = None, **options) -> Comparison:
     """Run on every rank of ``group``: compiled vs one-process outputs and parameter gradients."""
-    from ..compiler import backend as make_backend
-
     torch.manual_seed(seed)
     model = make_model().to(dtype)
     reference = copy.deepcopy(model)

@@ -109,7 +109,9 @@ def _results(world: int, strategy: str):
     return run_on_ranks(_run, world, strategy, timeout=300)
 
 
-@pytest.mark.parametrize("world,strategy", [(2, "ring"), (2, "ulysses"), (4, "zigzag"), (4, "allgather")])
+@pytest.mark.parametrize("world,strategy", [(2, "ring"), (2, "ulysses"),
+                                            *(pytest.param(4, name, marks=pytest.mark.slow)
+                                              for name in ("zigzag", "allgather"))])
 def test_dropout_matches_the_hashed_mask_on_one_process(world, strategy):
     for rank, r in enumerate(_results(world, strategy)):
         where = f"P={world} {strategy} rank {rank}"

@@ -79,7 +79,7 @@ class ChunkedLM(nn.Module):
 
 # (mask spelling, key padding, strategy)
 CASES = [("bool", False, "ring"), ("additive", True, "zigzag"), ("masked_fill", False, "zigzag")]
-WORLDS = [2, 4]
+WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]
 
 
 def _inputs(padded: bool):

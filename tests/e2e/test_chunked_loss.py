@@ -117,7 +117,7 @@ CASES = {  # name: (loss spelling, dtype, other backend options)
     "aot_eager": ("smoothing", torch.float64, {"inner": "aot_eager"}),
     "autocast": ("mean", torch.float32, {"autocast": torch.bfloat16}),
 }
-WORLDS = (2, 4)
+WORLDS = (2, pytest.param(4, marks=pytest.mark.slow))
 
 
 def _run():

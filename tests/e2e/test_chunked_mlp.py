@@ -117,7 +117,7 @@ CASES = {  # name: (model factory, inputs, keyword inputs (a factory) or None, d
 }
 CHECKPOINTED = ("checkpointed", "aot_eager")
 AT_4 = ("checkpointed",)
-"""The cases run at 4 ranks too (the others at 2 only, for the file's time)."""
+"""The cases run at 4 ranks too (the others at 2 only, for the file's time; the 4-rank ones are marked slow)."""
 
 
 def _cases(world: int) -> list[str]:
@@ -166,7 +166,8 @@ def _results(world: int):
     return run_on_ranks(_run, world, world, timeout=600)
 
 
-@pytest.mark.parametrize("name,world", [(name, world) for world in (2, 4) for name in _cases(world)])
+@pytest.mark.parametrize("name,world", [pytest.param(name, world, marks=[pytest.mark.slow] if world == 4 else [])
+                                        for world in (2, 4) for name in _cases(world)])
 def test_chunked_mlp_matches_one_process(name, world):
     tolerance = BF16_TOL if CASES[name][3] == torch.bfloat16 else 1e-9
     counts = []

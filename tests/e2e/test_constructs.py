@@ -377,7 +377,7 @@ CASES = {  # name: (model, inputs, strategy; None: no attention)
     "latent_checkpointed": (checkpointed(latent_lm), _tokens, "ulysses"),
     "scan_vmap": (scan_lm, functools.partial(_tokens, 13), None),  # short: dynamo traces the scan slowly
 }
-WORLDS = (2, 4)
+WORLDS = (2, pytest.param(4, marks=pytest.mark.slow))
 
 
 def _run():

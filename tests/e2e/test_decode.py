@@ -1,7 +1,8 @@
 """``generate()`` with the KV cache split along the sequence (issue 25): an unmodified transformers Llama (GQA),
 ``model.forward = torch.compile(model.forward, backend=autoshard.backend())``, the same prompts on every rank.
 
-Asserts, at 2 and 4 ranks (and 1024 new tokens at 2), with prompt lengths the world size does not divide and a left-padded batch of two:
+Asserts, at 2 and 4 ranks (and 1024 new tokens at 2; those two and the StaticCache at 4 ranks are marked slow), with
+prompt lengths the world size does not divide and a left-padded batch of two:
 greedy and seeded sampled tokens equal one process's; every layer's cache is a ``SplitTensor`` whose shard is the
 rank's share of the cache layout (the prompt as the prefill split it, new tokens round robin); each decode step
 merges attention with one all-gather per layer whose bytes do not depend on the context length (the same at
@@ -77,7 +78,9 @@ def _rank(lengths, longer: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world, lengths, longer", [(2, (29, 61), 1024), (4, (31, 45), 3 * NEW)])
+@pytest.mark.parametrize("world, lengths, longer", [(2, (29, 61), 3 * NEW),
+                                                    pytest.param(2, (29, 61), 1024, marks=pytest.mark.slow),
+                                                    pytest.param(4, (31, 45), 3 * NEW, marks=pytest.mark.slow)])
 def test_generate_with_a_sequence_sharded_kv_cache(world, lengths, longer):
     results = run_on_ranks(_rank, world, lengths, longer, timeout=600)
     model = _model()
@@ -193,6 +196,7 @@ def _static_rank(lengths) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_generate_with_a_static_cache():
     """transformers' StaticCache (``cache_implementation="static"``): the prefill allocates the fixed-size buffers
     and writes the prompt with ``index_copy_``; sharded, each rank's buffer holds its share of the cache's

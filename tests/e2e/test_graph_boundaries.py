@@ -181,7 +181,8 @@ def _results(world: int):
     return run_on_ranks(_run, world, world, timeout=600)
 
 
-@pytest.mark.parametrize("case", BLOCK_CASES, ids=["-".join(map(str, c)) for c in BLOCK_CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c[0] == 4 else []) for c in BLOCK_CASES],
+                         ids=["-".join(map(str, c)) for c in BLOCK_CASES])
 def test_per_block_compilation_keeps_the_split_between_blocks(case):
     world, seq, inner = case
     for rank, results in enumerate(_results(world)):
@@ -195,7 +196,8 @@ def test_per_block_compilation_keeps_the_split_between_blocks(case):
         assert blocks["bytes"] <= whole["bytes"], f"{where}: {blocks['bytes']} bytes vs {whole['bytes']} whole"
 
 
-@pytest.mark.parametrize("case", BREAK_CASES, ids=["-".join(map(str, c)) for c in BREAK_CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c[0] == 4 else []) for c in BREAK_CASES],
+                         ids=["-".join(map(str, c)) for c in BREAK_CASES])
 def test_graph_breaks_carry_the_split(case):
     world, name = case
     for rank, results in enumerate(_results(world)):

@@ -42,6 +42,7 @@ def test_trainer_matches_one_process_fixed_and_packed_rows():
     _example()
 
 
+@pytest.mark.slow
 def test_sft_trainer_with_packing_matches_one_process():
     pytest.importorskip("trl")
     _example("--sft")

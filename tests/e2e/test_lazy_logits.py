@@ -99,7 +99,7 @@ def _results(world: int, lazy: bool):
     return run_on_ranks(_run, world, lazy, timeout=600)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_lazy_logits_match_one_process_and_cost_nothing_unread(world):
     for rank, facts in enumerate(_results(world, True)):
         where = f"P={world} rank {rank}"

@@ -1,7 +1,7 @@
 """``memory_budget``: the memory policy picks the cheapest levers whose plan fits, at 2 ranks against one process.
 
 * The policy alone, with a stand-in estimator: the ladder cheapest first (as configured, chunked MLPs, tiles, tiles
-  with head groups, the four with recomputed layers, then with double-buffered offload too, then offload without
+  with head groups, the four with recomputed layers, then with prefetching offload too, then offload without
   prefetch), levers the user set never changed, offload only with the eager inner compiler, the first that fits
   taken -- without planning the options an option that does not fit dominates (the strongest planned first, then
   those just below it), and offload only within the host budget; nothing
@@ -32,7 +32,7 @@ CONFIG = dict(vocab_size=64, hidden=32, layers=3, heads=4, kv_heads=2, intermedi
 LEVERS = ("chunk_mlp", "tile_tokens", "head_chunks", "recompute", "offload")
 T, G = CHUNK_TOKENS, HEAD_CHUNKS
 AHEAD = "prefetch"
-"""The offload entry of a key for double-buffered offload (True: offload without prefetch)."""
+"""The offload entry of a key for prefetching offload (True: offload without prefetch)."""
 
 
 def _key(levers) -> tuple:
@@ -44,7 +44,7 @@ def _key(levers) -> tuple:
 
 def _stand_in(costs: dict, asked: list | None = None):
     """An estimator: (bytes, host bytes) by :func:`_key` (head groups not listed: 5 below the same without;
-    double-buffered offload: 3 above the same without prefetch); ``asked`` collects the options it was asked for."""
+    prefetching offload: 3 above the same without prefetch); ``asked`` collects the options it was asked for."""
     def estimate(config):
         key = _key(config)
         if asked is not None:
@@ -63,7 +63,7 @@ COSTS = {(None, None, 1, "none", False): 100, (T, None, 1, "none", False): 80, (
          (None, T, G, "layers", True): 10}
 STRONGEST = (None, T, G, "layers", True)
 LADDER = [k for k in COSTS if not k[4]] + [(*k[:4], AHEAD) for k in COSTS if k[4]] + [k for k in COSTS if k[4]]
-"""The policy's order: no offload, double-buffered offload, offload without prefetch."""
+"""The policy's order: no offload, prefetching offload, offload without prefetch."""
 
 
 @pytest.mark.parametrize("budget, chosen", [(100, (None, None, 1, "none", False)), (90, (T, None, 1, "none", False)),
@@ -116,7 +116,7 @@ def test_levers_the_user_set_stay():
     config, policy = choose_memory_policy(BackendConfig(chunk_mlp=T, offload_prefetch=False), _stand_in(COSTS),
                                           budget=25)
     assert _key(config) == (T, None, 1, "layers", True)
-    assert {_key(o)[4] for o in policy.options} == {False, True}, policy.options  # never double-buffered
+    assert {_key(o)[4] for o in policy.options} == {False, True}, policy.options  # never prefetched
     config, policy = choose_memory_policy(BackendConfig(head_chunks=2), _stand_in(COSTS), budget=100)
     assert config.head_chunks == 2 and all(o.head_chunks == 2 for o in policy.options)
     config, policy = choose_memory_policy(BackendConfig(inner="aot_eager"), _stand_in(COSTS), budget=50)

@@ -8,7 +8,7 @@
   with the loss), float32: within 1e-4 relative as ``test_training_step``'s runs (the rotary table is float32).
 * A model that already checkpoints its layers keeps its own checkpoints (counted ``already``).
 * ``offload=True``: the regions are :func:`~autoshard.runtime.offload.offloaded_checkpoint` calls, exact as
-  well (on CPU the inputs are already in host memory and stay; the copies themselves and their double-buffering
+  well (on CPU the inputs are already in host memory and stay; the copies themselves and their prefetch
   are ``tests/runtime/test_offload.py``'s).
 * The pass alone (``tests/unit``-sized, one process): a layer drawing random numbers is left as it is.
 """

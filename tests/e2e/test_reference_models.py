@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.cost import Topology
+from autoshard.hardware import HardwareProfile
 from autoshard.testing.models import BertClassifier, BertConfig, HandwrittenLM, LlamaLM, ViTClassifier, ViTConfig
 from autoshard.runtime import comm_counter
 from autoshard.testing import run_on_ranks
@@ -85,7 +85,8 @@ def _results(world: int) -> list[dict]:
 CASES = [(world, *case) for world in (2, 3, 4) for case in _cases(world)]
 
 
-@pytest.mark.parametrize("world,model,seq,strategy,dtype", CASES,
+@pytest.mark.parametrize("world,model,seq,strategy,dtype",
+                         [pytest.param(*c, marks=[pytest.mark.slow] if c[0] == 4 else []) for c in CASES],
                          ids=[f"P{w}-{m}-{s}-{st}-{str(d).replace('torch.', '')}" for w, m, s, st, d in CASES])
 def test_reference_models_match_one_process(world, model, seq, strategy, dtype):
     for rank, results in enumerate(_results(world)):
@@ -105,7 +106,7 @@ def _run_hybrid_cases(cases):
         torch._dynamo.reset()
         inputs = tuple(x.double() if x.is_floating_point() else x for x in _inputs(model, seq)())
         plan = autoshard.plan(_model(model, seq)().double(), inputs, world_size=4, strategy="hybrid",
-                              topology=Topology(ranks_per_node=2), rank=dist.get_rank(), outputs="gathered")
+                              topology=HardwareProfile(ranks_per_node=2), rank=dist.get_rank(), outputs="gathered")
         torch._dynamo.reset()
         with comm_counter() as sent:  # outputs gathered in the graph: what the comparison reads is counted there
             r = compare_with_one_process(_model(model, seq), _inputs(model, seq), dtype=torch.float64, group=mesh,

@@ -100,7 +100,8 @@ def _results(world: int):
     return run_on_ranks(_run, world, world, timeout=600)
 
 
-@pytest.mark.parametrize("name,world", [(name, world) for world in (2, 4) for name in _cases(world)])
+@pytest.mark.parametrize("name,world", [pytest.param(name, world, marks=[pytest.mark.slow] if world == 4 else [])
+                                        for world in (2, 4) for name in _cases(world)])
 def test_tiled_layers_match_one_process(name, world):
     tolerance, regions = CASES[name][4], CASES[name][5]
     tiles = []

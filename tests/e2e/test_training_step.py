@@ -19,7 +19,7 @@
 Models: transformers ``LlamaForCausalLM`` with a small config (hidden 64, 2 layers, 4 / 2 heads, vocab 256,
 random weights, nothing downloaded), lengths the world size does not divide, float32: loss and gradients
 within 1e-4 relative (float32 rounding through two attention layers measures ~1e-6). One launch per world
-size; one pytest item per case.
+size (and one for the cases marked slow); one pytest item per case.
 """
 
 import copy
@@ -187,29 +187,35 @@ def _accumulated() -> float:
                for n, p in model.named_parameters())
 
 
-def _run(world: int):
-    out = {case: _checkpointed(*case[1:]) for case in CHECKPOINT_CASES if case[0] == world}
+SLOW = {(4, 63, "ring", "eager"), (4, 61, "ulysses", "eager"), "fsdp_levers", "fsdp_tiles", "ddp"}
+"""Marked slow and run in a launch of their own: checkpointing at 4 ranks, FSDP2 with the levers or the tiles, and DDP
+(the Trainer test of ``test_hf_trainer.py`` trains with DDP over (dp, sp) too)."""
+
+
+def _run(world: int, slow: bool):
+    jobs = {case: functools.partial(_checkpointed, *case[1:]) for case in CHECKPOINT_CASES if case[0] == world}
     if world == 2:
-        out["lengths"] = _checkpointed_lengths()
+        jobs["lengths"] = _checkpointed_lengths
     if world == 4:
-        out["refused"] = _refused_meshes()
-        out["fsdp"] = _train("fsdp")
-        out["fsdp_levers"] = _train("fsdp_levers")
-        out["fsdp_tiles"] = _train("fsdp_tiles")
-        out["ddp"] = _train("ddp")
-        out["accumulated"] = _accumulated()
-    return out
+        jobs["refused"] = _refused_meshes
+        jobs |= {kind: functools.partial(_train, kind) for kind in ("fsdp", "fsdp_levers", "fsdp_tiles", "ddp")}
+        jobs["accumulated"] = _accumulated
+    return {name: job() for name, job in jobs.items() if (name in SLOW) == slow}
 
 
 @functools.cache
-def _results(world: int):
-    return run_on_ranks(_run, world, world, timeout=600)
+def _results(world: int, slow: bool = False):
+    return run_on_ranks(_run, world, world, slow, timeout=600)
 
 
-@pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=["-".join(map(str, c)) for c in CHECKPOINT_CASES])
+def _marked(names):
+    return [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in names]
+
+
+@pytest.mark.parametrize("case", _marked(CHECKPOINT_CASES), ids=["-".join(map(str, c)) for c in CHECKPOINT_CASES])
 def test_activation_checkpointing_keeps_attention_distributed(case):
     world, seq, strategy, inner = case
-    for rank, results in enumerate(_results(world)):
+    for rank, results in enumerate(_results(world, case in SLOW)):
         r = results[case]
         where = f"checkpointed Llama S={seq} {strategy} {inner} P={world} rank {rank}"
         assert r["error"] <= TOLERANCE, f"{where}: {r['summary']}"
@@ -226,10 +232,10 @@ def test_checkpointed_model_at_new_lengths():
         assert results["lengths"] <= TOLERANCE, f"rank {rank}: off by {results['lengths']:.2e}"
 
 
-@pytest.mark.parametrize("kind", ["fsdp", "fsdp_levers", "fsdp_tiles", "ddp"])
+@pytest.mark.parametrize("kind", _marked(["fsdp", "fsdp_levers", "fsdp_tiles", "ddp"]))
 def test_training_on_a_dp_sp_mesh_matches_one_process(kind):
     """Parameters after three AdamW steps equal one-process training on the same global batch."""
-    for rank, results in enumerate(_results(4)):
+    for rank, results in enumerate(_results(4, kind in SLOW)):
         worst, used = results[kind] if kind in ("fsdp_levers", "fsdp_tiles") else (results[kind], None)
         assert worst <= 1e-10, f"{kind} rank {rank}: parameters differ by {worst:.2e} (relative)"
         # each per-layer graph recomputed (the first layer takes the embedding whole, the second its input split),

@@ -37,6 +37,15 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA (compiled kernels,
 
 # (atol, rtol); atol is relative to max(1, |reference|.max()) so gradients of any size compare alike.
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
+slow = pytest.mark.slow
+"""Interpreted on the CPU every case costs seconds: the grids keep one case per feature in the default suite (causal,
+window, chunk, key mask, segments, fully masked rows, GQA / MQA, MLA, softcap, ALiBi, dropout, half precision) and
+mark the rest slow (``./dev test --all``)."""
+
+
+def default_only(cases, names):
+    """``cases`` as pytest parameters, those whose name is not in ``names`` marked slow."""
+    return [pytest.param(c, marks=() if c.name in names else slow) for c in cases]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -271,61 +280,68 @@ def test_importing_autoshard_does_not_require_triton():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("case", MASK_CASES, ids=str)
+@pytest.mark.parametrize("case", default_only(MASK_CASES, (
+    "dense_ragged", "causal_unaligned", "window_both_sides", "key_mask_causal", "segments_offsets", "fully_masked_rows",
+    "mqa", "chunk_causal_unaligned")), ids=str)
 def test_masks_forward_backward_fp32(case):
     run_and_check(case, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("head_dim", [16, 24, 32, 64])
+@pytest.mark.parametrize("head_dim, dtype", [(h, d) if (h, d) in ((24, torch.bfloat16), (64, torch.float16))
+                                             else pytest.param(h, d, marks=slow)
+                                             for d in (torch.bfloat16, torch.float16) for h in (16, 24, 32, 64)],
+                         ids=str)
 def test_dtypes_and_head_dims(dtype, head_dim):
     case = Case(f"d{head_dim}", sq=37, sk=41, q_offset=11, k_offset=4, causal=True, window=(25, -1),
                 batch=1, heads=2, kv_heads=1, head_dim=head_dim)
     run_and_check(case, dtype)
 
 
-@pytest.mark.parametrize("case", [c for c in MASK_CASES if c.name in ("dense_ragged", "causal_unaligned", "everything")],
-                         ids=str)
+@pytest.mark.parametrize("case", default_only([c for c in MASK_CASES if c.name in (
+    "dense_ragged", "causal_unaligned", "everything")], ("causal_unaligned",)), ids=str)
 def test_softcap_forward_backward_fp32(case):
     """Soft-capped scores (Gemma2): a scale of 1 makes the scores large enough that the cap of 2 bends
     most of them, through full, band-edge and ragged tiles and every mask kind."""
     run_and_check(case, torch.float32, scale=1.0, softcap=2.0)
 
 
-@pytest.mark.parametrize("case", MLA_CASES, ids=str)
+@pytest.mark.parametrize("case", default_only(MLA_CASES, ("mla_causal_gqa", "mla_dense_ragged_wide_v")), ids=str)
 def test_mla_v_head_dim_forward_backward_fp32(case):
     out, lse, (dq, dk, dv), _ = run_and_check(case, torch.float32)
     assert out.shape == (case.batch, case.heads, case.sq, case.v_dim) and lse.shape == (case.batch, case.heads, case.sq)
     assert dq.shape[-1] == dk.shape[-1] == case.head_dim and dv.shape[-1] == case.v_dim
 
 
-@pytest.mark.parametrize("case", [MLA_CASES[0], MLA_CASES[1]], ids=str)
+@pytest.mark.parametrize("case", [MLA_CASES[0], pytest.param(MLA_CASES[1], marks=slow)], ids=str)
 def test_mla_v_head_dim_softcap_fp32(case):
     run_and_check(case, torch.float32, scale=1.0, softcap=2.0)
 
 
-@pytest.mark.parametrize("dtype, head_dim, v_dim", [(torch.bfloat16, 24, 12), (torch.float16, 16, 40)], ids=str)
+@pytest.mark.parametrize("dtype, head_dim, v_dim", [(torch.bfloat16, 24, 12),
+                                                    pytest.param(torch.float16, 16, 40, marks=slow)], ids=str)
 def test_mla_v_head_dim_half_precision(dtype, head_dim, v_dim):
     case = Case(f"mla_d{head_dim}_dv{v_dim}", sq=37, sk=41, q_offset=11, k_offset=4, causal=True, window=(25, -1),
                 batch=1, heads=2, kv_heads=1, head_dim=head_dim, v_dim=v_dim)
     run_and_check(case, dtype)
 
 
-@pytest.mark.parametrize("case", ALIBI_CASES, ids=str)
+@pytest.mark.parametrize("case", default_only(ALIBI_CASES, (
+    "alibi_causal_ring_q32", "alibi_dense_ring_k40", "alibi_causal_aligned_mqa", "alibi_mla_ring_wide_v")), ids=str)
 def test_alibi_forward_backward_fp32(case):
     run_and_check(case, torch.float32, alibi_slopes=geometric_slopes(case.heads))
 
 
-@pytest.mark.parametrize("case", [c for c in ALIBI_CASES if c.name in (
-    "alibi_causal_ring_q32", "alibi_dense_ring_k40", "alibi_key_mask_causal_ring", "alibi_mla_causal_gqa")], ids=str)
+@pytest.mark.parametrize("case", default_only([c for c in ALIBI_CASES if c.name in (
+    "alibi_causal_ring_q32", "alibi_dense_ring_k40", "alibi_key_mask_causal_ring", "alibi_mla_causal_gqa")],
+    ("alibi_key_mask_causal_ring",)), ids=str)
 def test_alibi_softcap_fp32(case):
     """The bias is added after the cap (so it is not capped) and the cap's derivative still applies to dS."""
     run_and_check(case, torch.float32, scale=1.0, softcap=2.0, alibi_slopes=geometric_slopes(case.heads))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", [c for c in ALIBI_CASES if c.name in (
-    "alibi_causal_ring_q32", "alibi_dense_ring_k40", "alibi_mla_causal_gqa")], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=slow)], ids=str)
+@pytest.mark.parametrize("case", default_only([c for c in ALIBI_CASES if c.name in (
+    "alibi_causal_ring_q32", "alibi_dense_ring_k40", "alibi_mla_causal_gqa")], ("alibi_mla_causal_gqa",)), ids=str)
 def test_alibi_half_precision(case, dtype):
     run_and_check(replace(case, head_dim=max(case.head_dim, 32)), dtype, alibi_slopes=geometric_slopes(case.heads))
 
@@ -415,25 +431,25 @@ def test_alibi_slopes_on_another_device():
 # (case, head_offset): full, band-edge, ragged and masked tiles; GQA / MQA / MHA; ring blocks at nonzero offsets,
 # positions past 2**16 (the high bits of the hash's inputs); the heads of a Ulysses rank (head_offset); MLA.
 DROPOUT_CASES = [
-    pytest.param(Case("drop_dense_ragged", sq=33, sk=45), 0, id="drop_dense_ragged"),
+    pytest.param(Case("drop_dense_ragged", sq=33, sk=45), 0, id="drop_dense_ragged", marks=slow),
     pytest.param(Case("drop_causal_ring_gqa", sq=37, sk=45, q_offset=20, k_offset=7, causal=True), 6,
                  id="drop_causal_ring_gqa"),
     pytest.param(Case("drop_causal_aligned_mha", sq=48, sk=48, causal=True, heads=2, kv_heads=2), 0,
-                 id="drop_causal_aligned_mha"),
+                 id="drop_causal_aligned_mha", marks=slow),
     pytest.param(Case("drop_key_mask_mqa_far", sq=33, sk=40, q_offset=70000, k_offset=69990, key_mask="random",
                       heads=4, kv_heads=1), 3, id="drop_key_mask_mqa_far"),
     pytest.param(Case("drop_everything", sq=45, sk=41, q_offset=19, k_offset=2, causal=True, window=(17, -1),
-                      key_mask="random", segments=True), 1, id="drop_everything"),
+                      key_mask="random", segments=True), 1, id="drop_everything", marks=slow),
     pytest.param(Case("drop_fully_masked_rows", sq=40, sk=40, q_offset=16, k_offset=30, window=(6, 2),
-                      key_mask="batch0_empty"), 0, id="drop_fully_masked_rows"),
+                      key_mask="batch0_empty"), 0, id="drop_fully_masked_rows", marks=slow),
     pytest.param(Case("drop_mla_causal_gqa", sq=40, sk=45, q_offset=5, causal=True, head_dim=24, v_dim=12), 2,
                  id="drop_mla_causal_gqa"),
     pytest.param(Case("drop_mla_wide_v_ring", sq=33, sk=45, k_offset=40, head_dim=16, v_dim=40), 0,
-                 id="drop_mla_wide_v_ring"),
+                 id="drop_mla_wide_v_ring", marks=slow),
 ]
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("p", [0.1, pytest.param(0.5, marks=slow)])
 @pytest.mark.parametrize("case, head_offset", DROPOUT_CASES)
 def test_dropout_forward_backward_fp32(case, head_offset, p):
     """out, lse, dq, dk, dv against the float64 reference that applies ``AttentionDropout.keep``'s mask; fp32
@@ -450,8 +466,10 @@ def score_terms(kind: str, heads: int) -> dict:
 
 
 @pytest.mark.parametrize("kind, case, p", [
-    ("softcap", Case("drop_softcap_ring", sq=37, sk=45, q_offset=20, k_offset=7, causal=True), 0.1),
-    ("alibi", Case("drop_alibi_ring", sq=40, sk=40, q_offset=32, causal=True, key_mask="random"), 0.5),
+    pytest.param("softcap", Case("drop_softcap_ring", sq=37, sk=45, q_offset=20, k_offset=7, causal=True), 0.1,
+                 marks=slow),
+    pytest.param("alibi", Case("drop_alibi_ring", sq=40, sk=40, q_offset=32, causal=True, key_mask="random"), 0.5,
+                 marks=slow),
     ("softcap_alibi", Case("drop_softcap_alibi_mla", sq=40, sk=45, q_offset=5, causal=True, head_dim=24, v_dim=12),
      0.5),
 ], ids=["softcap", "alibi", "softcap_alibi_mla"])
@@ -459,7 +477,7 @@ def test_dropout_with_softcap_and_alibi_fp32(kind, case, p):
     run_and_check(case, torch.float32, dropout=make_dropout(p, head_offset=4), **score_terms(kind, case.heads))
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("p", [0.1, pytest.param(0.5, marks=slow)])
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 def test_dropout_mask_is_bit_exact(causal, p):
     """The kernels' mask read back exactly and compared with ``AttentionDropout.keep`` (& the visibility mask),
@@ -504,7 +522,7 @@ def test_dropout_mask_is_bit_exact(causal, p):
     assert torch.equal((z > 0.5 * dropout.scale) & visible, expected), "dq kernel mask"
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("p", [0.1, pytest.param(0.5, marks=slow)])
 def test_dropout_half_precision(p):
     """bf16 inputs with dropout, against the float64 reference at the bf16 tolerance (2e-2 absolute relative to
     the largest reference value, 2e-2 relative)."""
@@ -513,15 +531,15 @@ def test_dropout_half_precision(p):
     run_and_check(case, torch.bfloat16, dropout=make_dropout(p, head_offset=2))
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("p", [0.1, pytest.param(0.5, marks=slow)])
 @pytest.mark.parametrize("case, kind", [
     (Case("torch_path_ring_gqa", sq=37, sk=45, q_offset=20, k_offset=7, causal=True), ""),
     (Case("torch_path_key_mask_mqa_far", sq=33, sk=40, q_offset=70000, k_offset=69990, key_mask="random", heads=4,
           kv_heads=1), "alibi"),
-    (Case("torch_path_mla_softcap", sq=40, sk=45, q_offset=5, causal=True, window=(20, -1), head_dim=24, v_dim=12),
-     "softcap"),
-    (Case("torch_path_fully_masked_rows", sq=40, sk=40, q_offset=16, k_offset=30, window=(6, 2),
-          key_mask="batch0_empty"), ""),
+    pytest.param(Case("torch_path_mla_softcap", sq=40, sk=45, q_offset=5, causal=True, window=(20, -1), head_dim=24,
+                      v_dim=12), "softcap", marks=slow),
+    pytest.param(Case("torch_path_fully_masked_rows", sq=40, sk=40, q_offset=16, k_offset=30, window=(6, 2),
+                      key_mask="batch0_empty"), "", marks=slow),
 ], ids=["ring_gqa", "key_mask_mqa_far_alibi", "mla_softcap", "fully_masked_rows"])
 def test_dropout_matches_the_torch_path(case, kind, p, monkeypatch):
     """``local_attention`` / ``local_attention_backward`` with ``kernels="triton"`` (these kernels, through

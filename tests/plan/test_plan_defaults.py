@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.planner import MASK_TERMS
+from autoshard.planner.result import MASK_TERMS
 from autoshard.testing import run_on_ranks
 
 transformers = pytest.importorskip("transformers")

@@ -124,8 +124,8 @@ def test_checkpointing_keeps_the_layer_inputs():
     assert _planned("checkpointed layers").peak_at.startswith("g0 backward: aten.")
 
 
-def test_double_buffered_offload_holds_one_more_layer_input():
-    """Offload (checkpointed layers): double-buffered, a layer's backward holds the next layer's input too, so the
+def test_prefetching_offload_holds_one_more_layer_input():
+    """Offload (checkpointed layers): with prefetch, a layer's backward holds the next layer's input too, so the
     peak rises by at most one ``[S/P, hidden]`` (the first layer's backward, with none to bring back, may stay the
     highest; the plan without prefetch says the same: the memory policy weighs both from one plan). Plans of a
     transformers Llama, float32, S=4096 on 2 ranks (what the copies cost: ``tests/plan/test_step_time.py``)."""
@@ -138,11 +138,11 @@ def test_double_buffered_offload_holds_one_more_layer_input():
         torch._dynamo.reset()
         plans[prefetch] = autoshard.plan(model, (ids, ids), world_size=WORLD, recompute="layers", offload=True,
                                          offload_prefetch=prefetch)
-    ahead, on_use = plans[True].memory_per_rank, plans[False].memory_per_rank
-    assert ahead.host_offloaded == on_use.host_offloaded > 0
-    assert 0 < ahead.total - on_use.total <= seq // WORLD * hidden * 4, (ahead, on_use)
-    assert on_use.total_prefetched == ahead.total_prefetched == ahead.total  # one simulation gives both peaks
-    assert "double-buffered" in str(plans[True]) and "compute waiting" in str(plans[False])
+    prefetched, on_use = plans[True].memory_per_rank, plans[False].memory_per_rank
+    assert prefetched.host_offloaded == on_use.host_offloaded > 0
+    assert 0 < prefetched.total - on_use.total <= seq // WORLD * hidden * 4, (prefetched, on_use)
+    assert on_use.total_prefetched == prefetched.total_prefetched == prefetched.total  # one simulation gives both
+    assert "prefetched: " in str(plans[True]) and "compute waiting" in str(plans[False])
 
 
 class _Tiny(nn.Module):

@@ -70,9 +70,9 @@ def test_the_profile_prices_the_step_and_chooses_the_strategy():
     assert sharded.step_time.comm_s > fast.step_time.comm_s - fast.step_time.layers[-1].comm_s
 
 
-def test_offload_copies_are_priced_double_buffered_or_exposed():
+def test_offload_copies_are_priced_prefetched_or_exposed():
     """The cost model's price of offload's host copies (predicted seconds from the h100 profile, not a measurement):
-    double-buffered, both ways behind the step's compute up to it; without prefetch each copy back exposed in full,
+    prefetched, both ways behind the step's compute up to it; without prefetch each copy back exposed in full,
     after what of the copies out forward's compute did not hide."""
     times = {prefetch: _plan(4096, world=2, recompute="layers", offload=True, offload_prefetch=prefetch,
                              hardware="h100") for prefetch in (True, False)}
@@ -98,7 +98,7 @@ _CPU = dataclasses.replace(PROFILES["h100"], name="cpu x2 thread(s)", threads=2,
 
 
 def test_a_cpu_profile_scales_to_the_threads_per_rank(monkeypatch):
-    """The model of :meth:`Topology.with_threads`: FLOP/s in proportion to the threads (up to the cores), memory
+    """The model of :meth:`HardwareProfile.with_threads`: FLOP/s in proportion to the threads (up to the cores), memory
     bandwidth as the square root, the overheads unchanged, the cores shared out again; GPU profiles unchanged."""
     one = _CPU.with_threads(1)
     assert (one.threads, one.concurrent_ranks, one.ranks_per_node) == (1, 8, 8)
@@ -207,12 +207,13 @@ def _calibrated():
     return profile, dist.get_rank()
 
 
+@pytest.mark.slow
 def test_calibration_measures_the_machine_and_its_collectives():
     from autoshard.testing import run_on_ranks
 
     (profile, _), (other, _) = run_on_ranks(_calibrated, 2, timeout=300)
     # what was measured is not asserted (a shared machine's speeds): that every rank got one profile, rank 0's compute
-    # and everyone's collectives, complete (a Topology checks its fields) and writable
+    # and everyone's collectives, complete (a HardwareProfile checks its fields) and writable
     assert profile == other
     assert profile.name.endswith("gloo over 2 rank(s)") and profile.concurrent_ranks >= 1
     assert profile.threads == 1  # the ranks' (run_on_ranks gives each one thread)

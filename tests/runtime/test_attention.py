@@ -7,7 +7,7 @@ restricted to the rank's positions; every fifth case caps its scores (``softcap`
 with the explicitly capped attention instead; another fifth runs its heads in 2 or 4 groups (``head_chunks``: as
 many as the key/value heads and, for Ulysses, the ranks allow; with ALiBi and position-bias terms sliced per group). Cases are batched: one ``run_on_ranks`` call per world size.
 The same runs measure bytes sent per call (forward and backward separately) on every rank against
-:func:`~autoshard.runtime.attention.formulas.bytes_sent_by_rank`, exactly (uneven shards and head splits
+:func:`~autoshard.runtime.attention.base.bytes_sent_by_rank`, exactly (uneven shards and head splits
 included), and that against the sympy formulas of :mod:`autoshard.runtime.attention.formulas`.
 """
 
@@ -22,7 +22,8 @@ import torch.distributed as dist
 from autoshard.runtime.attention import local as local_impl
 from autoshard.runtime import SequenceLayout, attention, comm_counter
 from autoshard.runtime.attention import attention_flops, hybrid_layout, hybrid_sequence_rank
-from autoshard.runtime.attention.formulas import bytes_sent, bytes_sent_by_rank, values
+from autoshard.runtime.attention.base import bytes_sent, bytes_sent_by_rank
+from autoshard.runtime.attention.formulas import values
 from autoshard.runtime.accounting import all_reduce_bytes
 from autoshard.testing import run_on_ranks
 
@@ -207,7 +208,7 @@ def _run_cases(cases: list[dict]) -> list[dict]:
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4])
+@pytest.fixture(scope="module", params=[2, *(pytest.param(world, marks=pytest.mark.slow) for world in (3, 4))])
 def runs(request):
     world = request.param
     cases = _cases(world)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from autoshard.runtime.attention import (MaskSpec, Visibility, attention_flops, local_attention,
                                          local_attention_backward, merge_attention)
 from autoshard.runtime.attention import formulas
+from autoshard.runtime.attention.base import bytes_sent
 from autoshard.runtime.attention import local as local_impl
 from autoshard.testing import run_on_ranks
 from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
@@ -281,18 +282,18 @@ def test_unknown_kernels_are_rejected():
 def test_hybrid_formula_reduces_to_ring_and_ulysses():
     f = formulas
     for direction in ("forward", "backward"):
-        hybrid = f.bytes_sent("hybrid", direction)
+        hybrid = bytes_sent("hybrid", direction)
         ring = hybrid.subs({f.P_u: 1, f.P_r: f.P})
         ulysses = hybrid.subs({f.P_r: 1, f.P_u: f.P})
-        assert sympy.simplify(ring - f.bytes_sent("ring", direction)) == 0
-        assert sympy.simplify(ulysses - f.bytes_sent("ulysses", direction)) == 0
+        assert sympy.simplify(ring - bytes_sent("ring", direction)) == 0
+        assert sympy.simplify(ulysses - bytes_sent("ulysses", direction)) == 0
 
 
 def test_formula_values():
     subs = formulas.values(B=1, S=1024, H=8, Hkv=2, D=64, P=4, dtype=torch.bfloat16, key_mask=True)
     # ring forward: 3 blocks of 256 tokens, each token 2 * 2 heads * 64 * 2 bytes + 1 mask byte
-    assert formulas.bytes_sent("ring").subs(subs) == 3 * 256 * (2 * 2 * 64 * 2 + 1)
-    assert formulas.bytes_sent("zigzag", "backward").subs(subs) == 3 * 256 * (2 * 2 * 64 * 2 + 1 + 2 * 2 * 64 * 4)
+    assert bytes_sent("ring").subs(subs) == 3 * 256 * (2 * 2 * 64 * 2 + 1)
+    assert bytes_sent("zigzag", "backward").subs(subs) == 3 * 256 * (2 * 2 * 64 * 2 + 1 + 2 * 2 * 64 * 4)
 
 
 # ---------------------------------------------------------------------------- memory

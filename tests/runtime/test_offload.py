@@ -2,7 +2,7 @@
 
 * With every non-parameter moved (as on an accelerator; on CPU inputs are already in host memory and stay): a value
   two regions take is copied once, a view of a parameter not at all; gradients exact.
-* Double-buffered (``prefetch``): backward's first use of a region's input starts its copy back, then the previous
+* Prefetch (``prefetch``): backward's first use of a region's input starts its copy back, then the previous
   region's, before using its own; without, each comes back when used; no copy outlives the backward.
 * A saved input someone still holds comes back as itself (no copy back); written in place after it was saved,
   backward raises (as autograd's own check would).
@@ -82,7 +82,7 @@ def test_a_held_input_comes_back_as_itself_and_a_written_one_raises(monkeypatch)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_backward_brings_the_next_region_back_ahead(monkeypatch, prefetch):
+def test_backward_prefetches_the_next_region(monkeypatch, prefetch):
     """Three offloaded regions in a chain, every input moved: with ``prefetch`` backward's first use of a region's
     input starts its own copy back, then the previous region's, before using its own; without, each comes back
     when it is used. Gradients exact either way, and no copy outlives the backward."""

@@ -1,16 +1,24 @@
-"""The cost model picks what the issue asks for on synthetic topologies, and says why."""
+"""The cost model picks what the issue asks for on synthetic hardware profiles, and says why."""
 
 import pytest
 import torch
 
-from autoshard.config import STRATEGIES as STRATEGY_CHOICES
-from autoshard.cost import AttentionShape, Topology, attention_costs, choose_strategy
-from autoshard.runtime.attention import STRATEGIES
+from autoshard.config import STRATEGY_CHOICES
+from autoshard.cost import attention_costs, choose_strategy
+from autoshard.hardware import HardwareProfile
+from autoshard.runtime.attention import STRATEGIES, MaskSpec
+from autoshard.runtime.attention.base import AttentionShape
 
 
-def _pick(world, heads, causal, topology=Topology(), seq=1 << 16, kv_heads=8, hybrid_possible=True, budget=None):
-    shape = AttentionShape(1, seq, heads, kv_heads, 128, torch.bfloat16, causal)
-    return choose_strategy(attention_costs(shape, world, topology, hybrid_possible=hybrid_possible,
+def _shape(seq, heads, kv_heads, head_dim, dtype, causal):
+    return AttentionShape(batch=1, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                          mask=MaskSpec(causal=causal))
+
+
+def _pick(world, heads, causal, hardware=HardwareProfile(), seq=1 << 16, kv_heads=8, hybrid_possible=True,
+          budget=None):
+    shape = _shape(seq, heads, kv_heads, 128, torch.bfloat16, causal)
+    return choose_strategy(attention_costs(shape, world, hardware, hybrid_possible=hybrid_possible,
                                            memory_budget=budget))
 
 
@@ -22,9 +30,9 @@ def test_ulysses_when_heads_suffice_and_bandwidth_is_high():
 
 
 def test_ring_when_ranks_exceed_heads_zigzag_if_causal():
-    best, why = _pick(16, 8, True, Topology(ranks_per_node=16))
+    best, why = _pick(16, 8, True, HardwareProfile(ranks_per_node=16))
     assert best.strategy == "zigzag" and "ulysses impossible" in why, why
-    best, why = _pick(16, 8, False, Topology(ranks_per_node=16))
+    best, why = _pick(16, 8, False, HardwareProfile(ranks_per_node=16))
     assert best.strategy == "ring", why
 
 
@@ -37,30 +45,30 @@ def test_hybrid_when_the_group_spans_nodes():
 
 
 def test_memory_budget_rules_out_gathering_kv():
-    costs = attention_costs(AttentionShape(1, 1 << 22, 8, 8, 128, torch.bfloat16, True), 16, Topology(),
+    costs = attention_costs(_shape(1 << 22, 8, 8, 128, torch.bfloat16, True), 16, HardwareProfile(),
                             memory_budget=4 * 2**30)
     allgather = next(c for c in costs if c.strategy == "allgather")
     assert not allgather.feasible and "budget" in allgather.why_not
 
 
 def test_short_sequences_cannot_zigzag():
-    costs = attention_costs(AttentionShape(1, 6, 8, 8, 16, torch.float32, True), 4, Topology())
+    costs = attention_costs(_shape(6, 8, 8, 16, torch.float32, True), 4, HardwareProfile())
     assert not next(c for c in costs if c.strategy == "zigzag").feasible
 
 
-def test_topology_rejects_values_the_model_would_divide_by():
+def test_hardware_profile_rejects_values_the_model_would_divide_by():
     for bad in ({"memory_bandwidth": 0}, {"memory_bytes": 0}, {"inter_node_latency": -1e-6}, {"ranks_per_node": 0}):
-        with pytest.raises(ValueError, match="Topology"):
-            Topology(**bad)
+        with pytest.raises(ValueError, match="HardwareProfile"):
+            HardwareProfile(**bad)
 
 
 def test_config_strategies_are_the_registered_ones_in_order():
-    """``config.STRATEGIES`` (the option's choices) lists "auto" and the registry, in the cost model's order."""
+    """``config.STRATEGY_CHOICES`` (the option's choices) lists "auto" and the registry, in the cost model's order."""
     assert STRATEGY_CHOICES == ("auto", *STRATEGIES)
 
 
 def test_every_registered_strategy_is_priced_ranked_and_explained():
-    costs = attention_costs(AttentionShape(1, 1 << 16, 32, 8, 128, torch.bfloat16, True), 64, Topology())
+    costs = attention_costs(_shape(1 << 16, 32, 8, 128, torch.bfloat16, True), 64, HardwareProfile())
     assert [c.strategy for c in costs] == list(STRATEGIES)
     assert sorted(s.rank for s in STRATEGIES.values()) == list(range(len(STRATEGIES)))
     assert all(s.reason and s.reason in choose_strategy([c])[1] for s, c in zip(STRATEGIES.values(), costs)

@@ -1,11 +1,59 @@
-"""The pass pipeline: passes run in the listed order, each counted, and AUTOSHARD_DUMP writes what each
-produced (planned on a fake world: no process group)."""
+"""The pass pipeline: a graph is classified once into the kind that says how it is compiled; passes run in the
+listed order, each counted, and AUTOSHARD_DUMP writes what each produced (planned on a fake world: no process
+group)."""
 
 import torch
+import torch.nn.functional as F
 
 import autoshard
 from autoshard.testing.models import HandwrittenLM, LlamaLM
-from autoshard.passes.pipeline import PASSES
+from autoshard.passes.pipeline import PASSES, DynamoGraph, graph_kind
+from autoshard.passes.static_cache import StaticPrefill
+
+
+def _kind(fn, *inputs, dynamic=False, specialized=False, **graph):
+    """The kind of dynamo's graph of ``fn`` (with ``graph``: the :class:`DynamoGraph` fields beyond the graph)."""
+    kinds = []
+
+    def backend(gm, example_inputs):
+        kinds.append(graph_kind(DynamoGraph(gm=gm, example_inputs=example_inputs, **graph), specialized=specialized))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*inputs)
+    (kind,) = kinds
+    return kind
+
+
+def _doubled(x):
+    return x * 2
+
+
+def _prefill(start, k, q):  # into a fixed-size cache made on first use (transformers' StaticCache)
+    keys = torch.zeros(1, 2, 8, 4)
+    keys.index_copy_(2, torch.arange(4) + start, k)
+    return F.scaled_dot_product_attention(q, keys[:, :, :4], keys[:, :, :4], is_causal=True), keys
+
+
+def _masked(q, mask):
+    return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+def test_a_graph_is_of_the_first_kind_whose_front_pass_applies():
+    x = torch.randn(4, 3)
+    kind = _kind(_doubled, x)
+    assert (kind.name, kind.found) == ("plain", True)
+    assert _kind(_doubled, x, dry_run=True).name == "dry_run"
+    assert _kind(_doubled, x, dry_run=True, specialized=True).name == "plain"  # a dynamic graph's copy: no dry run
+    assert _kind(_doubled, x, dynamic=True).name == "dynamic"
+    prefill = (torch.tensor([0]), torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4))
+    with torch.no_grad():
+        kind = _kind(_prefill, *prefill)
+    assert kind.name == "static_prefill" and isinstance(kind.found, StaticPrefill)
+    assert _kind(_prefill, *prefill).name == "plain"  # a training step keeps its buffers
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    kind = _kind(_masked, torch.randn(1, 2, 4, 4), mask)
+    assert (kind.name, kind.found) == ("dense_masks", (1,))
 
 
 def _dumped(tmp_path, monkeypatch, model, inputs):

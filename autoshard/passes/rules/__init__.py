@@ -1,6 +1,7 @@
 """Rule tables: how each canonical op links sequence dims and how it runs on shards.
 
-One file per op family, each registering its ops here on import (like DTensor's ``_ops/``):
+One file per op family, each registering its ops in :mod:`~autoshard.passes.rules.registry` on import (like
+DTensor's ``_ops/``); importing the package imports every file:
 
 =================  ============================================================================
 file               ops
@@ -21,9 +22,11 @@ file               ops
 
 A rule is two functions: ``link(ctx, node, op)`` declares edges between sequence elements (see
 :mod:`autoshard.passes.infer`), ``rewrite(rw, node, op)`` emits the local computation into the new graph
-through a :class:`~autoshard.passes.rewrite.Rewriter`. The rewriter asks a rule only about nodes the sequence
-touches: a node whose value and inputs are in no family and whose inputs are all whole is re-emitted as it is,
-replicated (``always=True``: the rule emits even those itself). Ops without a rule fall back: their inputs are
+through a :class:`~autoshard.passes.rewrite.Rewriter` (a rule for split outputs only is wrapped in
+:func:`~autoshard.passes.rules.pointwise.when_output_split`, which runs the node whole when its output is not
+split). The rewriter asks a rule only about nodes the sequence touches: a node whose value and inputs are in no
+family and whose inputs are all whole is re-emitted as it is, replicated (``always=True``: the rule emits even
+those itself). Ops without a rule fall back: their inputs are
 gathered whole and the fallback is recorded in the plan with the reason.
 
 :func:`link_graph` (the ``link`` pass) runs every node's link rule into a :class:`~autoshard.passes.infer.LinkContext`;
@@ -32,51 +35,21 @@ the rule files import :mod:`autoshard.passes.infer` for it, never the other way 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch.fx as fx
 
 from ..infer import LinkContext, token_local_nodes
 from ..ops import is_tensor_node, op_of
+from . import (attention, conv, embedding, factories, loss, markers, matmul, norms,  # noqa: F401 -- each registers
+               reductions, selection, views)
+from .pointwise import link_broadcast
+from .registry import RULES
 
-__all__ = ["Rule", "RULES", "register", "load_all", "link_graph"]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """The link and rewrite functions of one canonical op."""
-
-    name: str
-    link: Callable
-    rewrite: Callable
-    always: bool = False
-    """Rewrite every node, also those the sequence does not touch (the rule emits them otherwise than as they are)."""
-
-
-RULES: dict[str, Rule] = {}
-
-
-def register(*names: str, link: Callable, rewrite: Callable, always: bool = False) -> None:
-    """Register the rule of the canonical ops ``names``."""
-    for name in names:
-        if name in RULES:
-            raise ValueError(f"rule for {name!r} registered twice")
-        RULES[name] = Rule(name, link, rewrite, always)
-
-
-def load_all() -> None:
-    """Import every rule file (each registers itself)."""
-    from . import (attention, conv, embedding, factories, loss, markers, matmul, norms, pointwise,  # noqa: F401
-                   reductions, selection, views)
+__all__ = ["RULES", "link_graph"]
 
 
 def link_graph(gm: fx.GraphModule) -> LinkContext:
     """Run every node's link rule (seeds come from the attention rule and from markers). Ops without a rule
     inside token-local regions link like elementwise ops."""
-    from .pointwise import link_broadcast
-
-    load_all()
     ctx = LinkContext()
     ctx.token_local = token_local_nodes(gm)
     for node in gm.graph.nodes:

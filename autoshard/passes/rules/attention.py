@@ -34,16 +34,17 @@ import torch
 import torch.nn.functional as F
 
 from ...placements import REPLICATE, Shard
-from ...runtime.attention import STRATEGIES, formulas
+from ...runtime.attention import STRATEGIES
 from ...runtime.attention import dropout as _dropout  # noqa: F401 -- defines autoshard::attention_seed
 from ...runtime.attention.api import OpConfig
+from ...runtime.attention.base import bytes_sent, bytes_sent_by_rank
 from ...runtime.attention.empty_rows import fill_empty_rows, gathers_for_empty_rows
 from ...strategy import attention_shape
 from ..capture import DENSE_MASK
 from ..comms import declares
 from ..graph import user_line
 from ..ops import op_of, shape_of, value_of
-from . import register
+from .registry import register
 from .pointwise import OUTPUT_WHOLE, run_whole, whole_args
 
 __all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside
@@ -59,8 +60,7 @@ def _attention_traffic(book, call) -> None:
                  segment_ids_dtype=s.segment_ids_dtype, P_u=book.heads_axis_size)  # read by 2-D mesh strategies only
     for phase in call.phases:
         book.attention(call.value.name, strategy, phase,
-                       formulas.bytes_sent_by_rank(strategy, phase, layout.local_lengths, **sizes),
-                       formulas.bytes_sent(strategy, phase))
+                       bytes_sent_by_rank(strategy, phase, layout.local_lengths, **sizes), bytes_sent(strategy, phase))
 
 
 @declares(fill_empty_rows)

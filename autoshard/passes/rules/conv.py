@@ -32,7 +32,7 @@ from ...placements import REPLICATE, Shard
 from ...runtime.conv_halo import encode_windows
 from ..ops import shape_of
 from ..report import Fallback
-from . import register
+from .registry import register
 from .pointwise import mapped_args, run_whole, whole_args
 
 __all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from ...placements import REPLICATE, Shard
 from ..ops import shape_of
-from . import register
-from .pointwise import OUTPUT_WHOLE, mapped_args, run_whole
+from .registry import register
+from .pointwise import mapped_args, when_output_split
 
 __all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside
 
@@ -30,13 +30,10 @@ def link_embedding(ctx, node, op):
         ctx.link_dims(node, d, idx, d)
 
 
-def rewrite_embedding(rw, node, op):
-    out = rw.out_shard(node)
-    if out is not None and op.get("max_norm") is not None:  # renormalizes the table in place from looked-up rows
+@when_output_split
+def rewrite_embedding(rw, node, op, out):
+    if op.get("max_norm") is not None:  # renormalizes the table in place from looked-up rows
         rw.fallback(node, "embedding with max_norm (renormalizes the table from this rank's rows)")
-        return
-    if out is None:
-        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
         return
     idx = op["input"]
     convert = lambda n: rw.input(n, out) if n is idx else rw.input(n, REPLICATE, partial_grad=True)  # noqa: E731
@@ -56,13 +53,10 @@ def link_gather(ctx, node, op):
             ctx.link_dims(node, d, src, d)
 
 
-def rewrite_gather(rw, node, op):
-    out = rw.out_shard(node)
+@when_output_split
+def rewrite_gather(rw, node, op, out):
     src, idx = op["input"], op["index"]
     dim = op["dim"] % len(shape_of(node))
-    if out is None:
-        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
-        return
     src_want = out if (out.dim != dim and shape_of(src)[out.dim] == shape_of(node)[out.dim]) else REPLICATE
     convert = lambda n: (rw.input(n, out) if n is idx else  # noqa: E731
                          rw.input(n, src_want, partial_grad=src_want is REPLICATE))
@@ -82,14 +76,10 @@ def link_index_select(ctx, node, op):
             ctx.link_dims(node, d, src, d)
 
 
-def rewrite_index_select(rw, node, op):
-    out = rw.out_shard(node)
+@when_output_split
+def rewrite_index_select(rw, node, op, out):
     src, idx = op["input"], op["index"]
-    dim = op["dim"] % len(shape_of(node))
-    if out is None:
-        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
-        return
-    if out.dim == dim:
+    if out.dim == op["dim"] % len(shape_of(node)):
         convert = lambda n: rw.input(n, Shard(0, out.layout)) if n is idx else rw.input(n, REPLICATE, partial_grad=True)  # noqa: E731
     else:
         convert = lambda n: rw.input(n, out) if n is src else rw.input(n, REPLICATE)  # noqa: E731
@@ -118,13 +108,9 @@ def link_scatter(ctx, node, op):
                     ctx.link_dims(node, d, inp, d)
 
 
-def rewrite_scatter(rw, node, op):
-    out = rw.out_shard(node)
-    dim = op["dim"] % len(shape_of(node))
-    if out is None:
-        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
-        return
-    if out.dim == dim or not all(_spans(node, n, out.dim) for n in _scatter_inputs(op)):
+@when_output_split
+def rewrite_scatter(rw, node, op, out):
+    if out.dim == op["dim"] % len(shape_of(node)) or not all(_spans(node, n, out.dim) for n in _scatter_inputs(op)):
         rw.fallback(node, "scatter along the split dim (or an index that does not span it)")
         return
     rw.done(node, rw.reemit(node, *mapped_args(node, lambda n: rw.input(n, out))), out)

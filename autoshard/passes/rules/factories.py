@@ -17,8 +17,8 @@ import torch
 from ...runtime import random as _random  # noqa: F401 -- defines autoshard::sequence_draw
 from ...runtime.sequence_ops import local_arange
 from ..ops import is_tensor_node, shape_of, value_of
-from . import register
-from .pointwise import OUTPUT_WHOLE, link_identity, run_whole, whole_args
+from .registry import register
+from .pointwise import link_identity, when_output_split, whole_args
 
 __all__: list[str] = []  # the rules register themselves on import
 
@@ -36,12 +36,9 @@ def link_factory(ctx, node, op):
         link_identity(ctx, node, node.args[0])
 
 
-def rewrite_factory(rw, node, op):
-    out = rw.out_shard(node)
+@when_output_split
+def rewrite_factory(rw, node, op, out):
     name = _name(node)
-    if out is None:
-        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
-        return
     val = value_of(node)
     local = rw.local_shape(node, out)
     start, step = rw.value(op.get("start")), rw.value(op.get("step"))  # arange's bounds (ops.py binds them)

@@ -29,7 +29,7 @@ from ...runtime.chunked_loss import chunks_for
 from ...runtime.reductions import loss_denominator, mean_of_sums
 from ..comms import declares
 from ..ops import is_tensor_node, numel, op_of, shape_of, value_of
-from . import register
+from .registry import register
 from .pointwise import OUTPUT_WHOLE, link_broadcast, run_whole, want_broadcast
 
 __all__: list[str] = []  # the rules register themselves on import
@@ -68,6 +68,20 @@ def _mean_traffic(book, call) -> None:
     book.all_reduce(call.value.name, 1, itemsize, "forward", "loss denominator")
 
 
+def _local_sum(rw, node, op, args: tuple, kwargs: dict, split):
+    """The loss over this rank's positions: with ``reduction="none"`` done, split as ``split``, and with
+    ``"sum"`` done as a partial sum (None returned); with ``"mean"`` this rank's sum, for the caller to divide."""
+    reduction = op["reduction"]
+    if reduction == "none":
+        rw.done(node, rw.call(node.target, *args, reduction="none", **kwargs), split)
+        return None
+    total = rw.call(node.target, *args, reduction="sum", **kwargs)
+    if reduction == "sum":
+        rw.done(node, total, Partial())
+        return None
+    return total
+
+
 def rewrite_cross_entropy(rw, node, op):
     inp, tgt = op["input"], op["target"]
     s_in, s_t = rw.out_shard(inp), rw.out_shard(tgt)
@@ -88,13 +102,8 @@ def rewrite_cross_entropy(rw, node, op):
     kwargs = {"weight": w, "ignore_index": op["ignore_index"]}
     if op["label_smoothing"]:
         kwargs["label_smoothing"] = op["label_smoothing"]
-    reduction = op["reduction"]
-    if reduction == "none":
-        rw.done(node, rw.call(node.target, x, t, reduction="none", **kwargs), want_t)
-        return
-    total = rw.call(node.target, x, t, reduction="sum", **kwargs)
-    if reduction == "sum":
-        rw.done(node, total, Partial())
+    total = _local_sum(rw, node, op, (x, t), kwargs, want_t)
+    if total is None:
         return
     if soft:
         rows = numel(shape_of(inp)) // shape_of(inp)[1]
@@ -136,13 +145,8 @@ def rewrite_linear_cross_entropy(rw, node, op):
     chunks = chunks_for(-(-rows // rw.world), rw.config.chunk_loss) if rw.config.chunk_loss else op["chunks"]
     kwargs = {"class_weight": class_weight, "ignore_index": op["ignore_index"],
               "label_smoothing": op["label_smoothing"], "chunks": chunks, "out_dtype": op["out_dtype"]}
-    reduction = op["reduction"]
-    if reduction == "none":
-        rw.done(node, rw.call(node.target, x, weight, t, bias, reduction="none", **kwargs), want)
-        return
-    total = rw.call(node.target, x, weight, t, bias, reduction="sum", **kwargs)
-    if reduction == "sum":
-        rw.done(node, total, Partial())
+    total = _local_sum(rw, node, op, (x, weight, t, bias), kwargs, want)
+    if total is None:
         return
     denom = rw.call(loss_denominator, t, class_weight, op["ignore_index"])
     rw.done(node, rw.call(mean_of_sums, total, denom, rw.groups.sequence), REPLICATE)
@@ -200,15 +204,10 @@ def rewrite_elementwise_loss(rw, node, op):
         return rw.input(n, want, partial_grad=partial_grad)
 
     options = {k: local(v) if is_tensor_node(v) else v for k, v in op["options"].items()}
-    x, y = local(inp), local(tgt)
-    reduction = op["reduction"]
-    if reduction == "none":
-        rw.done(node, rw.call(node.target, x, y, reduction="none", **options), s)
+    total = _local_sum(rw, node, op, (local(inp), local(tgt)), options, s)
+    if total is None:
         return
-    total = rw.call(node.target, x, y, reduction="sum", **options)
-    if reduction == "sum":
-        rw.done(node, total, Partial())
-    elif node.target in _MEAN_OVER_WEIGHTS and options.get("weight") is not None:
+    if node.target in _MEAN_OVER_WEIGHTS and options.get("weight") is not None:
         weights = rw.call(torch.sum, options["weight"])
         rw.done(node, rw.call(mean_of_sums, total, weights, rw.groups.sequence), REPLICATE)
     else:

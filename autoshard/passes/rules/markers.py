@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from ...placements import REPLICATE
-from . import register
+from .registry import register
 from .pointwise import link_nothing, link_same, rewrite_same
 
 __all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside

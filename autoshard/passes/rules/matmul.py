@@ -31,7 +31,7 @@ import torch.fx as fx
 from ...placements import REPLICATE, Partial, Shard
 from ..comms import REASON
 from ..ops import Op, shape_of
-from . import register
+from .registry import register
 from .pointwise import link_broadcast, want_broadcast
 
 __all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside
@@ -53,7 +53,8 @@ class Product:
     bias: str | None = None
     """The argument added to the product (None: no bias)."""
     always: bool = False
-    """The rule rewrites every node (:class:`~autoshard.passes.rules.Rule`): it emits the op under another name."""
+    """The rule rewrites every node (:class:`~autoshard.passes.rules.registry.Rule`): it emits the op under another
+    name."""
 
 
 def _matmul_equation(op: Op, a_ndim: int, b_ndim: int) -> str:

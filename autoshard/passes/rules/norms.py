@@ -14,8 +14,8 @@ from ...placements import REPLICATE
 from ...runtime.reductions import softmax_over_split
 from ..comms import declares
 from ..ops import numel, shape_of, value_of
-from . import register
-from .pointwise import OUTPUT_WHOLE, link_broadcast, link_same, mapped_args, run_whole
+from .registry import register
+from .pointwise import link_broadcast, link_same, mapped_args, when_output_split
 
 __all__: list[str] = []  # the rules register themselves on import
 
@@ -35,11 +35,8 @@ def _normalized_dims(node, op) -> set[int]:
     return {0} | set(range(2, ndim))  # batch_norm: statistics over batch and spatial dims
 
 
-def rewrite_norm(rw, node, op):
-    out = rw.out_shard(node)
-    if out is None:
-        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
-        return
+@when_output_split
+def rewrite_norm(rw, node, op, out):
     if out.dim in _normalized_dims(node, op) and not (op.name == "batch_norm" and not op["training"]):
         rw.fallback(node, f"{op.name} statistics over the split sequence")
         return
@@ -51,11 +48,8 @@ def rewrite_norm(rw, node, op):
 register("layer_norm", "rms_norm", "group_norm", "batch_norm", link=link_norm, rewrite=rewrite_norm)
 
 
-def rewrite_softmax(rw, node, op):
-    out = rw.out_shard(node)
-    if out is None:
-        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
-        return
+@when_output_split
+def rewrite_softmax(rw, node, op, out):
     dim = op["dim"] % len(shape_of(node))
     x = rw.input(op["input"], out)
     if dim != out.dim:

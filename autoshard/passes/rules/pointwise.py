@@ -15,7 +15,9 @@ gathered value.
 
 from __future__ import annotations
 
+import functools
 import operator
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -24,10 +26,10 @@ import torch.nn.functional as F
 from ...placements import REPLICATE, Partial, Replicate, Shard
 from ...runtime import random as _random  # noqa: F401 -- defines autoshard::sequence_draw
 from ..ops import is_tensor_node, op_of, shape_of, value_of
-from . import register
+from .registry import register
 
 __all__ = ["OUTPUT_WHOLE", "TUPLE_LINKS", "link_broadcast", "link_identity", "link_nothing", "link_same",
-           "mapped_args", "rewrite_same", "run_whole", "want_broadcast", "whole_args"]
+           "mapped_args", "rewrite_same", "run_whole", "when_output_split", "want_broadcast", "whole_args"]
 
 _LINEAR_IN_EVERY_INPUT = {"add", "sub"}
 _LINEAR_IN_ONE_INPUT = {"mul"}
@@ -114,6 +116,19 @@ def run_whole(rw, node: fx.Node, reason: str, expected: bool = False) -> None:
     rw.done(node, rw.reemit(node, *whole_args(rw, node, reason, expected)), REPLICATE)
 
 
+def when_output_split(rewrite: Callable) -> Callable:
+    """The rewrite rule calling ``rewrite(rw, node, op, out)`` when ``node``'s output is split (as ``out``), and
+    running ``node`` whole when inference left its output whole."""
+    @functools.wraps(rewrite)
+    def rule(rw, node: fx.Node, op) -> None:
+        out = rw.out_shard(node)
+        if out is None:
+            run_whole(rw, node, OUTPUT_WHOLE, expected=True)
+        else:
+            rewrite(rw, node, op, out)
+    return rule
+
+
 def _partial_result(rw, node: fx.Node, fn: str) -> Partial | None:
     """The partial placement of ``node`` when it is linear in its partial inputs, else None."""
     inputs = _tensor_inputs(node)
@@ -191,11 +206,8 @@ _DROPOUT_DRAWS = {F.dropout: "dropout", torch.dropout: "dropout", F.dropout1d: "
 """Dropout functions whose output is the input times a random factor -> their draw in ``runtime/random.py``."""
 
 
-def rewrite_dropout(rw, node, op):
-    out = rw.out_shard(node)
-    if out is None:
-        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
-        return
+@when_output_split
+def rewrite_dropout(rw, node, op, out):
     if not op["training"] or op["p"] == 0.0:  # the identity, drawing nothing
         rw.done(node, rw.input(op["input"], out), out)
         return

@@ -31,8 +31,8 @@ from ...placements import REPLICATE, Partial, Shard
 from ...runtime.reductions import extreme_over_split, logsumexp_over_split, truth_over_split, var_over_split
 from ..comms import declares
 from ..ops import shape_of, value_of
-from . import register
-from .pointwise import OUTPUT_WHOLE, TUPLE_LINKS, link_same, run_whole
+from .registry import register
+from .pointwise import OUTPUT_WHOLE, TUPLE_LINKS, link_same, run_whole, when_output_split
 from .selection import arg_extreme
 
 __all__: list[str] = []  # the rules register themselves on import; the runtime functions are in runtime/reductions
@@ -159,13 +159,10 @@ register("reduce", link=link_reduce, rewrite=rewrite_reduce)
 TUPLE_LINKS["reduce"] = link_reduce_with_indices
 
 
-def rewrite_cumsum(rw, node, op):
+@when_output_split
+def rewrite_cumsum(rw, node, op, out):
     src = op["input"]
-    out = rw.out_shard(node)
     dim = op["dim"] % len(shape_of(node))
-    if out is None:
-        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
-        return
     x = rw.input(src, out)
     if out.dim != dim:
         rw.done(node, rw.reemit(node, (x,) + tuple(node.args[1:]), dict(node.kwargs)), out)

@@ -22,7 +22,7 @@ from ...runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines au
 from ...runtime.attention.formulas import P
 from ..comms import declares
 from ..ops import is_tensor_node, numel, op_of, shape_of, value_of
-from . import register
+from .registry import register
 from .pointwise import TUPLE_LINKS
 
 __all__ = ["arg_extreme"]

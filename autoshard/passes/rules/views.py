@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from ...placements import REPLICATE, Partial, Shard
 from ...runtime.sequence_ops import select_owned  # the module defines autoshard::seq_local_index too
 from ..ops import Op, is_tensor_node, permutation, shape_of, value_of
-from . import register
+from .registry import register
 from .dim_maps import Broadcast, DimMap, InputDim, NewDim, Repeat, output_factors, pieces, reshape_map, source_of
-from .pointwise import OUTPUT_WHOLE, TUPLE_LINKS, link_nothing, run_whole, whole_args
+from .pointwise import OUTPUT_WHOLE, TUPLE_LINKS, link_nothing, run_whole, when_output_split, whole_args
 
 __all__ = ["SHAPE_OPS", "ShapeOp", "link_shape_op", "parse_index", "IndexItem", "IndexSlice", "IndexSelect", "IndexNew",
            "IndexTensor", "IndexList"]
@@ -570,13 +570,10 @@ def link_cat(ctx, node, op):
         offset += shape_of(t)[dim]
 
 
-def rewrite_cat(rw, node, op):
-    out = rw.out_shard(node)
+@when_output_split
+def rewrite_cat(rw, node, op, out):
     dim = op["dim"] % len(shape_of(node))
     inputs = _cat_inputs(op)
-    if out is None:
-        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
-        return
     if out.dim != dim:
         new = [rw.input(t, out) for t in inputs]
     elif out.factors:
@@ -609,12 +606,9 @@ def link_stack(ctx, node, op):
                 ctx.link_dims(node, d, t, d - (d > dim))
 
 
-def rewrite_stack(rw, node, op):
-    out = rw.out_shard(node)
+@when_output_split
+def rewrite_stack(rw, node, op, out):
     dim = op["dim"] % len(shape_of(node))
-    if out is None:
-        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
-        return
     new = [rw.input(t, out.moved(out.dim - (out.dim > dim))) for t in op["tensors"]]
     rw.done(node, rw.call(torch.stack, new, dim), out)
 
@@ -646,14 +640,11 @@ def link_pad(ctx, node, op):
         ctx.link_dims(node, d, src, d, -left)
 
 
-def rewrite_pad(rw, node, op):
+@when_output_split
+def rewrite_pad(rw, node, op, out):
     src = op["input"]
-    out = rw.out_shard(node)
     ndim = len(shape_of(node))
     pairs = _pad_pairs(op, ndim)
-    if out is None:
-        run_whole(rw, node, OUTPUT_WHOLE, expected=True)
-        return
     left, right = pairs.get(out.dim, (0, 0))
     if not (left or right):
         x = rw.input(src, out)

@@ -35,7 +35,8 @@ chunks, the same per key tile in the backward).
 from . import ring, zigzag, allgather, ulysses, hybrid  # noqa: F401, I001
 from .allgather import allgather_attention
 from .api import attention
-from .base import STRATEGIES, AttentionInputError
+from .base import STRATEGIES
+from .call import AttentionInputError
 from .flops import AttentionFlops, attention_flops
 from .hybrid import hybrid_attention, hybrid_axes, hybrid_layout, hybrid_sequence_rank
 from .local import local_attention, local_attention_backward

@@ -24,7 +24,6 @@ when the batch is balanced as laid out).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import sympy
 import torch
@@ -33,15 +32,13 @@ from ..accounting import all_gather_bytes, reduce_scatter_bytes
 from ..collectives import all_gather_impl, exchange_impl, reduce_scatter_impl
 from . import ring
 from .api import attention
-from .base import Call, Strategy, register, zigzag_layout_when_causal
+from .base import AttentionShape, Pricing, Strategy, StrategyCost, register, zigzag_layout_when_causal
 from .blocks import HeadSegment, Piece, attend, attend_backward, empty_result, pieces
+from .call import Call
 from . import dispatch
 from .dispatch import Chunk, Dispatch, balance, global_ids
 from .formulas import B, D, Dv, Hkv, M, P, S, Sizes, a, e
 from .local import compute_dtype, row_delta
-
-if TYPE_CHECKING:
-    from ...cost import AttentionShape, Pricing, StrategyCost
 
 __all__ = ["allgather_attention", "allgather_bytes"]
 
@@ -98,8 +95,8 @@ def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
 
 
 def _attend_options(q, k, all_keys_mask, all_segments, call: Call) -> dict:
-    return dict(heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, key_mask=all_keys_mask,
-                seg_k=all_segments, scale=call.scale, softcap=call.softcap, terms=call.terms, kernels=call.kernels)
+    return dict(heads=HeadSegment.all(q.size(1), k.size(1)), key_mask=all_keys_mask, seg_k=all_segments,
+                scoring=call.scoring)
 
 
 # ---------------------------------------------------------------------------- packed documents: balanced queries
@@ -173,10 +170,10 @@ def _bytes_by_rank(lengths: list[int], n: Sizes, backward: bool, P_u: int | None
 
 
 def _cost(p: Pricing) -> StrategyCost:
-    s, world, topology = p.shape, p.world, p.topology
+    world, hardware = p.world, p.hardware
     sent = p.sent({"P": world})
-    comm = sum(sent) / topology.bandwidth(world)
-    latency = 4 * topology.latency(world) * max(1, math.ceil(math.log2(max(world, 2))))
+    comm = sum(sent) / hardware.bandwidth(world)
+    latency = 4 * hardware.latency(world) * max(1, math.ceil(math.log2(max(world, 2))))
     return p.cost(compute=p.balanced, comm=comm, exposed=comm, latency=latency, sent=sent,
                   memory=p.memory)
 

@@ -60,13 +60,15 @@ from ..collectives import gather_table
 from ..groups import GroupLike, metadata_device, resolve_group
 from ..redistribute import grad_sync
 from ..layouts import LAYOUTS, SequenceLayout
+from ..op_info import Arguments, declare
 from .backend import KERNELS, check_triton_dtype
-from .base import STRATEGIES, AttentionInputError, Call, Strategy
+from .base import STRATEGIES, AttentionShape, Strategy
+from .call import AttentionInputError, Call
 from .head_chunks import chunked_backward, chunked_forward
 from .local import compute_dtype, without_autocast
 from .masks import MaskSpec
 
-__all__ = ["attention", "OpConfig"]
+__all__ = ["attention", "OpConfig", "attention_op_shape"]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -220,11 +222,16 @@ class OpConfig:
         """The arguments, in the op's order."""
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
+    @property
+    def mask(self) -> MaskSpec:
+        """The position mask its ``causal``, ``window_left``, ``window_right`` and ``chunk`` arguments are (the op
+        schema keeps them as scalars)."""
+        return MaskSpec(self.causal, (self.window_left, self.window_right), self.chunk)
+
     def call(self, alibi_slopes, position_bias, dropout_seed, position_bias_grad=None) -> Call:
         """The :class:`Call` these arguments and the op's score-term tensors describe."""
         return Call(strategy=self.strategy, layout=SequenceLayout.decode(self.layout), group=self.group,
-                    ring_group=self.ring_group, spec=MaskSpec(self.causal, (self.window_left, self.window_right),
-                                                              self.chunk),
+                    ring_group=self.ring_group, spec=self.mask,
                     scale=self.scale, softcap=self.softcap, alibi_slopes=alibi_slopes, dropout_p=self.dropout_p,
                     dropout_seed=dropout_seed, position_bias=position_bias, position_bias_grad=position_bias_grad,
                     kernels=self.kernels, head_chunks=self.head_chunks)
@@ -305,6 +312,31 @@ def _backward(ctx, dout, _dlse):
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+def attention_op_shape(a: Arguments) -> tuple[AttentionShape, OpConfig, bool]:
+    """The shape (global length, this rank's heads), the configuration and the direction (True: the backward op,
+    which takes the output's gradient ``dout``) of one attention op from its arguments by name."""
+    q, k, v, segment_ids = a["q"], a["k"], a["v"], a["segment_ids"]
+    config = OpConfig(**{f.name: a[f.name] for f in dataclasses.fields(OpConfig)})
+    shape = AttentionShape(batch=q.shape[0], seq=SequenceLayout.decode(config.layout).length, heads=q.shape[1],
+                           kv_heads=k.shape[1], head_dim=q.shape[3], dtype=q.dtype, mask=config.mask,
+                           key_mask=a["key_mask"] is not None,
+                           segment_ids_dtype=segment_ids.dtype if segment_ids is not None else None,
+                           value_head_dim=v.shape[3] if v.shape[3] != q.shape[3] else 0)
+    return shape, config, "dout" in a
+
+
+def _working_set(a: Arguments) -> int:
+    """Its strategy's working set (:attr:`.base.Strategy.working_set`: the gathered or head-split copies, the
+    float32 accumulators), its head groups one at a time."""
+    shape, config, backward = attention_op_shape(a)
+    return STRATEGIES[config.strategy].working_set(shape, SequenceLayout.decode(config.layout).world_size,
+                                                  config.head_chunks, backward)
+
+
+declare(torch.ops.autoshard.attention.default, working_set=_working_set)
+declare(torch.ops.autoshard.attention_backward.default, working_set=_working_set)
 
 
 # ---------------------------------------------------------------------------- cross-rank agreement

@@ -7,16 +7,31 @@ import and they serve the block's dtype and head dim (float16 / bfloat16 / float
 ``MAX_HEAD_DIM``), else torch -- so a float64 model or a 512-wide head runs on the torch path instead of
 failing. A forced ``"triton"`` with a dtype the kernels do not compute in fails up front
 (:func:`check_triton_dtype`, from the op's local checks: every rank, before any communication), naming
-the fix. The kernels module is imported lazily, so the runtime works where Triton is absent.
+the fix.
+
+The kernels are imported with this module (importing autoshard imports Triton anyway, through
+``torch._dynamo``), and the local primitive and the merge call them from here. Triton is a dependency on Linux
+only: where it is absent, ``"auto"`` takes the torch path everywhere and a forced ``"triton"`` raises Triton's
+``ImportError`` when a block would run (:func:`choose_triton`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import AttentionInputError
+from .call import AttentionInputError
 
-__all__ = ["KERNELS", "use_triton", "choose_triton", "check_triton_dtype"]
+try:
+    from ...kernels.attention import (_SUPPORTED_DTYPES, MAX_HEAD_DIM, triton_attention_backward,
+                                      triton_attention_forward)
+    from ...kernels.merge import triton_merge
+    _TRITON_MISSING: ImportError | None = None
+except ImportError as missing:  # no Triton on this platform: choose_triton never selects the kernels
+    _TRITON_MISSING = missing
+    triton_attention_forward = triton_attention_backward = triton_merge = None
+
+__all__ = ["KERNELS", "use_triton", "choose_triton", "check_triton_dtype", "triton_attention_forward",
+           "triton_attention_backward", "triton_merge"]
 
 KERNELS = ("auto", "torch", "triton")
 
@@ -30,13 +45,11 @@ def choose_triton(kernels: str, device_type: str, dtype: torch.dtype, head_dim: 
     """The decision of :func:`use_triton` from the block's device type, dtype and head dim."""
     if kernels not in KERNELS:
         raise ValueError(f"autoshard.attention: kernels must be one of {KERNELS}, got {kernels!r}")
+    if kernels == "triton" and _TRITON_MISSING is not None:
+        raise _TRITON_MISSING
     if kernels != "auto":
         return kernels == "triton"
-    if device_type != "cuda":
-        return False
-    try:
-        from autoshard.kernels.attention import _SUPPORTED_DTYPES, MAX_HEAD_DIM
-    except ImportError:
+    if device_type != "cuda" or _TRITON_MISSING is not None:
         return False
     return dtype in _SUPPORTED_DTYPES and 1 <= head_dim <= MAX_HEAD_DIM
 
@@ -44,11 +57,7 @@ def choose_triton(kernels: str, device_type: str, dtype: torch.dtype, head_dim: 
 def check_triton_dtype(kernels: str, x: torch.Tensor) -> None:
     """With ``kernels="triton"``: raise :class:`AttentionInputError` when the kernels cannot compute in ``x``'s
     dtype (float16, bfloat16 and float32 only; autocast's dtypes are all served)."""
-    if kernels != "triton":
-        return
-    try:
-        from autoshard.kernels.attention import _SUPPORTED_DTYPES
-    except ImportError:  # the kernels raise their own error: Triton is missing
+    if kernels != "triton" or _TRITON_MISSING is not None:  # without Triton, choose_triton raises its error
         return
     if x.dtype not in _SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in _SUPPORTED_DTYPES)

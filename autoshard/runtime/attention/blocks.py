@@ -19,10 +19,10 @@ from typing import Sequence
 import torch
 
 from ..layouts import SequenceLayout
+from .call import Scoring
 from .local import compute_dtype, local_attention, local_attention_backward
-from .masks import MaskSpec, Visibility
+from .masks import Visibility
 from .merge import merge_attention_
-from .terms import ScoreTerms
 
 __all__ = ["Piece", "HeadSegment", "pieces", "attend", "attend_backward", "empty_result"]
 
@@ -89,10 +89,6 @@ def empty_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.
     return q.new_zeros((*q.shape[:-1], v.size(-1)), dtype=ct), q.new_full(q.shape[:-1], float("-inf"), dtype=ct)
 
 
-def _backward_kwargs(terms: ScoreTerms) -> dict:
-    return {**terms.local_kwargs(), "position_bias_grad": terms.position_bias_grad}
-
-
 def _mask_args(q_piece: Piece, k_piece: Piece, key_mask, seg_q, seg_k) -> dict:
     return {
         "key_mask": None if key_mask is None else key_mask[:, k_piece.rows],
@@ -100,11 +96,12 @@ def _mask_args(q_piece: Piece, k_piece: Piece, key_mask, seg_q, seg_k) -> dict:
     }
 
 
-def _visible_pairs(q_pieces, k_pieces, spec: MaskSpec, terms: ScoreTerms):
-    """The (query piece, key piece) pairs with a visible position. Without a position mask or positional terms,
-    positions do not matter: pieces adjacent in the local tensor are one (one call per run of local rows instead of
-    one per piece pair)."""
-    if not spec.is_positional and not terms.positional:
+def _computed_pairs(q_pieces, k_pieces, scoring: Scoring):
+    """The (query piece, key piece) pairs to compute: those the position mask does not hide. Without a position mask
+    or positional terms, positions do not matter: pieces adjacent in the local tensor are one (one call per run of
+    local rows instead of one per piece pair)."""
+    spec = scoring.spec
+    if not spec.is_positional and not scoring.terms.positional:
         for qp in _local_runs(q_pieces):
             for kp in _local_runs(k_pieces):
                 yield qp, kp
@@ -127,78 +124,44 @@ def _local_runs(parts: Sequence[Piece]) -> list[Piece]:
     return out
 
 
-def attend(
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pieces: Sequence[Piece],
-    k_pieces: Sequence[Piece],
-    *,
-    heads: Sequence[HeadSegment],
-    spec: MaskSpec,
-    key_mask: torch.Tensor | None,
-    seg_q: torch.Tensor | None,
-    seg_k: torch.Tensor | None,
-    scale: float,
-    softcap: float,
-    terms: ScoreTerms,
-    kernels: str,
-) -> None:
+def attend(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           q_pieces: Sequence[Piece], k_pieces: Sequence[Piece], *, heads: Sequence[HeadSegment],
+           key_mask: torch.Tensor | None, seg_q: torch.Tensor | None, seg_k: torch.Tensor | None,
+           scoring: Scoring) -> None:
     """Merge the attention of ``q`` (``q_pieces``) to ``k``/``v`` (``k_pieces``) into ``out``/``lse`` in place.
 
-    ``key_mask``/``seg_k`` are per key of ``k``; ``seg_q`` per query of ``q``. ``softcap`` (0: none) caps every
-    block's scores alike: it is elementwise, so the LSE merge of the blocks is unchanged. ``terms``: the call's
-    score terms for ``q``'s heads (:mod:`.terms`).
+    ``key_mask``/``seg_k`` are per key of ``k``; ``seg_q`` per query of ``q``. ``scoring``: the call's mask, scale,
+    soft cap, score terms (for ``q``'s heads, :mod:`.terms`) and kernels; a soft cap (0: none) caps every block's
+    scores alike: it is elementwise, so the LSE merge of the blocks is unchanged.
     """
-    for qp, kp in _visible_pairs(q_pieces, k_pieces, spec, terms):
+    for qp, kp in _computed_pairs(q_pieces, k_pieces, scoring):
         masks = _mask_args(qp, kp, key_mask, seg_q, seg_k)
         for hs in heads:
             block_out, block_lse = local_attention(
                 q[:, hs.q, qp.rows], k[:, hs.kv, kp.rows], v[:, hs.kv, kp.rows], q_offset=qp.start,
-                k_offset=kp.start, causal=spec.causal, window=spec.window_arg, chunk=spec.chunk, scale=scale,
-                softcap=softcap, kernels=kernels, **terms.heads(hs.q_lo, hs.q_hi).local_kwargs(), **masks)
-            merge_attention_(out[:, hs.q, qp.rows], lse[:, hs.q, qp.rows], block_out, block_lse, kernels=kernels)
+                k_offset=kp.start, **scoring.heads(hs.q_lo, hs.q_hi).local_kwargs(), **masks)
+            merge_attention_(out[:, hs.q, qp.rows], lse[:, hs.q, qp.rows], block_out, block_lse,
+                             kernels=scoring.kernels)
 
 
-def attend_backward(
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    q_pieces: Sequence[Piece],
-    k_pieces: Sequence[Piece],
-    *,
-    heads: Sequence[HeadSegment],
-    spec: MaskSpec,
-    key_mask: torch.Tensor | None,
-    seg_q: torch.Tensor | None,
-    seg_k: torch.Tensor | None,
-    scale: float,
-    softcap: float,
-    terms: ScoreTerms,
-    kernels: str,
-) -> None:
+def attend_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dout: torch.Tensor, q: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                    q_pieces: Sequence[Piece], k_pieces: Sequence[Piece], *, heads: Sequence[HeadSegment],
+                    key_mask: torch.Tensor | None, seg_q: torch.Tensor | None, seg_k: torch.Tensor | None,
+                    scoring: Scoring) -> None:
     """Add the gradients of :func:`attend`'s blocks into ``dq`` (per query) and ``dk``/``dv`` (per key).
 
     ``out``/``lse`` are the rows' final values, ``delta = rowsum(dout * out)``.
     """
-    for qp, kp in _visible_pairs(q_pieces, k_pieces, spec, terms):
+    for qp, kp in _computed_pairs(q_pieces, k_pieces, scoring):
         masks = _mask_args(qp, kp, key_mask, seg_q, seg_k)
         for hs in heads:
             rows, keys = (slice(None), hs.q, qp.rows), (slice(None), hs.kv, kp.rows)
+            head_scoring = scoring.heads(hs.q_lo, hs.q_hi)
             gq, gk, gv = local_attention_backward(
-                dout[rows], q[rows], k[keys], v[keys], out[rows], lse[rows], delta=delta[rows],
-                q_offset=qp.start, k_offset=kp.start, causal=spec.causal, window=spec.window_arg, chunk=spec.chunk,
-                scale=scale, softcap=softcap, kernels=kernels, **_backward_kwargs(terms.heads(hs.q_lo, hs.q_hi)),
-                **masks)
+                dout[rows], q[rows], k[keys], v[keys], out[rows], lse[rows], delta=delta[rows], q_offset=qp.start,
+                k_offset=kp.start, position_bias_grad=head_scoring.terms.position_bias_grad,
+                **head_scoring.local_kwargs(), **masks)
             dq[rows] += gq
             dk[keys] += gk
             dv[keys] += gv

@@ -21,7 +21,8 @@ import torch
 
 from .masks import MaskSpec
 
-__all__ = ["DocumentBlock", "DocumentGroup", "document_groups", "fragmented", "tile_ranges", "visible_pairs", "range_work", "MIN_ROWS"]
+__all__ = ["DocumentBlock", "DocumentGroup", "document_groups", "fragmented", "tile_ranges", "visible_pairs", "range_work",
+           "MIN_ROWS"]
 
 MIN_ROWS = 16
 """Below this many query rows per rectangle on average, a block is computed tile by tile rather than by document."""
@@ -61,12 +62,18 @@ def _runs(ids: torch.Tensor) -> list[tuple[int, int, int]]:
     return list(zip(values.tolist(), starts, ends))
 
 
-def _blocks(seg_q: torch.Tensor, seg_k: torch.Tensor) -> tuple[DocumentBlock, ...]:
+def _by_id(runs: list[tuple[int, int, int]]) -> dict[int, list[tuple[int, int]]]:
+    """The ``(start, end)`` of the runs of every id."""
     by_id: dict[int, list[tuple[int, int]]] = {}
-    for value, lo, hi in _runs(seg_k):
+    for value, lo, hi in runs:
         by_id.setdefault(value, []).append((lo, hi))
-    return tuple(DocumentBlock(q_lo, q_hi, k_lo, k_hi) for value, q_lo, q_hi in _runs(seg_q)
-                 for k_lo, k_hi in by_id.get(value, ()))
+    return by_id
+
+
+def _blocks(q_runs: list[tuple[int, int, int]], k_by_id: dict[int, list[tuple[int, int]]]) -> tuple[DocumentBlock, ...]:
+    """The rectangles of every query run with every key run of its id."""
+    return tuple(DocumentBlock(q_lo, q_hi, k_lo, k_hi) for value, q_lo, q_hi in q_runs
+                 for k_lo, k_hi in k_by_id.get(value, ()))
 
 
 def document_groups(segment_ids: tuple[torch.Tensor, torch.Tensor]) -> list[DocumentGroup]:
@@ -75,8 +82,8 @@ def document_groups(segment_ids: tuple[torch.Tensor, torch.Tensor]) -> list[Docu
     seg_q, seg_k = segment_ids
     batch = seg_q.size(0)
     if batch == 1 or (bool((seg_q == seg_q[:1]).all()) and bool((seg_k == seg_k[:1]).all())):
-        return [DocumentGroup(slice(None), _blocks(seg_q[0], seg_k[0]))]
-    return [DocumentGroup(slice(b, b + 1), _blocks(seg_q[b], seg_k[b])) for b in range(batch)]
+        return [DocumentGroup(slice(None), _blocks(_runs(seg_q[0]), _by_id(_runs(seg_k[0]))))]
+    return [DocumentGroup(slice(b, b + 1), _blocks(_runs(seg_q[b]), _by_id(_runs(seg_k[b])))) for b in range(batch)]
 
 
 def fragmented(groups: list[DocumentGroup], q_len: int) -> bool:
@@ -84,8 +91,14 @@ def fragmented(groups: list[DocumentGroup], q_len: int) -> bool:
     return any(len(g.blocks) * MIN_ROWS > max(q_len, MIN_ROWS) for g in groups)
 
 
-def visible_pairs(spec: MaskSpec, q_offset: int, k_offset: int, groups: list[DocumentGroup], batch: int) -> int:
-    """The visible (query, key) pairs of a block under ``spec`` and its documents, summed over the batch rows."""
+def visible_pairs(spec: MaskSpec, q_offset: int, q_len: int, k_offset: int, k_len: int, batch: int,
+                  groups: list[DocumentGroup] | None = None) -> int:
+    """The visible (query, key) pairs of the block of queries ``[q_offset, q_offset + q_len)`` against keys
+    ``[k_offset, k_offset + k_len)`` under ``spec`` and, when ``groups`` gives them, its documents, summed over the
+    ``batch`` rows: the one count of visible pairs (the FLOPs counted, :mod:`.flops`, and the dispatch's work,
+    :mod:`.dispatch`), each rectangle counted by :meth:`.masks.MaskSpec.visible_pairs`."""
+    if groups is None:
+        return batch * spec.visible_pairs(q_offset, q_len, k_offset, k_len)
     total = 0
     for group in groups:
         rows = len(range(batch)[group.batch])
@@ -110,20 +123,14 @@ def tile_ranges(ids: torch.Tensor, tile: int) -> list[tuple[int, int]]:
 def range_work(spec: MaskSpec, ids: torch.Tensor, ranges: list[tuple[int, int]]) -> list[int]:
     """The visible pairs of the queries at global positions ``[start, end)`` of every range against every key of the
     sequence, under ``spec`` and the documents of ``ids`` (``[B, S]``, in global order), summed over batch rows."""
-    batch = ids.size(0)
+    batch, length = ids.shape
     same = batch == 1 or bool((ids == ids[:1]).all())
-    rows = [(ids[0], batch)] if same else [(ids[b], 1) for b in range(batch)]
-    work = [0] * len(ranges)
-    for row, count in rows:
-        runs = _runs(row)
-        by_id: dict[int, list[tuple[int, int]]] = {}
-        for value, lo, hi in runs:
-            by_id.setdefault(value, []).append((lo, hi))
-        for n, (start, end) in enumerate(ranges):
-            for value, lo, hi in runs:
-                q_lo, q_hi = max(lo, start), min(hi, end)
-                if q_lo >= q_hi:
-                    continue
-                work[n] += count * sum(spec.visible_pairs(q_lo, q_hi - q_lo, k_lo, k_hi - k_lo)
-                                       for k_lo, k_hi in by_id[value])
+    rows = [(slice(None), _runs(ids[0]))] if same else [(slice(b, b + 1), _runs(ids[b])) for b in range(batch)]
+    by_id = [_by_id(runs) for _, runs in rows]
+    work = []
+    for start, end in ranges:
+        groups = [DocumentGroup(at, _blocks([(value, max(lo, start) - start, min(hi, end) - start)
+                                             for value, lo, hi in runs if max(lo, start) < min(hi, end)], keys))
+                  for (at, runs), keys in zip(rows, by_id)]
+        work.append(visible_pairs(spec, start, end - start, 0, length, batch, groups))
     return work

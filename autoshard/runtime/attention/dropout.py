@@ -35,6 +35,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..op_info import declare
+
 __all__ = ["AttentionDropout", "dropout_keep", "draw_seed", "keep_threshold"]
 
 _MASK = 0xFFFFFFFF
@@ -107,3 +109,6 @@ def draw_seed(site: str, device: torch.device) -> torch.Tensor:
 @draw_seed.register_fake
 def _(site, device):
     return torch.empty((), dtype=torch.int64, device=device)
+
+
+declare(torch.ops.autoshard.attention_seed.default)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..collectives import all_gather, all_reduce
+from ..op_info import declare
 from .local import without_autocast
 
 __all__ = ["uniform_attention", "soft_capped_attention", "attend_to_every_key", "fill_empty_rows",
@@ -54,7 +55,7 @@ def soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     """Attention whose scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask (Gemma2), on
     whole tensors with the scores materialized (SDPA has no soft-cap). ``mask``: bool (True = attend), an
     additive float mask, or None. A row a bool mask hides entirely gets what ``empty_rows`` says (see
-    :class:`~autoshard.passes.masks.StructuredMask`): 0 (``"zero"``), uniform attention to every key with
+    :class:`~autoshard.passes.masks.MaskData`): 0 (``"zero"``), uniform attention to every key with
     the gradient softmax has at equal scores (``"uniform"``, a ~finfo.min fill), or attention with the
     unmasked scores (``"scores"``, a milder fill)."""
     group_size = q.size(-3) // k.size(-3)
@@ -175,6 +176,9 @@ def _(grad, out, lse, q, k, v, scale, softcap, sizes, mode, group):
     return tuple(t.new_empty(t.shape) for t in (out, q, k, v))
 
 
+declare(torch.ops.autoshard.fill_gathered_empty_rows_backward.default)
+
+
 def _fill_gathered_setup(ctx, inputs, output):
     out, lse, q, k, v, *ctx.options = inputs
     ctx.save_for_backward(out, lse, q, k, v)
@@ -186,3 +190,4 @@ def _fill_gathered_backward(ctx, grad):
 
 
 _fill_gathered_op.register_autograd(_fill_gathered_backward, setup_context=_fill_gathered_setup)
+declare(torch.ops.autoshard.fill_gathered_empty_rows.default)

@@ -1,6 +1,7 @@
 """Bytes each rank sends in one distributed attention call, as sympy expressions (for the planner).
 
-    from autoshard.runtime.attention.formulas import bytes_sent, values
+    from autoshard.runtime.attention.base import bytes_sent
+    from autoshard.runtime.attention.formulas import values
     expr = bytes_sent("zigzag", "backward")                 # a sympy expression
     int(expr.subs(values(B=1, S=1 << 20, H=32, Hkv=8, D=128, P=64, dtype=torch.bfloat16)))
 
@@ -24,47 +25,35 @@ over ranks** and the all-gather terms, written with ``ceiling(S / P)`` (the larg
 built-in layouts), hold on every rank -- except ``hybrid``'s mask all-gather, which a Ulysses group pads to
 its own largest shard, at most ``ceiling(S / P)``.
 
-:func:`bytes_sent_by_rank` gives the exact bytes of every rank for any shard lengths and head split, in
+:func:`.base.bytes_sent_by_rank` gives the exact bytes of every rank for any shard lengths and head split, in
 integers, from the sizes the strategies themselves use (the Ulysses head plan and groups, the ring's
 block schedule, the accountant's all-gather convention); where the formulas are exact the two agree.
 
 This module holds what the formulas share (symbols, substitutions, sizes); each strategy's own formulas
 live in its module and are registered with it (:attr:`.base.Strategy.bytes_sent`,
-:attr:`.base.Strategy.bytes_by_rank`), which :func:`bytes_sent` and :func:`bytes_sent_by_rank` look up.
+:attr:`.base.Strategy.bytes_by_rank`), which :func:`.base.bytes_sent` and :func:`.base.bytes_sent_by_rank` look up.
 
-    from autoshard.runtime.attention.formulas import bytes_sent_by_rank
+    from autoshard.runtime.attention.base import bytes_sent_by_rank
     bytes_sent_by_rank("ring", "backward", SequenceLayout.contiguous(17, 4).local_lengths,
                        B=1, H=32, Hkv=8, D=128, dtype=torch.bfloat16)   # [sent by rank 0, 1, 2, 3]
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import sympy
 import torch
 
-from .base import STRATEGIES
 from .local import compute_dtype
 
-__all__ = ["B", "S", "H", "Hkv", "D", "Dv", "P", "P_r", "P_u", "e", "a", "M", "SYMBOLS", "Sizes", "bytes_sent",
-           "mask_bytes_per_token", "values", "bytes_sent_by_rank"]
+__all__ = ["B", "S", "H", "Hkv", "D", "Dv", "P", "P_r", "P_u", "e", "a", "M", "SYMBOLS", "Sizes", "mask_bytes_per_token",
+           "values"]
 
 B, S, H, Hkv, D, Dv, P, P_r, P_u, e, a, M = sympy.symbols("B S H Hkv D Dv P P_r P_u e a M", positive=True,
                                                            integer=True)
 SYMBOLS = {symbol.name: symbol for symbol in (B, S, H, Hkv, D, Dv, P, P_r, P_u, e, a, M)}
 """Every symbol by name."""
-
-
-def _backward(direction: str) -> bool:
-    if direction not in ("forward", "backward"):
-        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
-    return direction == "backward"
-
-
-def bytes_sent(strategy: str, direction: str = "forward") -> sympy.Expr:
-    """Bytes one rank sends in the ``"forward"`` or ``"backward"`` of one call of ``strategy``."""
-    return STRATEGIES[strategy].bytes_sent(_backward(direction))
 
 
 def mask_bytes_per_token(key_mask: bool = False, segment_ids_dtype: torch.dtype | None = None) -> int:
@@ -110,18 +99,8 @@ class Sizes(NamedTuple):
     a: int
     M: int
 
-
-def bytes_sent_by_rank(strategy: str, direction: str, lengths: Sequence[int], *, B: int, H: int, Hkv: int, D: int,
-                       Dv: int | None = None, dtype: torch.dtype = torch.float32, key_mask: bool = False,
-                       segment_ids_dtype: torch.dtype | None = None, P_u: int | None = None) -> list[int]:
-    """Bytes every sequence rank sends in the ``"forward"`` or ``"backward"`` of one call of ``strategy``, exactly.
-
-    ``lengths``: the shard length of every sequence rank (``layout.local_lengths``); ``Dv``: the value head dim
-    (default ``D``); ``P_u``: the Ulysses axis size of a strategy over a 2-D mesh (``hybrid``; the others ignore
-    it). The list is in sequence-rank order (the flattened rank of a ``(ring, ulysses)`` mesh).
-    """
-    backward = _backward(direction)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(STRATEGIES)}")
-    sizes = Sizes(B, H, Hkv, D, Dv or D, *_element_sizes(dtype), mask_bytes_per_token(key_mask, segment_ids_dtype))
-    return STRATEGIES[strategy].bytes_by_rank([int(n) for n in lengths], sizes, backward, P_u)
+    @staticmethod
+    def of(*, B: int, H: int, Hkv: int, D: int, Dv: int | None = None, dtype: torch.dtype = torch.float32,
+           key_mask: bool = False, segment_ids_dtype: torch.dtype | None = None) -> "Sizes":
+        """The sizes of a call of these shapes (``Dv``: default ``D``), inputs of ``dtype`` and these masks."""
+        return Sizes(B, H, Hkv, D, Dv or D, *_element_sizes(dtype), mask_bytes_per_token(key_mask, segment_ids_dtype))

@@ -30,7 +30,8 @@ import dataclasses
 import torch
 
 from ..layouts import split_sizes
-from .base import Call, Strategy
+from .base import Strategy
+from .call import Call
 
 __all__ = ["head_groups", "chunked_forward", "chunked_backward"]
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import sympy
 import torch
@@ -33,12 +32,10 @@ from ..groups import hybrid_mesh_axes
 from ..layouts import SequenceLayout
 from . import ring, ulysses
 from .api import attention
-from .base import AttentionInputError, Call, Strategy, register, zigzag_layout_when_causal
+from .base import AttentionShape, Pricing, Strategy, StrategyCost, register, zigzag_layout_when_causal
+from .call import AttentionInputError, Call
 from .formulas import P, P_r, P_u, S, Hkv, Sizes
 from .ulysses import check_heads, ulysses_backward, ulysses_forward
-
-if TYPE_CHECKING:
-    from ...cost import AttentionShape, Pricing, StrategyCost
 
 __all__ = ["hybrid_attention", "hybrid_axes", "hybrid_sequence_rank", "hybrid_layout", "hybrid_bytes"]
 
@@ -91,14 +88,12 @@ def _check(q, k, v, call: Call) -> int:
 
 def _forward(q, k, v, key_mask, segment_ids, call: Call):
     return ulysses_forward(q, k, v, key_mask, segment_ids, pg=call.pg, ring_pg=call.ring_pg, layout=call.layout,
-                           spec=call.spec, scale=call.scale, softcap=call.softcap, terms=call.terms,
-                           kernels=call.kernels)
+                           scoring=call.scoring)
 
 
 def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
     return ulysses_backward(dout, q, k, v, out, lse, key_mask, segment_ids, pg=call.pg, ring_pg=call.ring_pg,
-                            layout=call.layout, spec=call.spec, scale=call.scale, softcap=call.softcap,
-                            terms=call.terms, kernels=call.kernels)
+                            layout=call.layout, scoring=call.scoring)
 
 
 def _mesh_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
@@ -127,18 +122,18 @@ def _bytes_by_rank(lengths: list[int], n: Sizes, backward: bool, P_u: int | None
 def _node_axis(p: Pricing) -> int:
     """The Ulysses axis the cost model plans: the largest power-of-two share of a node and of the ranks that splits
     the heads."""
-    inner = math.gcd(p.topology.ranks_per_node, p.world)
+    inner = math.gcd(p.hardware.ranks_per_node, p.world)
     while inner > 1 and p.shape.heads % inner:
         inner //= 2
     return inner
 
 
 def _cost(p: Pricing) -> StrategyCost:
-    world, topology = p.world, p.topology
+    world, hardware = p.world, p.hardware
     inner = _node_axis(p)
     if not p.hybrid_possible:
         return p.impossible("needs a 2-D device mesh (ring axis, ulysses axis)")
-    if world <= topology.ranks_per_node:
+    if world <= hardware.ranks_per_node:
         return p.impossible("the group fits in one node (Ulysses alone is the inner part)")
     if inner <= 1:
         return p.impossible("no node-sized head split")
@@ -148,9 +143,9 @@ def _cost(p: Pricing) -> StrategyCost:
     # traffic), the ring across nodes (slow, overlapped)
     inner_sent = p.sent({"P": inner}, ulysses.ulysses_bytes,
                         dataclasses.replace(p.shape, seq=p.shape.seq // outer, key_mask=False, segment_ids_dtype=None))
-    inner_comm = sum(inner_sent) / topology.intra_node_bandwidth
-    ring_comm = max(0, sum(sent) - sum(inner_sent)) / topology.inter_node_bandwidth
-    latency = (10 * topology.intra_node_latency + 2 * outer * (topology.inter_node_latency + topology.step_overhead)
+    inner_comm = sum(inner_sent) / hardware.intra_node_bandwidth
+    ring_comm = max(0, sum(sent) - sum(inner_sent)) / hardware.inter_node_bandwidth
+    latency = (10 * hardware.intra_node_latency + 2 * outer * (hardware.inter_node_latency + hardware.step_overhead)
                + p.merge_time(outer))
     return p.cost(compute=p.balanced, comm=inner_comm + ring_comm,
                   exposed=inner_comm + max(0.0, ring_comm - p.balanced), latency=latency, sent=sent,

@@ -64,7 +64,7 @@ import math
 
 import torch
 
-from .backend import use_triton
+from .backend import triton_attention_backward, triton_attention_forward, use_triton
 from .documents import DocumentGroup, document_groups, fragmented, tile_ranges, visible_pairs
 from .flops import counting_flops, record_flops
 from .dropout import AttentionDropout
@@ -155,10 +155,8 @@ def local_attention(
         return _documents_forward(q, k, v, groups, q_offset, k_offset, key_mask, dict(
             causal=causal, window=window, chunk=chunk, scale=scale, softcap=softcap, kernels=kernels,
             **terms.local_kwargs()))
-    record_flops("forward", _pairs(spec, q_offset, k_offset, Sq, Sk, B, groups), H, D, v.size(-1))
+    record_flops("forward", visible_pairs(spec, q_offset, Sq, k_offset, Sk, B, groups), H, D, v.size(-1))
     if triton:
-        from autoshard.kernels.attention import triton_attention_forward
-
         return triton_attention_forward(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=spec.causal,
                                         window=spec.window_arg, chunk=spec.chunk, key_mask=key_mask,
                                         segment_ids=segment_ids, scale=scale, softcap=softcap,
@@ -214,10 +212,8 @@ def local_attention_backward(
         return _documents_backward(dout, q, k, v, out, lse, delta, groups, q_offset, k_offset, key_mask, dict(
             causal=causal, window=window, chunk=chunk, scale=scale, softcap=softcap, kernels=kernels,
             position_bias_grad=position_bias_grad, **terms.local_kwargs()))
-    record_flops("backward", _pairs(spec, q_offset, k_offset, Sq, Sk, B, groups), H, D, v.size(-1))
+    record_flops("backward", visible_pairs(spec, q_offset, Sq, k_offset, Sk, B, groups), H, D, v.size(-1))
     if triton:
-        from autoshard.kernels.attention import triton_attention_backward
-
         return triton_attention_backward(dout, q, k, v, out, lse, delta=delta, q_offset=q_offset,
                                          k_offset=k_offset, causal=spec.causal, window=spec.window_arg,
                                          chunk=spec.chunk, key_mask=key_mask, segment_ids=segment_ids, scale=scale,
@@ -263,13 +259,6 @@ def _by_document(groups, q_len: int, terms: ScoreTerms, triton: bool) -> bool:
     index, so rows with different documents (one group per row) keep it on the tiled path."""
     return (groups is not None and not triton and not fragmented(groups, q_len)
             and (terms.dropout is None or len(groups) == 1))
-
-
-def _pairs(spec: MaskSpec, q_offset: int, k_offset: int, q_len: int, k_len: int, batch: int, groups) -> int:
-    """Visible pairs of the block over its batch rows, documents included when known."""
-    if groups is None:
-        return batch * spec.visible_pairs(q_offset, q_len, k_offset, k_len)
-    return visible_pairs(spec, q_offset, k_offset, groups, batch)
 
 
 def _documents_forward(q, k, v, groups, q_offset, k_offset, key_mask, options):

@@ -2,7 +2,11 @@
 
 A :class:`MaskSpec` holds the position-based part of a mask (``causal``, ``window`` and ``chunk``); the
 data-based parts (``key_mask``, ``segment_ids``) are tensors that travel with the keys and are applied tile
-by tile.
+by tile. It is the one form of a position mask from the mask pass (:mod:`autoshard.passes.masks` finds one:
+:meth:`MaskSpec.of_band`) to the kernels and the cost model. No window is ``(-1, -1)``, never ``None``: a side of
+``-1`` is unbounded whether the other side is or not (flash-attn's convention, the ints a custom op's schema takes),
+so code reads :attr:`~MaskSpec.lower` / :attr:`~MaskSpec.upper` and never branches on a missing window;
+:meth:`MaskSpec.of` and :attr:`~MaskSpec.window_arg` convert at the API edges that take ``window=None``.
 No mask here ever becomes an ``S x S`` tensor: a block of queries ``[q_start, q_start + q_len)`` against a
 block of keys ``[k_start, k_start + k_len)`` is *classified* from its offsets alone:
 
@@ -71,6 +75,17 @@ class MaskSpec:
     def of(causal: bool = False, window: tuple[int, int] | None = None, chunk: int = 0) -> "MaskSpec":
         """The spec of ``causal``, ``window`` (``None`` for no window) and ``chunk`` (0 for none)."""
         return MaskSpec(bool(causal), (-1, -1) if window is None else tuple(window), int(chunk))
+
+    @staticmethod
+    def of_band(lower: int | None = None, upper: int | None = None, chunk: int = 0) -> "MaskSpec":
+        """The spec of the keys ``i - lower <= j <= i + upper`` (``None``: unbounded on that side) and ``chunk``,
+        the inverse of :attr:`lower` and :attr:`upper`: ``upper == 0`` is ``causal`` (with ``window=(lower, 0)``
+        when ``lower`` is bounded). The band must hold the diagonal (both sides >= 0)."""
+        if (lower is not None and lower < 0) or (upper is not None and upper < 0):
+            raise ValueError(f"autoshard.attention: a band of keys [i - {lower}, i + {upper}] without the diagonal")
+        if upper == 0:
+            return MaskSpec(True, (-1, -1) if lower is None else (lower, 0), chunk)
+        return MaskSpec(False, (-1 if lower is None else lower, -1 if upper is None else upper), chunk)
 
     # ------------------------------------------------------------------ the band of visible keys
     @property

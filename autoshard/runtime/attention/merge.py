@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import use_triton
+from .backend import triton_merge, use_triton
 
 __all__ = ["merge_attention", "merge_attention_"]
 
@@ -31,8 +31,6 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
                     kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The merged ``(out, lse)`` of two partial results (new tensors; see the module docstring)."""
     if use_triton(kernels, out_a):
-        from autoshard.kernels.merge import triton_merge
-
         return triton_merge(out_a, lse_a, out_b, lse_b)
     lse, wa, wb = _weights(lse_a, lse_b)
     return out_a * wa + out_b * wb, lse

@@ -17,7 +17,7 @@ hops, where the owner adds its own (computed at step 0). Accumulators travel in 
 Bytes sent per rank (:func:`ring_bytes`, in the symbols of :mod:`.formulas`): forward ``P - 1`` blocks of
 K, V (and masks); backward ``P - 1`` blocks of K, V (and masks) plus ``P - 1`` blocks of dK, dV.
 
-Cost: the blocks' traffic overlaps their compute (:meth:`autoshard.cost.Pricing.ring`); on the contiguous
+Cost: the blocks' traffic overlaps their compute (:meth:`.base.Pricing.ring`); on the contiguous
 layout a causal mask leaves the last rank the most work.
 
 The ring core (:func:`ring_forward`, :func:`ring_backward`) takes the pieces every ring rank holds and a
@@ -27,7 +27,7 @@ across Ulysses groups) reuse it unchanged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import sympy
 import torch
@@ -35,18 +35,14 @@ import torch.distributed as dist
 
 from ..collectives import RingCommunicator
 from .api import attention
-from .base import AttentionInputError, Call, Strategy, register
+from .base import AttentionShape, Pricing, Strategy, StrategyCost, register
 from .blocks import HeadSegment, Piece, attend, attend_backward, empty_result, pieces
+from .call import AttentionInputError, Call, Scoring
 from .formulas import B, D, Dv, Hkv, M, P, S, Sizes, a, e
 from .local import compute_dtype, row_delta
-from .masks import MaskSpec
-from .terms import ScoreTerms
 
-if TYPE_CHECKING:
-    from ...cost import AttentionShape, Pricing, StrategyCost
-
-__all__ = ["ring_working_set", "ring_attention", "ring_forward", "ring_backward", "block_source", "ring_terms", "ring_bytes",
-           "ring_rank_bytes", "RING"]
+__all__ = ["ring_working_set", "ring_attention", "ring_forward", "ring_backward", "block_source", "ring_terms",
+           "ring_bytes", "ring_rank_bytes", "RING"]
 
 
 def _block(k, v, key_mask, segment_ids) -> list[torch.Tensor]:
@@ -80,22 +76,10 @@ def block_source(rank: int, step: int, world: int) -> int:
     return (rank - step) % world
 
 
-def ring_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_mask: torch.Tensor | None,
-    segment_ids: torch.Tensor | None,
-    *,
-    pg: dist.ProcessGroup | None,
-    block_pieces: Sequence[Sequence[Piece]],
-    heads: Sequence[HeadSegment],
-    spec: MaskSpec,
-    scale: float,
-    softcap: float,
-    terms: ScoreTerms,
-    kernels: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                 segment_ids: torch.Tensor | None, *, pg: dist.ProcessGroup | None,
+                 block_pieces: Sequence[Sequence[Piece]], heads: Sequence[HeadSegment],
+                 scoring: Scoring) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of this rank's queries over every ring rank's K/V (compute dtype).
 
     ``pg``: the ring (``None``: a ring of one, no communication); ``block_pieces[i]``: the pieces ring rank
@@ -110,33 +94,17 @@ def ring_forward(
         if step < world - 1:
             comm.start(block, _like(block, _length(block_pieces[block_source(rank, step + 1, world)])))
         kb, vb, kmb, segb = _unpack(block, key_mask, segment_ids)
-        attend(out, lse, q, kb, vb, block_pieces[rank], block_pieces[source], heads=heads, spec=spec,
-               key_mask=kmb, seg_q=segment_ids, seg_k=segb, scale=scale, softcap=softcap,
-               terms=terms, kernels=kernels)
+        attend(out, lse, q, kb, vb, block_pieces[rank], block_pieces[source], heads=heads, key_mask=kmb,
+               seg_q=segment_ids, seg_k=segb, scoring=scoring)
         if step < world - 1:
             block = comm.wait()
     return out, lse
 
 
-def ring_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    key_mask: torch.Tensor | None,
-    segment_ids: torch.Tensor | None,
-    *,
-    pg: dist.ProcessGroup | None,
-    block_pieces: Sequence[Sequence[Piece]],
-    heads: Sequence[HeadSegment],
-    spec: MaskSpec,
-    scale: float,
-    softcap: float,
-    terms: ScoreTerms,
-    kernels: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, key_mask: torch.Tensor | None, segment_ids: torch.Tensor | None, *,
+                  pg: dist.ProcessGroup | None, block_pieces: Sequence[Sequence[Piece]],
+                  heads: Sequence[HeadSegment], scoring: Scoring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` (compute dtype) of :func:`ring_forward`, given its final ``out`` and ``lse``."""
     world, rank = (1, 0) if pg is None else (pg.size(), pg.rank())
     ct = compute_dtype(q.dtype)
@@ -154,8 +122,7 @@ def ring_backward(
         kb, vb, kmb, segb = _unpack(block, key_mask, segment_ids)
         dk, dv = kb.new_zeros(kb.shape, dtype=ct), vb.new_zeros(vb.shape, dtype=ct)
         attend_backward(dq, dk, dv, dout, q, kb, vb, out, lse, delta, block_pieces[rank], block_pieces[source],
-                        heads=heads, spec=spec, key_mask=kmb, seg_q=segment_ids, seg_k=segb, scale=scale,
-                        softcap=softcap, terms=terms, kernels=kernels)
+                        heads=heads, key_mask=kmb, seg_q=segment_ids, seg_k=segb, scoring=scoring)
         if step == 0:
             own = dk, dv
         else:
@@ -225,14 +192,12 @@ def _shards(call: Call) -> list[tuple[Piece, ...]]:
 
 def _forward(q, k, v, key_mask, segment_ids, call: Call):
     return ring_forward(q, k, v, key_mask, segment_ids, pg=call.pg, block_pieces=_shards(call),
-                        heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, scale=call.scale,
-                        softcap=call.softcap, terms=call.terms, kernels=call.kernels)
+                        heads=HeadSegment.all(q.size(1), k.size(1)), scoring=call.scoring)
 
 
 def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
     return ring_backward(dout, q, k, v, out, lse, key_mask, segment_ids, pg=call.pg, block_pieces=_shards(call),
-                         heads=HeadSegment.all(q.size(1), k.size(1)), spec=call.spec, scale=call.scale,
-                         softcap=call.softcap, terms=call.terms, kernels=call.kernels)
+                         heads=HeadSegment.all(q.size(1), k.size(1)), scoring=call.scoring)
 
 
 def _cost(p: Pricing) -> StrategyCost:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import sympy
 import torch
@@ -41,15 +40,11 @@ from ..collectives import all_gather_impl, all_to_all_impl
 from ..layouts import SequenceLayout, split_sizes
 from . import ring
 from .api import attention
-from .base import AttentionInputError, Call, Strategy, register
+from .base import AttentionShape, Pricing, Strategy, StrategyCost, register
 from .blocks import HeadSegment, pieces
+from .call import AttentionInputError, Call, Scoring
 from .formulas import B, D, Dv, H, Hkv, M, P, S, Sizes, a, e
 from .local import compute_dtype
-from .masks import MaskSpec
-from .terms import ScoreTerms
-
-if TYPE_CHECKING:
-    from ...cost import AttentionShape, Pricing, StrategyCost
 
 __all__ = ["ulysses_attention", "HeadShare", "head_plan", "group_members", "ulysses_forward", "ulysses_backward",
            "ulysses_terms", "ulysses_bytes", "ulysses_ring_bytes", "ulysses_working_set"]
@@ -171,8 +166,8 @@ def _gather_masks(key_mask, segment_ids, plan: _Plan):
     return [None if m is None else all_gather_impl(m, 1, list(plan.lengths), plan.pg) for m in (key_mask, segment_ids)]
 
 
-def ulysses_forward(q, k, v, key_mask, segment_ids, *, pg, ring_pg, layout: SequenceLayout, spec: MaskSpec,
-                    scale: float, softcap: float, terms: ScoreTerms, kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
+def ulysses_forward(q, k, v, key_mask, segment_ids, *, pg, ring_pg, layout: SequenceLayout,
+                    scoring: Scoring) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of this rank's shard: all-to-all to head-split, attention over the gathered sequence
     (a ring across ``ring_pg`` when given), all-to-all back. ``out`` has ``q``'s dtype."""
     plan = _plan(q.size(1), k.size(1), pg, ring_pg, layout)
@@ -181,16 +176,14 @@ def ulysses_forward(q, k, v, key_mask, segment_ids, *, pg, ring_pg, layout: Sequ
     all_keys_mask, all_segments = _gather_masks(key_mask, segment_ids, plan)
     out_h, lse_h = ring.ring_forward(qh, kh, vh, all_keys_mask, all_segments, pg=ring_pg,
                                      block_pieces=plan.block_pieces, heads=plan.share.segments(q.size(1) // k.size(1)),
-                                     spec=spec, scale=scale, softcap=softcap,
-                                     terms=terms.heads(*plan.share.q), kernels=kernels)
+                                     scoring=scoring.heads(*plan.share.q))
     out = _move(out_h.to(q.dtype), False, plan.q_sizes, plan.lengths, pg)
     lse = _move(lse_h, False, plan.q_sizes, plan.lengths, pg)
     return out, lse
 
 
 def ulysses_backward(dout, q, k, v, out, lse, key_mask, segment_ids, *, pg, ring_pg, layout: SequenceLayout,
-                     spec: MaskSpec, scale: float, softcap: float, terms: ScoreTerms,
-                     kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     scoring: Scoring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`ulysses_forward` (``dq`` in ``q``'s dtype, ``dk``/``dv`` in the compute dtype)."""
     plan = _plan(q.size(1), k.size(1), pg, ring_pg, layout)
     # one tensor per all-to-all: each holds a few transient copies of its input, so moving them one by one
@@ -201,8 +194,8 @@ def ulysses_backward(dout, q, k, v, out, lse, key_mask, segment_ids, *, pg, ring
     all_keys_mask, all_segments = _gather_masks(key_mask, segment_ids, plan)
     dqh, dkh, dvh = ring.ring_backward(dout_h, qh, kh, vh, out_h, lse_h, all_keys_mask, all_segments,
                                        pg=ring_pg, block_pieces=plan.block_pieces,
-                                       heads=plan.share.segments(q.size(1) // k.size(1)), spec=spec, scale=scale,
-                                       softcap=softcap, terms=terms.heads(*plan.share.q), kernels=kernels)
+                                       heads=plan.share.segments(q.size(1) // k.size(1)),
+                                       scoring=scoring.heads(*plan.share.q))
     del qh, out_h, dout_h, lse_h, kh, vh  # free the head-split copies before the all-to-alls back
     dq = _move(dqh.to(q.dtype), False, plan.q_sizes, plan.lengths, pg)
     return dq, _kv_to_sequence(dkh, plan, k), _kv_to_sequence(dvh, plan, v)
@@ -276,24 +269,22 @@ def _check(q, k, v, call: Call) -> int:
 
 def _forward(q, k, v, key_mask, segment_ids, call: Call):
     return ulysses_forward(q, k, v, key_mask, segment_ids, pg=call.pg, ring_pg=None, layout=call.layout,
-                           spec=call.spec, scale=call.scale, softcap=call.softcap, terms=call.terms,
-                           kernels=call.kernels)
+                           scoring=call.scoring)
 
 
 def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
     return ulysses_backward(dout, q, k, v, out, lse, key_mask, segment_ids, pg=call.pg, ring_pg=None,
-                            layout=call.layout, spec=call.spec, scale=call.scale, softcap=call.softcap,
-                            terms=call.terms, kernels=call.kernels)
+                            layout=call.layout, scoring=call.scoring)
 
 
 def _cost(p: Pricing) -> StrategyCost:
-    s, world, topology = p.shape, p.world, p.topology
+    s, world, hardware = p.shape, p.world, p.hardware
     if s.heads < world:
         return p.impossible(f"{s.heads} heads cannot cover {world} ranks; the all-to-all splits heads")
     sent = p.sent({"P": world})
     compute = p.busiest(math.ceil(s.heads / world) / (s.heads / world))  # the rank with the most heads
-    comm = sum(sent) / topology.bandwidth(world)
-    return p.cost(compute=compute, comm=comm, exposed=comm, latency=10 * topology.latency(world), sent=sent,
+    comm = sum(sent) / hardware.bandwidth(world)
+    return p.cost(compute=compute, comm=comm, exposed=comm, latency=10 * hardware.latency(world), sent=sent,
                   memory=p.memory)
 
 

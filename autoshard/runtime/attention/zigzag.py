@@ -15,17 +15,14 @@ sharded with ``layout="zigzag"``: in the registry it is the ring algorithm over 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..layouts import SequenceLayout
 from . import ring
 from .api import attention
-from .base import AttentionInputError, Call, register, zigzag_layout
-
-if TYPE_CHECKING:
-    from ...cost import Pricing, StrategyCost
+from .base import Pricing, StrategyCost, register, zigzag_layout
+from .call import AttentionInputError, Call
 
 __all__ = ["zigzag_attention"]
 

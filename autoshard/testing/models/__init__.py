@@ -10,6 +10,10 @@ model zoo (a user brings their own model, or transformers' unmodified).
 * :mod:`~autoshard.testing.models.handwritten` -- causal LM whose attention is written out
   (``matmul -> scale -> masked_fill -> softmax -> matmul``).
 
+Their configurations derive from :class:`~autoshard.testing.models.base.TransformerConfig` (the widths and counts
+every one has), and BERT's, ViT's and the handwritten LM's layers from
+:class:`~autoshard.testing.models.base.GeluLayer` (LayerNorms and a GELU feed-forward around each one's attention).
+
 Nothing here knows about autoshard: they are the models a user would write.
 """
 

@@ -8,37 +8,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .base import GeluLayer, TextConfig
+
 __all__ = ["BertConfig", "BertClassifier"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class BertConfig:
-    vocab_size: int = 256
-    """Token vocabulary."""
-    hidden: int = 64
-    """Model width."""
-    layers: int = 2
-    """Encoder layers."""
-    heads: int = 4
-    """Attention heads."""
-    intermediate: int = 128
-    """Feed-forward width."""
-    max_positions: int = 512
-    """Learned position table size."""
+class BertConfig(TextConfig):
+    """The encoder's sizes, vocabulary and positions (:class:`TextConfig`), its classes and dropout."""
+
     classes: int = 3
     """Output classes."""
     dropout: float = 0.0
     """Dropout after attention and feed-forward."""
 
 
-class Layer(nn.Module):
+class Layer(GeluLayer):
     def __init__(self, cfg: BertConfig):
-        super().__init__()
-        self.heads = cfg.heads
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
-        self.out = nn.Linear(cfg.hidden, cfg.hidden)
-        self.norm1, self.norm2 = nn.LayerNorm(cfg.hidden), nn.LayerNorm(cfg.hidden)
-        self.ff1, self.ff2 = nn.Linear(cfg.hidden, cfg.intermediate), nn.Linear(cfg.intermediate, cfg.hidden)
+        super().__init__(cfg, qkv=nn.Linear(cfg.hidden, 3 * cfg.hidden), out=nn.Linear(cfg.hidden, cfg.hidden))
         self.dropout = cfg.dropout
 
     def forward(self, x, key_padding):
@@ -47,7 +34,7 @@ class Layer(nn.Module):
         mask = key_padding[:, None, None, :]  # True where the key is a real token
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = self.norm1(x + F.dropout(self.out(a.transpose(1, 2).reshape(b, s, d)), self.dropout, self.training))
-        return self.norm2(x + F.dropout(self.ff2(F.gelu(self.ff1(x))), self.dropout, self.training))
+        return self.norm2(x + F.dropout(self.feed_forward(x), self.dropout, self.training))
 
 
 class BertClassifier(nn.Module):

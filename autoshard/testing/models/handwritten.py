@@ -9,31 +9,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .base import GeluLayer, TextConfig
+
 __all__ = ["HandwrittenConfig", "HandwrittenLM"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class HandwrittenConfig:
-    vocab_size: int = 256
-    """Token vocabulary."""
-    hidden: int = 64
-    """Model width."""
-    layers: int = 2
-    """Transformer blocks."""
-    heads: int = 4
-    """Attention heads."""
-    max_positions: int = 512
-    """Learned position table size."""
+class HandwrittenConfig(TextConfig):
+    """The model's sizes, vocabulary and positions (:class:`TextConfig`); a feed-forward 4 times
+    the default ``hidden`` wide."""
+
+    intermediate: int = 256
+    """Feed-forward width."""
 
 
-class Block(nn.Module):
+class Block(GeluLayer):
     def __init__(self, cfg: HandwrittenConfig):
-        super().__init__()
-        self.heads = cfg.heads
-        self.norm1, self.norm2 = nn.LayerNorm(cfg.hidden), nn.LayerNorm(cfg.hidden)
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
-        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
-        self.ff1, self.ff2 = nn.Linear(cfg.hidden, 4 * cfg.hidden), nn.Linear(4 * cfg.hidden, cfg.hidden)
+        super().__init__(cfg, qkv=nn.Linear(cfg.hidden, 3 * cfg.hidden), proj=nn.Linear(cfg.hidden, cfg.hidden))
 
     def forward(self, x):
         b, s, d = x.shape
@@ -44,7 +36,7 @@ class Block(nn.Module):
         probs = F.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
         a = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, d)
         x = x + self.proj(a)
-        return x + self.ff2(F.gelu(self.ff1(self.norm2(x))))
+        return x + self.feed_forward(self.norm2(x))
 
 
 class HandwrittenLM(nn.Module):

@@ -8,23 +8,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .base import TransformerConfig
+
 __all__ = ["LlamaConfig", "LlamaLM"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class LlamaConfig:
+class LlamaConfig(TransformerConfig):
+    """The model's sizes (:class:`TransformerConfig`; ``intermediate`` the SwiGLU width), its vocabulary,
+    key/value heads, RoPE and norm."""
+
     vocab_size: int = 256
     """Token vocabulary."""
-    hidden: int = 64
-    """Model width."""
-    layers: int = 2
-    """Transformer blocks."""
-    heads: int = 4
-    """Query heads."""
     kv_heads: int = 2
     """Key/value heads (grouped-query attention when fewer than ``heads``)."""
-    intermediate: int = 128
-    """SwiGLU width."""
     rope_theta: float = 10000.0
     """RoPE base."""
     eps: float = 1e-6

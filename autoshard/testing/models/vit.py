@@ -8,37 +8,29 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .base import GeluLayer, TransformerConfig
+
 __all__ = ["ViTConfig", "ViTClassifier"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ViTConfig:
+class ViTConfig(TransformerConfig):
+    """The encoder's sizes (:class:`TransformerConfig`), its images and classes."""
+
     image: int = 32
     """Image side in pixels."""
     patch: int = 8
     """Patch side in pixels (the sequence is (image / patch)^2 patches plus the CLS token)."""
     channels: int = 3
     """Input channels."""
-    hidden: int = 64
-    """Model width."""
-    layers: int = 2
-    """Encoder layers."""
-    heads: int = 4
-    """Attention heads."""
-    intermediate: int = 128
-    """Feed-forward width."""
     classes: int = 5
     """Output classes."""
 
 
-class Layer(nn.Module):
+class Layer(GeluLayer):
     def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        self.heads = cfg.heads
-        self.norm1, self.norm2 = nn.LayerNorm(cfg.hidden), nn.LayerNorm(cfg.hidden)
-        self.q, self.k, self.v = (nn.Linear(cfg.hidden, cfg.hidden) for _ in range(3))
-        self.o = nn.Linear(cfg.hidden, cfg.hidden)
-        self.ff1, self.ff2 = nn.Linear(cfg.hidden, cfg.intermediate), nn.Linear(cfg.intermediate, cfg.hidden)
+        q, k, v = (nn.Linear(cfg.hidden, cfg.hidden) for _ in range(3))
+        super().__init__(cfg, q=q, k=k, v=v, o=nn.Linear(cfg.hidden, cfg.hidden))
 
     def forward(self, x):
         b, s, d = x.shape
@@ -46,7 +38,7 @@ class Layer(nn.Module):
         split = lambda t: t.view(b, s, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
         a = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)))
         x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.ff2(F.gelu(self.ff1(self.norm2(x))))
+        return x + self.feed_forward(self.norm2(x))
 
 
 class ViTClassifier(nn.Module):

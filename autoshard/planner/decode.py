@@ -4,17 +4,17 @@
     print(plan)                   # KV cache per rank, bytes per step, memory per rank, the attention calls
     plan.kv_cache_bytes_by_rank, plan.bytes_per_step, plan.memory_per_rank
 
-How: the model runs the prompt once on fake tensors (meta tensors as fake CPU ones, as :mod:`autoshard.planner`
-captures them; nothing is computed or allocated) and returns its KV cache; every cache tensor is made the
-``SplitTensor`` a sequence-parallel prefill leaves it as (the prompt laid out over the ranks, :class:`CacheLayout`);
-dynamo captures the next token's step with that cache, the decode pass rewrites it for the plan's rank exactly as a
-run does (:func:`~autoshard.passes.decode.decode_graph`), and the rewritten step runs on fake tensors under the
-planner's live-bytes follower. So the bytes are counted, not estimated: each rank's cache share is its layout's,
-the merge of every decode attention is the all-gather the rewritten graph calls (``B x H x Sq x (Dv + 1)`` fp32
-values to each other rank), and the step's working set is what its ops make. Memory per rank is the parameters
-(every rank holds them all: sequence parallelism does not shard weights), the rank's cache share, and the step's
-peak above them. The prefill itself is a forward of the sequence-parallel training graph: :func:`autoshard.plan`
-plans it.
+How: the model runs the prompt once on fake tensors (meta tensors as fake CPU ones, as
+:mod:`autoshard.planner.capture` captures them; nothing is computed or allocated) and returns its KV cache; every
+cache tensor is made the ``SplitTensor`` a sequence-parallel prefill leaves it as (the prompt laid out over the
+ranks, :class:`CacheLayout`); dynamo captures the next token's step with that cache, the decode pass rewrites it for
+the plan's rank exactly as a run does (:func:`~autoshard.passes.decode.decode_graph`), and the rewritten step runs
+on fake tensors under the planner's live-bytes follower (:class:`~autoshard.planner.memory.LiveBytes`). So the
+bytes are counted, not estimated: each rank's cache share is its layout's, the merge of every decode attention is
+the all-gather the rewritten graph calls (``B x H x Sq x (Dv + 1)`` fp32 values to each other rank), and the
+step's working set is what its ops make. Memory per rank is the parameters (every rank holds them all: sequence
+parallelism does not shard weights), the rank's cache share, and the step's peak above them. The prefill itself is
+a forward of the sequence-parallel training graph: :func:`autoshard.plan` plans it.
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .config import dynamo_settings
-from .passes.decode import decode_graph, decode_runner
-from .planner import _LiveBytes, _meta_as_fake
-from .policy import format_bytes
-from .runtime.groups import SequenceGroups
-from .runtime.kv_cache import CacheLayout
-from .runtime.layouts import SequenceLayout
-from .runtime.split_tensor import SplitTensor
+from ..config import dynamo_settings
+from ..passes.decode import decode_graph, decode_runner
+from ..policy import format_bytes
+from ..runtime.groups import SequenceGroups
+from ..runtime.kv_cache import CacheLayout
+from ..runtime.layouts import SequenceLayout
+from ..runtime.split_tensor import SplitTensor
+from .capture import meta_as_fake
+from .memory import LiveBytes
 
 __all__ = ["DecodePlan", "plan_decode"]
 
@@ -91,7 +92,7 @@ def plan_decode(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = 
     prefill. The model and the inputs may be on the meta device."""
     kwargs = dict(kwargs or {})
     group = SequenceGroups.planned(rank, world_size).sequence
-    with _meta_as_fake(model, args, kwargs) as (running, args, kwargs):
+    with meta_as_fake(model, args, kwargs) as (running, args, kwargs):
         with running, torch.no_grad():
             prompt = model(*args, **kwargs, use_cache=True)
             cache = getattr(prompt, "past_key_values", None)
@@ -120,7 +121,7 @@ def plan_decode(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = 
             run = decode_runner(decode, rank, group)
 
             def measured(*inputs):  # fake inputs run fake; the runner's index tensors (from ints) stay real
-                live = _LiveBytes()
+                live = LiveBytes()
                 with live:
                     for x in tree_leaves(inputs):
                         if isinstance(x, torch.Tensor):

@@ -1,0 +1,142 @@
+"""Handing carriers across graph boundaries: one codec for the compiler and the planner.
+
+A model compiled as several graphs (graph breaks, per-block compilation, FSDP2's per-layer graphs) hands values
+from one graph to the next as carriers (:mod:`autoshard.runtime.carrier`): split along the sequence
+(:class:`~autoshard.runtime.split_tensor.SplitTensor`), left uncomputed
+(:class:`~autoshard.runtime.deferred.DeferredTensor`), or, out of the last graph, logits computed on first read
+(:class:`~autoshard.runtime.lazy_linear.LazyLinear`). A graph that takes carriers is compiled and run on what they
+hold; what it hands on leaves wrapped again. Both halves are here:
+
+* when a graph is compiled (by the backend, from the carriers dynamo passes as example inputs; by the planner, from
+  what it recorded of the earlier graphs' outputs): :func:`inline_inputs` puts every deferred input's recipe in
+  the graph, the input replaced by what the recipe reads, and :func:`shard_inputs` names the placement of every
+  split input and takes its shard as the example;
+* when it runs (:func:`carrying`): :func:`unwrap_inputs` hands the compiled graph what the carriers hold (a
+  deferred input's recipe inputs, a split input's shard, differentiably) and :func:`wrap_outputs` wraps what it
+  returns (split outputs as ``SplitTensor``, deferred ones as ``DeferredTensor`` of the inputs their recipes read,
+  lazy heads as ``LazyLinear``: :func:`lazy_head`).
+
+Positions: a split input's position is among the inputs with every deferred input already replaced by what its
+recipe reads; the graph's outputs by their position in its output tuple.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from .passes.deferred import DeferredOutput, inline_deferred
+from .passes.lazy import LazyOutput
+from .placements import Shard
+from .runtime.deferred import DeferredTensor, Recipe, defer
+from .runtime.lazy_linear import lazy_linear
+from .runtime.redistribute import grad_scale, grad_sync
+from .runtime.split_tensor import SplitTensor, local_of, wrap
+
+__all__ = ["DeferredInput", "deferred_inputs_of", "split_inputs_of", "inline_inputs", "shard_inputs",
+           "unwrap_inputs", "wrap_outputs", "carrying", "lazy_head"]
+
+
+@dataclass(frozen=True)
+class DeferredInput:
+    """A graph input an earlier graph left uncomputed, as the graph taking it is compiled."""
+
+    recipe: Recipe
+    """How the value is computed."""
+    reads: list
+    """Example values of what the recipe reads, in its placeholder order."""
+    beside: list
+    """What stands for each of them in the list kept beside the example inputs (:func:`inline_inputs`)."""
+
+
+def deferred_inputs_of(inputs: Sequence) -> dict[int, DeferredInput]:
+    """The deferred inputs among example inputs (``DeferredTensor``): position -> what the compile needs of it."""
+    return {i: DeferredInput(x.recipe, list(x.recipe_inputs), list(x.recipe_inputs))
+            for i, x in enumerate(inputs) if isinstance(x, DeferredTensor)}
+
+
+def split_inputs_of(inputs: Sequence, group_name: str) -> dict[int, tuple[Shard, torch.Tensor]]:
+    """The inputs among example inputs that arrive split over ``group_name`` (``SplitTensor``): position -> (their
+    placement, their shard as the example, needing a gradient as the carrier does: the inner compiler traces it)."""
+    return {i: (Shard(x.seq_dim, x.seq_layout), x.local.detach().requires_grad_(x.requires_grad))
+            for i, x in enumerate(inputs) if isinstance(x, SplitTensor) and x.group_name == group_name}
+
+
+def _flatten(values: Sequence, replaced: dict[int, Sequence]) -> list:
+    """``values`` with the one at each position of ``replaced`` replaced by the values it lists."""
+    out = []
+    for i, value in enumerate(values):
+        out.extend(replaced[i] if i in replaced else (value,))
+    return out
+
+
+def inline_inputs(gm: fx.GraphModule, inputs: list, deferred: dict[int, DeferredInput],
+                  beside: list | None = None) -> tuple[fx.GraphModule, list, list | None]:
+    """The graph with the recipe of every input at a position of ``deferred`` inlined
+    (:func:`~autoshard.passes.deferred.inline_deferred`), its example ``inputs`` with each such input replaced by
+    what its recipe reads, and the list ``beside`` them (global inputs, the inputs' sources) with each replaced by
+    its :attr:`DeferredInput.beside`. Unchanged without deferred inputs."""
+    if not deferred:
+        return gm, inputs, beside
+    gm = inline_deferred(gm, {i: d.recipe for i, d in deferred.items()}, {i: d.reads for i, d in deferred.items()})
+    return (gm, _flatten(inputs, {i: d.reads for i, d in deferred.items()}),
+            _flatten(beside, {i: d.beside for i, d in deferred.items()}) if beside is not None else None)
+
+
+def shard_inputs(gm: fx.GraphModule, inputs: list,
+                 split: dict[int, tuple[Shard, torch.Tensor]]) -> tuple[dict[str, Shard], list]:
+    """For the inputs that arrive split (``split``: position -> (placement, example shard)): placeholder name ->
+    placement, and the example inputs with those shards in their place."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return ({placeholders[i].name: shard for i, (shard, _) in split.items()},
+            [split[i][1] if i in split else x for i, x in enumerate(inputs)])
+
+
+def unwrap_inputs(args: Sequence, *, flatten: bool, split: Collection[int]) -> tuple[Sequence, list]:
+    """At run time: (``args`` with every ``DeferredTensor`` replaced by what its recipe reads when ``flatten``,
+    the same with the ``SplitTensor`` at each position of ``split`` replaced by its shard: what the compiled
+    graph is called with). The shard's gradient goes back as a ``SplitTensor``."""
+    flat = _flatten(args, {i: a.recipe_inputs for i, a in enumerate(args) if isinstance(a, DeferredTensor)}) \
+        if flatten else args
+    return flat, [local_of(a) if i in split else a for i, a in enumerate(flat)]
+
+
+def wrap_outputs(out: Sequence, args: Sequence, *, split: dict[int, Shard], deferred: dict[int, DeferredOutput],
+                 lazy: dict[int, Callable], group_name: str) -> Sequence:
+    """At run time: the compiled graph's outputs ``out`` as they leave it, from the inputs ``args`` it was called
+    with (flattened: :func:`unwrap_inputs`): at each position of ``lazy`` made by its function of the output and
+    ``args`` (:func:`lazy_head`), of ``split`` a ``SplitTensor`` over ``group_name``, of ``deferred`` (None from
+    the graph) a ``DeferredTensor`` of the inputs its recipe reads."""
+    out = type(out)(lazy[i](o, args) if i in lazy else o for i, o in enumerate(out))
+    return type(out)(wrap(o, split[i].dim, split[i].layout, group_name) if i in split
+                     else defer(deferred[i].recipe, [args[j] for j in deferred[i].inputs])
+                     if i in deferred else o for i, o in enumerate(out))
+
+
+def carrying(fn: Callable, *, flatten: bool, split_inputs: Collection[int], split_outputs: dict[int, Shard],
+             deferred_outputs: dict[int, DeferredOutput], lazy_outputs: dict[int, Callable],
+             group_name: str) -> Callable:
+    """``fn`` (a compiled per-rank graph) called on what its carrier inputs hold (:func:`unwrap_inputs`), its
+    outputs wrapped as they leave (:func:`wrap_outputs`)."""
+    def run(*args):
+        flat, local = unwrap_inputs(args, flatten=flatten, split=split_inputs)
+        return wrap_outputs(fn(*local), flat, split=split_outputs, deferred=deferred_outputs, lazy=lazy_outputs,
+                            group_name=group_name)
+    return run
+
+
+def lazy_head(h: torch.Tensor, args: Sequence, *, spec: LazyOutput, group_name: str, summed: bool, world: int,
+              host: bool) -> torch.Tensor:
+    """The lazy logits of the head ``spec`` (:class:`~autoshard.passes.lazy.LazyOutput`) from the graph's output
+    ``h`` and its inputs ``args`` (``h`` held in host memory when ``host``: with ``offload``). On split tokens, the
+    head's parameters take this rank's share of their gradient the way the graph's own uses do: ``summed`` over the
+    group (``grad_sync``), or multiplied by its size."""
+    weight, bias = args[spec.weight], args[spec.bias] if spec.bias is not None else None
+    if spec.split:
+        weight, bias = (p if p is None else grad_sync(p, group_name) if summed else grad_scale(p, world)
+                        for p in (weight, bias))
+    return lazy_linear(h, weight, bias, dtype=spec.dtype, host=host)
