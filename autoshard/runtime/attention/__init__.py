@@ -31,7 +31,7 @@ the tiles that straddle a chunk boundary (the Triton kernels narrow each query t
 chunks, the same per key tile in the backward).
 """
 
-# registers the strategies, in the order the cost model lists them (that of config.STRATEGIES)
+# registers the strategies, in the order the cost model lists them (that of config.STRATEGY_CHOICES)
 from . import ring, zigzag, allgather, ulysses, hybrid  # noqa: F401, I001
 from .allgather import allgather_attention
 from .api import attention
