@@ -204,7 +204,7 @@ def _run(world: int, slow: bool):
 
 
 @functools.cache
-def _results(world: int, slow: bool = False):
+def _results(world: int, slow: bool):
     return run_on_ranks(_run, world, world, slow, timeout=600)
 
 
@@ -228,7 +228,7 @@ def test_activation_checkpointing_keeps_attention_distributed(case):
 
 
 def test_checkpointed_model_at_new_lengths():
-    for rank, results in enumerate(_results(2)):
+    for rank, results in enumerate(_results(2, False)):
         assert results["lengths"] <= TOLERANCE, f"rank {rank}: off by {results['lengths']:.2e}"
 
 
@@ -247,12 +247,12 @@ def test_training_on_a_dp_sp_mesh_matches_one_process(kind):
 
 
 def test_loss_over_the_global_batch_with_uneven_targets_and_accumulation():
-    for rank, results in enumerate(_results(4)):
+    for rank, results in enumerate(_results(4, False)):
         assert results["accumulated"] <= 1e-10, f"rank {rank}: gradients differ by {results['accumulated']:.2e}"
 
 
 def test_a_mesh_with_other_axes_is_refused():
-    for results in _results(4):
+    for results in _results(4, False):
         assert "mesh['sp']" in results["refused"]["dp_sp"], results["refused"]
         assert "unnamed" in results["refused"]["unnamed"], results["refused"]
 
