@@ -8,6 +8,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from autoshard.passes.lazy import LAZY_RATIO, LazyOutput, kv_cache_outputs, lazy_outputs
+from autoshard.testing.graphs import dynamo_graph
 
 TOKENS, HIDDEN = 5, 4
 VOCAB = LAZY_RATIO * HIDDEN
@@ -16,16 +17,7 @@ VOCAB = LAZY_RATIO * HIDDEN
 def _captured(fn, *inputs) -> fx.GraphModule:
     """Dynamo's graph of ``fn``, as the backend receives it (the functions below read their arguments in order: they
     are the graph's inputs in that order)."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    (gm,) = graphs
-    return gm
+    return dynamo_graph(fn, *inputs)
 
 
 def _linears(gm: fx.GraphModule) -> int:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from autoshard.passes.static_cache import static_prefill, static_prefill_runner
+from autoshard.testing.graphs import dynamo_graph
 
 BATCH, HEADS, KV_HEADS, PROMPT, CAPACITY, HEAD_DIM = 2, 4, 2, 6, 10, 8
 SEQ_DIM = 2
@@ -16,16 +17,7 @@ SEQ_DIM = 2
 def _captured(fn, *inputs):
     """Dynamo's graph of ``fn`` (with example values), as the backend receives it (the functions below read their
     arguments in order: they are the graph's inputs in that order)."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    (gm,) = graphs
-    return gm
+    return dynamo_graph(fn, *inputs)
 
 
 def _buffers(start, k, v):

@@ -8,19 +8,12 @@ import torch
 
 from autoshard.passes.functionalize import functionalize
 from autoshard.passes.normalize import canonicalize
+from autoshard.testing.graphs import dynamo_graph
 
 
 def _graph(fn, *inputs):
     """Dynamo's graph of ``fn`` (with example values), as the backend receives it."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    (gm,) = graphs
+    gm = dynamo_graph(fn, *inputs)
     canonicalize(gm)
     return gm
 
