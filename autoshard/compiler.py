@@ -17,6 +17,9 @@ one check's keys per group in the store.
 
 A dynamic-shape graph (dynamo's symbolic sizes, after a second sequence length) is compiled once per
 distinct set of sizes; the ``SIZES_CACHED`` sets of sizes used most recently keep their compiled graph.
+Every compilation is counted with its cause (:class:`Cause`: a new graph, a dynamo recompile and the guard that
+failed, a new sequence length, batch size or dtype of a dynamic graph, sizes dropped from the cache, a new mask
+structure); :func:`explain` prints the counts, so a user who sees a compile per step learns why.
 Every rank makes the same cache decision on every call: with split inputs (``inputs="sharded"``) the
 ranks' local lengths differ, so on every call they all-gather their local lengths and a digest of their
 other sizes (a few bytes, counted as ``"metadata"``) and key the cache on all ranks' lengths; a rank
@@ -46,7 +49,7 @@ from .passes.decode import cache_written_in_place, decode_runner
 from .passes.dense_masks import dense_mask_runner
 from .passes.static_cache import static_prefill_runner
 from .passes.ops import value_of
-from .passes.pipeline import DynamoGraph, GraphKind, compile_graph, graph_kind, source_name
+from .passes.pipeline import DynamoGraph, GraphKind, compile_graph, graph_kind, input_name, source_name
 from .passes.report import CompileReport
 from .passes.specialize import size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
@@ -61,7 +64,7 @@ from .runtime.split_tensor import SplitTensor
 from .runtime.groups import (GroupLike, check_sequence_mesh, default_store, sequence_group,
                              sequence_groups)
 
-__all__ = ["backend", "compile", "AutoshardBackend", "autoshard_backend", "GraphRecord", "explain"]
+__all__ = ["backend", "compile", "AutoshardBackend", "autoshard_backend", "GraphRecord", "Cause", "CAUSES", "explain"]
 
 logger = logging.getLogger("autoshard")
 """The package's logger: ``backend(dry_run=True)`` logs its plan here (INFO, rank 0)."""
@@ -78,6 +81,38 @@ _LAST_CHECK: dict[str, int] = {}
 """Group name -> number of this rank's last graph check in that group (whose store key it still holds)."""
 
 
+CAUSES = ("new graph", "recompiled by dynamo", "new sequence length", "new batch size", "new dtype",
+          "sizes dropped from the cache", "new variant")
+"""Why the backend compiles a graph (:class:`Cause`), in the order :func:`explain` counts them."""
+
+
+@dataclass(frozen=True)
+class Cause:
+    """Why a graph was compiled."""
+
+    kind: str
+    """One of :data:`CAUSES`: ``new graph`` (dynamo handed over a graph, first of its code or after a graph
+    break), ``recompiled by dynamo`` (a guard of an earlier graph failed), ``new sequence length`` / ``new batch
+    size`` / ``new dtype`` (a dynamic graph called with sizes not compiled before), ``sizes dropped from the
+    cache`` (compiled before, evicted since: more than ``SIZES_CACHED`` sets of sizes in use), ``new variant``
+    (another variant of a graph already counted: a mask structure, a cache prefill's dense variant)."""
+    detail: str = ""
+    """What changed, e.g. dynamo's failed guard or ``input 2 dim 1: 61 -> 64``."""
+
+    def describe(self) -> str:
+        return self.kind + (f" ({self.detail})" if self.detail else "")
+
+
+def _dynamo_cause(seen: list[int]) -> Cause:
+    """The cause of dynamo handing over a graph: the newest guard failure dynamo reported since the last call
+    (``seen[0]`` counts the reasons read before), else a new graph."""
+    reasons = [r for failures in list(torch._dynamo.utils.guard_failures.values()) for r in failures]
+    fresh, seen[0] = reasons[seen[0]:], len(reasons)
+    if fresh:
+        return Cause("recompiled by dynamo", " ".join(str(fresh[-1]).split())[:200])
+    return Cause("new graph")
+
+
 @dataclass
 class GraphRecord:
     """What the backend keeps of a graph it compiled: what reports read, nothing that holds the graphs."""
@@ -88,6 +123,8 @@ class GraphRecord:
     """Global shapes of the outputs the graph gathers whole."""
     splits_sequence: bool
     """Whether anything in the graph is split along a sequence."""
+    cause: Cause = Cause("new graph")
+    """Why it was compiled."""
 
 
 class AutoshardBackend:
@@ -98,6 +135,11 @@ class AutoshardBackend:
         self.config = config or BackendConfig()
         self.compiled: deque[GraphRecord] = deque(maxlen=RECORDS_KEPT)
         """What reports need of the graphs compiled on this rank, newest last (the last ``RECORDS_KEPT``)."""
+        self.compilations: Counter[str] = Counter()
+        """Cause kind (:data:`CAUSES`) -> graphs this backend compiled on this rank for it (all of them)."""
+        self._cause = Cause("new graph")
+        """Why the next graph this backend compiles is compiled (then ``new variant`` until set again)."""
+        self._guard_failures_seen = [0]
         self._warned_whole_cache = False
         trace_checkpointed_layers()
 
@@ -120,6 +162,7 @@ class AutoshardBackend:
             raise ValueError(f"autoshard: torch.compile options {sorted(options)} are inductor's; autoshard takes its "
                              "settings as autoshard.backend(**settings) (see autoshard.BackendConfig)")
         pg = self._sequence_group()
+        self._cause = _dynamo_cause(self._guard_failures_seen)
         graph = DynamoGraph(gm=gm, example_inputs=example_inputs, dry_run=self.config.dry_run, rank=pg.rank(),
                             group_name=pg.group_name)
         kind = graph_kind(graph)
@@ -263,6 +306,8 @@ class AutoshardBackend:
                 "loss computed in a separate graph); the code after the break runs unsplit on every rank. With "
                 "outputs='split' (the default) the next graph takes them still split.")
         _warn_undistributed(record.report)
+        record.cause, self._cause = self._cause, Cause("new variant")
+        self.compilations[record.cause.kind] += 1
         self.compiled.append(record)
 
     def compile_for_sizes(self, gm: fx.GraphModule, args: list, dims: list | None = None,
@@ -308,6 +353,12 @@ class _PerSizes:
     def __init__(self, backend: AutoshardBackend, gm: fx.GraphModule, example_inputs: list):
         self.backend, self.gm = backend, gm
         self.cache: OrderedDict[tuple, Callable] = OrderedDict()
+        self.compiled_keys: set[tuple] = set()
+        """Every key compiled so far (evicted ones too): a key compiled again was dropped from the cache."""
+        self.names = [input_name(n) or n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        """The inputs' names in the user's code (what a cause names)."""
+        self.last_args: tuple | None = None
+        """The shapes and dtypes (:func:`size_key`) of the latest call, what a new one is compared with."""
         self.split_dims = _split_dims(gm, example_inputs) if backend.config.inputs == "sharded" else []
         if backend.config.inputs == "sharded" and not self.split_dims:
             raise ValueError(_NO_SHARDED_INPUT)
@@ -324,12 +375,36 @@ class _PerSizes:
         if fn is None:
             if lengths is not None:
                 self._check_layout(lengths)
+            if self.last_args is not None:
+                self.backend._cause = self._cause_of(key)
+            self.compiled_keys.add(key)
             fn = self.cache[key] = self.backend.compile_for_sizes(self.gm, list(args), self.split_dims, lengths)
             if len(self.cache) > SIZES_CACHED:
                 self.cache.popitem(last=False)
         else:
             self.cache.move_to_end(key)
+        self.last_args = key[0]
         return fn(*args)
+
+    def _cause_of(self, key: tuple) -> Cause:
+        """Why sizes ``key`` are compiled, against the latest call's: compiled before and dropped from the cache,
+        or what changed -- a dtype, a leading dim of a multi-dim input alone (the batch), else the sequence."""
+        if key in self.compiled_keys:
+            return Cause("sizes dropped from the cache", f"more than SIZES_CACHED={SIZES_CACHED} sets of sizes in use")
+        changed, dtypes = [], []
+        for i, (new, old) in enumerate(zip(key[0], self.last_args)):
+            if isinstance(new, tuple) and isinstance(old, tuple):
+                (shape, dtype), (old_shape, old_dtype) = new, old
+                if dtype != old_dtype:
+                    dtypes.append(f"{self.names[i]}: {old_dtype} -> {dtype}")
+                changed += [(i, d, len(shape)) for d, (a, b) in enumerate(zip(shape, old_shape)) if a != b]
+        if dtypes:
+            return Cause("new dtype", ", ".join(dtypes))
+        detail = ", ".join(f"{self.names[i]} dim {d}: {self.last_args[i][0][d]} -> {key[0][i][0][d]}"
+                           for i, d, _ in changed[:3])
+        if changed and all(d == 0 and ndim > 1 for _, d, ndim in changed):
+            return Cause("new batch size", detail)
+        return Cause("new sequence length", detail or "a length passed as an int")
 
     def _split_lengths(self, args) -> tuple[tuple[int, ...], ...]:
         """Every rank's local lengths of the split dims (``[rank][dim]``), all-gathered with a digest of each
@@ -492,15 +567,17 @@ def backend(group: GroupLike = None, config: BackendConfig | None = None, **over
     return AutoshardBackend(group, config)
 
 
-def _describe(index: int, report: CompileReport) -> list[str]:
-    """A compiled graph's report, as :func:`explain` prints it."""
+def _describe(index: int, record: GraphRecord) -> list[str]:
+    """A compiled graph's record, as :func:`explain` prints it."""
+    report = record.report
     strategies = Counter(a["strategy"] for a in report.attention)
     counts = {name: stats.counts for name, stats in report.passes.items()}
     deferred = counts.get("defer", {}).get("deferred", 0)
     lines = [f"graph {index}: {len(report.attention)} attention call(s)"
              + (f" ({', '.join(f'{n} {k}' for k, n in strategies.items())})" if strategies else "")
              + f", {len(report.comms)} collective(s), {len(report.fallbacks)} fallback(s)"
-             + (f", {deferred} output(s) handed on uncomputed" if deferred else "")]
+             + (f", {deferred} output(s) handed on uncomputed" if deferred else "")
+             + f"; compiled for: {record.cause.describe()}"]
     if report.square_values:
         lines.append(f"  sequence x sequence values: {', '.join(report.square_values)}")
     lines += [f"  fallback {f.node} ({f.op}): {f.reason}" for f in report.fallbacks]
@@ -531,7 +608,9 @@ def explain(compiled_by: AutoshardBackend | Any = None) -> str:
                         f"not {type(compiled_by).__name__}")
     if source is None or not source.compiled:
         return "autoshard: nothing compiled on this rank yet"
-    lines = [line for i, record in enumerate(source.compiled) for line in _describe(i, record.report)]
+    counts = ", ".join(f"{source.compilations[kind]} {kind}" for kind in CAUSES if source.compilations[kind])
+    lines = [f"compilations on this rank: {sum(source.compilations.values())} ({counts})"]
+    lines += [line for i, record in enumerate(source.compiled) for line in _describe(i, record)]
     documents = last_dispatch()
     if documents is not None:
         lines.append(f"packed documents, latest attention: {documents.summary()}")

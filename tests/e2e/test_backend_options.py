@@ -130,17 +130,23 @@ def test_sharded_inputs_split_unlike_the_layout_fail_on_every_rank():
 
 def _new_lengths():
     model, ref, _, _ = _llama_and_batch(8)
-    compiled = torch.compile(model, backend=autoshard.backend())
+    backend = autoshard.backend()
+    compiled = torch.compile(model, backend=backend)
     errors = []
-    for seq in (9, 8, 7, 12):  # the second length makes dynamo recompile with symbolic sizes
+    for seq in (9, 8, 7, 12, 8):  # the second length makes dynamo recompile with symbolic sizes
         ids = torch.randint(0, 256, (2, seq))
         errors.append((compiled(ids, ids)[0] - ref(ids, ids)[0]).abs().item())
-    return errors
+    return errors, dict(backend.compilations), autoshard.explain(backend)
 
 
 def test_new_sequence_lengths_recompile_and_stay_exact():
-    for errors in run_on_ranks(_new_lengths, 2):
+    """Each length compiles once, every compilation counted with its cause (a length seen before does not)."""
+    for errors, compilations, explained in run_on_ranks(_new_lengths, 2):
         assert max(errors) < 1e-12, errors
+        assert compilations == {"new graph": 1, "recompiled by dynamo": 1, "new sequence length": 2}, compilations
+        assert explained.startswith("compilations on this rank: 4 (1 new graph, 1 recompiled by dynamo, "
+                                    "2 new sequence length)"), explained
+        assert "new sequence length (input_ids dim 1: 8 -> 7" in explained, explained
 
 
 def _world_of_one():

@@ -208,5 +208,7 @@ def test_explain_names_what_the_backend_did():
     """``autoshard.explain()``: the reports of ``backend="autoshard"`` by name, or of a given backend."""
     for before, by_name, levers in run_on_ranks(_explained, 2, timeout=300):
         assert before == "autoshard: nothing compiled on this rank yet"
-        assert by_name.startswith("graph 0: 3 attention call(s)") and "0 fallback(s)" in by_name, by_name
+        first, graph = by_name.splitlines()[:2]
+        assert first == "compilations on this rank: 1 (1 new graph)", by_name
+        assert graph.startswith("graph 0: 3 attention call(s)") and "0 fallback(s)" in graph, by_name
         assert f"{CONFIG['layers']} recomputed regions" in levers and f"{CONFIG['layers']} chunked MLP blocks" in levers, levers

@@ -1,0 +1,115 @@
+"""Variable sequence lengths: compilations and time per token of a training loop whose packed length changes
+every step, against the same loop at one length (a table, no assertions).
+
+    python benchmarks/lengths.py                     # 2900-4096 and 12000-16384 tokens, P = 2 and 4 (long)
+    python benchmarks/lengths.py --ranges 2900-4096 --worlds 2 --steps 6     # quicker
+
+Model: transformers ``LlamaForCausalLM`` from a config (vocab 8000, 4 layers, hidden 256, 8 heads / 2 kv heads,
+float32, random weights), ``autoshard.compile(model)`` on P gloo ranks (one thread each), one row per step packed
+with documents of 200-900 tokens (``position_ids`` restarting at each, as transformers'
+``DataCollatorWithFlattening`` makes them), forward + backward of the causal-LM loss and an SGD step. Two loops in
+one launch, each after a warm-up step at its first length:
+
+* ``varying``: ``--steps`` steps, each at a new length drawn from the range (what a padding-free fine-tuning run
+  sees: every micro-batch a different total length);
+* ``fixed``: the same number of steps at the range's top length (the same documents' distribution).
+
+Columns: the compilations the backend counted in the timed steps (``autoshard.explain()``'s causes), tokens,
+seconds, milliseconds per 1K tokens, and ``varying / fixed`` of the time per token -- the price of a new length.
+Issue 37's goal: at most 3 compilations for 12 lengths, ``varying / fixed`` <= 1.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard.testing import run_on_ranks
+
+try:
+    from _common import print_table
+except ImportError:  # run as a module
+    from benchmarks._common import print_table
+
+HEADS, HEAD_DIM = 8, 32
+
+
+def _model():
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=8000, hidden_size=HEADS * HEAD_DIM, intermediate_size=688,
+                                   num_hidden_layers=4, num_attention_heads=HEADS, num_key_value_heads=2,
+                                   max_position_embeddings=65536)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def _batch(length: int, seed: int) -> dict:
+    """One packed row of ``length`` tokens: documents of 200-900 tokens, positions restarting at each."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = []
+    while sum(docs) < length:
+        docs.append(int(torch.randint(200, 901, (1,), generator=gen)))
+    docs[-1] -= sum(docs) - length
+    ids = torch.randint(0, 8000, (1, length), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in docs if n > 0])[None]
+    return dict(input_ids=ids, labels=ids, position_ids=positions, use_cache=False)
+
+
+def _loop(lengths: list[int], seed: int) -> tuple[int, float, int]:
+    """(compilations, seconds, tokens) of the steps after the first (a warm-up) at ``lengths``."""
+    model = _model()
+    compiled = autoshard.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step(length: int, i: int) -> None:
+        compiled(**_batch(length, seed + i)).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(lengths[0], 0)
+    before = sum(compiled.autoshard_backend.compilations.values())
+    dist.barrier()
+    start = time.perf_counter()
+    for i, length in enumerate(lengths[1:], 1):
+        step(length, i)
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    return sum(compiled.autoshard_backend.compilations.values()) - before, seconds, sum(lengths[1:])
+
+
+def _measure(low: int, high: int, steps: int) -> dict:
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(low)
+    varying = [high] + [int(torch.randint(low, high + 1, (1,), generator=gen)) for _ in range(steps)]
+    return {"varying": _loop(varying, 0), "fixed": _loop([high] * (steps + 1), 0)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranges", default="2900-4096,12000-16384", help="comma-separated low-high token ranges")
+    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per loop (new lengths in 'varying')")
+    args = parser.parse_args()
+    rows = []
+    for text in args.ranges.split(","):
+        low, high = (int(x) for x in text.split("-"))
+        for world in (int(w) for w in args.worlds.split(",")):
+            result = run_on_ranks(_measure, world, low, high, args.steps, timeout=3600)[0]
+            per_token = {run: seconds / tokens for run, (_, seconds, tokens) in result.items()}
+            for run, (compilations, seconds, tokens) in result.items():
+                rows.append([f"{low}-{high}", world, run, compilations, tokens, f"{seconds:.1f}",
+                             f"{1e3 * per_token[run] * 1e3:.1f}",
+                             f"{per_token[run] / per_token['fixed']:.2f}"])
+    print_table(f"{args.steps} training steps per loop, transformers Llama (4 layers, hidden 256), CPU gloo",
+                ["lengths", "P", "loop", "compilations", "tokens", "seconds", "ms / 1K tokens", "varying / fixed"],
+                rows)
+
+
+if __name__ == "__main__":
+    main()
