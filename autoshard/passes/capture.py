@@ -92,18 +92,21 @@ def dense_mask_of(q_len: int, k_len: int, causal: bool, window, key_mask, segmen
 
 def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None,
                        chunk=0, scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero", alibi_slopes=None,
-                       position_bias=None):
+                       position_bias=None, sinks=None):
     """Attention with a structured mask, on whole tensors (what one device computes). ``empty_rows``: what
     a row with no visible key gets (see :attr:`~autoshard.passes.masks.MaskData.empty_rows`). ``chunk``: chunked
     local attention (query i sees key j only if i // chunk == j // chunk; 0: none). ``softcap``: see the
     module docstring. ``alibi_slopes``: ALiBi, ``[H]`` slopes; every visible score gets ``slope[h] * (k - q)``
-    after the cap. ``position_bias``: ``[H, 2R + 1]``, every visible score gets ``position_bias[h, k - q + R]``."""
+    after the cap. ``position_bias``: ``[H, 2R + 1]``, every visible score gets ``position_bias[h, k - q + R]``.
+    ``sinks``: ``[H]`` attention sinks (gpt-oss), one more logit per row in the softmax, whose key has value 0."""
     structured = causal or window is not None or chunk or key_mask is not None or segment_ids is not None
     mask = (dense_mask_of(q.size(-2), k.size(-2), causal, window, key_mask, segment_ids, q.device, chunk)
             if structured else None)
     if dense_mask is not None:
         mask = dense_mask if mask is None else (mask & dense_mask if dense_mask.dtype == torch.bool
                                                 else dense_mask.masked_fill(~mask, float("-inf")))
+    if sinks is not None:
+        return _with_sinks(q, k, v, mask, sinks, scale=scale, softcap=softcap, dropout_p=dropout_p)
     if alibi_slopes is not None or position_bias is not None:
         return _with_bias(q, k, v, mask, alibi_slopes, position_bias, scale=scale, softcap=softcap,
                           dropout_p=dropout_p, empty_rows=empty_rows)
@@ -119,6 +122,23 @@ def captured_attention(q, k, v, key_mask=None, segment_ids=None, dense_mask=None
                      F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=k.size(-3) != q.size(-3)))
         out = torch.where(empty, every_key.to(out.dtype), out)
     return out
+
+
+def _with_sinks(q, k, v, mask, sinks, *, scale, softcap, dropout_p):
+    """:func:`captured_attention` with attention sinks, written out as gpt-oss computes it: the sink logit joins
+    every row's scores, the softmax runs over both, the sink's column is dropped (a row that sees no key gives
+    0)."""
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    group = q.size(-3) // k.size(-3)
+    k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1]
+    return F.dropout(probs, dropout_p).to(v.dtype) @ v
 
 
 def _with_bias(q, k, v, mask, alibi_slopes, position_bias, *, scale, softcap, dropout_p, empty_rows):
@@ -148,11 +168,12 @@ def _with_bias(q, k, v, mask, alibi_slopes, position_bias, *, scale, softcap, dr
 
 @register_canonical("attention", functions=[captured_attention])
 def _bind_captured(q, k, v, key_mask=None, segment_ids=None, dense_mask=None, *, causal=False, window=None, chunk=0,
-                   scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero", alibi_slopes=None, position_bias=None):
+                   scale=None, softcap=0.0, dropout_p=0.0, empty_rows="zero", alibi_slopes=None, position_bias=None,
+                   sinks=None):
     return {"q": q, "k": k, "v": v, "key_mask": key_mask, "segment_ids": segment_ids, "dense_mask": dense_mask,
             "causal": causal, "window": window, "chunk": chunk, "scale": scale, "softcap": softcap,
             "dropout_p": dropout_p, "empty_rows": empty_rows, "alibi_slopes": alibi_slopes,
-            "position_bias": position_bias, "captured": True}
+            "position_bias": position_bias, "sinks": sinks, "captured": True}
 
 
 # ----------------------------------------------------------------------------- pattern helpers
@@ -298,10 +319,64 @@ def _is_masking_fill(value) -> bool:
     return isinstance(value, (int, float)) and value <= MASKING_FILL
 
 
+def _sink_softmax(node: fx.Node):
+    """(softmax, scores, sinks) when ``node`` is gpt-oss's attention sinks: ``softmax(cat([scores, sink], -1) -
+    rowmax)[..., :-1]``, ``sink`` the ``[H]`` sink logits expanded to one column per row (the rowmax, which the
+    softmax does not see, is optional); None otherwise."""
+    if node.target is not operator.getitem or not is_tensor_node(node.args[0]):
+        return None
+    probs, index = _skip(node.args[0]), node.args[1]
+    last = index[-1] if isinstance(index, tuple) else index
+    if (not isinstance(last, slice) or last.start not in (None, 0) or last.stop != -1 or last.step not in (None, 1)
+            or not all(i is Ellipsis or i == slice(None) for i in (index[:-1] if isinstance(index, tuple) else ()))
+            or (Ellipsis not in index if isinstance(index, tuple) else False) and len(index) != len(shape_of(probs))):
+        return None
+    s_op = _op(probs)
+    if s_op is None or s_op.name != "softmax" or s_op["dim"] % len(shape_of(probs)) != len(shape_of(probs)) - 1:
+        return None
+    combined = _skip(s_op["input"])
+    if combined.target is operator.sub and _is_rowmax(combined.args[1], combined.args[0]):
+        combined = combined.args[0]
+    if combined.target is not torch.cat or len(combined.args[0]) != 2:
+        return None
+    dim = combined.args[1] if len(combined.args) > 1 else combined.kwargs.get("dim", 0)
+    if dim % len(shape_of(combined)) != len(shape_of(combined)) - 1:
+        return None
+    scores, column = combined.args[0]
+    sinks = column
+    while True:  # back through the expand and the views (reshape, unsqueeze, x[None, :, None, None]) that made it
+        op = _op(sinks)
+        if op is not None and op.name in ("expand", "view", "identity", "to"):
+            sinks = op["input"]
+        elif sinks.target is operator.getitem and all(i is None or i == slice(None) for i in (
+                sinks.args[1] if isinstance(sinks.args[1], tuple) else (sinks.args[1],))):
+            sinks = sinks.args[0]
+        else:
+            break
+    if not is_tensor_node(sinks) or shape_of(sinks) != (shape_of(scores)[-3],) or shape_of(column)[-1] != 1:
+        return None
+    return probs, scores, sinks
+
+
+def _is_rowmax(node, of: fx.Node) -> bool:
+    """Whether ``node`` is ``of.max(dim=-1, keepdim=True)`` (its values) or ``of.amax(-1, keepdim=True)``."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.target is operator.getitem and node.args[1] == 0:
+        node = node.args[0]
+    if node.target not in ("max", "amax", torch.max, torch.amax) or node.args[0] is not of:
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
+    return isinstance(dim, int) and dim % len(shape_of(of)) == len(shape_of(of)) - 1 and bool(keep)
+
+
 def _handwritten(graph: fx.Graph, node: fx.Node):
-    """(q, k, v, mask, scale, softcap, dropout_p, fill) when ``node`` is ``matmul(softmax(scores), v)``; a string
-    saying what did not match when ``node`` is ``matmul(softmax(x), v)`` but ``x`` is not scaled (and maybe
-    soft-capped) ``q @ k^T`` plus a mask (an attention that cannot be captured); None otherwise."""
+    """(q, k, v, mask, scale, softcap, dropout_p, fill, sinks) when ``node`` is ``matmul(softmax(scores), v)`` (or
+    gpt-oss's softmax with attention sinks, :func:`_sink_softmax`); a string saying what did not match when ``node``
+    is ``matmul(softmax(x), v)`` but ``x`` is not scaled (and maybe soft-capped) ``q @ k^T`` plus a mask (an
+    attention that cannot be captured); None otherwise."""
     op = _op(node)
     if op is None or op.name != "matmul":
         return None
@@ -312,12 +387,14 @@ def _handwritten(graph: fx.Graph, node: fx.Node):
     if d_op is not None and d_op.name == "dropout":
         dropout_p = float(d_op["p"]) if d_op["training"] else 0.0
         probs = _skip(d_op["input"])
+    with_sinks = _sink_softmax(probs)
+    probs, scores, sinks = with_sinks if with_sinks is not None else (probs, None, None)
     s_op = _op(probs)
     if s_op is None or s_op.name != "softmax" or "log" in str(probs.target):
         return None
     if s_op["dim"] % len(shape_of(probs)) != len(shape_of(probs)) - 1:
         return None
-    scores, mask, fill = _masked(graph, _skip(s_op["input"]), node)
+    scores, mask, fill = _masked(graph, _skip(scores if sinks is not None else s_op["input"]), node)
     scores, softcap, cap_factor = _soft_capped(_skip(scores))
     scores, scale = _constant_scale(_skip(scores))
     scale *= cap_factor
@@ -330,7 +407,7 @@ def _handwritten(graph: fx.Graph, node: fx.Node):
     k = _transposed_last(kt)
     if k is None or not all(is_tensor_node(t) and len(shape_of(t)) == 4 for t in (q, k, v)):
         return None
-    return q, k, v, mask, scale, softcap, dropout_p, fill
+    return q, k, v, mask, scale, softcap, dropout_p, fill, sinks
 
 
 def _unknown_buffers(mask) -> tuple[str, ...]:
@@ -430,14 +507,14 @@ def capture_attention(gm: fx.GraphModule, missed: list[Fallback] | None = None) 
         if op is not None and op.name == "attention" and node.target is not captured_attention:
             q, k, v = op["q"], op["k"], op["v"]
             mask, causal, scale, dropout_p = op["attn_mask"], bool(op["is_causal"]), op["scale"], float(op["dropout_p"])
-            fill, softcap = None, 0.0
+            fill, softcap, sinks = None, 0.0, None
         elif op is not None and op.name == "matmul":
             found = _handwritten(graph, node)
             if isinstance(found, str) and missed is not None:
                 missed.append(Fallback(node.name, "matmul", found))
             if not isinstance(found, tuple):
                 continue
-            q, k, v, mask, scale, softcap, dropout_p, fill = found
+            q, k, v, mask, scale, softcap, dropout_p, fill, sinks = found
             causal = False
         else:
             continue
@@ -457,7 +534,11 @@ def capture_attention(gm: fx.GraphModule, missed: list[Fallback] | None = None) 
         kwargs = {"causal": spec.causal, "window": spec.window_arg, "chunk": spec.chunk,
                   "scale": float(scale) if scale is not None else 1.0 / math.sqrt(shape_of(q)[-1]),
                   "softcap": softcap, "dropout_p": dropout_p,
-                  "empty_rows": empty_rows_of(fill) if fill is not None else data.empty_rows}
+                  # with sinks a row that sees no key gives 0 whatever its scores are filled with: the sink takes it
+                  "empty_rows": "zero" if sinks is not None else empty_rows_of(fill) if fill is not None
+                  else data.empty_rows}
+        if sinks is not None:
+            kwargs["sinks"] = sinks
         if data.alibi_slopes is not None:
             kwargs["alibi_slopes"] = data.alibi_slopes
         if data.position_bias is not None:

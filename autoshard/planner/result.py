@@ -30,7 +30,7 @@ from ..step_time import LayerTime, StepTime
 __all__ = ["MASK_TERMS", "AttentionDecision", "Collective", "MemoryEstimate", "PlanFallback", "Plan"]
 
 
-MASK_TERMS = ("causal", "window", "chunk", "key_mask", "segment_ids", "alibi", "position_bias", "dropout")
+MASK_TERMS = ("causal", "window", "chunk", "key_mask", "segment_ids", "alibi", "position_bias", "sinks", "dropout")
 """The keys of an attention report that the plan's mask column names, in order."""
 
 
@@ -45,7 +45,7 @@ class AttentionDecision:
     reason: str
     mask: str
     """What structures the mask (``causal``, ``window``, ``chunk C``, ``key_mask``, ``segment_ids``) and the score
-    terms the distributed op adds (``alibi``, ``position_bias``, ``dropout``), ``dense`` (kept whole), ``unknown`` (computed from buffers whose values a plan on the meta device does not have; planned
+    terms the distributed op adds (``alibi``, ``position_bias``, ``sinks``, ``dropout``), ``dense`` (kept whole), ``unknown`` (computed from buffers whose values a plan on the meta device does not have; planned
     dense), or ``none``."""
     shape: dict
     """B, S, H, Hkv, D (query/key head dim), Dv (value head dim), dtype."""

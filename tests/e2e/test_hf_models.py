@@ -80,6 +80,14 @@ def build(name: str, seq: int, impl: str):
             mask = torch.ones(2, seq, dtype=torch.long)
             mask[0, :3] = 0
             kwargs["attention_mask"] = mask
+    elif name.startswith("gpt_oss"):  # attention sinks, sliding-window and global layers in turn, experts
+        cfg = T.GptOssConfig(num_key_value_heads=2, head_dim=16, sliding_window=seq // 3, num_local_experts=4,
+                             num_experts_per_tok=2, initializer_range=0.2, **SMALL)
+        cls = T.GptOssForCausalLM
+        if "pad" in name:  # left padding: the first rows see no key, and the sink takes all their attention
+            mask = torch.ones(2, seq, dtype=torch.long)
+            mask[0, :3] = 0
+            kwargs["attention_mask"] = mask
     elif name == "vit":  # 32x32 images, 8x8 patches: 16 patches + CLS = 17 tokens (odd)
         cfg = T.ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                           image_size=32, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -186,3 +194,19 @@ def test_gemma2_soft_capped_attention_is_distributed():
     for where, attention in records:
         assert all(a["softcap"] == 1.0 for a in attention), f"{where}: {attention}"
         assert sorted(str(a["window"]) for a in attention) == ["(3, 0)", "None"], f"{where}: {attention}"
+
+
+def test_gpt_oss_sink_attention_is_distributed():
+    """gpt-oss's eager attention adds a learned sink logit per head to every row's softmax: captured with its sinks
+    and distributed, on its sliding-window and its global layers, sinks' gradients summed over the ranks; with left
+    padding the rows that see no key give 0 (the sink takes their attention). Its experts (MoE) still gather the
+    sequence (issue 41): the fallbacks are theirs, none is an attention's."""
+    cases = [("gpt_oss", 13, "eager", "ring"), ("gpt_oss_pad", 14, "eager", "zigzag")]
+    for rank, results in enumerate(run_on_ranks(_run, 2, cases, "eager", timeout=900)):
+        for case, (name, seq, impl, strategy, err, summary, fallbacks, attention, squares) in zip(cases, results):
+            where = f"{name} S={seq} {strategy} rank {rank}"
+            assert err <= 1e-4, f"{where}: {summary}"
+            assert squares == [], f"{where}: S x S values {squares}"
+            assert len(attention) == 2 and all(a["strategy"] == strategy and a["sinks"] for a in attention), attention
+            assert sorted(str(a["window"]) for a in attention) == [f"({seq // 3 - 1}, 0)", "None"], f"{where}: {attention}"
+            assert fallbacks and all("sort" in f or "indexing a split dim" in f for f in fallbacks), fallbacks

@@ -5,7 +5,7 @@ marked as split along its dim 1) and spells attention one way: ``F.scaled_dot_pr
 ``is_causal``, a boolean mask, an additive mask or ``enable_gqa``; hand-written ``softmax(q @ k^T * scale + mask) @
 v`` with the mask added, ``masked_fill``ed or ``where``d in; K/V repeated for grouped-query attention
 (``repeat_kv``); causal and bidirectional sliding windows; chunked local attention; key padding; packed documents;
-a soft-cap; dropout; ALiBi; a relative-position table; nanoGPT's ``tril`` buffer; a function marked with
+a soft-cap; dropout; ALiBi; a relative-position table; attention sinks (gpt-oss); nanoGPT's ``tril`` buffer; a function marked with
 :func:`autoshard.attention_function`. ``SPELLINGS`` lists them with what the plan must say: one pytest item each
 plans the spelling on ``WORLD`` ranks (``autoshard.plan``: one process, no process group) and checks its
 attention record -- distributed with the requested strategy, what structures its mask (the plan's ``mask``
@@ -211,6 +211,25 @@ def relative_position(m, q, k, v):
     return F.softmax(q @ k.transpose(-2, -1) + bias, dim=-1) @ v
 
 
+def sinks(m, q, k, v):
+    """gpt-oss's attention sinks: one learned logit per head joins every row's softmax (the max subtracted first),
+    its column then dropped; a causal sliding window added in."""
+    q_pos, k_pos = _positions(q)
+    visible = _causal(q) & (k_pos > q_pos - WINDOW)
+    scores = _scores(q, k) + torch.where(visible, 0.0, float("-inf"))
+    column = m.sinks.reshape(1, -1, 1, 1).expand(q.size(0), -1, q.size(-2), -1)
+    combined = torch.cat([scores, column], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return F.softmax(combined, dim=-1)[..., :-1] @ v
+
+
+def sinks_amax(m, q, k, v):
+    """Attention sinks with the row maximum taken by ``amax`` and a causal ``masked_fill``."""
+    scores = _scores(q, k).masked_fill(~_causal(q), float("-inf"))
+    combined = torch.cat([scores, m.sinks[None, :, None, None].expand(*scores.shape[:-1], 1)], dim=-1)
+    return (combined - combined.amax(-1, keepdim=True)).softmax(-1)[:, :, :, :-1] @ v
+
+
 @autoshard.attention_function
 def _marked(q, k, v, *, causal=False, scale=None):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
@@ -287,6 +306,8 @@ SPELLINGS = {  # name: (function, extra inputs, the plan's mask, K/V heads)
     "alibi": (alibi, None, "causal, alibi", HEADS),
     "alibi_bloom": (alibi_bloom, None, "causal, alibi", HEADS),
     "relative_position": (relative_position, None, "position_bias", HEADS),
+    "sinks": (sinks, None, "causal, window, sinks", HEADS),
+    "sinks_amax": (sinks_amax, None, "causal, sinks", HEADS),
     "marked_function": (marked_function, None, "causal", HEADS),
 }
 
@@ -303,6 +324,7 @@ class Attend(nn.Module):
         self.register_buffer("bias", torch.ones(SEQ, SEQ).tril().view(1, 1, SEQ, SEQ))
         self.register_buffer("slopes", 2.0 ** -torch.arange(1.0, HEADS + 1))
         self.distance_bias = nn.Embedding(2 * MAX_DISTANCE + 1, HEADS)
+        self.sinks = nn.Parameter(torch.randn(HEADS))
 
     def forward(self, x, *extra):
         x = autoshard.mark_sequence(x, 1)

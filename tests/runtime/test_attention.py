@@ -5,7 +5,8 @@ size allows); each rank returns its output shard and the gradients of its q, k, 
 parent compares them with SDPA over the whole sequence (float64, with the equivalent dense mask)
 restricted to the rank's positions; every fifth case caps its scores (``softcap``, Gemma2) and is compared
 with the explicitly capped attention instead; another fifth runs its heads in 2 or 4 groups (``head_chunks``: as
-many as the key/value heads and, for Ulysses, the ranks allow; with ALiBi and position-bias terms sliced per group). Cases are batched: one ``run_on_ranks`` call per world size.
+many as the key/value heads and, for Ulysses, the ranks allow; with ALiBi and position-bias terms sliced per group); a tenth have attention sinks (gpt-oss), whose gradient is
+checked too. Cases are batched: one ``run_on_ranks`` call per world size.
 The same runs measure bytes sent per call (forward and backward separately) on every rank against
 :func:`~autoshard.runtime.attention.base.bytes_sent_by_rank`, exactly (uneven shards and head splits
 included), and that against the sympy formulas of :mod:`autoshard.runtime.attention.formulas`.
@@ -62,6 +63,7 @@ def _cases(world: int) -> list[dict]:
             value_dim=(12 if n % 2 else 20) if n % 6 == 5 else None,  # v's head dim differs (MLA)
             alibi=n % 8 == 6,                              # ALiBi slopes, from global positions
             position_bias=n % 9 == 4,                      # a learned relative-position bias (T5), and its gradient
+            sinks=n % 10 == 7,                             # attention sinks (gpt-oss), and their gradient
             head_chunks=(2, 4)[n % 2] if n % 5 == 3 else 1,  # heads run in groups, one at a time (head_chunks)
             seed=n))
     return cases
@@ -103,6 +105,13 @@ def _position_bias(case: dict) -> torch.Tensor | None:
     return torch.randn(case["heads"], 2 * case["length"] - 1, generator=g)
 
 
+def _sinks(case: dict) -> torch.Tensor | None:
+    """The case's attention sinks ``[H]`` (float32, around the scores' size), or None."""
+    if not case.get("sinks"):
+        return None
+    return torch.randn(case["heads"], generator=torch.Generator().manual_seed(case["seed"] + 2))
+
+
 def _dense_mask(case: dict, key_mask, segments) -> torch.Tensor:
     """[B, 1, S, S] bool: which key each query sees, straight from the definitions of the case's mask."""
     S = case["length"]
@@ -123,12 +132,15 @@ def _dense_mask(case: dict, key_mask, segments) -> torch.Tensor:
 
 def _reference(case: dict):
     """Dense float64 attention written out here, independent of the library: scores scaled, capped, plus the
-    ALiBi and relative-position terms, masked, softmax (rows that see no key: 0), times v; its gradients by
+    ALiBi and relative-position terms, masked, softmax (rows that see no key: 0) -- with sinks over the scores and
+    one sink logit per head, the sink's column then dropped, as gpt-oss computes it -- times v; its gradients by
     autograd."""
     q, k, v, dout, key_mask, segments = _inputs(case)
     leaves = [t.to(torch.float64).requires_grad_() for t in (q, k, v)]
     bias = _position_bias(case)
     bias = bias.double().requires_grad_() if bias is not None else None
+    sinks = _sinks(case)
+    sinks = sinks.double().requires_grad_() if sinks is not None else None
     q64, k64, v64 = leaves
     group, S = q64.shape[1] // k64.shape[1], case["length"]
     s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) / q64.shape[-1] ** 0.5
@@ -141,10 +153,15 @@ def _reference(case: dict):
         s = s + bias[:, distance + S - 1]
     mask = _dense_mask(case, key_mask, segments)
     visible = mask.any(-1, keepdim=True)  # a row with no visible key (key mask x chunk) gives 0, by definition
-    p = torch.softmax(torch.where(visible, s.masked_fill(~mask, float("-inf")), 0.0), dim=-1) * mask
+    if sinks is not None:
+        sink = sinks.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s.masked_fill(~mask, float("-inf")), sink], -1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(torch.where(visible, s.masked_fill(~mask, float("-inf")), 0.0), dim=-1) * mask
     out = p @ v64.repeat_interleave(group, 1)
     out.backward(dout.to(torch.float64))
-    return [out.detach()] + [t.grad for t in leaves] + [bias.grad if bias is not None else None]
+    return ([out.detach()] + [t.grad for t in leaves] + [bias.grad if bias is not None else None]
+            + [sinks.grad if sinks is not None else None])
 
 
 def _layout(case: dict, world: int) -> SequenceLayout:
@@ -172,16 +189,19 @@ def _run_case(case: dict, mesh) -> dict:
     group = mesh if mesh is not None else None
     bias = _position_bias(case)
     bias = bias.requires_grad_() if bias is not None else None
+    sinks = _sinks(case)
+    sinks = sinks.requires_grad_() if sinks is not None else None
     with comm_counter() as fwd:
         out = attention(ql, kl, vl, group=group, strategy=case["strategy"], layout=given_layout,
                         key_mask=shard(key_mask), segment_ids=shard(segments), seq_len=case["length"],
                         softcap=case.get("softcap", 0.0), kernels=case.get("kernels", "auto"), position_bias=bias,
-                        head_chunks=case.get("head_chunks", 1), **_mask_args(case))
+                        sinks=sinks, head_chunks=case.get("head_chunks", 1), **_mask_args(case))
     with comm_counter() as bwd:
         out.backward(dout[:, :, pos])
-    sync = 0 if bias is None else sum(all_reduce_bytes(bias.numel(), bias.element_size(), size)  # its grad_sync
-                                      for size in _mesh_sizes(case, dist.get_world_size()))
+    sync = sum(all_reduce_bytes(t.numel(), t.element_size(), size)  # their grad_sync
+               for t in (bias, sinks) if t is not None for size in _mesh_sizes(case, dist.get_world_size()))
     return dict(out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad, dbias=None if bias is None else bias.grad,
+                dsinks=None if sinks is None else sinks.grad,
                 fwd_bytes=fwd.payload_bytes_sent, bwd_bytes=bwd.payload_bytes_sent - sync, seq_rank=seq_rank)
 
 
@@ -232,10 +252,12 @@ def _check_against_sdpa(world: int, cases: list[dict], results: list[list[dict]]
                 err = _relative_error(got[name], ref[:, :, pos])
                 if not err <= TOLERANCE[case["dtype"]]:
                     failures.append(f"{case} rank {rank} {name}: relative error {err:.2e}")
-            if reference[4] is not None:  # the bias's gradient, summed over the ranks: whole on every rank
-                err = _relative_error(got["dbias"], reference[4])
-                if not err <= max(TOLERANCE[case["dtype"]], 1e-5):  # the bias and its gradient are float32
-                    failures.append(f"{case} rank {rank} dbias: relative error {err:.2e}")
+            for name, ref in (("dbias", reference[4]), ("dsinks", reference[5])):
+                if ref is None:  # the bias's and the sinks' gradients, summed over the ranks: whole on every rank
+                    continue
+                err = _relative_error(got[name], ref)
+                if not err <= max(TOLERANCE[case["dtype"]], 1e-5):  # they and their gradients are float32
+                    failures.append(f"{case} rank {rank} {name}: relative error {err:.2e}")
     assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} failures)"
 
 
@@ -246,7 +268,8 @@ def test_matches_one_process_sdpa(runs):
 def test_triton_kernels_plug_into_the_strategies():
     """Every strategy with ``kernels="triton"`` (the Triton interpreter on CPU), at least once each; the
     causal cases with soft-capped scores, the sliding-window case chunked too, the key-mask and segment cases
-    with a value head dim (12) other than the query/key head dim (MLA), the causal ones with ALiBi."""
+    with a value head dim (12) other than the query/key head dim (MLA), the causal ones with ALiBi, the causal and
+    key-mask ones with attention sinks (the kernels' backward on the output and log-sum-exp the sinks corrected)."""
     pytest.importorskip("triton")
     pytest.importorskip("autoshard.kernels.attention")
     wanted = {("ring", "contiguous", "causal+window"), ("zigzag", "zigzag", "causal"),
@@ -255,7 +278,7 @@ def test_triton_kernels_plug_into_the_strategies():
     cases = [dict(case, kernels="triton", dtype=torch.float32, tiled=False, length=20, head_dim=16,
                   softcap=2.0 if case["mask"] == "causal" else 0.0, chunk=6 if case["mask"] == "causal+window" else 0,
                   value_dim=12 if case["mask"] in ("key_mask", "segments+causal") else None,
-                  alibi=case["mask"] in ("causal", "segments+causal"))
+                  alibi=case["mask"] in ("causal", "segments+causal"), sinks=case["mask"] in ("causal", "key_mask"))
              for case in _cases(2) if case["dtype"] == torch.float64 and (case["heads"], case["kv_heads"]) == (8, 2)
              and (case["strategy"], case["layout"], case["mask"]) in wanted]
     assert len(cases) == len(wanted)
@@ -494,21 +517,21 @@ def _compiled_attention():
     group = dist.group.WORLD.group_name
 
     def fn(q, k, v):
-        out, lse = torch.ops.autoshard.attention(q, k, v, None, None, None, None, None, "zigzag", layout.encode(),
-                                                 group, "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.0, "torch", 1)
+        out, lse = torch.ops.autoshard.attention(q, k, v, None, None, None, None, None, None, "zigzag",
+                                                 layout.encode(), group, "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.0, "torch", 1)
         return out.sum() + lse.sum().detach()
 
     torch.library.opcheck(torch.ops.autoshard.attention.default,
-                          (q, k, v, None, None, None, None, None, "zigzag", layout.encode(), group, "", True, -1, -1,
-                           4, 8 ** -0.5, 2.0, 0.0, "torch", 2))  # its 2 key/value heads in 2 groups
-    # ALiBi slopes, a relative-position bias, dropout, a value head dim (6) other than the query/key head dim (8),
-    # laid out as q is
+                          (q, k, v, None, None, None, None, None, None, "zigzag", layout.encode(), group, "", True, -1,
+                           -1, 4, 8 ** -0.5, 2.0, 0.0, "torch", 2))  # its 2 key/value heads in 2 groups
+    # ALiBi slopes, a relative-position bias, attention sinks, dropout, a value head dim (6) other than the query/key
+    # head dim (8), laid out as q is
     v_narrow = v.detach()[..., :6].clone().requires_grad_()
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     torch.library.opcheck(torch.ops.autoshard.attention.default,
                           (q.transpose(1, 2).contiguous().transpose(1, 2), k, v_narrow, None, None, slopes,
-                           torch.randn(4, 31, requires_grad=True), torch.tensor(7), "zigzag", layout.encode(), group,
-                           "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.1, "torch", 1))
+                           torch.randn(4, 31, requires_grad=True), torch.randn(4, requires_grad=True), torch.tensor(7),
+                           "zigzag", layout.encode(), group, "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.1, "torch", 1))
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     compiled(q, k, v).backward()
     grads = [t.grad.clone() for t in (q, k, v)]

@@ -93,7 +93,7 @@ def test_attention_forward_and_backward_read_the_same_shape():
     config = OpConfig(strategy="ring", layout=SequenceLayout.contiguous(length, world).encode(), group="g",
                       ring_group="", causal=True, window_left=-1, window_right=-1, chunk=0, scale=0.1, softcap=0.0,
                       dropout_p=0.0, kernels="auto", head_chunks=2)
-    terms = (None, segment_ids, None, None, None)  # key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed
+    terms = (None, segment_ids, None, None, None, None)  # key_mask, segment_ids, the score terms (_TERMS)
     forward = (q, k, v, *terms, *config.args())
     out, lse = torch.empty_like(q), torch.empty(q.shape[:-1], device="meta")
     backward = (out, q, k, v, out, lse, *terms, *config.args())

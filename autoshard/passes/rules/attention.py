@@ -112,9 +112,10 @@ def rewrite_attention(rw, node, op):
         args = [rw.in_dtype_of(node, t, rw.input(t, s)) for t, s in ((q, sq), (k, sk), (v, sk))]
         per_key = Shard(1, sk.layout)
         args += [rw.input(t, per_key) if t is not None else None for t in (op.get("key_mask"), op.get("segment_ids"))]
-        slopes, bias = op.get("alibi_slopes"), op.get("position_bias")
+        slopes, bias, sinks = op.get("alibi_slopes"), op.get("position_bias"), op.get("sinks")
         args.append(rw.input(slopes, REPLICATE) if slopes is not None else None)
-        args.append(rw.input(bias, REPLICATE, partial_grad=True) if bias is not None else None)  # a rank's share
+        for term in (bias, sinks):  # learned: each rank's gradient is its queries' share
+            args.append(rw.input(term, REPLICATE, partial_grad=True) if term is not None else None)
         args.append(rw.call(torch.ops.autoshard.attention_seed.default, node.name, value_of(q).device)
                     if dropout_p else None)
         # a 2-D mesh strategy's (the hybrid's) group is its Ulysses axis; the layout spans the whole (flattened) mesh
@@ -136,12 +137,14 @@ def rewrite_attention(rw, node, op):
                                     "key_mask": op.get("key_mask") is not None,
                                     "segment_ids": op.get("segment_ids") is not None, "softcap": softcap,
                                     "alibi": slopes is not None, "position_bias": bias is not None,
+                                    "sinks": sinks is not None,
                                     "dropout": dropout_p,
                                     "dtype": str(value_of(node).dtype).removeprefix("torch.")})
         return
     structured = (op.get("causal") or op.get("window") or op.get("chunk") or op.get("key_mask")
                   or op.get("segment_ids"))
-    if (dense is not None and dropout_p == 0.0 and not softcap and out is not None and out.dim == 2
+    if (dense is not None and dropout_p == 0.0 and not softcap and op.get("sinks") is None and out is not None
+            and out.dim == 2
             and not out.factors and not structured):
         why = node.meta.get(DENSE_MASK)
         reason = ("attention with a mask that is not causal / window / padding / segments"
@@ -161,6 +164,8 @@ def rewrite_attention(rw, node, op):
               if dense is not None and dropout_p else
               "attention with soft-capped scores and a mask that is not causal / window / padding / segments"
               if dense is not None and softcap else
+              "attention with sinks and a mask that is not causal / window / padding / segments"
+              if dense is not None and op.get("sinks") is not None else
               "attention whose keys are not the queries' sequence" if sq is not None and sq != sk else
               "attention outside any sequence family")
     if out is not None or sq is not None or sk is not None:

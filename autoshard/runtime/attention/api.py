@@ -5,9 +5,9 @@ implementation), and its registered backward is itself a custom op, ``autoshard:
 Both dispatch by ``strategy`` name to the algorithms registered in :mod:`.base`, so every algorithm
 shares the wiring and the checks::
 
-    torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed, strategy,
-                                  layout, group, ring_group, causal, window_left, window_right, chunk, scale, softcap,
-                                  dropout_p, kernels) -> (out, lse)
+    torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, alibi_slopes, position_bias, sinks, dropout_seed,
+                                  strategy, layout, group, ring_group, causal, window_left, window_right, chunk, scale,
+                                  softcap, dropout_p, kernels) -> (out, lse)
 
 Its schema, its implementations and its callers take the arguments after the tensors from :class:`OpConfig`.
 
@@ -23,6 +23,14 @@ no gradient.
 ``position_bias`` (None: none) is a relative-position bias ``[H, 2R + 1]`` (T5's learned buckets, tabulated per
 distance), the same on every rank: every score gets ``position_bias[h, k_pos - q_pos + R]``. Its gradient is this
 rank's share (the gradients of its queries' scores), so its callers sum it over the ranks.
+
+``sinks`` (None: none) are attention sinks (gpt-oss): a ``[H]`` tensor, the same on every rank, one learned logit
+per query head that joins every row's softmax denominator as a key whose value is zero. They are applied once,
+after the strategy, to the whole rows it returns: ``lse' = logaddexp(lse, sinks[h])``, ``out' = out * exp(lse -
+lse')`` -- so every strategy, layout, mask and kernel serves them unchanged. The backward needs nothing else: a
+zero-value key adds nothing to ``dP``, so the strategies' backward on ``(out', lse')`` is exact, and the sinks'
+gradient is ``-sum_rows exp(sinks[h] - lse') * rowsum(dout * out')`` -- this rank's share (its queries' rows), so
+its callers sum it over the ranks, as the bias's.
 
 ``dropout_p`` (0: none) drops attention probabilities by a mask hashed from ``dropout_seed`` (a 0-d int64 tensor,
 the same on every rank) and the elements' global indices, the same for every strategy and world size
@@ -239,7 +247,7 @@ class OpConfig:
 
 _SCHEMA_TYPES = {"str": "str", "list[int]": "SymInt[]", "bool": "bool", "int": "SymInt", "float": "float"}
 _MASKS = ("key_mask", "segment_ids")
-_TERMS = ("alibi_slopes", "position_bias", "dropout_seed")
+_TERMS = ("alibi_slopes", "position_bias", "sinks", "dropout_seed")
 """The op's optional tensors after the masks."""
 
 
@@ -252,26 +260,55 @@ def _schema(tensors: tuple[str, ...], returns: int) -> str:
 
 
 @torch.library.custom_op("autoshard::attention", mutates_args=(), schema=_schema(("q", "k", "v"), 2))
-def _attention_op(q, k, v, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed, *config):
+def _attention_op(q, k, v, key_mask, segment_ids, alibi_slopes, position_bias, sinks, dropout_seed, *config):
     call = OpConfig(*config).call(alibi_slopes, position_bias, dropout_seed)
+    _check_sinks(sinks, q)
     with without_autocast(q):
         out, lse = chunked_forward(_validate(q, k, v, key_mask, segment_ids, call), q, k, v, key_mask, segment_ids,
                                    call)
+        if sinks is not None:
+            out, lse = _with_sinks(out, lse, sinks)
     return _laid_out((out, _like_q(q, v.size(-1)), q.dtype), (lse, None, compute_dtype(q.dtype)))
 
 
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of rows whose softmax also counts one zero-value key of logit ``sinks[h]``."""
+    with_sink = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    return (out * torch.exp(lse - with_sink).unsqueeze(-1).to(out.dtype)), with_sink
+
+
+def _sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the sinks' gradient: ``-sum_rows P(sink) * rowsum(dout * out)``, ``P(sink) = exp(sinks[h]
+    - lse)`` (``out``, ``lse`` the op's, sinks included)."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return -(torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse) * delta).sum((0, 2)).to(sinks.dtype)
+
+
+def _check_sinks(sinks, q: torch.Tensor) -> None:
+    """Sinks must be one floating logit per query head, on q's device."""
+    if sinks is None:
+        return
+    if (not isinstance(sinks, torch.Tensor) or sinks.shape != (q.size(1),) or not sinks.is_floating_point()
+            or sinks.device != q.device):
+        got = (f"{list(sinks.shape)} {sinks.dtype} on {sinks.device}" if isinstance(sinks, torch.Tensor)
+               else type(sinks).__name__)
+        raise AttentionInputError(f"autoshard.attention: sinks must be a floating [H] = [{q.size(1)}] tensor on "
+                                  f"{q.device} (one logit per query head), got {got}")
+
+
 @_attention_op.register_fake
-def _(q, k, v, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed, *config):
+def _(q, k, v, key_mask, segment_ids, alibi_slopes, position_bias, sinks, dropout_seed, *config):
     return (torch.empty_like(_like_q(q, v.size(-1)), device=q.device),
             q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype)))
 
 
 @torch.library.custom_op("autoshard::attention_backward", mutates_args=(),
                          schema=_schema(("dout", "q", "k", "v", "out", "lse"), 4))
-def _attention_backward_op(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed,
-                           *config):
+def _attention_backward_op(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, position_bias, sinks,
+                           dropout_seed, *config):
     """``(dq, dk, dv, d_position_bias)``; the last is this rank's share of the bias's gradient (its queries' scores),
-    empty without a bias."""
+    empty without a bias. With ``sinks``, ``out`` and ``lse`` are the op's (sinks included): the strategies'
+    backward is exact on them (the sinks' own gradient is :func:`_sinks_grad`)."""
     bias_grad = _bias_grad_like(position_bias, q)
     call = OpConfig(*config).call(alibi_slopes, position_bias, dropout_seed,
                                   bias_grad if position_bias is not None else None)
@@ -289,7 +326,7 @@ def _bias_grad_like(position_bias: torch.Tensor | None, q: torch.Tensor) -> torc
 
 
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed, *config):
+def _(dout, q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, position_bias, sinks, dropout_seed, *config):
     like = position_bias if position_bias is not None else q.new_empty(0, dtype=compute_dtype(q.dtype))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(like)
 
@@ -304,10 +341,12 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, position_bias, dropout_seed = ctx.saved_tensors
+    q, k, v, out, lse, key_mask, segment_ids, alibi_slopes, position_bias, sinks, dropout_seed = ctx.saved_tensors
     dq, dk, dv, d_bias = torch.ops.autoshard.attention_backward(dout, q, k, v, out, lse, key_mask, segment_ids,
-                                                                alibi_slopes, position_bias, dropout_seed, *ctx.config)
-    return ((dq, dk, dv, None, None, None, d_bias if position_bias is not None else None, None)
+                                                                alibi_slopes, position_bias, sinks, dropout_seed,
+                                                                *ctx.config)
+    d_sinks = _sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[7] else None
+    return ((dq, dk, dv, None, None, None, d_bias if position_bias is not None else None, d_sinks, None)
             + (None,) * len(ctx.config))
 
 
@@ -431,6 +470,7 @@ def attention(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     position_bias: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     kernels: str = "auto",
     seq_len: int | None = None,
     dropout_p: float = 0.0,
@@ -454,7 +494,9 @@ def attention(
     soft-capping; 0, the default, leaves them). ``alibi_slopes``: ALiBi's ``[H]`` float32 slopes, whole on every
     rank: every score gets ``slope[h] * (k_pos - q_pos)`` (global positions). ``position_bias``: a relative-position
     bias ``[H, 2R + 1]``, whole on every rank (``R`` at least the global length - 1): every score gets
-    ``position_bias[h, k_pos - q_pos + R]``; its gradient is summed over the ranks (torch path only). ``kernels``:
+    ``position_bias[h, k_pos - q_pos + R]``; its gradient is summed over the ranks (torch path only). ``sinks``:
+    attention sinks (gpt-oss), ``[H]`` logits whole on every rank, each a zero-value key in every row of its head's
+    softmax; their gradient is summed over the ranks. ``kernels``:
     ``"auto"``,
     ``"torch"`` or ``"triton"``. ``seq_len``: the global length (default: the sum of the shards, found by
     a small exchange on every call). ``head_chunks``: run the heads in that many groups, one at a time
@@ -483,9 +525,11 @@ def attention(
     pgs = _groups(group, strategy)
     world = math.prod(pg.size() for pg in pgs)
     names = [pg.group_name for pg in pgs] + [""]
-    if isinstance(position_bias, torch.Tensor):  # every rank's queries add to its gradient: the sum is whole
-        for pg in pgs:
+    for pg in pgs:  # every rank's queries add to the bias's and the sinks' gradients: the sum is whole
+        if isinstance(position_bias, torch.Tensor):
             position_bias = grad_sync(position_bias, pg.group_name)
+        if isinstance(sinks, torch.Tensor):
+            sinks = grad_sync(sinks, pg.group_name)
 
     def make_call(length: int) -> Call:
         lay = layout if isinstance(layout, SequenceLayout) else SequenceLayout.of(layout, length, world)
@@ -497,6 +541,7 @@ def attention(
     try:
         _check_tensors(q, k, v, key_mask, segment_ids)
         _check_slopes(alibi_slopes, q)
+        _check_sinks(sinks, q)
         scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
         if seq_len is not None:
             call = make_call(seq_len)
@@ -504,10 +549,11 @@ def attention(
     except ValueError as e:  # AttentionInputError, or a layout the world size cannot serve
         error = e
     signature = _signature(q, k, v, key_mask, segment_ids, strategy, layout, seq_len, spec, scale, softcap,
-                           (alibi_slopes is not None) + 2 * (position_bias is not None), kernels)
+                           (alibi_slopes is not None) + 2 * (position_bias is not None) + 4 * (sinks is not None),
+                           kernels)
     key = (tuple(names), signature, q.size(2) if _is4d(q) else -1)
     if error is None and call is not None and key in _agreed:
-        return _run(q, k, v, key_mask, segment_ids, call)
+        return _run(q, k, v, key_mask, segment_ids, sinks, call)
     table = _exchange(pgs, [int(error is None), q.size(2) if _is4d(q) else -1, *signature])
     _agree(table, error)
     if call is None:  # the global length is the sum of the shards
@@ -523,7 +569,7 @@ def attention(
         if len(_agreed) > 4096:
             _agreed.clear()
         _agreed.add(key)
-    return _run(q, k, v, key_mask, segment_ids, call)
+    return _run(q, k, v, key_mask, segment_ids, sinks, call)
 
 
 def _autocast_input(t):
@@ -535,10 +581,10 @@ def _autocast_input(t):
     return t
 
 
-def _run(q, k, v, key_mask, segment_ids, call: Call) -> torch.Tensor:
+def _run(q, k, v, key_mask, segment_ids, sinks, call: Call) -> torch.Tensor:
     config = OpConfig(call.strategy, call.layout.encode(), call.group, call.ring_group, call.spec.causal,
                       *call.spec.window, call.spec.chunk, call.scale, call.softcap, 0.0, call.kernels,
                       call.head_chunks)
-    out, _ = torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, call.alibi_slopes, call.position_bias, None,
-                                           *config.args())
+    out, _ = torch.ops.autoshard.attention(q, k, v, key_mask, segment_ids, call.alibi_slopes, call.position_bias,
+                                           sinks, None, *config.args())
     return out
