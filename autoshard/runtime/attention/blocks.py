@@ -20,7 +20,7 @@ import torch
 
 from ..layouts import SequenceLayout
 from .call import Scoring
-from .local import compute_dtype, local_attention, local_attention_backward
+from .local import empty_result, local_attention, local_attention_backward
 from .masks import Visibility
 from .merge import merge_attention_
 
@@ -80,13 +80,6 @@ def pieces(layout: SequenceLayout, ranks: Sequence[int]) -> tuple[Piece, ...]:
                 out.append(Piece(local, start, end - start))
             local += end - start
     return tuple(out)
-
-
-def empty_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accumulators before any key block: ``out = 0`` (``q``'s rows, ``v``'s head dim), ``lse = -inf`` (in the
-    compute dtype)."""
-    ct = compute_dtype(q.dtype)
-    return q.new_zeros((*q.shape[:-1], v.size(-1)), dtype=ct), q.new_full(q.shape[:-1], float("-inf"), dtype=ct)
 
 
 def _mask_args(q_piece: Piece, k_piece: Piece, key_mask, seg_q, seg_k) -> dict:

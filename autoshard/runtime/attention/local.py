@@ -2,7 +2,11 @@
 
     out, lse = local_attention(q, k, v, q_offset=..., k_offset=..., causal=..., window=..., chunk=...,
                                key_mask=..., segment_ids=..., scale=...)
-    dq, dk, dv = local_attention_backward(dout, q, k, v, out, lse, same mask arguments)
+    dq, dk, dv = local_attention_backward(dout, q, k, v, out, lse, the same keywords)
+
+Both take the keywords of :class:`BlockOptions`, declared once with a docstring each; inside, the two directions
+resolve them into one private ``_Block`` (mask, score terms, scale, visibility, implementation) and follow the same
+dispatch.
 
 One block of queries against one block of keys, both placed by their **global** offsets, so the same
 function serves every step of every strategy: a block the mask hides entirely returns at once, a fully
@@ -60,12 +64,14 @@ Implementations (``kernels``, see :mod:`.backend`): the Triton kernels of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .backend import triton_attention_backward, triton_attention_forward, use_triton
-from .documents import DocumentGroup, document_groups, fragmented, tile_ranges, visible_pairs
+from .documents import DocumentBlock, DocumentGroup, document_groups, fragmented, tile_ranges, visible_pairs
 from .flops import counting_flops, record_flops
 from .dropout import AttentionDropout
 from .masks import MaskSpec, Visibility
@@ -73,8 +79,8 @@ from .terms import ScoreTerms
 from .merge import merge_attention_
 
 __all__ = [
-    "local_attention", "local_attention_backward", "compute_dtype", "without_autocast", "row_delta", "TILE_Q", "TILE_K",
-    "FUSED_BLOCKS", "DOCUMENT_BLOCKS",
+    "local_attention", "local_attention_backward", "BlockOptions", "compute_dtype", "without_autocast", "row_delta",
+    "empty_result", "TILE_Q", "TILE_K", "FUSED_BLOCKS", "DOCUMENT_BLOCKS",
 ]
 
 TILE_Q = 512
@@ -111,118 +117,150 @@ def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return (dout.to(ct) * out.to(ct)).sum(-1)
 
 
-def local_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    q_offset: int = 0,
-    k_offset: int = 0,
-    causal: bool = False,
-    window: tuple[int, int] | None = None,
-    chunk: int = 0,
-    key_mask: torch.Tensor | None = None,
-    segment_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
-    scale: float | None = None,
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-    position_bias: torch.Tensor | None = None,
-    dropout: AttentionDropout | None = None,
-    kernels: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def empty_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulators before any key block: ``out = 0`` (``q``'s rows, ``v``'s head dim), ``lse = -inf`` (in the
+    compute dtype); also the result of a block the mask hides."""
+    ct = compute_dtype(q.dtype)
+    return q.new_zeros((*q.shape[:-1], v.size(-1)), dtype=ct), q.new_full(q.shape[:-1], _NEG_INF, dtype=ct)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockOptions:
+    """The keywords of :func:`local_attention`, which :func:`local_attention_backward` takes too (with the forward's
+    values): where the block sits, what hides its pairs, how it scores them and which kernels compute it."""
+
+    q_offset: int = 0
+    """Global position of the first query."""
+    k_offset: int = 0
+    """Global position of the first key."""
+    causal: bool = False
+    """Position mask (:class:`.masks.MaskSpec`): query ``i`` sees no key after it."""
+    window: tuple[int, int] | None = None
+    """Position mask: ``(left, right)``, how far before and after its position a query sees (None: unbounded)."""
+    chunk: int = 0
+    """Position mask: query ``i`` sees key ``j`` only if ``i // chunk == j // chunk`` (0: no chunks); the torch path
+    skips the tiles outside the chunks and masks the tiles that straddle a chunk boundary."""
+    key_mask: torch.Tensor | None = None
+    """``[B, Sk]`` bool, True where the key may be attended."""
+    segment_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The pair ``(seg_q [B, Sq], seg_k [B, Sk])``; a key is visible only within the query's segment."""
+    scale: float | None = None
+    """Softmax scale (None: ``1 / sqrt(D)``)."""
+    softcap: float = 0.0
+    """When positive, the scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask and the softmax
+    (0: no capping)."""
+    alibi_slopes: torch.Tensor | None = None
+    """ALiBi's per-head slopes, ``[H]`` float32 (see the module docstring)."""
+    position_bias: torch.Tensor | None = None
+    """A relative-position bias, ``[H, 2R + 1]`` (see the module docstring)."""
+    dropout: AttentionDropout | None = None
+    """The call's dropout (see the module docstring)."""
+    kernels: str = "auto"
+    """``"auto"``, ``"torch"`` or ``"triton"`` (see :mod:`.backend`)."""
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    **options) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query block against one key block at global offsets; returns ``(out, lse)``.
 
-    ``causal`` / ``window`` / ``chunk``: the position mask (:class:`.masks.MaskSpec`; a chunk mask skips the
-    tiles outside the chunks and masks the tiles that straddle a chunk boundary). ``key_mask``: ``[B, Sk]``
-    bool, True where the key may be attended. ``segment_ids``: the pair ``(seg_q [B, Sq], seg_k [B, Sk])``; a
-    key is visible only within the query's segment. ``scale`` defaults to ``1 / sqrt(D)``. ``softcap``: when
-    positive, the scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask and the softmax
-    (0: no capping). ``alibi_slopes``: ALiBi's per-head slopes; ``position_bias``: a relative-position bias;
-    ``dropout``: the call's dropout (see the module docstring, also for the outputs).
+    ``options``: the keywords of :class:`BlockOptions` (see the module docstring for the score terms and the
+    outputs).
     """
-    spec = MaskSpec.of(causal, window, chunk)
-    terms = ScoreTerms(alibi_slopes, position_bias, None, dropout)
-    _check(q, k, v, key_mask, segment_ids, softcap, terms, q_offset, k_offset)
-    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-    (B, H, Sq, D), Sk = q.shape, k.size(2)
-    visibility = spec.classify(q_offset, Sq, k_offset, Sk)
-    if visibility is Visibility.HIDDEN:
-        ct = compute_dtype(q.dtype)
-        return q.new_zeros((B, H, Sq, v.size(-1)), dtype=ct), q.new_full(q.shape[:-1], _NEG_INF, dtype=ct)
-    triton = _triton(kernels, q, terms)
-    groups = _documents(segment_ids, triton)
-    if _by_document(groups, Sq, terms, triton):
-        return _documents_forward(q, k, v, groups, q_offset, k_offset, key_mask, dict(
-            causal=causal, window=window, chunk=chunk, scale=scale, softcap=softcap, kernels=kernels,
-            **terms.local_kwargs()))
-    record_flops("forward", visible_pairs(spec, q_offset, Sq, k_offset, Sk, B, groups), H, D, v.size(-1))
-    if triton:
-        return triton_attention_forward(q, k, v, q_offset=q_offset, k_offset=k_offset, causal=spec.causal,
-                                        window=spec.window_arg, chunk=spec.chunk, key_mask=key_mask,
-                                        segment_ids=segment_ids, scale=scale, softcap=softcap,
-                                        alibi_slopes=alibi_slopes, **_triton_dropout(dropout))
-    parts = _fused_parts(spec, visibility, q, v, q_offset, k_offset, Sk, key_mask, segment_ids, softcap, terms)
-    if parts is not None:
-        return _fused_forward(q, k, v, parts, scale)
-    return _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap, terms)
+    return _forward(q, k, v, BlockOptions(**options))
 
 
-def local_attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    delta: torch.Tensor | None = None,
-    q_offset: int = 0,
-    k_offset: int = 0,
-    causal: bool = False,
-    window: tuple[int, int] | None = None,
-    chunk: int = 0,
-    key_mask: torch.Tensor | None = None,
-    segment_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
-    scale: float | None = None,
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-    position_bias: torch.Tensor | None = None,
-    position_bias_grad: torch.Tensor | None = None,
-    dropout: AttentionDropout | None = None,
-    kernels: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def local_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, *, delta: torch.Tensor | None = None,
+                             position_bias_grad: torch.Tensor | None = None,
+                             **options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of one block (float32, or float64 for float64 inputs).
 
     ``out``/``lse``: the rows' final values over all key blocks; ``delta``: ``rowsum(dout * out)``
-    (``[B, H, Sq]``), computed when ``None``. Mask arguments, ``softcap``, ``alibi_slopes``, ``position_bias`` and
-    ``dropout`` as in :func:`local_attention`; ``position_bias_grad``: where the bias's gradient is added.
+    (``[B, H, Sq]``), computed when ``None``; ``position_bias_grad``: where the bias's gradient is added;
+    ``options``: the keywords of :class:`BlockOptions`, as the forward took them.
     """
-    spec = MaskSpec.of(causal, window, chunk)
-    terms = ScoreTerms(alibi_slopes, position_bias, position_bias_grad, dropout)
-    _check(q, k, v, key_mask, segment_ids, softcap, terms, q_offset, k_offset)
-    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-    (B, H, Sq, D), Sk = q.shape, k.size(2)
-    visibility = spec.classify(q_offset, Sq, k_offset, Sk)
-    if visibility is Visibility.HIDDEN:
+    return _backward(dout, q, k, v, out, lse, delta, position_bias_grad, BlockOptions(**options))
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A block's options resolved against its tensors, once for either direction: the mask, the score terms, the
+    scale, how much of the block the mask shows and, when it shows any, which implementation computes it."""
+
+    options: BlockOptions
+    spec: MaskSpec
+    terms: ScoreTerms
+    scale: float
+    visibility: Visibility
+    triton: bool = False
+    """The Triton kernels compute it (else the torch path)."""
+    groups: list[DocumentGroup] | None = None
+    """Its document rectangles, where someone reads them (see :func:`_documents`)."""
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions,
+           position_bias_grad: torch.Tensor | None = None) -> _Block:
+        spec = MaskSpec.of(options.causal, options.window, options.chunk)
+        terms = ScoreTerms(options.alibi_slopes, options.position_bias, position_bias_grad, options.dropout)
+        _check(q, k, v, options, terms)
+        scale = 1.0 / math.sqrt(q.size(-1)) if options.scale is None else float(options.scale)
+        visibility = spec.classify(options.q_offset, q.size(2), options.k_offset, k.size(2))
+        if visibility is Visibility.HIDDEN:
+            return cls(options, spec, terms, scale, visibility)
+        triton = _triton(options.kernels, q, terms)
+        return cls(options, spec, terms, scale, visibility, triton, _documents(options.segment_ids, triton))
+
+    def by_document(self, q_len: int) -> bool:
+        """Whether the torch path computes the block one document rectangle at a time. Dropout hashes the batch
+        index, so rows with different documents (one group per row) keep it on the tiled path."""
+        return (self.groups is not None and not self.triton and not fragmented(self.groups, q_len)
+                and (self.terms.dropout is None or len(self.groups) == 1))
+
+    def record_flops(self, direction: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        (B, H, Sq, D), Sk = q.shape, k.size(2)
+        pairs = visible_pairs(self.spec, self.options.q_offset, Sq, self.options.k_offset, Sk, B, self.groups)
+        record_flops(direction, pairs, H, D, v.size(-1))
+
+    def triton_kwargs(self) -> dict:
+        """The keyword arguments of the Triton kernels (forward and backward) this block is."""
+        o, spec, dropout = self.options, self.spec, self.terms.dropout
+        dropout_kwargs = {} if dropout is None else {
+            "dropout_p": dropout.p, "dropout_seed": dropout.seed, "dropout_head_offset": dropout.head_offset}
+        return dict(q_offset=o.q_offset, k_offset=o.k_offset, causal=spec.causal, window=spec.window_arg,
+                    chunk=spec.chunk, key_mask=o.key_mask, segment_ids=o.segment_ids, scale=self.scale,
+                    softcap=o.softcap, alibi_slopes=o.alibi_slopes, **dropout_kwargs)
+
+
+def _forward(q, k, v, options: BlockOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    block = _Block.of(q, k, v, options)
+    if block.visibility is Visibility.HIDDEN:
+        return empty_result(q, v)
+    if block.by_document(q.size(2)):
+        return _documents_forward(q, k, v, block)
+    block.record_flops("forward", q, k, v)
+    if block.triton:
+        return triton_attention_forward(q, k, v, **block.triton_kwargs())
+    parts = _fused_parts(block, q, v, k.size(2))
+    if parts is not None:
+        return _fused_forward(q, k, v, parts, block.scale)
+    return _tiled_forward(q, k, v, block)
+
+
+def _backward(dout, q, k, v, out, lse, delta, position_bias_grad,
+              options: BlockOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    block = _Block.of(q, k, v, options, position_bias_grad)
+    if block.visibility is Visibility.HIDDEN:
         ct = compute_dtype(q.dtype)
         return (q.new_zeros(q.shape, dtype=ct), k.new_zeros(k.shape, dtype=ct), v.new_zeros(v.shape, dtype=ct))
-    triton = _triton(kernels, q, terms)
-    groups = _documents(segment_ids, triton)
-    if _by_document(groups, Sq, terms, triton):
-        return _documents_backward(dout, q, k, v, out, lse, delta, groups, q_offset, k_offset, key_mask, dict(
-            causal=causal, window=window, chunk=chunk, scale=scale, softcap=softcap, kernels=kernels,
-            position_bias_grad=position_bias_grad, **terms.local_kwargs()))
-    record_flops("backward", visible_pairs(spec, q_offset, Sq, k_offset, Sk, B, groups), H, D, v.size(-1))
-    if triton:
-        return triton_attention_backward(dout, q, k, v, out, lse, delta=delta, q_offset=q_offset,
-                                         k_offset=k_offset, causal=spec.causal, window=spec.window_arg,
-                                         chunk=spec.chunk, key_mask=key_mask, segment_ids=segment_ids, scale=scale,
-                                         softcap=softcap, alibi_slopes=alibi_slopes, **_triton_dropout(dropout))
-    parts = _fused_parts(spec, visibility, q, v, q_offset, k_offset, Sk, key_mask, segment_ids, softcap, terms)
+    if block.by_document(q.size(2)):
+        return _documents_backward(dout, q, k, v, out, lse, delta, block)
+    block.record_flops("backward", q, k, v)
+    if block.triton:
+        return triton_attention_backward(dout, q, k, v, out, lse, delta=delta, **block.triton_kwargs())
+    parts = _fused_parts(block, q, v, k.size(2))
     if parts is not None:
-        return _fused_backward(dout, q, k, v, out, lse, parts, scale)
-    return _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale,
-                           softcap, terms)
+        return _fused_backward(dout, q, k, v, out, lse, parts, block.scale)
+    return _tiled_backward(dout, q, k, v, out, lse, delta, block)
 
 
 def _triton(kernels: str, q: torch.Tensor, terms: ScoreTerms) -> bool:
@@ -233,13 +271,6 @@ def _triton(kernels: str, q: torch.Tensor, terms: ScoreTerms) -> bool:
                              "kernels='auto' or 'torch'")
         return False
     return use_triton(kernels, q)
-
-
-def _triton_dropout(dropout: AttentionDropout | None) -> dict:
-    """The Triton kernels' dropout arguments."""
-    if dropout is None:
-        return {}
-    return {"dropout_p": dropout.p, "dropout_seed": dropout.seed, "dropout_head_offset": dropout.head_offset}
 
 
 # ---------------------------------------------------------------------------- packed documents
@@ -254,41 +285,37 @@ def _documents(segment_ids, triton: bool) -> list[DocumentGroup] | None:
     return document_groups(segment_ids)
 
 
-def _by_document(groups, q_len: int, terms: ScoreTerms, triton: bool) -> bool:
-    """Whether the torch path computes the block one document rectangle at a time. Dropout hashes the batch
-    index, so rows with different documents (one group per row) keep it on the tiled path."""
-    return (groups is not None and not triton and not fragmented(groups, q_len)
-            and (terms.dropout is None or len(groups) == 1))
+def _rectangle(options: BlockOptions, group: DocumentGroup, rectangle: DocumentBlock) -> BlockOptions:
+    """The options of one document rectangle of ``group``'s batch rows: its global offsets, its keys' mask, no
+    segment ids (the rectangle is one document)."""
+    return dataclasses.replace(
+        options, q_offset=options.q_offset + rectangle.q_lo, k_offset=options.k_offset + rectangle.k_lo,
+        key_mask=None if options.key_mask is None else options.key_mask[group.batch, rectangle.cols], segment_ids=None)
 
 
-def _documents_forward(q, k, v, groups, q_offset, k_offset, key_mask, options):
+def _documents_forward(q, k, v, block: _Block):
     """``(out, lse)`` of a block computed one document rectangle at a time (rows of no rectangle: empty)."""
-    ct = compute_dtype(q.dtype)
-    out = q.new_zeros((*q.shape[:-1], v.size(-1)), dtype=ct)
-    lse = q.new_full(q.shape[:-1], _NEG_INF, dtype=ct)
-    for group in groups:
+    out, lse = empty_result(q, v)
+    for group in block.groups:
         rows = group.batch
         for b in group.blocks:
-            part_out, part_lse = local_attention(
-                q[rows, :, b.rows], k[rows, :, b.cols], v[rows, :, b.cols], q_offset=q_offset + b.q_lo,
-                k_offset=k_offset + b.k_lo, key_mask=None if key_mask is None else key_mask[rows, b.cols], **options)
+            part_out, part_lse = _forward(q[rows, :, b.rows], k[rows, :, b.cols], v[rows, :, b.cols],
+                                          _rectangle(block.options, group, b))
             merge_attention_(out[rows, :, b.rows], lse[rows, :, b.rows], part_out, part_lse, kernels="torch")
     return out, lse
 
 
-def _documents_backward(dout, q, k, v, out, lse, delta, groups, q_offset, k_offset, key_mask, options):
+def _documents_backward(dout, q, k, v, out, lse, delta, block: _Block):
     """The gradients of :func:`_documents_forward`'s rectangles, summed."""
     ct = compute_dtype(q.dtype)
     delta = row_delta(dout, out) if delta is None else delta
     dq, dk, dv = (t.new_zeros(t.shape, dtype=ct) for t in (q, k, v))
-    for group in groups:
+    for group in block.groups:
         rows = group.batch
         for b in group.blocks:
             at_rows, at_cols = (rows, slice(None), b.rows), (rows, slice(None), b.cols)
-            gq, gk, gv = local_attention_backward(
-                dout[at_rows], q[at_rows], k[at_cols], v[at_cols], out[at_rows], lse[at_rows], delta=delta[at_rows],
-                q_offset=q_offset + b.q_lo, k_offset=k_offset + b.k_lo,
-                key_mask=None if key_mask is None else key_mask[rows, b.cols], **options)
+            gq, gk, gv = _backward(dout[at_rows], q[at_rows], k[at_cols], v[at_cols], out[at_rows], lse[at_rows],
+                                   delta[at_rows], block.terms.position_bias_grad, _rectangle(block.options, group, b))
             dq[at_rows] += gq
             dk[at_cols] += gk
             dv[at_cols] += gv
@@ -298,7 +325,7 @@ def _documents_backward(dout, q, k, v, out, lse, delta, groups, q_offset, k_offs
 # ---------------------------------------------------------------------------- checks
 
 
-def _check(q, k, v, key_mask, segment_ids, softcap, terms: ScoreTerms, q_offset: int, k_offset: int) -> None:
+def _check(q, k, v, options: BlockOptions, terms: ScoreTerms) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"local_attention: q, k, v must be [B, H, S, D], got shapes {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -307,6 +334,7 @@ def _check(q, k, v, key_mask, segment_ids, softcap, terms: ScoreTerms, q_offset:
         raise ValueError(f"local_attention: need q [B, H, Sq, D], k [B, Hkv, Sk, D] and v [B, Hkv, Sk, Dv] with H "
                          f"divisible by Hkv, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, Sq, Sk = q.size(0), q.size(2), k.size(2)
+    key_mask, segment_ids, softcap = options.key_mask, options.segment_ids, options.softcap
     if key_mask is not None and (key_mask.shape != (B, Sk) or key_mask.dtype != torch.bool):
         raise ValueError(f"local_attention: key_mask must be a [B, Sk] = [{B}, {Sk}] bool tensor, got "
                          f"{tuple(key_mask.shape)} {key_mask.dtype}")
@@ -321,7 +349,7 @@ def _check(q, k, v, key_mask, segment_ids, softcap, terms: ScoreTerms, q_offset:
                          f"{tuple(slopes.shape)} {slopes.dtype}")
     if bias is not None:
         reach = (bias.size(-1) - 1) // 2 if bias.dim() == 2 else -1
-        farthest = max(k_offset + k.size(2) - 1 - q_offset, q_offset + Sq - 1 - k_offset)
+        farthest = max(options.k_offset + Sk - 1 - options.q_offset, options.q_offset + Sq - 1 - options.k_offset)
         if bias.dim() != 2 or bias.size(0) != q.size(1) or bias.size(1) % 2 == 0 or farthest > reach:
             raise ValueError(f"local_attention: position_bias must be [H, 2R + 1] with H = {q.size(1)} and R at least "
                              f"the block's farthest distance {farthest}, got {tuple(bias.shape)}")
@@ -330,9 +358,7 @@ def _check(q, k, v, key_mask, segment_ids, softcap, terms: ScoreTerms, q_offset:
 # ---------------------------------------------------------------------------- fused CPU kernel
 
 
-def _fused_parts(spec: MaskSpec, visibility: Visibility, q: torch.Tensor, v: torch.Tensor, q_offset: int,
-                 k_offset: int, k_len: int, key_mask, segment_ids, softcap: float,
-                 terms: ScoreTerms) -> list[tuple[int, int, bool]] | None:
+def _fused_parts(block: _Block, q: torch.Tensor, v: torch.Tensor, k_len: int) -> list[tuple[int, int, bool]] | None:
     """Key ranges ``(lo, hi, causal)`` (local indices) that torch's fused kernel computes exactly, or None.
 
     A fully visible block is one range; under a plain causal mask the keys before the queries are one
@@ -341,14 +367,15 @@ def _fused_parts(spec: MaskSpec, visibility: Visibility, q: torch.Tensor, v: tor
     soft-capped scores, score terms (the kernel has none of them) and a value head dim other than the query's are
     left to the tiled path.
     """
-    if (not FUSED_BLOCKS or q.device.type != "cpu" or key_mask is not None or segment_ids is not None
-            or softcap or terms.positional or v.size(-1) != q.size(-1)):
+    o = block.options
+    if (not FUSED_BLOCKS or q.device.type != "cpu" or o.key_mask is not None or o.segment_ids is not None
+            or o.softcap or block.terms.positional or v.size(-1) != q.size(-1)):
         return None
-    if visibility is Visibility.FULL:
+    if block.visibility is Visibility.FULL:
         return [(0, k_len, False)]
-    if not spec.is_plain_causal:
+    if not block.spec.is_plain_causal:
         return None
-    diagonal, q_len = q_offset - k_offset, q.size(2)
+    diagonal, q_len = o.q_offset - o.k_offset, q.size(2)
     if diagonal < 0 or diagonal + q_len > k_len:
         return None
     return ([(0, diagonal, False)] if diagonal else []) + [(diagonal, diagonal + q_len, True)]
@@ -472,7 +499,9 @@ def _drop_factor(p: torch.Tensor, dropout: AttentionDropout | None, q_start: int
     return keep.to(p.dtype) * dropout.scale
 
 
-def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap, terms: ScoreTerms):
+def _tiled_forward(q, k, v, block: _Block):
+    spec, terms, scale, o = block.spec, block.terms, block.scale, block.options
+    q_offset, k_offset, key_mask, segment_ids, softcap = o.q_offset, o.k_offset, o.key_mask, o.segment_ids, o.softcap
     (B, H, Sq, D), (Hkv, Sk), Dv = q.shape, k.shape[1:3], v.size(-1)
     G, ct = H // Hkv, compute_dtype(q.dtype)
     out = q.new_zeros((B, Hkv, G, Sq, Dv), dtype=ct)
@@ -507,8 +536,9 @@ def _tiled_forward(q, k, v, spec, q_offset, k_offset, key_mask, segment_ids, sca
     return out.view(B, H, Sq, Dv), lse.view(B, H, Sq)
 
 
-def _tiled_backward(dout, q, k, v, out, lse, delta, spec, q_offset, k_offset, key_mask, segment_ids, scale, softcap,
-                    terms: ScoreTerms):
+def _tiled_backward(dout, q, k, v, out, lse, delta, block: _Block):
+    spec, terms, scale, o = block.spec, block.terms, block.scale, block.options
+    q_offset, k_offset, key_mask, segment_ids, softcap = o.q_offset, o.k_offset, o.key_mask, o.segment_ids, o.softcap
     (B, H, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
     G, ct = H // Hkv, compute_dtype(q.dtype)
     if delta is None:
