@@ -118,7 +118,7 @@ def _results(world: int) -> list[dict]:
     return run_on_ranks(_run, world, world, timeout=300)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_audio_encoder_front_end_is_split(world):
     for rank, results in enumerate(_results(world)):
         r = results["encoder"]
@@ -134,7 +134,7 @@ def test_audio_encoder_front_end_is_split(world):
         assert r["booked"] == r["measured"], f"{where}: booked {r['booked']} bytes, measured {r['measured']}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", [*RULE_CASES, "dilated"], ids=[*map(str, RULE_CASES), "dilated"])
 def test_convolution_over_a_split_sequence(world, case):
     index = len(RULE_CASES) if case == "dilated" else RULE_CASES.index(case)
@@ -150,7 +150,7 @@ def test_convolution_over_a_split_sequence(world, case):
         assert len(convs) == len(RULE_CASES) + 1 and convs[index] == "S(2)", f"{where}: {r['placements']}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_unsupported_convolution_is_a_fallback(world):
     for rank, results in enumerate(_results(world)):
         r = results["grid"]

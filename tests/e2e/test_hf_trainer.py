@@ -1,6 +1,7 @@
 """transformers' Trainer and TRL's SFTTrainer with sequence parallelism (``autoshard.integrations.transformers``).
 
-The runs are ``examples/hf_trainer.py --check``: torchrun starts 4 CPU ranks as (dp=2, sp=2), each trains a float64
+The runs are ``examples/hf_trainer.py --check``: torchrun starts 2 CPU ranks as one sequence-parallel group (4 as
+(dp=2, sp=2) in the slow tier, SFTTrainer's too), each trains a float64
 transformers Llama for three steps of two micro-batches (DDP over all ranks, checkpoint at step 2, a second trainer
 resumes from it), and the launcher then trains the same model with the plain trainer on one process on the same
 global batches. Asserted there (the example exits non-zero otherwise): every logged loss equal to one process's
@@ -35,11 +36,16 @@ def _example(*flags: str) -> None:
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--check", *flags], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-    assert result.stdout.count("], 0 fallback(s)") == (1 if flags else 2), result.stdout[-4000:]
+    assert result.stdout.count("], 0 fallback(s)") == (1 if "--sft" in flags else 2), result.stdout[-4000:]
 
 
 def test_trainer_matches_one_process_fixed_and_packed_rows():
-    _example()
+    _example("--nproc", "2")  # one sequence-parallel group of both ranks
+
+
+@pytest.mark.slow
+def test_trainer_on_data_parallel_groups_matches_one_process():
+    _example()  # 4 ranks: 2 data-parallel groups of 2 sequence-parallel ranks
 
 
 @pytest.mark.slow

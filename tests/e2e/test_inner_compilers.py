@@ -169,7 +169,7 @@ def _small_model(model_class, inner):
     return error, torch.equal(next_draw, ref_next), backend.compiled[-1].report.placements
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_random_factories_draw_the_one_process_numbers(world):
     for inner in ("eager", "aot_eager"):
         for error, same_next_draw, placements in run_on_ranks(_small_model, world, RandomFactories, inner):

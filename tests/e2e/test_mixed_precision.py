@@ -186,7 +186,8 @@ CASES = [(world, name) for world in WORLDS
          + (("handwritten", "autocast_inside", "token_mixing") if world == 2 else ())]
 
 
-@pytest.mark.parametrize("world,name", CASES, ids=[f"P{w}-{n}" for w, n in CASES])
+@pytest.mark.parametrize("world,name", [pytest.param(w, n, marks=[pytest.mark.slow] if w != 2 else []) for w, n in CASES],
+                         ids=[f"P{w}-{n}" for w, n in CASES])
 def test_matches_one_process_in_its_dtypes(world, name):
     for rank, results in enumerate(_results(world)):
         r, options = results[name], results[name]["options"]
@@ -207,7 +208,7 @@ def test_matches_one_process_in_its_dtypes(world, name):
             assert ran["autoshard.attention"] == {("bfloat16", "float32")}, f"{where}: {ran['autoshard.attention']}"
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", [pytest.param(w, marks=[pytest.mark.slow] if w != 2 else []) for w in WORLDS])
 def test_public_attention_casts_like_sdpa_under_autocast(world):
     for rank, results in enumerate(_results(world)):
         r = results["public_attention"]

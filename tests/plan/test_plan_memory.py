@@ -43,6 +43,9 @@ two processes. The small case comes first: measured after the large-vocabulary o
 alone -- the resident set did not rise by what the step allocated; most likely the processes still held memory
 the earlier cases had freed (not verified further) -- while the large cases, here and in ``benchmarks/plan.py``,
 read the same in any order."""
+SLOW = ("checkpointed layers", "ulysses", "ulysses head groups", "whole loss")
+"""Cases measured in a launch of their own and marked slow: the 4096-token ones and the whole loss (the default suite
+measures the two small cases: checkpointing and the chunked loss)."""
 
 
 class _LossOnly(nn.Module):
@@ -69,10 +72,11 @@ def _model(vocab: int, hidden: int, seq: int, checkpointed: bool) -> nn.Module:
     return _LossOnly(llama).train()
 
 
-def _measured() -> dict[str, int]:
-    """This rank's peak bytes of each case's step."""
+def _measured(names: list[str]) -> dict[str, int]:
+    """This rank's peak bytes of each named case's step, in order."""
     out = {}
-    for name, (vocab, hidden, seq, checkpointed, options) in CASES.items():
+    for name in names:
+        vocab, hidden, seq, checkpointed, options = CASES[name]
         torch._dynamo.reset()
         model = _model(vocab, hidden, seq, checkpointed)
         ids = torch.randint(0, vocab, (1, seq))
@@ -86,9 +90,15 @@ def _measured() -> dict[str, int]:
 
 
 @functools.cache
-def _measured_peaks() -> list[dict[str, int]]:
-    """Every rank's peak bytes by case: one launch."""
-    return run_on_ranks(_measured, WORLD, timeout=600, env=LOW_MMAP_THRESHOLD_ENV)
+def _measured_peaks(slow: bool) -> list[dict[str, int]]:
+    """Every rank's peak bytes by case of one tier (:data:`SLOW` or the others): one launch per tier."""
+    names = [name for name in CASES if (name in SLOW) == slow]
+    return run_on_ranks(_measured, WORLD, names, timeout=600, env=LOW_MMAP_THRESHOLD_ENV)
+
+
+def _measured_peak(name: str) -> int:
+    """The largest rank's peak bytes of a case."""
+    return max(r[name] for r in _measured_peaks(name in SLOW))
 
 
 @functools.cache
@@ -102,18 +112,19 @@ def _planned(name: str):
     return autoshard.plan(model, (ids, ids), world_size=WORLD, **options).memory_per_rank
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in CASES])
 def test_predicted_peak_is_the_measured_peak(name):
-    memory, measured = _planned(name), max(r[name] for r in _measured_peaks())
+    memory, measured = _planned(name), _measured_peak(name)
     assert abs(memory.total / measured - 1) <= TOLERANCE, \
         f"{name}: predicted {memory.total / 2**20:.1f} MiB ({memory}), measured {measured / 2**20:.1f} MiB"
     if name == "ulysses":  # the attention's own copies are the peak (in 2 groups it is elsewhere at this length)
         assert "attention_backward" in memory.peak_at, memory.peak_at
 
 
+@pytest.mark.slow
 def test_head_groups_lower_the_attention_peak():
     whole, grouped = _planned("ulysses"), _planned("ulysses head groups")
-    measured = [max(r[name] for r in _measured_peaks()) for name in ("ulysses", "ulysses head groups")]
+    measured = [_measured_peak(name) for name in ("ulysses", "ulysses head groups")]
     assert grouped.total < whole.total and measured[1] < measured[0], (whole, grouped, measured)
 
 
