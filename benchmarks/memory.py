@@ -3,12 +3,15 @@
     python benchmarks/memory.py                  # S = 8192 and 16384
     python benchmarks/memory.py --seq 4096       # what a small machine can run
     python benchmarks/memory.py --cap 3          # the longest S whose step fits 3 GiB per rank, each way
+    python benchmarks/memory.py --model moe      # a mixture-of-experts model (Qwen3-MoE) instead
 
 A transformers Llama from a config (vocabulary 32000, hidden 256, 4 layers, 8 query / 2 key-value heads,
 float32, CPU): forward + backward of the loss at S tokens, batch 1. The step is the base model, the
 ``lm_head`` and transformers' own ``ForCausalLMLoss`` (``logits.float()``, labels padded and shifted,
 ``cross_entropy``) returning the loss only: ``LlamaForCausalLM.forward`` also returns the logits, and a
-value the caller gets cannot be chunked away.
+value the caller gets cannot be chunked away. ``--model moe``: transformers' Qwen3-MoE of the same sizes, every
+layer's MLP 8 experts of width 256 with 2 per token (its default ``grouped_mm`` experts), loss only (no router
+loss).
 
 * ``one process``: the plain model, uncompiled (autoshard compiles nothing on one rank);
 * ``P=2, whole loss``: compiled over 2 gloo ranks with ``chunk_loss=None``: each rank holds its
@@ -63,6 +66,7 @@ from autoshard.testing.multirank import RankFailure
 from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 32000, 256, 4, 8, 2
+EXPERTS, TOP_K = 8, 2
 
 
 class LossOnly(nn.Module):
@@ -78,20 +82,26 @@ class LossOnly(nn.Module):
         return self.llama.loss_function(logits, labels, self.llama.config.vocab_size)
 
 
-def _model() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _model(kind: str) -> nn.Module:
+    """``llama`` or ``moe`` (Qwen3-MoE), float32, random weights."""
+    import transformers
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=65536,
-                      attn_implementation="sdpa")
+    sizes = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
+                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=65536,
+                 attn_implementation="sdpa")
+    if kind == "moe":
+        cfg, cls = transformers.Qwen3MoeConfig(num_experts=EXPERTS, num_experts_per_tok=TOP_K, head_dim=HIDDEN // HEADS,
+                                               moe_intermediate_size=HIDDEN, **sizes), transformers.Qwen3MoeForCausalLM
+    else:
+        cfg, cls = transformers.LlamaConfig(**sizes), transformers.LlamaForCausalLM
     torch.manual_seed(0)
-    return LossOnly(LlamaForCausalLM(cfg)).float()
+    return LossOnly(cls(cfg)).float()
 
 
-def step(seq: int, options: dict | None) -> dict:
+def step(seq: int, options: dict | None, kind: str = "llama") -> dict:
     """This rank's peak extra resident bytes and seconds of one forward + backward at ``seq`` tokens: the plain
-    model (``options`` None) or compiled with the backend ``options``."""
-    model = _model()
+    ``kind`` model (``options`` None) or compiled with the backend ``options``."""
+    model = _model(kind)
     ids = torch.randint(0, VOCAB, (1, seq))
     run = model
     backend = None
@@ -118,8 +128,8 @@ def runs(budget: int) -> dict[str, tuple[int, dict | None]]:
             "P=2, policy": (2, {"memory_budget": budget})}
 
 
-def measure(seq: int, ranks: int, options: dict | None, timeout: float) -> dict:
-    results = run_on_ranks(step, ranks, seq, options, timeout=timeout, env=LOW_MMAP_THRESHOLD_ENV)
+def measure(seq: int, ranks: int, options: dict | None, timeout: float, kind: str = "llama") -> dict:
+    results = run_on_ranks(step, ranks, seq, options, kind, timeout=timeout, env=LOW_MMAP_THRESHOLD_ENV)
     return {**results[0], "peak": max(r["peak"] for r in results), "seconds": max(r["seconds"] for r in results)}
 
 
@@ -132,6 +142,7 @@ def main():
     parser.add_argument("--start", type=int, default=4096, help="the first S --cap tries")
     parser.add_argument("--ways", nargs="*", help="the ways of running to measure (default: all)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    parser.add_argument("--model", choices=("llama", "moe"), default="llama", help="the model (see above)")
     args = parser.parse_args()
     ways = runs(int((args.cap if args.cap is not None else args.budget) * 2**30))
     ways = {name: way for name, way in ways.items() if args.ways is None or name in args.ways}
@@ -141,7 +152,7 @@ def main():
             seq, fits = args.start, None
             while seq <= args.max_seq:
                 try:
-                    peak = measure(seq, ranks, options, args.timeout)["peak"]
+                    peak = measure(seq, ranks, options, args.timeout, args.model)["peak"]
                 except RankFailure as e:  # the policy's MemoryBudgetError: no option fits the cap
                     print(f"  {name:<16} S={seq:>7}: refused ({str(e).splitlines()[-1][:160]})", flush=True)
                     break
@@ -155,7 +166,7 @@ def main():
     for seq in args.seq:
         one = None
         for name, (ranks, options) in ways.items():
-            r = measure(seq, ranks, options, args.timeout)
+            r = measure(seq, ranks, options, args.timeout, args.model)
             one = one or r["peak"]
             rows.append((seq, name, r["peak"], r["peak"] / one, (seq // ranks) * VOCAB * 4, r["seconds"], r["loss"],
                          r["levers"]))

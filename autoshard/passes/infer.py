@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from .dispatch import dispatch_regions
 from .ops import is_tensor_node, op_of, shape_of, value_of
 
 __all__ = ["Elem", "Family", "Families", "LinkContext", "find_families", "token_local_nodes"]
@@ -231,7 +232,8 @@ def find_families(ctx: LinkContext) -> Families:
 
 
 def token_local_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes inside ``autoshard.token_local`` regions: reachable from an enter marker and reaching an exit one."""
+    """Nodes inside ``autoshard.token_local`` regions -- reachable from an enter marker and reaching an exit one --
+    and inside expert dispatches (:func:`~.dispatch.dispatch_regions`)."""
     def marked(name):
         return [n for n in gm.graph.nodes if (op_of(n) is not None and op_of(n).name == name)]
 
@@ -251,4 +253,4 @@ def token_local_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     region |= {n for n in after if not n.users and all(i in region or made_here(i) for i in n.all_input_nodes)}
     # factories used only inside the region (an arange of the tokens) belong to it
     region |= {n for n in gm.graph.nodes if made_here(n) and n.users and set(n.users) <= region}
-    return region
+    return region | dispatch_regions(gm)
