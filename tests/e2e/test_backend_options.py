@@ -271,7 +271,7 @@ def _batches_differ_at(step: int | None, check_inputs: bool = True):
     return checked
 
 
-@pytest.mark.parametrize("step", [2, 100])
+@pytest.mark.parametrize("step", [2, pytest.param(100, marks=pytest.mark.slow)])
 def test_ranks_fed_different_batches_fail_on_every_rank_at_any_step(step):
     with pytest.raises(RankFailure) as info:
         run_on_ranks(_batches_differ_at, 2, step, timeout=120)

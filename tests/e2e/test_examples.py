@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ALSO_IN_E2E = ("annotations.py", "layouts.py", "reference_models.py", "attention_demo.py", "train.py --steps 2 --check")
-EXAMPLES = ["llama.py", "hf_llama.py", *(pytest.param(name, marks=pytest.mark.slow) for name in ALSO_IN_E2E)]
-"""The default suite runs the demo and the transformers example; the examples whose code the e2e tests run too
-(annotations, layouts, the reference models, the runtime attention, FSDP2 training on a (dp, sp) mesh) are marked
-slow."""
+ALSO_IN_E2E = ("hf_llama.py", "annotations.py", "layouts.py", "reference_models.py", "attention_demo.py",
+               "train.py --steps 2 --check")
+EXAMPLES = ["llama.py", *(pytest.param(name, marks=pytest.mark.slow) for name in ALSO_IN_E2E)]
+"""The default suite runs the demo; the examples whose code the e2e tests run too (transformers models, annotations,
+layouts, the reference models, the runtime attention, FSDP2 training on a (dp, sp) mesh) are marked slow."""
 
 
 @pytest.mark.parametrize("command", EXAMPLES)

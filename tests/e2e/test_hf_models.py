@@ -220,11 +220,14 @@ def test_gpt_oss_sink_attention_is_distributed():
             assert fallbacks == [], f"{where}: {fallbacks}"
 
 
-def test_expert_dispatch_runs_on_each_ranks_tokens():
+MOE_CASES = {2: [("mixtral", 13, "sdpa", "ring"), ("qwen3_moe", 14, "sdpa", "zigzag")],
+             4: [("qwen3_moe", 13, "sdpa", "ring"), ("mixtral", 14, "sdpa", "zigzag")]}
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_expert_dispatch_runs_on_each_ranks_tokens(world):
     """Mixture-of-experts layers as transformers runs them under torch.compile (its grouped_mm experts: the slots
     sorted by expert, grouped products, the inverse permutation): each rank routes and computes its own tokens --
     no fallback, no gather -- and the loss (Mixtral's with the router's load-balancing loss over all tokens) and
-    every gradient equal one process's, at 2 and 4 ranks, lengths the world size does not divide."""
-    for world, cases in ((2, [("mixtral", 13, "sdpa", "ring"), ("qwen3_moe", 14, "sdpa", "zigzag")]),
-                         (4, [("qwen3_moe", 13, "sdpa", "ring")])):
-        _check(world, cases)  # exact, no fallback, no S x S value, every attention distributed
+    every gradient equal one process's, at lengths the world size does not divide."""
+    _check(world, MOE_CASES[world])  # exact, no fallback, no S x S value, every attention distributed

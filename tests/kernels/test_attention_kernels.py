@@ -443,7 +443,7 @@ DROPOUT_CASES = [
     pytest.param(Case("drop_fully_masked_rows", sq=40, sk=40, q_offset=16, k_offset=30, window=(6, 2),
                       key_mask="batch0_empty"), 0, id="drop_fully_masked_rows", marks=slow),
     pytest.param(Case("drop_mla_causal_gqa", sq=40, sk=45, q_offset=5, causal=True, head_dim=24, v_dim=12), 2,
-                 id="drop_mla_causal_gqa"),
+                 id="drop_mla_causal_gqa", marks=slow),
     pytest.param(Case("drop_mla_wide_v_ring", sq=33, sk=45, k_offset=40, head_dim=16, v_dim=40), 0,
                  id="drop_mla_wide_v_ring", marks=slow),
 ]
@@ -671,7 +671,7 @@ def test_fully_masked_rows_are_zero_with_neg_inf_lse_and_no_nan_gradients():
     assert all(torch.isfinite(x).all() for x in (out, dq, dk, dv))
 
 
-@pytest.mark.parametrize("v_dim", [None, 40], ids=["dv_is_d", "mla_dv40"])
+@pytest.mark.parametrize("v_dim", [None, pytest.param(40, marks=slow)], ids=["dv_is_d", "mla_dv40"])
 def test_ring_steps_merge_and_accumulate_to_the_full_result(v_dim):
     """Two key blocks at their global offsets, merged with triton_merge; the backward of each block
     from the FINAL out / lse (and a shared delta) sums to the gradients over all keys."""
@@ -723,7 +723,7 @@ def test_merge_kernel():
     assert torch.isneginf(lse[1, 2, 10:14].cpu()).all() and (out[1, 2, 10:14] == 0).all()
 
 
-@pytest.mark.parametrize("v_dim", [None, 16], ids=["dv_is_d", "mla_dv16"])
+@pytest.mark.parametrize("v_dim", [None, pytest.param(16, marks=slow)], ids=["dv_is_d", "mla_dv16"])
 def test_autograd_function_single_block_in_input_dtype(v_dim):
     case = Case("autograd", sq=40, sk=40, causal=True, window=(15, -1), key_mask="random", head_dim=32, v_dim=v_dim)
     q, k, v, dout, mask_args = make_inputs(case, torch.bfloat16)
@@ -978,7 +978,7 @@ def test_gpu_ring_steps_do_not_recompile():
     assert compiles == [], f"recompiled for new offsets: {compiles}"
 
 
-@pytest.mark.parametrize("sorted_ids", [True, False], ids=["packed", "unsorted"])
+@pytest.mark.parametrize("sorted_ids", [True, pytest.param(False, marks=slow)], ids=["packed", "unsorted"])
 def test_documents_narrow_the_tiles(sorted_ids):
     """Packed documents (ids sorted per row): every query tile visits only the key tiles of its documents, and the
     dk/dv programs only the query tiles of theirs; a row whose ids are not sorted (an id in two runs) keeps the
