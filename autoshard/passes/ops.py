@@ -167,6 +167,12 @@ def _bind_repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
     return {"input": input, "repeats": repeats, "dim": dim}
 
 
+@register_canonical("repeat", methods=["repeat"])
+def _bind_repeat(input, *sizes):
+    return {"input": input, "sizes": tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list))
+            else sizes}
+
+
 @register_canonical("cat", functions=[torch.cat, torch.concat, torch.concatenate])
 def _bind_cat(tensors, dim=0, axis=None, out=None):
     return {"tensors": list(tensors), "dim": dim if axis is None else axis}

@@ -92,6 +92,11 @@ def build(name: str, seq: int, impl: str):
         cfg = T.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                               output_router_logits=True, router_aux_loss_coef=0.1, **SMALL)
         cls = T.MixtralForCausalLM
+    elif name == "llama4":  # chunked attention, experts as a whole-dim repeat per expert (hidden.repeat(E, 1))
+        cfg = T.Llama4TextConfig(num_key_value_heads=2, head_dim=16, intermediate_size_mlp=128, num_local_experts=4,
+                                 num_experts_per_tok=1, attention_chunk_size=seq // 2, interleave_moe_layer_step=1,
+                                 **SMALL)
+        cls = T.Llama4ForCausalLM
     elif name == "qwen3_moe":
         cfg = T.Qwen3MoeConfig(num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                moe_intermediate_size=32, **SMALL)
@@ -220,14 +225,15 @@ def test_gpt_oss_sink_attention_is_distributed():
             assert fallbacks == [], f"{where}: {fallbacks}"
 
 
-MOE_CASES = {2: [("mixtral", 13, "sdpa", "ring"), ("qwen3_moe", 14, "sdpa", "zigzag")],
-             4: [("qwen3_moe", 13, "sdpa", "ring"), ("mixtral", 14, "sdpa", "zigzag")]}
+MOE_CASES = {2: [("mixtral", 13, "sdpa", "ring"), ("qwen3_moe", 14, "sdpa", "zigzag"), ("llama4", 13, "sdpa", "ring")],
+             4: [("qwen3_moe", 13, "sdpa", "ring"), ("mixtral", 14, "sdpa", "zigzag"), ("llama4", 14, "sdpa", "zigzag")]}
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_expert_dispatch_runs_on_each_ranks_tokens(world):
     """Mixture-of-experts layers as transformers runs them under torch.compile (its grouped_mm experts: the slots
-    sorted by expert, grouped products, the inverse permutation): each rank routes and computes its own tokens --
-    no fallback, no gather -- and the loss (Mixtral's with the router's load-balancing loss over all tokens) and
-    every gradient equal one process's, at lengths the world size does not divide."""
+    sorted by expert, grouped products, the inverse permutation; Llama-4's tokens repeated whole per expert and
+    batched per expert, its attention chunked): each rank routes and computes its own tokens -- no fallback, no
+    gather -- and the loss (Mixtral's with the router's load-balancing loss over all tokens) and every gradient
+    equal one process's, at lengths the world size does not divide."""
     _check(world, MOE_CASES[world])  # exact, no fallback, no S x S value, every attention distributed

@@ -2,7 +2,7 @@
 
 Hypothesis draws a shape with one dim that stands for the sequence, filled with its positions (``arange``), and a
 chain of shape ops as models write them: reshapes to any shape of the same size, flatten and unflatten, squeeze
-and unsqueeze, permute / transpose / movedim, expand, repeat_interleave. Each op is a real FX node, canonicalized
+and unsqueeze, permute / transpose / movedim, expand, repeat_interleave, repeat. Each op is a real FX node, canonicalized
 and looked up in the table as the compiler does. After every op:
 
 * the output factorization the dim map gives multiplies out to the output's shape;
@@ -56,7 +56,9 @@ def _step(draw, shape, factors):
                st.tuples(st.just("transpose"), st.tuples(dim, dim), st.just({})),
                st.tuples(st.just("movedim"), st.tuples(dim, dim), st.just({})),
                st.tuples(st.just("repeat_interleave"), st.tuples(st.integers(1, 3)),
-                         st.fixed_dictionaries({"dim": dim}))]
+                         st.fixed_dictionaries({"dim": dim})),
+               st.lists(st.integers(1, 3), min_size=ndim, max_size=ndim + 1).map(  # leading new dims too
+                   lambda sizes: ("repeat", tuple(sizes), {}))]
     if ndim > 1:
         choices.append(dim.flatmap(lambda start: st.tuples(
             st.just("flatten"), st.tuples(st.just(start), st.integers(start, ndim - 1)), st.just({}))))

@@ -1,6 +1,6 @@
 """Dim maps: what a shape op's output dims are made of, one declarative value per op.
 
-A shape op (view, permute, expand, repeat_interleave, ...) moves elements without computing anything, so one
+A shape op (view, permute, expand, repeat_interleave, repeat, ...) moves elements without computing anything, so one
 *dim map* says all there is to know about it (DTensor's ``_ops/_view_ops.py`` ``dim_maps`` is the model): one
 entry per output dim, naming the input dims or factors it is made of. The link rule reads the edges of
 :mod:`autoshard.passes.infer` off it, and the rewrite reads off it which input placement gives the output's.
@@ -12,7 +12,8 @@ factors too:
 ``InputDim(d)``        input dim ``d``, factor for factor (permute, the dims expand and repeat keep)
 ``Factors(pieces)``    a run of input factors, merged (DTensor's ``Flatten``) or cut (``Split``): each piece is
                        ``(size, (input dim, input factor))``; a piece cut out of a factor is ``(size, None)``
-``Repeat(d, times)``   input dim ``d`` with every element repeated: its factors, then an inner one of ``times``
+``Repeat(d, times)``   input dim ``d`` with every element repeated: its factors, then an inner one of ``times``;
+                       with ``whole=True`` the dim repeated whole (``repeat``): an outer ``times``, then its factors
 ``NewDim(size)``       positions no input position is (a size-1 dim, a cut factor): a split starts here
 ``Broadcast(size)``    every position a copy of the same input element (expand): the input is used whole
 =====================  ==================================================================================
@@ -50,10 +51,12 @@ class Factors:
 
 @dataclass(frozen=True)
 class Repeat:
-    """Input dim ``dim`` with every element repeated ``times`` times (``repeat_interleave``)."""
+    """Input dim ``dim`` with every element repeated ``times`` times (``repeat_interleave``), or with the whole dim
+    repeated ``times`` times (``whole``: ``repeat``, copy after copy)."""
 
     dim: int
     times: int
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,9 @@ def pieces(spec: DimSpec, in_factors: list[list[int]]) -> list[Piece]:
         return list(spec.pieces)
     if isinstance(spec, Repeat):
         kept = pieces(InputDim(spec.dim), in_factors)
-        return kept + [(spec.times, None)] if spec.times != 1 else kept
+        if spec.times == 1:
+            return kept
+        return [(spec.times, None)] + kept if spec.whole else kept + [(spec.times, None)]
     return [(spec.size, None)]
 
 

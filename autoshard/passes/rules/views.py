@@ -1,5 +1,5 @@
 """Shape and layout ops: views (``view_as_complex`` / ``view_as_real`` among them), permutes, expands,
-repeat_interleave, indexing, splits, concatenation, padding.
+repeat_interleave, repeat, indexing, splits, concatenation, padding.
 
 Shape ops are declarative: ``SHAPE_OPS`` holds one line per op, its *dim map* (:mod:`.dim_maps`: which input
 dims or factors each output dim is made of), and one link and one rewrite interpret every map. Views follow
@@ -7,7 +7,8 @@ dims or factors each output dim is made of), and one link and one rewrite interp
 (merging or splitting them), and matched factors are the same positions. A factor cut in two by a view starts
 new, unlinked factors: the sequence cannot be followed through it, and a split value there is gathered.
 ``repeat_interleave`` by an int appends an inner factor to the repeated dim, so a merged ``[B*S]`` repeated per
-token (MoE routing) stays split.
+token (MoE routing) stays split; ``repeat`` puts an outer factor before it, so a ``[N]`` repeated whole per
+expert (Llama-4's ``hidden.repeat(E, 1)``: ``[E*N]``) stays split along its inner ``N``.
 
 Indexing along the sequence is exact on shards: a step-1 slice keeps each rank's positions inside the
 range (a derived layout: the shifted labels of a causal LM), selecting one position gives a partial
@@ -95,6 +96,16 @@ def _repeated(node, op, factorization) -> DimMap | None:
     return tuple(repeated if dim == d else InputDim(dim) for dim in range(len(in_shape)))
 
 
+def _tiled(node, op, factorization) -> DimMap:
+    """``x.repeat(*sizes)``: leading new dims and size-1 dims repeated are copies of one element; a dim repeated
+    ``k > 1`` times is ``k`` copies of it, an outer factor before its own (the sequence among them)."""
+    sizes, in_shape = op["sizes"], shape_of(op["input"])
+    lead = len(sizes) - len(in_shape)
+    kept = (InputDim(d) if times == 1 else Broadcast(size * times) if size == 1 else Repeat(d, times, whole=True)
+            for d, (size, times) in enumerate(zip(in_shape, sizes[lead:])))
+    return tuple(Broadcast(s) for s in sizes[:lead]) + tuple(kept)
+
+
 def _repeated_dim(op: Op) -> int | None:
     """The dim whose elements ``repeat_interleave`` repeats an int number of times; None for counts per
     element (a tensor) or no dim (the input flattened first)."""
@@ -149,6 +160,7 @@ SHAPE_OPS: dict[str, ShapeOp] = {
     "permute": ShapeOp(_permuted, _reemitted, _whole_keeping_partial),  # also transpose, movedim, t
     "expand": ShapeOp(_expanded, _to_local_shape("expand"), _whole),
     "repeat_interleave": ShapeOp(_repeated, _repeat_local, _whole_repeat),
+    "repeat": ShapeOp(_tiled, _reemitted, _whole),  # the counts are no sizes: the same call on this rank's part
 }
 
 
