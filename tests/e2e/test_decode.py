@@ -132,6 +132,7 @@ def _window_rank(lengths, new) -> dict:
     return out
 
 
+@pytest.mark.slow  # a cache variant of the decode above (its plan: tests/plan/test_decode_plan.py)
 def test_generate_with_a_sliding_window_cache():
     """Mistral's sliding-window layers keep only their window (``DynamicSlidingWindowLayer``: the cache is the last
     ``window - 1`` positions of the appended one): sharded, each rank drops its own positions that leave the window.

@@ -167,9 +167,11 @@ def _check(world, cases, inner="eager"):
 
 SLOW = {*CASES_4, ("llama", 61, "eager", "ring"), ("llama_pad", 63, "sdpa", "ulysses"),
         ("llama_posids", 63, "eager", "ulysses"), ("qwen2", 64, "eager", "ulysses"), ("mistral", 64, "sdpa", "ring"),
-        ("gpt2", 64, "eager", "ring"), ("bert", 64, "eager", "ulysses"), ("vit", 17, "eager", "ring")}
-"""Marked slow and run in a launch of their own: every case at 4 ranks, and each model's second case at 2 (the default
-suite runs every model once, sdpa and eager, every strategy)."""
+        ("gpt2", 64, "eager", "ring"), ("bert", 64, "eager", "ulysses"), ("vit", 17, "eager", "ring"),
+        ("roberta", 61, "sdpa", "ring"), ("opt", 63, "sdpa", "ring"), ("llama_nocache", 62, "sdpa", "ring")}
+"""Marked slow and run in a launch of their own: every case at 4 ranks, each model's second case at 2, and RoBERTa,
+OPT and Llama without its cache (variants of BERT's, GPT-2's and Llama's blocks; the default suite runs every other
+model once, sdpa and eager, every strategy)."""
 
 
 def _tier(world: int, slow: bool) -> list[tuple]:

@@ -182,7 +182,8 @@ EXPECTED = {"unbind": _unbind_keeps_the_split, "unbind_along_sequence": _split_a
 ITEMS = [(world, name) for world in SEQ for name in CASES]
 
 
-@pytest.mark.parametrize("world,name", ITEMS, ids=[f"P{w}-{n}" for w, n in ITEMS])
+@pytest.mark.parametrize("world,name", [pytest.param(w, n, marks=[pytest.mark.slow] if w != 2 else []) for w, n in ITEMS],
+                         ids=[f"P{w}-{n}" for w, n in ITEMS])  # the odd world in the slow tier
 def test_rule_edge_cases_match_one_process(world, name):
     for rank, rank_results in enumerate(_results(world)):
         r = rank_results[name]
