@@ -395,10 +395,12 @@ def test_per_block_compile_keeps_an_eager_mask_no_structure_makes_dense():
         assert len(r["warnings"]) == 1 and "checked on every call" in r["warnings"][0], (rank, r)
 
 
-SLOW = ("fsdp_mistral", "fsdp_gemma2", "flex_handwritten")
+SLOW = ("fsdp_mistral", "fsdp_gemma2", "flex_handwritten", "fsdp_padding", "per_block")
 """2-rank cases marked slow and run in a launch of their own: the FSDP2 recipe with Mistral's window and Gemma2's
 soft cap (``test_hf_models.py`` runs both models' masks; the recipe runs here with padding and packed documents), and
-FlexAttention in a hand-written model (transformers' FlexAttention runs in the default tier)."""
+FlexAttention in a hand-written model (transformers' FlexAttention runs in the default tier), the recipe with left
+padding instead of packed documents, and per-block compilation (test_graph_boundaries.py and the eager-mask tests below
+run it by default)."""
 
 
 def _run(world: int, slow: bool) -> dict:
@@ -422,9 +424,8 @@ def _launch(world: int, slow: bool) -> list[dict]:
     return run_on_ranks(_run, world, world, slow, timeout=900)
 
 
-CASES = [(2, "fsdp_checkpointed_packed"), (2, "fsdp_padding"),
-         *(pytest.param(2, name, marks=pytest.mark.slow) for name in SLOW),
-         (2, "per_block"), (2, "flex_llama"),
+CASES = [(2, "fsdp_checkpointed_packed"), *(pytest.param(2, name, marks=pytest.mark.slow) for name in SLOW),
+         (2, "flex_llama"),
          pytest.param(4, "fsdp_checkpointed_packed", marks=pytest.mark.slow),
          pytest.param(4, "per_block", marks=pytest.mark.slow)]
 
