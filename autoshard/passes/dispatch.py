@@ -10,7 +10,9 @@ sequence every rank sorts, groups and restores its own slots and gets exactly it
 with no gather and each expert computing only the rank's tokens.
 
 A region is taken only when it is exactly that (:func:`dispatch_regions`): a ``sort`` of a 1-D key whose
-permutation is inverted as above and gathered by, and in between only the ops :func:`_moves_rows` accepts -- rows
+permutation is inverted as above and gathered by, nothing in between used outside it (a sorted value that leaves
+the region would be each rank's order, not the whole sequence's), and in between only the ops :func:`_moves_rows`
+accepts -- rows
 gathered by the permutation (or by it divided by top-k: a token's slots), by the sorted keys (an expert's bias),
 elementwise ops that combine the sorted rows with nothing row-aligned in another order, views and splits of the
 last dim, the grouped products, and the counts of the sorted keys and their cumulative sum. Anything else -- a
@@ -70,10 +72,10 @@ def _region(sort: fx.Node) -> set[fx.Node]:
     before = set(reachable(ends[0], lambda n: n.all_input_nodes)).union(*(
         reachable(e, lambda n: n.all_input_nodes) for e in ends[1:]))
     region = (after & before) | {sort, perm, inv, write, positions, *ends} | ({keys} if keys is not None else set())
-    rows = len(shape_of(sort.args[0]))  # 1: the slots are dim 0 of every row-aligned value
+    closed = all(user in region for node in region.difference(ends) for user in node.users)  # no sorted value leaks
     allowed = all(_moves_rows(n, region, perm, keys, inv) for n in region if n not in (sort, perm, keys, write,
                                                                                        positions, inv))
-    return region if allowed and rows == 1 else set()
+    return region if closed and allowed else set()
 
 
 def _inverse(perm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:

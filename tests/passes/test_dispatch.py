@@ -1,6 +1,6 @@
 """Expert dispatch regions (:mod:`autoshard.passes.dispatch`): a sort whose rows are grouped and put back by the
-inverse permutation is token-local; a sort whose order survives, a capacity limit, or rows mixed with rows of the
-unsorted order are not (they keep today's gather)."""
+inverse permutation is token-local; a sort whose order survives, a capacity limit, a sorted value used outside, or
+rows mixed with rows of the unsorted order are not (they keep today's gather)."""
 
 import operator
 
@@ -61,6 +61,16 @@ def capacity_limited(x, router, weights):
     return out[inverse]
 
 
+def sorted_keys_leak(x, router, weights):
+    """Rows put back, but the sorted keys returned too: their order is the whole sequence's, not each rank's."""
+    scores, ids = _route(x, router)
+    ids_sorted, perm = torch.sort(ids)
+    rows = x[perm // TOP_K] * scores[perm].unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0))
+    return rows[inverse], ids_sorted
+
+
 def mixed_orders(x, router, weights):
     """Sorted rows times the weights in the unsorted order: the pairing depends on every key."""
     scores, ids = _route(x, router)
@@ -83,6 +93,6 @@ def test_a_dispatch_restored_by_its_inverse_is_token_local():
     assert len(gathers) == 4, gathers  # the rows, the weights, the expert's weights by key, the inverse
 
 
-def test_sorted_order_capacity_and_mixed_orders_are_not():
-    for fn in (sorted_order_returned, capacity_limited, mixed_orders):
+def test_sorted_order_capacity_leaks_and_mixed_orders_are_not():
+    for fn in (sorted_order_returned, capacity_limited, sorted_keys_leak, mixed_orders):
         assert _region(fn) == set(), fn.__name__
