@@ -71,6 +71,11 @@ def _region(sort: fx.Node) -> set[fx.Node]:
     after = set(reachable(sort, lambda n: n.users))
     before = set(reachable(ends[0], lambda n: n.all_input_nodes)).union(*(
         reachable(e, lambda n: n.all_input_nodes) for e in ends[1:]))
+    core = after & before
+    writes = {n for n in after  # in-place writes into its rows (an expert's bias added) reach no end, but belong
+              if not n.users and n.op != "output" and n.args and n.args[0] in core}
+    for w in writes:
+        before |= set(reachable(w, lambda n: n.all_input_nodes))
     region = (after & before) | {sort, perm, inv, write, positions, *ends} | ({keys} if keys is not None else set())
     closed = all(user in region for node in region.difference(ends) for user in node.users)  # no sorted value leaks
     allowed = all(_moves_rows(n, region, perm, keys, inv) for n in region if n not in (sort, perm, keys, write,
