@@ -57,7 +57,8 @@ def _check(kinds, seq, layout):
     return out
 
 
-@pytest.mark.parametrize("world,seq,layout", [(2, 9, "contiguous"), (3, 13, "zigzag"),
+@pytest.mark.parametrize("world,seq,layout", [(2, 9, "contiguous"),
+                                              pytest.param(3, 13, "zigzag", marks=pytest.mark.slow),
                                               pytest.param(4, 11, "contiguous", marks=pytest.mark.slow)])
 def test_sequence_mixing_ops_are_exact(world, seq, layout):
     for result in run_on_ranks(_check, world, KINDS, seq, layout, timeout=300):

@@ -128,6 +128,7 @@ def test_head_groups_lower_the_attention_peak():
     assert grouped.total < whole.total and measured[1] < measured[0], (whole, grouped, measured)
 
 
+@pytest.mark.slow  # plans of the slow tier's cases
 def test_checkpointing_keeps_the_layer_inputs():
     """The checkpoint keeps only the layers' inputs; without the big loss the peak is a layer recomputed in
     backward."""

@@ -265,16 +265,18 @@ def test_matches_one_process_sdpa(runs):
     _check_against_sdpa(*runs)
 
 
-def test_triton_kernels_plug_into_the_strategies():
-    """Every strategy with ``kernels="triton"`` (the Triton interpreter on CPU), once each; the
-    causal cases with soft-capped scores, the sliding-window case chunked too, the key-mask and segment cases
-    with a value head dim (12) other than the query/key head dim (MLA), the causal ones with ALiBi, the causal and
-    key-mask ones with attention sinks (the kernels' backward on the output and log-sum-exp the sinks corrected)."""
+@pytest.mark.parametrize("wanted", [
+    {("zigzag", "zigzag", "causal"), ("ulysses", "contiguous", "segments+causal"), ("hybrid", "zigzag", "causal")},
+    pytest.param({("ring", "contiguous", "causal+window"), ("allgather", "contiguous", "key_mask")},
+                 marks=pytest.mark.slow)], ids=["default", "more"])
+def test_triton_kernels_plug_into_the_strategies(wanted):
+    """The strategies with ``kernels="triton"`` (the Triton interpreter on CPU): the zigzag ring, Ulysses and the 2-D
+    hybrid in the default suite, the contiguous ring and all-gather in the slow tier; the causal cases with
+    soft-capped scores, the sliding-window case chunked too, the key-mask and segment cases with a value head dim (12)
+    other than the query/key head dim (MLA), the causal ones with ALiBi, the causal and key-mask ones with attention
+    sinks (the kernels' backward on the output and log-sum-exp the sinks corrected)."""
     pytest.importorskip("triton")
     pytest.importorskip("autoshard.kernels.attention")
-    wanted = {("ring", "contiguous", "causal+window"), ("zigzag", "zigzag", "causal"),
-              ("allgather", "contiguous", "key_mask"), ("ulysses", "contiguous", "segments+causal"),
-              ("hybrid", "zigzag", "causal")}
     cases = [dict(case, kernels="triton", dtype=torch.float32, tiled=False, length=20, head_dim=16,
                   softcap=2.0 if case["mask"] == "causal" else 0.0, chunk=6 if case["mask"] == "causal+window" else 0,
                   value_dim=12 if case["mask"] in ("key_mask", "segments+causal") else None,
@@ -518,7 +520,8 @@ def _compiled_attention():
 
     def fn(q, k, v):
         out, lse = torch.ops.autoshard.attention(q, k, v, None, None, None, None, None, None, "zigzag",
-                                                 layout.encode(), group, "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.0, "torch", 1)
+                                                 layout.encode(), group, "", True, -1, -1, 0, 8 ** -0.5, 0.0, 0.0,
+                                                 "torch", 1)
         return out.sum() + lse.sum().detach()
 
     torch.library.opcheck(torch.ops.autoshard.attention.default,
