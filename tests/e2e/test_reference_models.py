@@ -124,6 +124,7 @@ def _run_hybrid_cases(cases):
     return out
 
 
+@pytest.mark.slow  # 4 ranks; the hybrid strategy runs at 2 ranks in tests/runtime/test_attention.py by default
 def test_hybrid_on_a_2d_mesh_matches_one_process():
     """strategy="hybrid" on a (ring 2, ulysses 2) mesh: causal models take the zigzag layout over the
     flattened mesh, bidirectional ones the contiguous layout; the plan of the same mesh predicts every

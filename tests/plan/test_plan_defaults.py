@@ -138,7 +138,8 @@ NEEDS_VALUES = {"buffer_mask"}
 """Models whose run reads values a model on meta does not have (nanoGPT's mask: a buffer's values)."""
 
 
-SLOW = ("rope_complex", "chunked_masked_fill", "latent_attention", "alibi", "relative_bias")
+SLOW = ("rope_complex", "chunked_masked_fill", "chunked_additive_padded", "latent_attention", "alibi", "relative_bias",
+        "attention_dropout")
 """Models planned and run in the slow tier's launch (the capture catalogue plans their spellings in the default
 suite)."""
 
