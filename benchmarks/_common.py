@@ -1,4 +1,4 @@
-"""Shared pieces of the attention benchmarks: inputs, timed runs on ranks, table printing.
+"""Shared pieces of the benchmarks: inputs, timed runs on ranks, table printing, the small training model.
 
 Runs happen in rank workers (:func:`autoshard.testing.run_on_ranks`) started with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so the resident-memory peak (``autoshard.testing.memory``) follows
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from autoshard.runtime import SequenceLayout, attention, comm_counter
 from autoshard.testing.memory import peak_memory
 
-__all__ = ["one_process", "distributed", "best_of", "print_table", "HEADS", "HEAD_DIM"]
+__all__ = ["one_process", "distributed", "best_of", "print_table", "small_llama", "HEADS", "HEAD_DIM"]
 
 HEADS, HEAD_DIM = 8, 64
 
@@ -94,3 +94,15 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
         if n == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def small_llama():
+    """The training benchmarks' model (packed documents, variable lengths): transformers ``LlamaForCausalLM`` from a
+    config -- vocab 8000, 4 layers, hidden 256, 8 heads / 2 kv heads, SDPA, float32, seeded random weights."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=65536)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).train()

@@ -31,22 +31,9 @@ import autoshard
 from autoshard.testing import run_on_ranks
 
 try:
-    from _common import print_table
+    from _common import print_table, small_llama
 except ImportError:  # run as a module
-    from benchmarks._common import print_table
-
-HEADS, HEAD_DIM = 8, 32
-
-
-def _model():
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=8000, hidden_size=HEADS * HEAD_DIM, intermediate_size=688,
-                                   num_hidden_layers=4, num_attention_heads=HEADS, num_key_value_heads=2,
-                                   max_position_embeddings=65536)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).train()
+    from benchmarks._common import print_table, small_llama
 
 
 def _batch(length: int, seed: int) -> dict:
@@ -63,7 +50,7 @@ def _batch(length: int, seed: int) -> dict:
 
 def _loop(lengths: list[int], seed: int) -> tuple[int, float, int]:
     """(compilations, seconds, tokens) of the steps after the first (a warm-up) at ``lengths``."""
-    model = _model()
+    model = small_llama()
     compiled = autoshard.compile(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 

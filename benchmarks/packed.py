@@ -42,9 +42,9 @@ from autoshard.testing import run_on_ranks
 from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
 
 try:
-    from _common import print_table
+    from _common import print_table, small_llama
 except ImportError:  # run as a module
-    from benchmarks._common import print_table
+    from benchmarks._common import print_table, small_llama
 
 RUNS = {"as before": (False, False), "documents": (True, False), "balanced": (True, True)}
 """Run -> (DOCUMENT_BLOCKS, BALANCE)."""
@@ -59,17 +59,6 @@ def lengths(total: int, seed: int) -> list[int]:
         out.append(int(torch.empty(1).log_normal_(6.6, 0.7, generator=gen).clamp(16, 4096)))
     out[-1] -= sum(out) - total
     return out
-
-
-def _model():
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=8000, hidden_size=HEADS * HEAD_DIM, intermediate_size=688,
-                                   num_hidden_layers=4, num_attention_heads=HEADS, num_key_value_heads=2,
-                                   max_position_embeddings=65536)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).train()
 
 
 def _inputs(length: int) -> dict:
@@ -98,9 +87,9 @@ def _measure(length: int, repeat: int) -> dict:
     models = {}
     for run, (documents, balance) in RUNS.items():
         local.DOCUMENT_BLOCKS, dispatch.BALANCE = documents, balance
-        models[run] = autoshard.compile(_model())
+        models[run] = autoshard.compile(small_llama())
         _step(models[run], length)  # compiles for this length
-    reference = _model() if rank == 0 else None
+    reference = small_llama() if rank == 0 else None
     if rank == 0:
         _step(reference, 1024)  # warm-up
     for _ in range(repeat):
