@@ -229,17 +229,19 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_
 
     ``fn`` must be importable (a module-level function). ``timeout``: seconds for the whole call;
     ``threads``: intra-op threads per rank; ``env``: extra environment variables for the workers (a
-    pool per distinct ``env``). Raises :class:`RankFailure` (with the rank's traceback) when a rank
-    raises and :class:`RankTimeout` (with the stuck ranks' stacks) when ranks hang.
+    pool per distinct ``env``; a variable this process already has with the given value changes nothing).
+    Raises :class:`RankFailure` (with the rank's traceback) when a rank raises and :class:`RankTimeout` (with
+    the stuck ranks' stacks) when ranks hang.
     """
     if not 1 <= world_size <= 8:
         raise ValueError(f"run_on_ranks: world_size must be in 1..8, got {world_size}")
-    key = (world_size, tuple(sorted((env or {}).items())))
+    env = {name: value for name, value in (env or {}).items() if os.environ.get(name) != value}  # workers inherit
+    key = (world_size, tuple(sorted(env.items())))
     pool = _pools.get(key)
     if pool is None or not pool.alive():
         if pool is not None:
             pool.kill()
-        pool = _Pool(key, world_size, dict(env or {}))
+        pool = _Pool(key, world_size, env)
         _pools[key] = pool
     return pool.run(_Task(fn, args, kwargs, threads), timeout)
 
