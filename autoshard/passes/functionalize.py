@@ -11,12 +11,17 @@ on a value split along the sequence cannot run as written on a shard (its index 
 global terms). So this pass, which runs before attention capture, rewrites each such write into the
 value it produces and points every *later* use of the written tensor at that value:
 
-* ``b[index] = v`` and ``b[index].copy_(v)`` with a basic index (slices of step 1, ints, ``...``,
-  ``None``): ``b`` with the indexed box replaced, built from slices of ``b`` and ``v`` (broadcast to the box
-  and cast to ``b``'s dtype) by ``cat`` along each restricted dim. ``cat`` and slices have rules, so a
-  box that does not cut the sequence dim is computed on every rank's own positions, and one that does
-  is exact through the slice and concatenation rules;
+* ``b[index] = v`` and ``b[index].copy_(v)`` with a basic index (slices, ints, ``...``, ``None``): ``b`` with
+  the indexed box replaced, built from slices of ``b`` and ``v`` (broadcast to the box and cast to ``b``'s
+  dtype) by ``cat`` along each restricted dim. A slice with a step ``k`` (Wan's rotary embedding writes
+  ``out[..., 0::2] = ...`` and ``out[..., 1::2] = ...`` into ``empty_like``) views the groups of ``k`` it
+  touches as ``[n, k]`` (``unflatten``), replaces one column there and flattens back; a strided box whose
+  last group runs past the dim is kept in place. ``cat``, slices and views have rules, so a box that does
+  not cut the sequence dim is computed on every rank's own positions, and one that does is exact through
+  the slice and concatenation rules;
 * ``b.copy_(v)``: ``v`` broadcast to ``b``'s shape and cast;
+* the same through ``b.data`` (CogVideoX builds its positions with ``joint.data[:, text:].copy_(pos)``): a
+  write into ``b`` of ``v.detach()``, as autograd does not see it;
 * ``b.scatter_(...)``, ``b.scatter_add_``, ``b.index_put_``, ``b.index_add_``, ``b.index_copy_``,
   ``b.index_fill_``, ``b.masked_scatter_``: their out-of-place twins.
 
@@ -26,8 +31,8 @@ place on the shard, which is exact.
 The rewrite is the same value only when nothing else can observe the write, so a write is kept in place
 (and a split target then gets the rewriter's clear error) unless: ``b`` is made in this graph by an op
 whose value owns its storage (not a graph input, a parameter or a buffer, not a view of another tensor:
-their writes are seen outside), and no other tensor sharing ``b``'s storage, made before the write, is used
-after it (one made after it is made from the written value).
+their writes are seen outside; a value this pass built is its own), and no other tensor sharing ``b``'s
+storage, made before the write, is used after it (one made after it is made from the written value).
 """
 
 from __future__ import annotations
@@ -53,9 +58,10 @@ def _storage(node: fx.Node):
     return StorageWeakRef(value_of(node).untyped_storage())
 
 
-def _box(base: fx.Node, index) -> list[tuple[int, int, int]] | None:
-    """The dims a basic ``index`` restricts in ``base``, as ``(dim, start, stop)`` (static bounds), or None when
-    the index is not basic (a tensor, a step other than 1, an unknown bound)."""
+def _box(base: fx.Node, index) -> list[tuple[int, int, int, int, int]] | None:
+    """The dims a basic ``index`` restricts in ``base``, as ``(dim, start, stop, step, column)`` (static bounds):
+    a strided slice as the groups of ``step`` from ``start`` to ``stop`` whose ``column`` it takes; None when the
+    index is not basic (a tensor, a negative step, an unknown bound) or no such groups fit in the dim."""
     shape = shape_of(base)
     items = list(index) if isinstance(index, tuple) else [index]
     if sum(item is Ellipsis for item in items) > 1:
@@ -77,14 +83,21 @@ def _box(base: fx.Node, index) -> list[tuple[int, int, int]] | None:
             start = item + size if item < 0 else item
             if not 0 <= start < size:
                 return None
-            box.append((dim, start, start + 1))
+            box.append((dim, start, start + 1, 1, 0))
         else:
             if not all(b is None or (isinstance(b, int) and not isinstance(b, bool)) for b in
-                       (item.start, item.stop, item.step)) or item.step not in (None, 1):
+                       (item.start, item.stop, item.step)) or (item.step or 1) < 1:
                 return None
-            start, stop, _ = item.indices(size)
-            if (start, stop) != (0, size):
-                box.append((dim, start, max(start, stop)))
+            start, stop, step = item.indices(size)
+            count = len(range(start, stop, step))
+            if step == 1 or count <= 1:
+                if (start, start + count) != (0, size):
+                    box.append((dim, start, start + count, 1, 0))
+            else:
+                column = max(0, start + count * step - size)  # groups of `step` from start - column fit the dim
+                if column >= step or column > start:
+                    return None
+                box.append((dim, start - column, start - column + count * step, step, column))
         dim += 1
     return box
 
@@ -94,8 +107,8 @@ def _box_value(graph: fx.Graph, base: fx.Node, box, value, view_shape) -> fx.Nod
     dims (ints keep their dim, ``None`` adds none) and cast to ``base``'s dtype."""
     dtype = value_of(base).dtype
     box_shape = list(shape_of(base))
-    for dim, start, stop in box:
-        box_shape[dim] = stop - start
+    for dim, start, stop, step, _ in box:
+        box_shape[dim] = (stop - start) // step
     if not isinstance(value, fx.Node):
         return new_node(graph, torch.full, (tuple(box_shape), value),
                         {"dtype": dtype, "device": value_of(base).device})
@@ -111,16 +124,25 @@ def _box_value(graph: fx.Graph, base: fx.Node, box, value, view_shape) -> fx.Nod
 
 def _replace_box(graph: fx.Graph, base: fx.Node, box, content: fx.Node) -> fx.Node:
     """``base`` with the box ``box`` replaced by ``content``: per restricted dim, the slices before and after the
-    box around the inner replacement, concatenated."""
+    box around the inner replacement, concatenated. A strided dim's part is viewed as ``[groups, step]`` and its
+    column replaced (the box's later dims one further out), then flattened back."""
     if not box:
         return content
-    (dim, start, stop), rest = box[0], box[1:]
+    (dim, start, stop, step, column), rest = box[0], box[1:]
     size = shape_of(base)[dim]
 
     def part(lo, hi):
         return new_node(graph, operator.getitem, (base, (slice(None),) * dim + (slice(lo, hi),)))
 
-    inner = _replace_box(graph, part(start, stop), [(d, a, b) for d, a, b in rest], content) if rest else content
+    if step > 1:
+        groups = new_node(graph, "unflatten", (part(start, stop), dim, ((stop - start) // step, step)),
+                          op="call_method")
+        as_column = new_node(graph, "unsqueeze", (content, dim + 1), op="call_method")
+        inner_box = [(dim + 1, column, column + 1, 1, 0)] + [(d + 1, *bounds) for d, *bounds in rest]
+        inner = new_node(graph, "flatten", (_replace_box(graph, groups, inner_box, as_column), dim, dim + 1),
+                         op="call_method")
+    else:
+        inner = _replace_box(graph, part(start, stop), rest, content) if rest else content
     pieces = ([part(0, start)] if start > 0 else []) + [inner] + ([part(stop, size)] if stop < size else [])
     return new_node(graph, torch.cat, (pieces, dim)) if len(pieces) > 1 else inner
 
@@ -154,19 +176,31 @@ def _write(node: fx.Node):
         return None
     view_shape = shape_of(view) if view is not None else tuple(
         value_of(base)[index].shape) if index != () else shape_of(base)
+    through_data = _is_data(base)
+    if through_data:  # x.data[index] = v: a write into x that autograd does not see
+        base = base.args[0]
 
     def build(graph):
-        content = _box_value(graph, base, box, value, view_shape)
-        if not box and content is value:  # the whole tensor: a copy, not the source itself
+        written = value
+        if through_data and isinstance(value, fx.Node):
+            written = new_node(graph, "detach", (value,), op="call_method")
+        content = _box_value(graph, base, box, written, view_shape)
+        if not box and content is written:  # the whole tensor: a copy, not the source itself
             content = new_node(graph, "clone", (content,), op="call_method")
         return _replace_box(graph, base, box, content)
 
     return base, view, build
 
 
-def _fresh(base: fx.Node, write: fx.Node, view: fx.Node | None, order: dict[fx.Node, int]) -> bool:
-    """Whether nothing but ``base``'s own later uses can observe ``write`` (see the module docstring)."""
-    if base.op not in ("call_function", "call_method") or value_of(base)._is_view():
+def _is_data(node: fx.Node) -> bool:
+    """Whether ``node`` is ``x.data`` (dynamo records it as ``torch._C._autograd._get_data_attr(x)``)."""
+    return node.op == "call_function" and node.target is torch._C._autograd._get_data_attr
+
+
+def _fresh(base: fx.Node, write: fx.Node, view: fx.Node | None, order: dict[fx.Node, int], built: set) -> bool:
+    """Whether nothing but ``base``'s own later uses can observe ``write`` (see the module docstring); ``built``:
+    the values this pass made, which own their storage even where their last op is a view."""
+    if base.op not in ("call_function", "call_method") or (value_of(base)._is_view() and base not in built):
         return False
     storage = _storage(base)
     for node in order:
@@ -184,17 +218,19 @@ def functionalize(gm: fx.GraphModule) -> dict[str, int]:
     stay in place."""
     graph = gm.graph
     counts = {"functionalized": 0, "kept_in_place": 0}
+    built = set()
     for write in list(graph.nodes):
         found = _write(write)
         if found is None:
             continue
         base, view, build = found
         order = {n: i for i, n in enumerate(graph.nodes)}
-        if not _fresh(base, write, view, order):
+        if not _fresh(base, write, view, order, built):
             counts["kept_in_place"] += 1
             continue
         with graph.inserting_before(write):
             new = build(graph)
+        built.add(new)
         later = [u for u in base.users if order.get(u, -1) > order[write]]
         for user in later:
             user.replace_input_with(base, new)
@@ -210,9 +246,13 @@ def functionalize(gm: fx.GraphModule) -> dict[str, int]:
         for user in result_users:
             user.meta[OP_KEY] = canonical(user)
         _copy_meta(write, new)
+        written_through = [write.args[0]] + ([view.args[0]] if view is not None else [])
         graph.erase_node(write)
         if view is not None and not view.users:
             graph.erase_node(view)
+        for alias in written_through:  # x.data, once nothing else reads it
+            if alias in graph.nodes and _is_data(alias) and not alias.users:
+                graph.erase_node(alias)
         counts["functionalized"] += 1
     return counts
 

@@ -32,6 +32,23 @@ def _rows(x):  # ints, a step-1 slice, a scalar, None in the index
     return y.sum(1)
 
 
+def _interleave(x):  # Wan's rotary embedding: strided writes into empty_like, the odd one ending before the dim
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * 2 - x2
+    out[..., 1::2] = x1 + x2 * 3
+    y = torch.zeros(3, 7)
+    y[1, 1:6:2] = 4.0
+    y[:, 3::10] = 5.0
+    return out * 2, y
+
+
+def _through_data(x):  # CogVideoX's positions: a write through .data, which autograd does not see
+    joint = x.new_zeros(1, 7, x.shape[-1], requires_grad=False)
+    joint.data[:, 3:].copy_(x * 2)
+    return joint + x.sum()
+
+
 def _scatters(x, idx):  # out-of-place twins
     gate = torch.zeros_like(x).scatter_(-1, idx, 1.0)
     acc = torch.zeros(x.shape[0], 3, dtype=x.dtype).index_add_(1, torch.tensor([0, 2]), x[:, :2])
@@ -41,6 +58,8 @@ def _scatters(x, idx):  # out-of-place twins
 CASES = {
     "assemble": (_assemble, lambda: (torch.randn(2, 5, 3), torch.randn(2, 5, 2)), 2),
     "rows": (_rows, lambda: (torch.randn(3, 4, 2),), 2),
+    "interleave": (_interleave, lambda: (torch.randn(2, 5, 6),), 4),
+    "through_data": (_through_data, lambda: (torch.randn(4, 3),), 1),
     "scatters": (_scatters, lambda: (torch.randn(4, 6), torch.randint(0, 6, (4, 2))), 2),
 }
 
@@ -54,7 +73,8 @@ def test_writes_become_out_of_place_with_the_same_values(name):
     gm.graph.lint()
     gm.recompile()
     assert counts == {"functionalized": rewritten, "kept_in_place": 0}
-    left = [n.target for n in gm.graph.nodes if n.target in (operator.setitem, "copy_", "scatter_", "index_add_")]
+    left = [n.target for n in gm.graph.nodes if n.target in (operator.setitem, "copy_", "scatter_", "index_add_",
+                                                             torch._C._autograd._get_data_attr)]
     assert left == [], gm.code
     expected, got = fn(*args), gm(*args)
     for e, g in zip(expected if isinstance(expected, tuple) else (expected,), got):
