@@ -29,6 +29,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..config import BackendConfig
 from ..placements import REPLICATE, Partial, Placement, Replicate, Shard
@@ -77,12 +78,14 @@ class Rewriter:
         self._bucket: list | None = None  # [bucket node, bytes, dtype] of the open gradient bucket
         self._root_of: dict[SequenceLayout, int] = {}  # layout -> the length of the family root it derives from
         self.gathered_outputs: list[fx.Node] = []
+        """Outputs that were split and are gathered whole for the caller."""
         self.carried_outputs: dict[int, Shard] = {}
+        """Position in the output tuple -> placement of the split outputs left local (``outputs="split"``)."""
         self.split_outputs: set[int] = set()
         """Positions of the outputs returned as this rank's shard (``"sharded"``, or carried: ``"split"``)."""
-        """Position in the output tuple -> placement of the split outputs left local (``outputs="split"``)."""
-        """Outputs that were split and are gathered whole for the caller."""
         self._last_placeholder: fx.Node | None = None
+        self._aliases: dict | None = None  # storage -> the original nodes viewing it (built at the first write)
+        self._order: dict[fx.Node, int] = {}
 
     # ------------------------------------------------------------------ facts about original nodes
     @staticmethod
@@ -374,6 +377,8 @@ class Rewriter:
         op = None
         try:
             op = op_of(node)
+            if mutates(node):
+                self._check_write_reaches_its_aliases(node)
             rule = RULES.get(op.name) if op is not None else None
             if rule is None and UNBOUND in node.meta:
                 self.fallback(node, f"unbound {node.meta[UNBOUND]}")
@@ -386,6 +391,29 @@ class Rewriter:
         except Exception as e:
             raise RuntimeError(f"autoshard pass 'rewrite' failed on {op.name if op is not None else node.target} node "
                                f"{node.format_node()}\n  user code: {user_line(node)}\n  {type(e).__name__}: {e}") from e
+
+    def _check_write_reaches_its_aliases(self, node: fx.Node) -> None:
+        """A write into a whole copy of a value (one a rule gathered: a view or ``.data`` without a rule) does not
+        reach the split value it was taken from: if that value, or another view of its storage, is read after
+        the write, a clear error instead of a write that is lost."""
+        target = node.args[0] if node.args else None
+        if not is_tensor_node(target) or not isinstance(self.placement(target), Replicate):
+            return
+        if self._aliases is None:
+            self._aliases = {}
+            for n in self.gm.graph.nodes:
+                storage = _storage(n)
+                if storage is not None:
+                    self._aliases.setdefault(storage, []).append(n)
+            self._order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        for alias in self._aliases.get(_storage(target), ()):
+            split = alias in self.placements and not isinstance(self.placement(alias), Replicate)
+            if split and any(self._order[u] > self._order[node] for u in alias.users):
+                raise RuntimeError(
+                    f"autoshard: {node.format_node()} writes into {target.name}, a whole copy of {alias.name}, which "
+                    f"is split along the sequence ({self.placement(alias)}) and read after the write: the write would "
+                    f"not reach it. Write the value out of place (x = torch.cat(...) or torch.where(...)), or wrap "
+                    f"the code in autoshard.token_local if it works position by position.")
 
     def touches_sequence(self, node: fx.Node) -> bool:
         """Whether ``node``'s value or an input is in a sequence family, or an input is not whole (split, partial)."""
@@ -434,6 +462,16 @@ def is_parameter(node: fx.Node) -> bool:
     the backend runs; later (plans, per-length compiles) dynamo's mark of module state says it."""
     return node.op == "placeholder" and (
         isinstance(getattr(node.meta.get("grapharg"), "example", None), torch.nn.Parameter) or is_module_state(node))
+
+
+def _storage(node: fx.Node) -> StorageWeakRef | None:
+    """The storage of ``node``'s example value, or None (not a tensor, or one without storage: vmap's)."""
+    if not is_tensor_node(node):
+        return None
+    try:
+        return StorageWeakRef(value_of(node).untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return None
 
 
 def _replicated(node: fx.Node) -> Any:

@@ -48,3 +48,24 @@ def test_a_call_its_binder_does_not_take_is_unbound_not_without_a_rule():
     why = "unbound einsum: einsum of 3 operands: the product rule takes two"
     expected = [("g0.x", "gather", why), ("g0.einsum", str(torch.einsum), why)]  # its input gathered, the call whole
     assert [(f.node, f.op, f.reason) for f in plan.fallbacks] == expected, plan.fallbacks
+
+
+class _WriteThroughACopy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        windows = h.unfold(1, 2, 1)  # a view with no rule: the rule gathers a whole copy of h
+        windows.mul_(2)  # on one process this changes h
+        q = h.unsqueeze(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+def test_a_write_into_a_whole_copy_of_a_split_value_is_an_error_not_a_lost_write():
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        autoshard.plan(_WriteThroughACopy(), torch.randn(1, 6, 8), world_size=2)
+    assert "writes into windows, a whole copy of h, which is split along the sequence" in str(info.value), info.value
+    assert "windows.mul_(2)" in str(info.value), info.value
