@@ -103,6 +103,8 @@ class LinkContext:
         """(element, anchor): the element roots a family of its own when the anchor is in one."""
         self.token_local: set[fx.Node] = set()
         """Nodes inside ``autoshard.token_local`` regions."""
+        self.attention_lengths: set[int] = set()
+        """The query lengths of the graph's attention calls (a view that merges dims into one starts a sequence)."""
         self._linked: set[tuple[fx.Node, int]] = set()  # (node, dim) pairs some edge already uses
 
     def factorization(self, node: fx.Node) -> list[list[int]]:

@@ -168,15 +168,15 @@ def _unbind_keeps_the_split(r) -> None:
     assert [a["strategy"] for a in r["attention"]] not in ([], ["whole"], ["gathered-kv"]), r["attention"]
 
 
-def _split_along_the_sequence_is_gathered(r) -> None:
-    assert any("splitting along the split sequence dim" in f for f in r["fallbacks"]), r["fallbacks"]
+def _unbind_along_the_sequence_is_gathered(r) -> None:
+    assert any("unbinding the split sequence dim" in f for f in r["fallbacks"]), r["fallbacks"]
 
 
 def _stepped_mask_stays_dense(r) -> None:
     assert any("not causal" in f for f in r["fallbacks"]), r["fallbacks"]
 
 
-EXPECTED = {"unbind": _unbind_keeps_the_split, "unbind_along_sequence": _split_along_the_sequence_is_gathered,
+EXPECTED = {"unbind": _unbind_keeps_the_split, "unbind_along_sequence": _unbind_along_the_sequence_is_gathered,
             "aranges": _stepped_mask_stays_dense}
 """What a case must also show, beyond matching one process."""
 ITEMS = [(world, name) for world in SEQ for name in CASES]

@@ -18,11 +18,16 @@ positions (``hidden[arange(B), eos_index]``: CLIP's pooling): each rank reads th
 whole moves only the rows read. Constant int lists are advanced indices too: on
 another dim they keep the split (Falcon's ``fused_qkv[..., [-2], :]``), on the split dim they gather.
 Concatenation and padding along the sequence place the new positions on the ranks that hold their
-neighbours (the CLS token goes to the rank holding position 0), so no data moves.
+neighbours (the CLS token goes to the rank holding position 0), so no data moves; splitting along it (a DiT's
+joint ``[text; image]`` sequence split back into its parts) gives each piece the positions of its range this
+rank holds. A view that merges several dims into the length of an attention's queries, none of them such a
+length itself (a DiT's patchify, ``conv3d(...).flatten(2)``), starts a sequence: the patch grid before it is
+whole, the tokens after it split.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Union
@@ -35,7 +40,8 @@ from ...placements import REPLICATE, Partial, Shard
 from ...runtime.sequence_ops import select_owned  # the module defines autoshard::seq_local_index too
 from ..ops import Op, is_tensor_node, permutation, shape_of, value_of
 from .registry import register
-from .dim_maps import Broadcast, DimMap, InputDim, NewDim, Repeat, output_factors, pieces, reshape_map, source_of
+from .dim_maps import (Broadcast, DimMap, Factors, InputDim, NewDim, Repeat, output_factors, pieces, reshape_map,
+                       source_of)
 from .pointwise import OUTPUT_WHOLE, TUPLE_LINKS, link_nothing, run_whole, when_output_split, whole_args
 
 __all__ = ["SHAPE_OPS", "ShapeOp", "link_shape_op", "parse_index", "IndexItem", "IndexSlice", "IndexSelect", "IndexNew",
@@ -63,8 +69,29 @@ class ShapeOp:
     """``(rw, node, op)``: rewrite the node whose output is not split."""
 
 
+SEQUENCE_STARTS = "autoshard_sequence_starts"
+"""Node meta: the output dims of a view where a sequence starts (:func:`_starting_sequences`)."""
+
+
 def _reshaped(node, op, factorization) -> DimMap:
-    return reshape_map(factorization(op["input"]), shape_of(node))
+    dim_map = reshape_map(factorization(op["input"]), shape_of(node))
+    starts = node.meta.get(SEQUENCE_STARTS, ())
+    return tuple(NewDim(shape_of(node)[d]) if d in starts else spec for d, spec in enumerate(dim_map))
+
+
+def _starting_sequences(dim_map: DimMap, in_factors, attention_lengths) -> tuple[int, ...]:
+    """The output dims where a view starts a sequence: it merges several dims into the length of an attention's
+    queries, none of them an attention's length itself -- a DiT's patchify (``conv3d(...).flatten(2)``: frames x
+    height x width patches become the tokens). The tokens are then a sequence of their own, split from here on;
+    the patch grid before is whole on every rank. A merge that keeps an attention's sequence as one of its
+    factors (``[B, S] -> [B*S]``) is followed factor by factor instead."""
+    starts = []
+    for d, spec in enumerate(dim_map):
+        sizes = [size for size, _ in pieces(spec, in_factors) if size != 1]
+        if (isinstance(spec, Factors) and len(sizes) > 1 and math.prod(sizes) in attention_lengths
+                and not attention_lengths.intersection(sizes)):
+            starts.append(d)
+    return tuple(starts)
 
 
 def _complex_view_map(node, op, factorization) -> DimMap:
@@ -128,6 +155,15 @@ def _reemitted(rw, node, op, x, out):
     return rw.reemit(node, (x,) + tuple(rw.value(a) for a in node.args[1:]), rw.value(node.kwargs))
 
 
+def _tile_local(rw, node, op, x, out):
+    """``x.repeat(*sizes)`` on this rank's part; copies along the split dim (a size-1 or leading dim repeated) are
+    as many as this rank holds."""
+    sizes = list(op["sizes"])
+    if isinstance(_tiled(node, op, None)[out.dim], Broadcast):
+        sizes[out.dim] = rw.local_shape(node, out)[out.dim]
+    return rw.method("repeat", x, tuple(sizes))
+
+
 def _repeat_local(rw, node, op, x, out):
     return rw.call(torch.repeat_interleave, x, op["repeats"], _repeated_dim(op))
 
@@ -160,7 +196,7 @@ SHAPE_OPS: dict[str, ShapeOp] = {
     "permute": ShapeOp(_permuted, _reemitted, _whole_keeping_partial),  # also transpose, movedim, t
     "expand": ShapeOp(_expanded, _to_local_shape("expand"), _whole),
     "repeat_interleave": ShapeOp(_repeated, _repeat_local, _whole_repeat),
-    "repeat": ShapeOp(_tiled, _reemitted, _whole),  # the counts are no sizes: the same call on this rank's part
+    "repeat": ShapeOp(_tiled, _tile_local, _whole),
 }
 
 
@@ -172,6 +208,9 @@ def link_shape_op(ctx, node, op):
         return
     src = op["input"]
     in_factors = ctx.factorization(src)
+    if op.name == "view":
+        node.meta[SEQUENCE_STARTS] = _starting_sequences(dim_map, in_factors, ctx.attention_lengths)
+        dim_map = _reshaped(node, op, ctx.factorization)
     ctx.set_factorization(node, output_factors(dim_map, in_factors))
     for d, spec in enumerate(dim_map):
         if isinstance(spec, InputDim):
@@ -539,7 +578,9 @@ def link_split_piece(ctx, producer, producer_op, index, node):
 
 def rewrite_split(rw, node, op):
     """Pieces cut along another dim than the split one keep the split (``unbind`` drops its dim, so a later
-    split dim moves down by one); cutting along the split dim gathers."""
+    split dim moves down by one); pieces cut along the split dim hold the positions of their range this rank
+    holds (a joint ``[text; image]`` sequence split back into its parts); unbinding it, or cutting a merged
+    split dim, gathers."""
     src = op["input"]
     dim, sizes = _split_pieces(node, op)
     have = rw.out_shard(src) or rw.placement(src)
@@ -548,8 +589,14 @@ def rewrite_split(rw, node, op):
         piece = have if sizes is not None else have.moved(have.dim - (have.dim > dim))
         rw.done(node, rw.reemit(node, (rw.input(src, have),) + tuple(node.args[1:]), dict(node.kwargs)),
                 tuple(piece for _ in range(n)))
+    elif isinstance(have, Shard) and sizes is not None and not have.factors:
+        # each piece holds the positions of its range this rank holds, in a layout derived from the source's
+        offsets = [sum(sizes[:i]) for i in range(n)]
+        local = [_count_local(have, rw.rank, o, o + size) for o, size in zip(offsets, sizes)]
+        placements = tuple(Shard(dim, have.layout.derive(o, size)) for o, size in zip(offsets, sizes))
+        rw.done(node, rw.call(torch.split, rw.input(src, have), local, dim), placements)
     elif isinstance(have, Shard):
-        rw.fallback(node, "splitting along the split sequence dim")
+        rw.fallback(node, "unbinding the split sequence dim, or cutting a merged one")
     else:  # partial (a whole source: the rewriter re-emits the split itself)
         rw.done(node, rw.reemit(node), tuple(have for _ in range(n)))
 
@@ -586,7 +633,7 @@ def link_cat(ctx, node, op):
 def rewrite_cat(rw, node, op, out):
     dim = op["dim"] % len(shape_of(node))
     inputs = _cat_inputs(op)
-    if out.dim != dim:
+    if out.dim != dim or len(inputs) == 1:  # (a list of one: QwenImage's per-video positions)
         new = [rw.input(t, out) for t in inputs]
     elif out.factors:
         rw.fallback(node, "concatenating along a merged split dim")
