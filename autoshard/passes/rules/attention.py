@@ -1,8 +1,9 @@
 """The captured attention: where sequence families start, and where distributed attention runs.
 
-Link: the query's sequence dim seeds a family (the first attention of a model is its root), the keys'
-too; self-attention (equal lengths) ties queries and keys together; key masks and segment ids are
-per-key positions.
+Link: the query's sequence dim seeds a family (the first attention of a model is its root);
+self-attention (equal lengths) ties queries and keys together; key masks and segment ids are per-key
+positions. Cross-attention's keys (another length) are split only where their own sequence is seeded (an
+encoder's self-attention), so a DiT's text stays whole on every rank.
 
 Rewrite: with queries, keys and values split along one layout and a structured mask, the call becomes
 ``torch.ops.autoshard.attention`` with the strategy chosen for it (``rw.strategies``); soft-capped
@@ -12,8 +13,9 @@ probabilities does too, with a seed drawn in the graph (``autoshard::attention_s
 global positions: the same for every strategy and world size, not the one-process mask (see
 :mod:`autoshard.runtime.attention.dropout`). An attention that keeps a dense mask (one the mask pass could not
 structure) runs on gathered keys and values with this rank's rows of the mask, unless its scores are
-soft-capped or dropped out; those, and one whose keys are another sequence, run on whole tensors. Both are
-recorded in the plan.
+soft-capped or dropped out; those run on whole tensors. Cross-attention (keys of another sequence, and no
+term relating query and key positions) runs on this rank's queries and all the keys: no traffic when the keys
+are whole, a gather of them when they are split along their own sequence. All are recorded in the plan.
 
 Mixed precision: the distributed op gets queries, keys and values in the dtype the one-device attention
 computed in (its output's): under ``torch.autocast`` SDPA and a hand-written attention's matmuls cast
@@ -45,7 +47,7 @@ from ..comms import declares
 from ..graph import user_line
 from ..ops import op_of, shape_of, value_of
 from .registry import register
-from .pointwise import OUTPUT_WHOLE, run_whole, whole_args
+from .pointwise import OUTPUT_WHOLE, mapped_args, run_whole, whole_args
 
 __all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside
 
@@ -96,7 +98,8 @@ def link_attention(ctx, node, op):
         nd = len(shape_of(dense))
         ctx.link_dims(dense, nd - 2, q, 2)
     ctx.seed((q, 2, 0), node)
-    ctx.seed((k, 2, 0), node)
+    if shape_of(q)[2] == shape_of(k)[2]:  # another sequence's keys (a DiT's text) are split where they are seeded
+        ctx.seed((k, 2, 0), node)
 
 
 def rewrite_attention(rw, node, op):
@@ -141,6 +144,9 @@ def rewrite_attention(rw, node, op):
                                     "dropout": dropout_p,
                                     "dtype": str(value_of(node).dtype).removeprefix("torch.")})
         return
+    if _is_cross_attention(rw, op, sq, sk, out, dropout_p):
+        _rewrite_cross_attention(rw, node, op, out)
+        return
     structured = (op.get("causal") or op.get("window") or op.get("chunk") or op.get("key_mask")
                   or op.get("segment_ids"))
     if (dense is not None and dropout_p == 0.0 and not softcap and op.get("sinks") is None and out is not None
@@ -174,6 +180,35 @@ def rewrite_attention(rw, node, op):
         rw.done(node, rw.shard_value(node, whole, out) if out is not None else whole, out or REPLICATE)
         return
     run_whole(rw, node, OUTPUT_WHOLE, expected=True)
+
+
+def _is_cross_attention(rw, op, sq, sk, out, dropout_p) -> bool:
+    """Queries split, keys and values whole (another sequence: a DiT's text, an encoder's output), and no term that
+    relates a query's position to a key's (causal, window, chunk, segments, ALiBi, a position bias) or draws a
+    mask from global positions (dropout)."""
+    relative = any(op.get(term) for term in ("causal", "window", "chunk", "segment_ids"))
+    positional = op.get("alibi_slopes") is not None or op.get("position_bias") is not None
+    other_keys = sk is None or shape_of(op["k"])[2] != shape_of(op["q"])[2]
+    return (sq is not None and other_keys and out == sq and sq.dim == 2 and not sq.factors and not relative
+            and not positional and not dropout_p)
+
+
+def _rewrite_cross_attention(rw, node, op, out) -> None:
+    """Each rank's queries attend to all the keys: the call as it is on this rank's rows (a mask's rows too). Keys
+    every rank holds (a DiT's text) move nothing; keys split along their own sequence (an encoder's output) are
+    gathered. The keys', values' and learned terms' gradients are this rank's share, summed over the ranks."""
+    q, dense = op["q"], op.get("dense_mask")
+
+    def placed(n):
+        if n is q:
+            return rw.input(q, out)
+        if n is dense and len(shape_of(dense)) >= 2 and shape_of(dense)[-2] == shape_of(q)[2] > 1:
+            return rw.input(dense, out.moved(len(shape_of(dense)) - 2))
+        return rw.input(n, REPLICATE, partial_grad=True, expected=True, reason="cross-attention gathers its keys")
+
+    rw.done(node, rw.reemit(node, *mapped_args(node, placed)), out)
+    rw.report.attention.append({"node": node.name, "strategy": "local", "reason": "cross-attention to whole keys",
+                                "line": user_line(node)})
 
 
 register("attention", link=link_attention, rewrite=rewrite_attention)
