@@ -1,0 +1,144 @@
+"""Unmodified diffusers transformers (image and video DiTs) under the one-liner: outputs and every parameter
+gradient equal the uncompiled one-process run (float64), every attention distributed, 0 fallbacks.
+
+Tiny configs with random weights, token counts the world size does not divide. What each model exercises:
+
+* Flux, QwenImage, SD3, HunyuanVideo: a joint ``[text; image]`` sequence, concatenated and split back
+  (``split_with_sizes`` or slices along the sequence): each part keeps the positions of the joint layout it
+  holds, no gather. HunyuanVideo's text padding over the joint sequence is a key mask.
+* Wan, CogVideoX, LTX, PixArt, Sana: patchify (``conv3d``/``conv2d`` then ``flatten``) starts the token
+  sequence; Wan's rotary embedding writes ``out[..., 0::2] = ...`` into ``empty_like`` and CogVideoX its
+  positions through ``joint.data[:, text:].copy_(...)`` (both functionalized); cross-attention to the text,
+  which stays whole on every rank, runs on each rank's queries with no traffic.
+
+Tolerances: 1e-12 relative, except Wan and Sana (1e-6): they compute some norms in float32 by design
+(``FP32LayerNorm``), whose gradients, summed over the ranks in another order, differ in float32's last bits.
+HunyuanVideo's token refiner (self-attention over the text, with a square mask that differs per head) keeps
+its dense mask and gathers the few text keys (``gathered-kv``); its video blocks are distributed.
+"""
+
+import functools
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+from autoshard.testing import run_on_ranks  # noqa: E402
+from autoshard.testing.equivalence import compare_with_one_process  # noqa: E402
+
+
+def build(name: str):
+    """(model factory, forward kwargs) of a tiny diffusers transformer with random weights."""
+    D = diffusers
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    if name == "flux":  # 14 image tokens + 5 text tokens
+        cfg = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                   num_attention_heads=2, joint_attention_dim=8, pooled_projection_dim=8, axes_dims_rope=(4, 6, 6))
+        s, t = 14, 5
+        img_ids = torch.stack([torch.zeros(s), torch.arange(s) // 5, torch.arange(s) % 5], -1)
+        kw = dict(hidden_states=r(1, s, 4), encoder_hidden_states=r(1, t, 8), pooled_projections=r(1, 8),
+                  timestep=torch.tensor([0.5], dtype=torch.float64), img_ids=img_ids, txt_ids=torch.zeros(t, 3))
+        return (lambda: D.FluxTransformer2DModel(**cfg)), kw
+    if name == "qwenimage":
+        cfg = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
+                   num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(4, 6, 6))
+        mask = torch.ones(1, 5, dtype=torch.long)
+        kw = dict(hidden_states=r(1, 15, 16), encoder_hidden_states=r(1, 5, 16), encoder_hidden_states_mask=mask,
+                  timestep=torch.tensor([0.5], dtype=torch.float64), img_shapes=[(1, 3, 5)])
+        return (lambda: D.QwenImageTransformer2DModel(**cfg)), kw
+    if name == "sd3":
+        cfg = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+                   num_attention_heads=2, joint_attention_dim=8, caption_projection_dim=16, pooled_projection_dim=8,
+                   out_channels=4, pos_embed_max_size=16)
+        kw = dict(hidden_states=r(1, 4, 6, 10), encoder_hidden_states=r(1, 5, 8), pooled_projections=r(1, 8),
+                  timestep=torch.tensor([3]))
+        return (lambda: D.SD3Transformer2DModel(**cfg)), kw
+    if name == "hunyuanvideo":  # the last two text tokens are padding
+        cfg = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1,
+                   num_single_layers=1, num_refiner_layers=1, mlp_ratio=2, patch_size=1, patch_size_t=1,
+                   text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 2, 4))
+        mask = torch.tensor([[1, 1, 1, 0, 0]])
+        kw = dict(hidden_states=r(1, 4, 3, 3, 5), timestep=torch.tensor([3]), encoder_hidden_states=r(1, 5, 16),
+                  encoder_attention_mask=mask, pooled_projections=r(1, 8),
+                  guidance=torch.tensor([3.0], dtype=torch.float64))
+        return (lambda: D.HunyuanVideoTransformer3DModel(**cfg)), kw
+    if name == "wan":  # 3 x 3 x 5 patches
+        cfg = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+                   text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32)
+        kw = dict(hidden_states=r(1, 4, 3, 6, 10), timestep=torch.tensor([3]), encoder_hidden_states=r(1, 5, 16))
+        return (lambda: D.WanTransformer3DModel(**cfg)), kw
+    if name == "cogvideox":  # 5 text tokens + 3 x 3 x 5 patches
+        cfg = dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=8,
+                   text_embed_dim=8, num_layers=1, sample_width=8, sample_height=8, sample_frames=9, patch_size=2,
+                   temporal_compression_ratio=4, max_text_seq_length=5)
+        kw = dict(hidden_states=r(1, 3, 4, 6, 10), encoder_hidden_states=r(1, 5, 8), timestep=torch.tensor([3]))
+        return (lambda: D.CogVideoXTransformer3DModel(**cfg)), kw
+    if name == "ltx":  # text padding on the cross-attention's keys
+        cfg = dict(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2,
+                   attention_head_dim=8, cross_attention_dim=16, num_layers=1, caption_channels=16)
+        mask = torch.tensor([[1, 1, 1, 0, 0]])
+        kw = dict(hidden_states=r(1, 45, 8), encoder_hidden_states=r(1, 5, 16), timestep=torch.tensor([3]),
+                  encoder_attention_mask=mask, num_frames=3, height=3, width=5)
+        return (lambda: D.LTXVideoTransformer3DModel(**cfg)), kw
+    if name == "pixart":
+        cfg = dict(sample_size=8, num_layers=1, patch_size=2, attention_head_dim=8, num_attention_heads=2,
+                   in_channels=4, cross_attention_dim=16, out_channels=8, caption_channels=16,
+                   norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6)
+        kw = dict(hidden_states=r(1, 4, 6, 10), encoder_hidden_states=r(1, 5, 16), timestep=torch.tensor([3]),
+                  added_cond_kwargs={"resolution": None, "aspect_ratio": None})
+        return (lambda: D.PixArtTransformer2DModel(**cfg)), kw
+    if name == "sana":  # linear self-attention (sums over the tokens), softmax cross-attention
+        cfg = dict(patch_size=1, in_channels=4, out_channels=4, num_layers=1, num_attention_heads=2,
+                   attention_head_dim=8, num_cross_attention_heads=2, cross_attention_head_dim=8,
+                   cross_attention_dim=16, caption_channels=16, sample_size=8)
+        kw = dict(hidden_states=r(1, 4, 6, 10), encoder_hidden_states=r(1, 5, 16), timestep=torch.tensor([3]))
+        return (lambda: D.SanaTransformer2DModel(**cfg)), kw
+    raise ValueError(name)
+
+
+TOLERANCE = {"wan": 1e-6, "sana": 1e-6}
+GATHERED_KV = {"hunyuanvideo": 1}
+"""Attentions that keep a dense mask and gather their (text) keys, per model (see the module docstring)."""
+
+
+def _run(names):
+    out = []
+    for name in names:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        make, kwargs = build(name)
+        r = compare_with_one_process(make, lambda: (), kwargs=dict(kwargs, return_dict=False), dtype=torch.float64)
+        out.append((name, r.max_error(), r.summary(), r.fallbacks, [a["strategy"] for a in r.attention]))
+    return out
+
+
+DEFAULT = ["flux", "wan"]
+"""The default suite: a joint sequence split back (Flux), patchify with strided rotary writes and cross-attention
+(Wan); the other models (CogVideoX's write through ``.data`` is functionalize's unit test too) and 4 ranks in the
+slow tier."""
+SLOW = ["cogvideox", "qwenimage", "sd3", "hunyuanvideo", "ltx", "pixart", "sana"]
+CASES = [(2, n) for n in DEFAULT + SLOW] + [(4, n) for n in DEFAULT + SLOW]
+
+
+@functools.cache
+def _results(world: int, slow: bool) -> dict:
+    names = [n for n in DEFAULT + SLOW if ((n in SLOW or world == 4) == slow)]
+    return {rank: {r[0]: r for r in results} for rank, results in enumerate(run_on_ranks(_run, world, names,
+                                                                                         timeout=900))}
+
+
+@pytest.mark.parametrize("world,name", [pytest.param(w, n, marks=[pytest.mark.slow] if n in SLOW or w == 4 else [])
+                                        for w, n in CASES], ids=[f"P{w}-{n}" for w, n in CASES])
+def test_diffusers_transformer_matches_one_process(world, name):
+    for rank, results in _results(world, name in SLOW or world == 4).items():
+        _, err, summary, fallbacks, strategies = results[name]
+        where = f"{name} P={world} rank {rank}"
+        assert err <= TOLERANCE.get(name, 1e-12), f"{where}: {summary}"
+        assert fallbacks == [] or (name in GATHERED_KV and len(fallbacks) == 2), f"{where}: {fallbacks}"
+        assert strategies and "whole" not in strategies, f"{where}: {strategies}"
+        assert strategies.count("gathered-kv") == GATHERED_KV.get(name, 0), f"{where}: {strategies}"
