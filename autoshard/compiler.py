@@ -491,9 +491,11 @@ def _values_digest(example_inputs: list) -> str:
         if (isinstance(x, torch.Tensor) and not isinstance(x, (torch._subclasses.FakeTensor, SplitTensor))
                 and x.device.type != "meta"):  # a SplitTensor holds a different shard on every rank
             data = x.detach().reshape(-1)[:256] if isinstance(x, torch.nn.Parameter) else x.detach().reshape(-1)
-            # a copy: numpy() would mark the input's own storage unresizable, and FSDP2 frees its unsharded
-            # parameters by resizing their storage to 0
-            h.update(data.cpu().clone().view(torch.uint8).numpy().tobytes())
+            # a fresh copy: numpy() would mark the input's own storage unresizable (FSDP2 frees its unsharded
+            # parameters by resizing their storage to 0), and a clone keeps the stride 0 of an expanded scalar
+            # (a pipeline's t.expand(batch)), which cannot be viewed as bytes
+            copy = torch.empty(data.shape, dtype=data.dtype).copy_(data)
+            h.update(copy.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
