@@ -11,6 +11,10 @@ Tiny configs with random weights, token counts the world size does not divide. W
   positions through ``joint.data[:, text:].copy_(...)`` (both functionalized); cross-attention to the text,
   which stays whole on every rank, runs on each rank's queries with no traffic.
 
+A pipeline as a user runs it: ``WanPipeline`` (a tiny VAE and transformer, prompt embeddings given, classifier-free
+guidance, 30 denoising steps, float64) with ``pipe.transformer = torch.compile(pipe.transformer, backend=...)``
+returns one process's latents, with one compilation for every step (the timestep is a value, not a shape).
+
 Tolerances: 1e-12 relative, except Wan and Sana (1e-6): they compute some norms in float32 by design
 (``FP32LayerNorm``), whose gradients, summed over the ranks in another order, differ in float32's last bits.
 HunyuanVideo's token refiner (self-attention over the text, with a square mask that differs per head) keeps
@@ -22,10 +26,16 @@ import functools
 import pytest
 import torch
 
+import autoshard
+
 diffusers = pytest.importorskip("diffusers")
 
 from autoshard.testing import run_on_ranks  # noqa: E402
 from autoshard.testing.equivalence import compare_with_one_process  # noqa: E402
+
+
+WAN = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, text_dim=16, freq_dim=16, ffn_dim=32,
+           num_layers=1, rope_max_seq_len=32)
 
 
 def build(name: str):
@@ -68,10 +78,8 @@ def build(name: str):
                   guidance=torch.tensor([3.0], dtype=torch.float64))
         return (lambda: D.HunyuanVideoTransformer3DModel(**cfg)), kw
     if name == "wan":  # 3 x 3 x 5 patches
-        cfg = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-                   text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32)
         kw = dict(hidden_states=r(1, 4, 3, 6, 10), timestep=torch.tensor([3]), encoder_hidden_states=r(1, 5, 16))
-        return (lambda: D.WanTransformer3DModel(**cfg)), kw
+        return (lambda: D.WanTransformer3DModel(**WAN, in_channels=4, out_channels=4)), kw
     if name == "cogvideox":  # 5 text tokens + 3 x 3 x 5 patches
         cfg = dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=8,
                    text_embed_dim=8, num_layers=1, sample_width=8, sample_height=8, sample_frames=9, patch_size=2,
@@ -117,6 +125,38 @@ def _run(names):
     return out
 
 
+def _pipeline():
+    """A ``WanPipeline`` with a tiny VAE and transformer (no tokenizer or text encoder: prompt embeddings are given)."""
+    D = diffusers
+    torch.manual_seed(0)
+    transformer = D.WanTransformer3DModel(**WAN, in_channels=16, out_channels=16)  # the VAE's 16 latent channels
+    vae = D.AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    pipe = D.WanPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
+                         scheduler=D.FlowMatchEulerDiscreteScheduler(shift=3.0))
+    return pipe.to(torch.float64)
+
+
+def _sample(pipe) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    text, negative = (torch.randn(1, 5, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    return pipe(prompt_embeds=text, negative_prompt_embeds=negative, height=48, width=80, num_frames=9,
+                num_inference_steps=30, guidance_scale=5.0, generator=torch.Generator().manual_seed(2),
+                output_type="latent", return_dict=False)[0]
+
+
+def _pipeline_run() -> dict:
+    torch._dynamo.reset()
+    expected = _sample(_pipeline())
+    pipe = _pipeline()
+    backend = autoshard.backend(outputs="gathered")
+    pipe.transformer = torch.compile(pipe.transformer, backend=backend)
+    got = _sample(pipe)
+    error = ((got - expected).abs().max() / expected.abs().max()).item()
+    strategies = sorted({a["strategy"] for g in backend.compiled for a in g.report.attention})
+    return {"error": error, "compilations": sum(backend.compilations.values()), "strategies": strategies,
+            "shape": tuple(got.shape)}
+
+
 DEFAULT = ["flux", "wan"]
 """The default suite: a joint sequence split back (Flux), patchify with strided rotary writes and cross-attention
 (Wan); the other models (CogVideoX's write through ``.data`` is functionalize's unit test too) and 4 ranks in the
@@ -125,20 +165,34 @@ SLOW = ["cogvideox", "qwenimage", "sd3", "hunyuanvideo", "ltx", "pixart", "sana"
 CASES = [(2, n) for n in DEFAULT + SLOW] + [(4, n) for n in DEFAULT + SLOW]
 
 
+def _launch(names, pipeline: bool) -> tuple:
+    return _run(names), _pipeline_run() if pipeline else None
+
+
 @functools.cache
 def _results(world: int, slow: bool) -> dict:
+    """Every rank's (results by model, pipeline run): one launch per world size and tier, the pipeline with the
+    default tier."""
     names = [n for n in DEFAULT + SLOW if ((n in SLOW or world == 4) == slow)]
-    return {rank: {r[0]: r for r in results} for rank, results in enumerate(run_on_ranks(_run, world, names,
-                                                                                         timeout=900))}
+    launched = run_on_ranks(_launch, world, names, world == 2 and not slow, timeout=900)
+    return {rank: ({r[0]: r for r in results}, pipeline) for rank, (results, pipeline) in enumerate(launched)}
 
 
 @pytest.mark.parametrize("world,name", [pytest.param(w, n, marks=[pytest.mark.slow] if n in SLOW or w == 4 else [])
                                         for w, n in CASES], ids=[f"P{w}-{n}" for w, n in CASES])
 def test_diffusers_transformer_matches_one_process(world, name):
-    for rank, results in _results(world, name in SLOW or world == 4).items():
+    for rank, (results, _) in _results(world, name in SLOW or world == 4).items():
         _, err, summary, fallbacks, strategies = results[name]
         where = f"{name} P={world} rank {rank}"
         assert err <= TOLERANCE.get(name, 1e-12), f"{where}: {summary}"
         assert fallbacks == [] or (name in GATHERED_KV and len(fallbacks) == 2), f"{where}: {fallbacks}"
         assert strategies and "whole" not in strategies, f"{where}: {strategies}"
         assert strategies.count("gathered-kv") == GATHERED_KV.get(name, 0), f"{where}: {strategies}"
+
+
+def test_a_wan_pipeline_samples_as_one_process_with_one_compilation():
+    for rank, (_, pipeline) in _results(2, False).items():
+        where = f"WanPipeline P=2 rank {rank}: {pipeline}"
+        assert pipeline["shape"] == (1, 16, 3, 6, 10) and pipeline["error"] <= 1e-12, where
+        assert pipeline["compilations"] == 1, where  # 30 steps x (text, negative): the timestep is a value
+        assert pipeline["strategies"] == ["allgather", "local"], where
