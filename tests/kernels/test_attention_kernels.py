@@ -39,8 +39,9 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA (compiled kernels,
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
 slow = pytest.mark.slow
 """Interpreted on the CPU every case costs seconds: the grids keep one case per feature in the default suite (causal,
-window, chunk, key mask, segments, fully masked rows, GQA / MQA, MLA, softcap, ALiBi, dropout, half precision) and
-mark the rest slow (``./dev test --all``)."""
+window, chunk, key mask, segments, fully masked rows, GQA / MQA, MLA, softcap, ALiBi, dropout, half precision, and
+softcap with ALiBi) and mark the rest slow (``./dev test --all``): other cases of a feature, and combinations the
+default cases' code paths already cover (dropout with softcap and ALiBi, ALiBi in half precision)."""
 
 
 def default_only(cases, names):
@@ -338,9 +339,10 @@ def test_alibi_softcap_fp32(case):
     run_and_check(case, torch.float32, scale=1.0, softcap=2.0, alibi_slopes=geometric_slopes(case.heads))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=slow)], ids=str)
-@pytest.mark.parametrize("case", default_only([c for c in ALIBI_CASES if c.name in (
-    "alibi_causal_ring_q32", "alibi_dense_ring_k40", "alibi_mla_causal_gqa")], ("alibi_mla_causal_gqa",)), ids=str)
+@slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [c for c in ALIBI_CASES if c.name in (
+    "alibi_causal_ring_q32", "alibi_dense_ring_k40", "alibi_mla_causal_gqa")], ids=str)
 def test_alibi_half_precision(case, dtype):
     run_and_check(replace(case, head_dim=max(case.head_dim, 32)), dtype, alibi_slopes=geometric_slopes(case.heads))
 
@@ -470,8 +472,8 @@ def score_terms(kind: str, heads: int) -> dict:
                  marks=slow),
     pytest.param("alibi", Case("drop_alibi_ring", sq=40, sk=40, q_offset=32, causal=True, key_mask="random"), 0.5,
                  marks=slow),
-    ("softcap_alibi", Case("drop_softcap_alibi_mla", sq=40, sk=45, q_offset=5, causal=True, head_dim=24, v_dim=12),
-     0.5),
+    pytest.param("softcap_alibi", Case("drop_softcap_alibi_mla", sq=40, sk=45, q_offset=5, causal=True, head_dim=24,
+                                       v_dim=12), 0.5, marks=slow),
 ], ids=["softcap", "alibi", "softcap_alibi_mla"])
 def test_dropout_with_softcap_and_alibi_fp32(kind, case, p):
     run_and_check(case, torch.float32, dropout=make_dropout(p, head_offset=4), **score_terms(kind, case.heads))
