@@ -261,8 +261,9 @@ def test_soft_cap_written_with_keywords_is_captured():
 
 
 class CrossAttentionMildFill(nn.Module):
-    """Cross-attention to a memory that is not split (it runs on whole tensors), under a -1e4 key-padding fill
-    that hides every key of batch 1: those rows get softmax over the unmasked scores, as on one device."""
+    """Cross-attention to a memory that is not split (each rank's queries attend to the whole memory), under a
+    -1e4 key-padding fill that hides every key of batch 1: those rows get softmax over the unmasked scores, as on
+    one device."""
 
     def __init__(self):
         super().__init__()
@@ -281,9 +282,10 @@ def _cross_attention_mild_fill():
     keep[1] = False
     r = compare_with_one_process(CrossAttentionMildFill, lambda: (torch.randn(2, 9, 8), torch.randn(2, 5, 8), keep),
                                  dtype=torch.float64)
-    return r.max_error(), r.summary()
+    return r.max_error(), r.summary(), [a["strategy"] for a in r.attention], r.fallbacks
 
 
 def test_rows_with_no_key_on_whole_tensors_get_the_unmasked_scores():
-    for err, summary in run_on_ranks(_cross_attention_mild_fill, 2):
+    for err, summary, strategies, fallbacks in run_on_ranks(_cross_attention_mild_fill, 2):
         assert err < 1e-9, summary
+        assert strategies == ["local"] and fallbacks == [], (strategies, fallbacks)  # no query gathered
