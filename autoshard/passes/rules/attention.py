@@ -183,9 +183,9 @@ def rewrite_attention(rw, node, op):
 
 
 def _is_cross_attention(rw, op, sq, sk, out, dropout_p) -> bool:
-    """Queries split, keys and values whole (another sequence: a DiT's text, an encoder's output), and no term that
-    relates a query's position to a key's (causal, window, chunk, segments, ALiBi, a position bias) or draws a
-    mask from global positions (dropout)."""
+    """Queries split, keys of another sequence (a DiT's text, whole; an encoder's output, split along its own), and
+    no term that relates a query's position to a key's (causal, window, chunk, segments, ALiBi, a position bias)
+    or draws a mask from global positions (dropout)."""
     relative = any(op.get(term) for term in ("causal", "window", "chunk", "segment_ids"))
     positional = op.get("alibi_slopes") is not None or op.get("position_bias") is not None
     other_keys = sk is None or shape_of(op["k"])[2] != shape_of(op["q"])[2]
