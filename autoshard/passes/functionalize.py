@@ -41,9 +41,8 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from .graph import new_node
+from .graph import new_node, storage_of
 from .ops import OP_KEY, canonical, is_tensor_node, shape_of, value_of
 
 __all__ = ["functionalize", "OUT_OF_PLACE"]
@@ -52,10 +51,6 @@ OUT_OF_PLACE = {"scatter_": "scatter", "scatter_add_": "scatter_add", "scatter_r
                 "index_put_": "index_put", "index_add_": "index_add", "index_copy_": "index_copy",
                 "index_fill_": "index_fill", "masked_scatter_": "masked_scatter"}
 """In-place tensor methods (not elementwise) and their out-of-place twins."""
-
-
-def _storage(node: fx.Node):
-    return StorageWeakRef(value_of(node).untyped_storage())
 
 
 def _box(base: fx.Node, index) -> list[tuple[int, int, int, int, int]] | None:
@@ -202,11 +197,13 @@ def _fresh(base: fx.Node, write: fx.Node, view: fx.Node | None, order: dict[fx.N
     the values this pass made, which own their storage even where their last op is a view."""
     if base.op not in ("call_function", "call_method") or (value_of(base)._is_view() and base not in built):
         return False
-    storage = _storage(base)
+    storage = storage_of(base)
+    if storage is None:
+        return False
     for node in order:
         if node is base or node is view or order[node] >= order[write] or not is_tensor_node(node):
             continue  # views made after the write are made of the written value (their uses are rewired)
-        if _storage(node) != storage:
+        if storage_of(node) != storage:
             continue
         if node.op in ("placeholder", "get_attr") or any(order[u] > order[write] for u in node.users):
             return False

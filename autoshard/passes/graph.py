@@ -24,12 +24,14 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import TensorWeakRef
 
-from .ops import canonical, value_of
+from .ops import canonical, is_tensor_node, value_of
 
-__all__ = ["new_node", "user_line", "reachable", "fake_mode_of", "mutates", "has_side_effects", "is_pure",
-           "eliminate_dead_code", "unused_impure", "is_module_state", "keep_real_values", "real_value", "REAL_VALUE"]
+__all__ = ["new_node", "user_line", "reachable", "fake_mode_of", "mutates", "storage_of", "has_side_effects",
+           "is_pure", "eliminate_dead_code", "unused_impure", "is_module_state", "keep_real_values", "real_value",
+           "REAL_VALUE"]
 
 REAL_VALUE = "autoshard_real_value"
 """``node.meta`` key: a weak reference to the real value of a module-state placeholder (:func:`keep_real_values`)."""
@@ -81,6 +83,17 @@ def mutates(node: fx.Node) -> bool:
     name = _name(node)
     return ((name.endswith("_") and not name.endswith("__")) or name in ("setitem", "__setitem__")
             or _inplace_flag(node))
+
+
+def storage_of(node: fx.Node) -> StorageWeakRef | None:
+    """The storage of ``node``'s example value (views of one value share it), or None: not a tensor, or one
+    without storage (vmap's batched tensors)."""
+    if not is_tensor_node(node):
+        return None
+    try:
+        return StorageWeakRef(value_of(node).untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return None
 
 
 def has_side_effects(node: fx.Node) -> bool:

@@ -29,7 +29,6 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..config import BackendConfig
 from ..placements import REPLICATE, Partial, Placement, Replicate, Shard
@@ -38,7 +37,7 @@ from ..runtime.groups import SequenceGroups
 from ..runtime.layouts import SequenceLayout
 from ..runtime.redistribute import grad_scale, grad_sync, grad_sync_bucket, realign_bytes, reduce_partial
 from .comms import EMITTED_BY, LAYOUT, REASON, SERVES, CommBook, derive_comms
-from .graph import is_module_state, mutates, user_line
+from .graph import is_module_state, mutates, storage_of, user_line
 from .infer import Families, Family
 from .ops import UNBOUND, is_tensor_node, numel, op_of, shape_of, value_of
 from .regions import REGION
@@ -402,11 +401,11 @@ class Rewriter:
         if self._aliases is None:
             self._aliases = {}
             for n in self.gm.graph.nodes:
-                storage = _storage(n)
+                storage = storage_of(n)
                 if storage is not None:
                     self._aliases.setdefault(storage, []).append(n)
             self._order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
-        for alias in self._aliases.get(_storage(target), ()):
+        for alias in self._aliases.get(storage_of(target), ()):
             split = alias in self.placements and not isinstance(self.placement(alias), Replicate)
             if split and any(self._order[u] > self._order[node] for u in alias.users):
                 raise RuntimeError(
@@ -462,16 +461,6 @@ def is_parameter(node: fx.Node) -> bool:
     the backend runs; later (plans, per-length compiles) dynamo's mark of module state says it."""
     return node.op == "placeholder" and (
         isinstance(getattr(node.meta.get("grapharg"), "example", None), torch.nn.Parameter) or is_module_state(node))
-
-
-def _storage(node: fx.Node) -> StorageWeakRef | None:
-    """The storage of ``node``'s example value, or None (not a tensor, or one without storage: vmap's)."""
-    if not is_tensor_node(node):
-        return None
-    try:
-        return StorageWeakRef(value_of(node).untyped_storage())
-    except (NotImplementedError, RuntimeError):
-        return None
 
 
 def _replicated(node: fx.Node) -> Any:

@@ -74,7 +74,11 @@ SEQUENCE_STARTS = "autoshard_sequence_starts"
 
 
 def _reshaped(node, op, factorization) -> DimMap:
-    dim_map = reshape_map(factorization(op["input"]), shape_of(node))
+    return _with_starts(node, reshape_map(factorization(op["input"]), shape_of(node)))
+
+
+def _with_starts(node, dim_map: DimMap) -> DimMap:
+    """``dim_map`` with the dims where the link found a sequence starting (``SEQUENCE_STARTS``) made new."""
     starts = node.meta.get(SEQUENCE_STARTS, ())
     return tuple(NewDim(shape_of(node)[d]) if d in starts else spec for d, spec in enumerate(dim_map))
 
@@ -203,14 +207,16 @@ SHAPE_OPS: dict[str, ShapeOp] = {
 def link_shape_op(ctx, node, op):
     """Whole input dims are linked dim to dim (:meth:`~autoshard.passes.infer.LinkContext.link_dims`, which lets a
     dim take a merge it meets), then merged, cut and repeated dims factor by factor."""
-    dim_map = SHAPE_OPS[op.name].dim_map(node, op, ctx.factorization)
-    if dim_map is None:
-        return
     src = op["input"]
     in_factors = ctx.factorization(src)
-    if op.name == "view":
-        node.meta[SEQUENCE_STARTS] = _starting_sequences(dim_map, in_factors, ctx.attention_lengths)
-        dim_map = _reshaped(node, op, ctx.factorization)
+    if op.name == "view":  # decided here, from the plain map, so that linking the graph again decides the same
+        plain = reshape_map(in_factors, shape_of(node))
+        node.meta[SEQUENCE_STARTS] = _starting_sequences(plain, in_factors, ctx.attention_lengths)
+        dim_map = _with_starts(node, plain)
+    else:
+        dim_map = SHAPE_OPS[op.name].dim_map(node, op, ctx.factorization)
+    if dim_map is None:
+        return
     ctx.set_factorization(node, output_factors(dim_map, in_factors))
     for d, spec in enumerate(dim_map):
         if isinstance(spec, InputDim):
