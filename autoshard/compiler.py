@@ -15,8 +15,12 @@ a rank that reaches a different graph fails with an error, never a hang. Each ra
 key of one check once the next check shows that every rank has read it, so a long run leaves at most
 one check's keys per group in the store.
 
-A dynamic-shape graph (dynamo's symbolic sizes, after a second sequence length) is compiled once per
-distinct set of sizes; the ``SIZES_CACHED`` sets of sizes used most recently keep their compiled graph.
+A dynamic-shape graph (dynamo's symbolic sizes, after a second sequence length) is compiled once per length class
+(:meth:`AutoshardBackend.compile_class`, ``length_classes=True``): the passes run on symbolic lengths, the rank graph
+computes its sizes at run time, and a later call whose sizes every rank's guards admit runs it without compiling.
+Where that is not supported (split inputs, an inner compiler other than eager, values handed between graphs, a
+memory budget) it is compiled once per distinct set of sizes; the ``SIZES_CACHED`` sets of sizes used most recently
+keep their compiled graph.
 Every compilation is counted with its cause (:class:`Cause`: a new graph, a dynamo recompile and the guard that
 failed, a new sequence length, batch size or dtype of a dynamic graph, sizes dropped from the cache, a new mask
 structure); :func:`explain` prints the counts, so a user who sees a compile per step learns why.
@@ -29,11 +33,13 @@ whose shard is not the one the layout gives it, or whose other sizes differ, mak
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import functools
 import hashlib
 import itertools
 import logging
+import warnings
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -41,6 +47,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 
 from .boundary import (carrying, deferred_inputs_of, inline_inputs, lazy_head, shard_inputs,
                        split_inputs_of)
@@ -51,7 +58,8 @@ from .passes.static_cache import static_prefill_runner
 from .passes.ops import value_of
 from .passes.pipeline import DynamoGraph, GraphKind, compile_graph, graph_kind, input_name, source_name
 from .passes.report import CompileReport
-from .passes.specialize import size_key, specialize, symbol_of, symbolic_dims
+from .passes.specialize import (GenericGraph, generalize, materialize_sizes, size_key, specialize, symbol_of,
+                               symbolic_dims)
 from .placements import Shard
 from .planner import plan_graph, plan_graphs
 from .policy import device_budget, host_budget, memory_policy_for
@@ -61,6 +69,7 @@ from .runtime.warn import warn
 from .runtime.attention.dispatch import last_dispatch
 from .runtime.layouts import SequenceLayout
 from .runtime.split_tensor import SplitTensor
+from .runtime.symbolic import evaluate
 from .runtime.groups import (GroupLike, check_sequence_mesh, default_store, sequence_group,
                              sequence_groups)
 
@@ -225,11 +234,12 @@ class AutoshardBackend:
         return self._compile(graph.gm, graph.example_inputs, graph.sharded_inputs, graph.global_inputs)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list, sharded_inputs: dict[str, Any] | None,
-                 global_inputs: list | None) -> Callable:
+                 global_inputs: list | None, generic: GenericGraph | None = None) -> Callable:
         """Compile one graph for this rank in a sequence of steps: take the values earlier graphs hand over,
         check that every rank compiled the same graph, choose the memory policy's config, run the pipeline
         (:func:`~autoshard.passes.pipeline.compile_graph`), record, lower with the inner compiler, and hand values
-        on to the next graph."""
+        on to the next graph. ``generic``: ``gm`` is that graph of symbolic lengths (:func:`compile_class`): the
+        rank graph computes its sizes at run time, and what leaves it split is placed for each call's lengths."""
         pg = self._sequence_group()
         check = self.config.inputs == "replicated" and self.config.check_inputs
         checked = replicated_inputs(example_inputs) if check else []
@@ -246,8 +256,17 @@ class AutoshardBackend:
         _check_same_graph(pg, index, gm, global_inputs or example_inputs,
                           same_values=self.config.inputs == "replicated")
         config, policy = self._memory_policy(gm, global_inputs or example_inputs, pg.size())
-        compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group), sharded_inputs=sharded_inputs,
-                                 carried_inputs=set(placements) or None)
+        if generic is None:
+            compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group),
+                                     sharded_inputs=sharded_inputs, carried_inputs=set(placements) or None)
+        else:
+            if deferred or carried or policy is not None:
+                raise NotImplementedError("values handed over from another graph, or a memory budget")
+            with enable_python_dispatcher():
+                compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group))
+            if compiled.deferred_outputs:
+                raise NotImplementedError("outputs handed on uncomputed")
+            materialize_sizes(compiled.graph_module)
         compiled.report.memory_policy = policy
         self._record(GraphRecord(compiled.report, compiled.gathered_output_shapes, bool(compiled.families.families)),
                      example_inputs)
@@ -256,9 +275,13 @@ class AutoshardBackend:
             lazy = {i: functools.partial(lazy_head, spec=spec, group_name=pg.group_name,
                                          summed=self.config.grad_sync, world=pg.size(), host=config.offload)
                     for i, spec in compiled.lazy_outputs.items()}
-            run = carrying(run, flatten=bool(deferred), split_inputs=set(carried),
-                           split_outputs=compiled.carried_outputs, deferred_outputs=compiled.deferred_outputs,
-                           lazy_outputs=lazy, group_name=pg.group_name)
+            wrapper = functools.partial(carrying, flatten=bool(deferred), split_inputs=set(carried),
+                                        deferred_outputs=compiled.deferred_outputs, lazy_outputs=lazy,
+                                        group_name=pg.group_name)
+            if generic is not None and compiled.carried_outputs:
+                run = _placing_per_call(run, wrapper, compiled.carried_outputs, generic)
+            else:
+                run = wrapper(run, split_outputs=compiled.carried_outputs)
         if checked:
             run = checking_inputs(run, checked, [names[i] for i in checked], pg.group_name, index)
         return run
@@ -310,6 +333,32 @@ class AutoshardBackend:
         self.compilations[record.cause.kind] += 1
         self.compiled.append(record)
 
+    def compile_class(self, gm: fx.GraphModule, args: list) -> tuple[GenericGraph, Callable] | None:
+        """Compile a dynamic graph once for the length class of ``args`` (:func:`~.passes.specialize.generalize`):
+        the compiled graph serves every call the returned :class:`GenericGraph` admits. None (on every rank alike)
+        where a graph of symbolic lengths is not supported (the caller then compiles for the sizes of ``args``)."""
+        config, pg = self.config, self._sequence_group()
+        if (not config.length_classes or config.inputs != "replicated"
+                or config.inner_for(_device_type(args)) != "eager"):
+            return None
+        try:
+            generic = generalize(gm, args)
+            kind = graph_kind(DynamoGraph(gm=generic.gm, example_inputs=args), specialized=True)
+            ready = kind.name == "plain"
+        except Exception as e:  # noqa: BLE001 -- any failure falls back to a graph for these sizes
+            logger.debug("autoshard: no length class: %s", e, exc_info=True)
+            ready = False
+        if not _on_every_rank(ready, pg):
+            return None
+        try:
+            with warnings.catch_warnings():  # fx warns of every SymInt a pass writes; materialize_sizes lifts them
+                warnings.filterwarnings("ignore", message="Raw SymInt value")
+                run = self._compile(generic.gm, args, None, None, generic)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("autoshard: no length class: %s", e, exc_info=True)
+            run = None
+        return (generic, run) if _on_every_rank(run is not None, pg) else None
+
     def compile_for_sizes(self, gm: fx.GraphModule, args: list, dims: list | None = None,
                           lengths: tuple | None = None) -> Callable:
         """Compile a dynamic graph for the sizes of ``args``. With ``inputs="sharded"``, ``dims`` are the
@@ -353,6 +402,9 @@ class _PerSizes:
     def __init__(self, backend: AutoshardBackend, gm: fx.GraphModule, example_inputs: list):
         self.backend, self.gm = backend, gm
         self.cache: OrderedDict[tuple, Callable] = OrderedDict()
+        self.classes: list[tuple[GenericGraph, Callable]] = []
+        """The length classes compiled (:meth:`AutoshardBackend.compile_class`), each with its rank graph: a call
+        one admits compiles nothing."""
         self.compiled_keys: set[tuple] = set()
         """Every key compiled so far (evicted ones too): a key compiled again was dropped from the cache."""
         self.names = [input_name(n) or n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -372,19 +424,37 @@ class _PerSizes:
         lengths = self._split_lengths(args) if self.split_dims else None
         key = (size_key(args), lengths)
         fn = self.cache.get(key)
+        if fn is None and self.classes:
+            fn = self._class_of(args)
         if fn is None:
             if lengths is not None:
                 self._check_layout(lengths)
             if self.last_args is not None:
                 self.backend._cause = self._cause_of(key)
             self.compiled_keys.add(key)
-            fn = self.cache[key] = self.backend.compile_for_sizes(self.gm, list(args), self.split_dims, lengths)
+            found = self.backend.compile_class(self.gm, list(args)) if lengths is None else None
+            if found is not None:
+                self.classes.append(found)
+                fn = found[1]
+            else:
+                fn = self.backend.compile_for_sizes(self.gm, list(args), self.split_dims, lengths)
+        if key not in self.cache:
+            self.cache[key] = fn
             if len(self.cache) > SIZES_CACHED:
                 self.cache.popitem(last=False)
         else:
             self.cache.move_to_end(key)
         self.last_args = key[0]
         return fn(*args)
+
+    def _class_of(self, args) -> Callable | None:
+        """The rank graph of the first length class every rank admits a call with ``args`` to, or None. Each rank's
+        compile records its own guards (its layout pieces differ), so the ranks agree (a few bytes, once per new
+        set of sizes: a repeated one is cached)."""
+        first = next((i for i, (generic, _) in enumerate(self.classes) if generic.admits(args)), -1)
+        if self.pg.size() > 1 and len({row[0] for row in gather_facts([first], self.pg)}) > 1:
+            return None
+        return self.classes[first][1] if first >= 0 else None
 
     def _cause_of(self, key: tuple) -> Cause:
         """Why sizes ``key`` are compiled, against the latest call's: compiled before and dropped from the cache,
@@ -438,6 +508,24 @@ _NO_SHARDED_INPUT = (
     "autoshard: inputs='sharded' expects the inputs that carry the sequence to come from autoshard.shard_inputs(...), "
     "which marks their sequence dim dynamic; this graph has no such input. Pass whole inputs with "
     "inputs='replicated' (the default).")
+
+
+def _on_every_rank(ok: bool, pg: dist.ProcessGroup) -> bool:
+    """Whether ``ok`` holds on every rank of ``pg`` (one small all-gather, so all ranks take the same path)."""
+    return ok if pg.size() == 1 else all(row[0] for row in gather_facts([int(ok)], pg))
+
+
+def _placing_per_call(run: Callable, wrapper: Callable, placements: dict[int, Shard], generic: GenericGraph) -> Callable:
+    """``run`` (a rank graph of symbolic lengths) wrapped by ``wrapper`` with the outputs it returns split placed for
+    each call's lengths: one wrapper per set of lengths."""
+    @functools.lru_cache(maxsize=SIZES_CACHED)
+    def wrapped(key: tuple) -> Callable:
+        values = dict(key)
+        return wrapper(run, split_outputs={i: dataclasses.replace(p, layout=p.layout.evaluated(values),
+                                                                  factors=tuple(evaluate(f, values) for f in p.factors))
+                                           for i, p in placements.items()})
+
+    return lambda *args: wrapped(tuple(generic.values(args).items()))(*args)
 
 
 def _split_dims(gm: fx.GraphModule, example_inputs: list) -> list[tuple[int, int, Any]]:

@@ -72,6 +72,13 @@ class BackendConfig:
     user compiles for, around the distributed attention's own), eager elsewhere and with ``offload`` (its
     host copies must run, not be traced)."""
 
+    length_classes: bool = True
+    """Compile a graph whose sequence length varies (dynamo's dynamic graph, after a second length) once for a
+    whole class of lengths: its sizes stay symbolic through the passes and the rank graph computes them at run
+    time; a length outside every compiled class (the cost model switches strategy there, or a length too short
+    for the layout) compiles its class. Applies with ``inner="eager"`` and whole inputs; elsewhere, and with
+    False, a dynamic graph compiles once per set of sizes."""
+
     kernels: str = "auto"
     """Local attention implementation: ``"triton"``, ``"torch"``, or ``"auto"`` (Triton on CUDA)."""
 

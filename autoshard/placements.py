@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from .runtime.layouts import SequenceLayout
+from .runtime.symbolic import size_key
 
 __all__ = ["Placement", "Replicate", "Shard", "Partial", "REPLICATE"]
 
@@ -55,6 +56,9 @@ class Shard:
     """Global sizes of the factors merged into ``dim``, outer to inner; empty when ``dim`` is the sequence alone."""
     factor: int = 0
     """Index of the sequence factor in ``factors``."""
+
+    def __hash__(self) -> int:  # symbolic factors (a graph compiled for every length) hash by their expressions
+        return hash((self.dim, self.layout, size_key(self.factors), self.factor))
 
     def local_size(self, rank: int) -> int:
         """Size of ``dim`` on ``rank``."""

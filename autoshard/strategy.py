@@ -14,7 +14,10 @@ registry (:mod:`autoshard.runtime.attention.base`), never named here.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
+
+import torch
 
 from .config import BackendConfig
 from .cost import attention_costs, choose_strategy, preferred_layout
@@ -24,6 +27,7 @@ from .runtime.attention import STRATEGIES
 from .runtime.attention.base import AttentionShape
 from .runtime.attention.masks import MaskSpec
 from .runtime.layouts import SequenceLayout
+from .runtime.symbolic import hint_of, is_symbolic
 
 if TYPE_CHECKING:
     from .passes.infer import Families
@@ -43,6 +47,55 @@ def attention_shape(node, length: int) -> AttentionShape:
                           key_mask=op.get("key_mask") is not None,
                           segment_ids_dtype=value_of(seg).dtype if seg is not None else None,
                           value_head_dim=v.shape[3] if v.shape[3] != q.shape[3] else 0)
+
+
+LONGEST = 1 << 40
+"""The longest sequence a length class reaches (a bound the probe of :func:`_guard_same_choice` stops at)."""
+
+
+def _at_hint(shape: AttentionShape) -> AttentionShape:
+    """``shape`` with its symbolic sizes (a graph compiled for every length) at the call's values: the cost
+    model prices concrete lengths."""
+    sizes = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
+    return dataclasses.replace(shape, **{name: hint_of(v) for name, v in sizes.items() if is_symbolic(v)})
+
+
+def _choice(cost) -> tuple:
+    return cost.strategy, cost.layout, cost.mesh
+
+
+def _guard_same_choice(length: torch.SymInt, choice) -> None:
+    """Guard a symbolic ``length`` to the range around its value where ``choice(length)`` (the strategy the cost
+    model picks) stays the same: a graph compiled for every length serves that range (a length class), and a
+    length outside compiles the graph of its own class. The range is probed by doubling and bisection; the
+    strategies are all exact, so a choice that changed and changed back inside a probed step only costs time."""
+    hint = hint_of(length)
+    want = choice(hint)
+
+    def edge(same: int, step) -> int:
+        other = same
+        while True:
+            nxt = step(other)
+            if nxt == other:
+                return other
+            if choice(nxt) != want:
+                break
+            same = other = nxt
+        other = nxt
+        while abs(other - same) > 1:
+            mid = (same + other) // 2
+            if choice(mid) == want:
+                same = mid
+            else:
+                other = mid
+        return same
+
+    low = edge(hint, lambda n: max(1, n // 2))
+    high = edge(hint, lambda n: min(LONGEST, n * 2))
+    if low > 1 and not length >= low:  # the guards are recorded here; they hold at the hint
+        raise AssertionError("unreachable")
+    if high < LONGEST and not length <= high:
+        raise AssertionError("unreachable")
 
 
 def _planned_mesh(strategy: str, shape: AttentionShape, world: int, topology: HardwareProfile) -> tuple[int, int]:
@@ -77,11 +130,15 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
                     heads_axis_size = _planned_mesh(config.strategy, shape, world, topology)[1]
                     reasons[node] += f"; planned on a 2-D mesh (ring {world // heads_axis_size}, ulysses {heads_axis_size})"
                 continue
-            key = (shape, heads_axis_size is not None or planning)
+            hybrid_possible = heads_axis_size is not None or planning
+            key = (_at_hint(shape), hybrid_possible)
             if key not in decided:
-                decided[key] = choose_strategy(attention_costs(shape, world, topology, hybrid_possible=key[1],
-                                                               memory_budget=config.memory_budget,
-                                                               head_chunks=config.head_chunks))
+                decide = lambda length, s=key[0]: choose_strategy(attention_costs(  # noqa: E731
+                    dataclasses.replace(s, seq=length), world, topology, hybrid_possible=hybrid_possible,
+                    memory_budget=config.memory_budget, head_chunks=config.head_chunks))
+                decided[key] = decide(key[0].seq)
+                if is_symbolic(shape.seq):
+                    _guard_same_choice(shape.seq, lambda length: _choice(decide(length)[0]))
             best, why = decided[key]
             chosen[node], reasons[node] = best.strategy, why
             wanted_layouts.add(best.layout)

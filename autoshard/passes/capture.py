@@ -42,7 +42,7 @@ from ..runtime.attention.empty_rows import soft_capped_attention, uniform_attent
 from .graph import eliminate_dead_code, is_module_state, new_node, real_value, unused_impure, user_line
 from ..runtime.attention.masks import MaskSpec
 from .masks import MASKING_FILL, MaskData, Unstructurable, empty_rows_of, structure_mask, structure_mask_mod
-from .ops import canonical, is_tensor_node, permutation, register_canonical, shape_of, value_of
+from .ops import canonical, is_tensor_node, permutation, register_canonical, shape_of, size_key, value_of
 from .report import Fallback
 
 __all__ = ["captured_attention", "capture_attention", "dense_mask_of", "DenseMask", "DENSE_MASK"]
@@ -520,7 +520,7 @@ def capture_attention(gm: fx.GraphModule, missed: list[Fallback] | None = None) 
             continue
         k, v = _unrepeat(k), _unrepeat(v)
         q_len, k_len, batch = shape_of(q)[-2], shape_of(k)[-2], shape_of(q)[0]
-        key = (mask, causal, q_len, k_len)
+        key = (mask, causal, size_key(q_len), size_key(k_len))
         if key not in mask_cache:
             try:
                 mask_cache[key] = structure_mask(graph, node, mask, causal, q_len, k_len, batch, shape_of(q)[-3])

@@ -31,10 +31,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from .dispatch import dispatch_regions
-from .ops import is_tensor_node, op_of, shape_of, value_of
+from .ops import as_size, is_tensor_node, op_of, shape_of, value_of
 
 __all__ = ["Elem", "Family", "Families", "LinkContext", "find_families", "token_local_nodes"]
 
@@ -103,7 +104,7 @@ class LinkContext:
         """(element, anchor): the element roots a family of its own when the anchor is in one."""
         self.token_local: set[fx.Node] = set()
         """Nodes inside ``autoshard.token_local`` regions."""
-        self.attention_lengths: set[int] = set()
+        self.attention_lengths: set = set()
         """The query lengths of the graph's attention calls (a view that merges dims into one starts a sequence)."""
         self._linked: set[tuple[fx.Node, int]] = set()  # (node, dim) pairs some edge already uses
 
@@ -152,7 +153,16 @@ class LinkContext:
 
 def _numel(node: fx.Node) -> int:
     v = value_of(node)
-    return int(v.numel()) if hasattr(v, "numel") else 0
+    return as_size(v.numel()) if hasattr(v, "numel") else 0
+
+
+def _order(size) -> int:
+    """Where a tensor of ``size`` elements comes in the joins' order: its size; a symbolic size (a graph compiled
+    for every length) at a length beyond any real one, so the order, and the links an order refuses, are the same
+    for every length and record no guard."""
+    if not isinstance(size, torch.SymInt):
+        return size
+    return int(size.node.expr.xreplace({sym: 1 << 60 for sym in size.node.expr.free_symbols}))
 
 
 def find_families(ctx: LinkContext) -> Families:
@@ -179,7 +189,8 @@ def find_families(ctx: LinkContext) -> Families:
         return e, total
 
     refused: list[tuple[Elem, Elem, int, str]] = []
-    edges = sorted(ctx.edge_list, key=lambda edge: (-min(_numel(edge[0][0]), _numel(edge[1][0])), edge[3]))
+    edges = sorted(ctx.edge_list, key=lambda edge: (-min(_order(_numel(edge[0][0])), _order(_numel(edge[1][0]))),
+                                                    edge[3]))
     for a, b, delta, _ in edges:
         ra, oa = find(a)  # position i of a is position i + oa of ra
         rb, ob = find(b)

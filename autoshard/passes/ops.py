@@ -28,10 +28,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .. import annotations as _annotations  # noqa: F401 -- defines the markers' ops
+from ..runtime.symbolic import as_size, hint_of, size_key
 from ..runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines autoshard::check_band
 
 __all__ = ["Op", "OP_KEY", "UNBOUND", "canonical", "op_of", "permutation", "register_canonical", "value_of",
-           "is_tensor_node", "shape_of", "numel"]
+           "is_tensor_node", "as_size", "hint_of", "size_key", "shape_of", "numel"]
 
 OP_KEY = "autoshard_op"
 """Where the normalize pass stores each node's canonical op (``node.meta[OP_KEY]``)."""
@@ -68,14 +69,14 @@ def is_tensor_node(node: Any) -> bool:
     return isinstance(node, fx.Node) and isinstance(value_of(node), torch.Tensor)
 
 
-def shape_of(node: Any) -> tuple[int, ...]:
-    return tuple(int(s) for s in value_of(node).shape)
+def shape_of(node: Any) -> tuple:
+    return tuple(as_size(s) for s in value_of(node).shape)
 
 
-def numel(shape) -> int:
+def numel(shape):
     n = 1
     for s in shape:
-        n *= int(s)
+        n *= as_size(s)
     return n
 
 

@@ -7,7 +7,8 @@ applies, and that pass's result (:attr:`GraphKind.found`) is what the backend (:
 ``dry_run``         ``dry_run=True``: the plan is logged, the graph runs as it is
 ``decode``          a decode step over a KV cache split along the sequence, rewritten for it whole
                     (:mod:`.decode`; it has no sequence of its own, so the passes below do not apply)
-``dynamic``         symbolic sizes: each set of sizes is specialized (:mod:`.specialize`) and classified from
+``dynamic``         symbolic sizes: compiled per length class, or each set of sizes specialized (:mod:`.specialize`),
+                    and classified from
                     ``static_prefill`` on (the dynamic graph was no dry run and no decode step)
 ``static_prefill``  a prefill into a fresh fixed-size KV cache, rewritten to attend over the prompt
                     (:mod:`.static_cache`): its variants go through the passes below

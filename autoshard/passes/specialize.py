@@ -1,26 +1,40 @@
-"""Specialize a dynamic-shape graph to the sizes of one call.
+"""A dynamic-shape graph for the passes: generalized to a class of lengths, or specialized to one call's sizes.
 
-After a model sees two sequence lengths, dynamo recompiles it with symbolic sizes: lengths arrive as
-``SymInt`` placeholders and sizes inside the graph are expressions of them. The compiler's rules work
-on concrete sizes (each rank's local sizes differ anyway), so a dynamic graph is compiled once per
-distinct set of sizes it is called with: the graph is copied, its example values are recomputed on
-fake tensors of the concrete sizes, and every size-valued node is folded into its integer (a test of
-sizes, as ``s0 == 1``, into its bool, as dynamo folds it in a static graph). Dynamo keeps one dynamic
-graph (no recompile limit is hit); this pass caches one static graph per length.
+After a model sees two sequence lengths, dynamo recompiles it with symbolic sizes: lengths arrive as ``SymInt``
+placeholders and sizes inside the graph are expressions of them. Both functions copy the graph, recompute its
+example values on fake tensors and fold every size-valued node into its value (a test of sizes, as ``s0 == 1``,
+into its bool, as dynamo folds it in a static graph):
+
+- :func:`generalize` keeps the lengths symbolic: each of dynamo's symbolic input dims becomes a fresh symbol of one
+  ``ShapeEnv``, hinted with the call's size. The passes then work on ``SymInt`` sizes (:mod:`autoshard.runtime.
+  symbolic`): arithmetic stays an expression, and every comparison that decides something records a guard. After
+  the pipeline, :func:`materialize_sizes` turns the sizes written into the rank graph into nodes that compute them
+  from its inputs, and the guards are the length class: :meth:`GenericGraph.admits` tells whether a later call is
+  in it. A guard is always sound -- the worst case is a class of one length.
+- :func:`specialize` folds every size into its integer, for one set of sizes (the fallback where a graph of
+  symbolic lengths is not supported: split inputs, an inner compiler other than eager, values handed between
+  graphs).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import sympy
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
+from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .graph import eliminate_dead_code, keep_real_values
 from .ops import value_of
 from .regions import REGIONS, inline_regions
 
-__all__ = ["is_dynamic", "specialize", "size_key", "symbolic_dims", "symbol_of"]
+__all__ = ["is_dynamic", "specialize", "size_key", "symbolic_dims", "symbol_of", "GenericGraph", "generalize",
+           "materialize_sizes"]
 
 
 def _symbolic(v) -> bool:
@@ -60,32 +74,150 @@ def symbol_of(node: fx.Node):
     return v.node.expr if isinstance(v, torch.SymInt) else None
 
 
+def _copy(gm: fx.GraphModule, args: list) -> fx.GraphModule:
+    """A copy of ``gm`` with its checkpointed bodies inlined (their example values are recomputed with the rest)
+    and the buffers read as masks kept real."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    copy = fx.GraphModule(gm, graph)
+    copy.meta[REGIONS] = list(gm.meta.get(REGIONS, []))
+    inline_regions(copy)
+    keep_real_values(copy, args)
+    return copy
+
+
+def _propagate(gm: fx.GraphModule, mode: FakeTensorMode, fake_args: list) -> None:
+    """Recompute every node's example value from ``fake_args`` and fold every size-valued node into its value
+    (an ``int``, or a ``SymInt`` of a symbolic length; a test of sizes into its bool)."""
+    with enable_python_dispatcher():  # without it, ``F.pad`` reads a symbolic size through ``aten.size`` as an int
+        FakeTensorProp(gm, mode).propagate(*fake_args)
+    for node in gm.graph.nodes:  # the inlined bodies' nodes too
+        val, before = node.meta.get("val"), value_of(node)
+        if isinstance(val, torch.Tensor) and isinstance(before, torch.Tensor) and before.requires_grad:
+            val.requires_grad_(True)  # fake propagation detaches; rules read who needs gradients
+        node.meta["example_value"] = val
+    for node in list(gm.graph.nodes):
+        val = node.meta.get("val")
+        if isinstance(val, (int, torch.SymInt, torch.SymBool)) and node.op not in ("output", "placeholder"):
+            node.replace_all_uses_with(bool(val) if isinstance(val, (bool, torch.SymBool)) else val)  # noqa
+    eliminate_dead_code(gm.graph)
+    gm.recompile()
+
+
 def specialize(gm: fx.GraphModule, args: list, shapes: dict[int, tuple] | None = None) -> fx.GraphModule:
     """A static copy of ``gm`` for the concrete ``args`` (tensors and ints, in placeholder order);
     ``shapes`` overrides the shape of some tensor args (by index) -- the global shapes of split inputs."""
-    graph = fx.Graph()
-    copies: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(gm.graph, copies)
-    graph.output(out)
-    static = fx.GraphModule(gm, graph)
-    static.meta[REGIONS] = list(gm.meta.get(REGIONS, []))
-    inline_regions(static)  # checkpointed bodies: their example values are recomputed with the rest
-    keep_real_values(static, args)  # buffers read as masks
+    static = _copy(gm, args)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
     for i, shape in (shapes or {}).items():
         with mode:
             fake_args[i] = torch.empty(shape, dtype=args[i].dtype, device=args[i].device)
-    FakeTensorProp(static, mode).propagate(*fake_args)
-    for node in static.graph.nodes:  # the inlined bodies' nodes too
-        val, before = node.meta.get("val"), value_of(node)
-        if isinstance(val, torch.Tensor) and isinstance(before, torch.Tensor) and before.requires_grad:
-            val.requires_grad_(True)  # fake propagation detaches; rules read who needs gradients
-        node.meta["example_value"] = val
-    for node in list(static.graph.nodes):
-        val = node.meta.get("val")
-        if isinstance(val, (int, torch.SymInt, torch.SymBool)) and node.op != "output":  # a size or a test of one
-            node.replace_all_uses_with(bool(val) if isinstance(val, (bool, torch.SymBool)) else int(val))  # noqa
-    eliminate_dead_code(static.graph)
-    static.recompile()
+    _propagate(static, mode, fake_args)
     return static
+
+
+@dataclass
+class GenericGraph:
+    """A copy of a dynamic graph whose example values keep the sequence lengths symbolic: what the pipeline compiles
+    once for a whole length class (see the module docstring)."""
+
+    gm: fx.GraphModule
+    """The copy; its sizes are ``SymInt`` expressions of :attr:`symbols`, hinted with the first call's values."""
+    shape_env: ShapeEnv
+    """Where compiling it records its guards."""
+    mode: FakeTensorMode
+    """The fake mode of its example values (the pipeline runs under it)."""
+    dims: list[tuple[int, int, sympy.Symbol]]
+    """(input index, dim, symbol) of every symbolic input dim."""
+
+    def values(self, args) -> dict[sympy.Symbol, int]:
+        """Every symbol's value in a call with ``args``."""
+        return {sym: args[i].size(d) for i, d, sym in self.dims}
+
+    def admits(self, args) -> bool:
+        """Whether a call with ``args`` is in the length class: every guard compiling it recorded holds."""
+        values = self.values(args)
+        return all(bool(guard.expr.xreplace(values)) for guard in self.shape_env.guards)
+
+
+def generalize(gm: fx.GraphModule, args: list) -> GenericGraph:
+    """A copy of ``gm`` (dynamo's dynamic graph) for ``args`` whose dims that are symbolic in ``gm`` stay symbolic:
+    each a fresh symbol of one ``ShapeEnv``, hinted with its size in ``args`` (an int input that is such a size is
+    the same symbol)."""
+    generic = _copy(gm, args)
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    placeholders = [n for n in generic.graph.nodes if n.op == "placeholder"]
+    fake_args, symbols, dims = list(args), {}, []
+    for i, (node, arg) in enumerate(zip(placeholders, args)):
+        value = value_of(node)
+        if isinstance(arg, torch.Tensor):
+            if any(isinstance(s, torch.SymInt) and (not s.node.expr.is_Symbol or a < 2)
+                   for s, a in zip(value.shape, arg.shape)):  # 0 and 1 specialize; an expression has no symbol
+                raise NotImplementedError(f"input {i}'s symbolic sizes {tuple(arg.shape)}")
+            dynamic = [DimDynamic.DYNAMIC if isinstance(s, torch.SymInt) else DimDynamic.STATIC for s in value.shape]
+            fake_args[i] = mode.from_tensor(arg, source=ConstantSource(f"input{i}"),
+                                            symbolic_context=StatelessSymbolicContext(dynamic_sizes=dynamic))
+            for d, (before, after) in enumerate(zip(value.shape, fake_args[i].shape)):
+                if dynamic[d] is DimDynamic.DYNAMIC:
+                    symbols.setdefault(before.node.expr, after)
+                    dims.append((i, d, after.node.expr))
+    for i, (node, arg) in enumerate(zip(placeholders, args)):
+        symbol = symbol_of(node)
+        if symbol is not None:
+            if symbol not in symbols:
+                raise NotImplementedError(f"the size {node.name}, which no tensor input has")
+            fake_args[i] = symbols[symbol]
+    _propagate(generic, mode, fake_args)
+    return GenericGraph(generic, env, mode, dims)
+
+
+def materialize_sizes(gm: fx.GraphModule) -> None:
+    """Replace every ``SymInt`` a pass wrote into a node's arguments by nodes that compute it at run time from the
+    graph's inputs (``Graph.materialize_symints``), so the graph runs for every length of its class. Raises when a
+    checkpointed body holds one (its inputs need not carry the symbol)."""
+    def symints(value, out):
+        if isinstance(value, torch.SymInt):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                symints(v, out)
+        elif isinstance(value, slice):
+            symints((value.start, value.stop, value.step), out)
+        elif isinstance(value, dict):
+            for v in value.values():
+                symints(v, out)
+        return out
+
+    for name, sub in gm.named_modules():
+        if sub is not gm and isinstance(sub, fx.GraphModule) and any(symints((n.args, n.kwargs), [])
+                                                                      for n in sub.graph.nodes):
+            raise NotImplementedError(f"a symbolic size inside the checkpointed body {name}")
+    found = [v for n in gm.graph.nodes for v in symints((n.args, n.kwargs), [])]
+    if not found:
+        return
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        nodes = gm.graph.materialize_symints(found)
+    by_id = {id(v): n for v, n in zip(found, nodes)}
+
+    def swap(value):
+        if isinstance(value, torch.SymInt):
+            return by_id[id(value)]
+        if isinstance(value, tuple):
+            return tuple(swap(v) for v in value)
+        if isinstance(value, list):
+            return [swap(v) for v in value]
+        if isinstance(value, slice):
+            return slice(swap(value.start), swap(value.stop), swap(value.step))
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        return value
+
+    made = set(nodes)
+    for node in list(gm.graph.nodes):
+        if node not in made:
+            node.args, node.kwargs = swap(node.args), swap(node.kwargs)
+    gm.recompile()

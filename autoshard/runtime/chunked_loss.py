@@ -66,8 +66,10 @@ def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
 
 def chunks_for(max_rows: int, tokens_per_chunk: int) -> int:
     """How many chunks hold ``max_rows`` rows (the largest rank's) at ``tokens_per_chunk`` rows each. The
-    compiler passes every rank the count of the largest rank, so all ranks run the same number of chunks."""
-    return max(1, math.ceil(max_rows / max(1, tokens_per_chunk)))
+    compiler passes every rank the count of the largest rank, so all ranks run the same number of chunks. A
+    symbolic ``max_rows`` (a graph compiled for every length) gives the count as an expression, no guard."""
+    per_chunk = max(1, tokens_per_chunk)
+    return torch.sym_max(1, (max_rows + per_chunk - 1) // per_chunk)
 
 
 def working_set_bytes(rows: int, classes: int, chunks: int, logits_dtype: torch.dtype, out_dtype: torch.dtype) -> int:
@@ -347,5 +349,5 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
     grads = reduction != "none" and torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (h, weight, bias))
     return torch.ops.autoshard.linear_cross_entropy(h, weight, bias, target, class_weight, ignore_index,
-                                                    float(label_smoothing), reduction, int(chunks),
+                                                    float(label_smoothing), reduction, chunks,
                                                     out_dtype or h.dtype, grads)[0]

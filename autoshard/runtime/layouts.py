@@ -33,6 +33,8 @@ from typing import Sequence
 
 import torch
 
+from .symbolic import evaluate, is_symbolic as _symbolic
+
 __all__ = ["SequenceLayout", "LAYOUTS", "split_sizes"]
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -41,11 +43,21 @@ Interval = tuple[int, int]
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
-    """Sizes of ``parts`` balanced pieces of ``total``: they differ by at most one, larger first."""
+    """Sizes of ``parts`` balanced pieces of ``total``: they differ by at most one, larger first. Written
+    without a branch on the remainder, so a symbolic ``total`` (a graph compiled for every length) gives
+    expressions and no guard per residue."""
     if parts <= 0:
         raise ValueError(f"cannot split into {parts} parts")
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+    return [(total + parts - 1 - i) // parts for i in range(parts)]
+
+
+def _key(value):
+    return value.node.expr if _symbolic(value) else value
+
+
+def _size(value):
+    """A position as a layout holds it: an ``int``, or a ``SymInt`` of a symbolic length."""
+    return value if _symbolic(value) else int(value)
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,10 @@ class SequenceLayout:
     intervals: tuple[tuple[Interval, ...], ...]
     """``intervals[r]``: the sorted, disjoint, non-adjacent, half-open position ranges rank ``r`` holds."""
 
+    def __hash__(self) -> int:  # a symbolic length hashes by its expression (a SymInt itself is unhashable)
+        return hash((_key(self.length), self.world_size, tuple(tuple((_key(s), _key(e)) for s, e in ivs)
+                                                                for ivs in self.intervals)))
+
     # ------------------------------------------------------------------ construction
     @staticmethod
     def of(kind: str, length: int, world_size: int) -> "SequenceLayout":
@@ -73,28 +89,15 @@ class SequenceLayout:
         raise ValueError(f"autoshard: unknown layout {kind!r}; expected one of {LAYOUTS}")
 
     @staticmethod
-    @functools.lru_cache(maxsize=None)
     def contiguous(length: int, world_size: int) -> "SequenceLayout":
         """Rank r holds one run; run sizes differ by at most one. A sequence shorter than the world leaves the
         last ranks none (a one-token decode step, a prompt of 3 tokens on 4 ranks)."""
-        _check_servable("contiguous", length, world_size, 1)
-        bounds = _prefix(split_sizes(length, world_size))
-        return SequenceLayout(
-            "contiguous", length, world_size,
-            tuple(_normalize(((bounds[r], bounds[r + 1]),)) for r in range(world_size)),
-        )
+        return (_contiguous if _symbolic(length) else _contiguous_cached)(length, world_size)
 
     @staticmethod
-    @functools.lru_cache(maxsize=None)
     def zigzag(length: int, world_size: int) -> "SequenceLayout":
         """2P chunks; rank r holds chunks r and 2P-1-r."""
-        _check_servable("zigzag", length, world_size, 2 * world_size)
-        bounds = _prefix(split_sizes(length, 2 * world_size))
-        chunk = lambda c: (bounds[c], bounds[c + 1])  # noqa: E731
-        return SequenceLayout(
-            "zigzag", length, world_size,
-            tuple(_normalize((chunk(r), chunk(2 * world_size - 1 - r))) for r in range(world_size)),
-        )
+        return (_zigzag if _symbolic(length) else _zigzag_cached)(length, world_size)
 
     @staticmethod
     def from_intervals(length: int, intervals: Sequence[Sequence[Interval]]) -> "SequenceLayout":
@@ -118,7 +121,15 @@ class SequenceLayout:
         """
         if offset == 0 and length == self.length:
             return self
-        return _derive(self, offset, length)
+        symbolic = _symbolic(offset) or _symbolic(length) or _symbolic(self.length)
+        return (_derive if symbolic else _derive_cached)(self, offset, length)
+
+    def evaluated(self, values: dict) -> "SequenceLayout":
+        """This layout for one call of a graph compiled for every length: its symbolic positions evaluated at
+        ``values`` (symbol -> int, :func:`~autoshard.runtime.symbolic.evaluate`)."""
+        if not _symbolic(self.length):
+            return self
+        return _decode_cached(tuple(evaluate(c, values) for c in self.encode()))
 
     # ------------------------------------------------------------------ queries
     def local_intervals(self, rank: int) -> tuple[Interval, ...]:
@@ -179,13 +190,38 @@ class SequenceLayout:
     @staticmethod
     def decode(code: Sequence[int]) -> "SequenceLayout":
         """Inverse of :meth:`encode`."""
-        return _decode(tuple(int(c) for c in code))
+        code = tuple(_size(c) for c in code)
+        return (_decode if any(map(_symbolic, code)) else _decode_cached)(code)
 
     def __repr__(self) -> str:
         return f"SequenceLayout({self.kind}, length={self.length}, world_size={self.world_size})"
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _contiguous(length: int, world_size: int) -> SequenceLayout:
+    _check_servable("contiguous", length, world_size, 1)
+    bounds = _prefix(split_sizes(length, world_size))
+    return SequenceLayout(
+        "contiguous", length, world_size,
+        tuple(_normalize(((bounds[r], bounds[r + 1]),)) for r in range(world_size)),
+    )
+
+
+def _zigzag(length: int, world_size: int) -> SequenceLayout:
+    _check_servable("zigzag", length, world_size, 2 * world_size)
+    bounds = _prefix(split_sizes(length, 2 * world_size))
+    chunk = lambda c: (bounds[c], bounds[c + 1])  # noqa: E731
+    return SequenceLayout(
+        "zigzag", length, world_size,
+        tuple(_normalize((chunk(r), chunk(2 * world_size - 1 - r))) for r in range(world_size)),
+    )
+
+
+_contiguous_cached = functools.lru_cache(maxsize=None)(_contiguous)
+_zigzag_cached = functools.lru_cache(maxsize=None)(_zigzag)
+"""Layouts of integer lengths are built once; a symbolic length's (unhashable) is built each time."""
 
 
 def _check_servable(kind: str, length: int, world_size: int, parts: int) -> None:
@@ -208,7 +244,7 @@ def _prefix(sizes: Sequence[int]) -> list[int]:
 
 def _normalize(ivs: Sequence[Interval]) -> tuple[Interval, ...]:
     merged: list[list[int]] = []
-    for s, e in sorted((int(s), int(e)) for s, e in ivs if e > s):
+    for s, e in sorted((_size(s), _size(e)) for s, e in ivs if e > s):
         if merged and merged[-1][1] == s:
             merged[-1][1] = e
         else:
@@ -216,7 +252,6 @@ def _normalize(ivs: Sequence[Interval]) -> tuple[Interval, ...]:
     return tuple((s, e) for s, e in merged)
 
 
-@functools.lru_cache(maxsize=4096)
 def _derive(root: SequenceLayout, offset: int, length: int) -> SequenceLayout:
     per_rank: list[list[Interval]] = [[] for _ in range(root.world_size)]
     # Positions i with i + offset < 0 go to the owner of root position 0; beyond the end, to the owner
@@ -232,7 +267,9 @@ def _derive(root: SequenceLayout, offset: int, length: int) -> SequenceLayout:
     return SequenceLayout.from_intervals(length, per_rank)
 
 
-@functools.lru_cache(maxsize=4096)
+_derive_cached = functools.lru_cache(maxsize=4096)(_derive)
+
+
 def _decode(code: tuple[int, ...]) -> SequenceLayout:
     length, world_size = code[0], code[1]
     i = 2
@@ -250,3 +287,6 @@ def _decode(code: tuple[int, ...]) -> SequenceLayout:
         if candidate.intervals == tuple(per_rank):
             return candidate
     return SequenceLayout("derived", length, world_size, tuple(per_rank))
+
+
+_decode_cached = functools.lru_cache(maxsize=4096)(_decode)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..infer import LinkContext, token_local_nodes
-from ..ops import is_tensor_node, op_of, shape_of
+from ..ops import is_tensor_node, op_of, shape_of, size_key
 from . import (attention, conv, embedding, factories, loss, markers, matmul, norms,  # noqa: F401 -- each registers
                reductions, selection, views)
 from .pointwise import link_broadcast
@@ -52,7 +52,7 @@ def link_graph(gm: fx.GraphModule) -> LinkContext:
     inside token-local regions link like elementwise ops."""
     ctx = LinkContext()
     ctx.token_local = token_local_nodes(gm)
-    ctx.attention_lengths = {shape_of(op["q"])[2] for op in map(op_of, gm.graph.nodes)
+    ctx.attention_lengths = {size_key(shape_of(op["q"])[2]) for op in map(op_of, gm.graph.nodes)
                              if op is not None and op.name == "attention"}
     for node in gm.graph.nodes:
         op = op_of(node)

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from ..ops import as_size
+
 __all__ = ["InputDim", "Factors", "Repeat", "NewDim", "Broadcast", "DimSpec", "DimMap", "Piece", "pieces",
            "output_factors", "source_of", "reshape_map"]
 
@@ -108,7 +110,7 @@ def reshape_map(in_factors: list[list[int]], out_shape) -> DimMap:
     dims, each output dim taking a run of whole factors, or a piece cut out of one (a cut starts new, unfollowed
     factors). A shape the factors cannot be matched to is all new dims."""
     atoms = [(size, (d, f)) for d, fs in enumerate(in_factors) for f, size in enumerate(fs) if size != 1]
-    unmatched = tuple(NewDim(int(s)) for s in out_shape)
+    unmatched = tuple(NewDim(as_size(s)) for s in out_shape)
     dim_map: list[DimSpec] = []
     i, carry = 0, None
     for s in out_shape:

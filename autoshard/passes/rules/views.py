@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ...placements import REPLICATE, Partial, Shard
 from ...runtime.sequence_ops import select_owned  # the module defines autoshard::seq_local_index too
-from ..ops import Op, is_tensor_node, permutation, shape_of, value_of
+from ..ops import Op, as_size, is_tensor_node, permutation, shape_of, size_key, value_of
 from .registry import register
 from .dim_maps import (Broadcast, DimMap, Factors, InputDim, NewDim, Repeat, output_factors, pieces, reshape_map,
                        source_of)
@@ -92,8 +92,8 @@ def _starting_sequences(dim_map: DimMap, in_factors, attention_lengths) -> tuple
     starts = []
     for d, spec in enumerate(dim_map):
         sizes = [size for size, _ in pieces(spec, in_factors) if size != 1]
-        if (isinstance(spec, Factors) and len(sizes) > 1 and math.prod(sizes) in attention_lengths
-                and not attention_lengths.intersection(sizes)):
+        if (isinstance(spec, Factors) and len(sizes) > 1 and size_key(math.prod(sizes)) in attention_lengths
+                and not attention_lengths.intersection(map(size_key, sizes))):
             starts.append(d)
     return tuple(starts)
 
@@ -310,6 +310,24 @@ IndexItem = Union[IndexSlice, IndexSelect, IndexNew, IndexTensor, IndexList]
 _ADVANCED = (IndexTensor, IndexList)
 
 
+def _slice_indices(it: slice, size) -> tuple:
+    """``it.indices(size)``, also for a symbolic ``size`` and a forward step: each clamp a comparison, which on a
+    ``SymInt`` records its guard (the slice ``[1:]`` of a length is ``1`` for every length of at least 1)."""
+    step = 1 if it.step is None else it.step
+    if not isinstance(size, torch.SymInt) or not isinstance(step, int) or step <= 0:
+        return it.indices(as_size(size) if isinstance(size, torch.SymInt) else size)
+
+    def clamp(i, default):
+        if i is None:
+            return default
+        if i < 0:
+            i = i + size
+            return i if i >= 0 else 0
+        return i if i <= size else size
+
+    return clamp(it.start, 0), clamp(it.stop, size), step
+
+
 def parse_index(shape, index) -> list[IndexItem]:
     """The items of ``x[index]``, one per input dim in order (plus one per ``None``), slices clamped to their dim
     and the positions of selects and constant lists made nonnegative."""
@@ -325,7 +343,7 @@ def parse_index(shape, index) -> list[IndexItem]:
         elif it is None:
             items.append(IndexNew())
         elif isinstance(it, slice):
-            start, stop, step = it.indices(shape[d])
+            start, stop, step = _slice_indices(it, shape[d])
             items.append(IndexSlice(d, start, max(stop, start), step))
             d += 1
         elif isinstance(it, int):
@@ -563,7 +581,7 @@ def _split_pieces(node: fx.Node, op: Op) -> tuple[int, list[int] | None]:
     outs = value_of(node)
     dims = [d for d in range(len(src_shape)) if any(o.shape[d] != src_shape[d] for o in outs)]
     dim = dims[0] if dims else (op["dim"] if op["dim"] is not None else (op["args"][1] if len(op["args"]) > 1 else 0))
-    return dim % len(src_shape), [int(o.shape[dim]) for o in outs]
+    return dim % len(src_shape), [as_size(o.shape[dim]) for o in outs]
 
 
 def link_split_piece(ctx, producer, producer_op, index, node):

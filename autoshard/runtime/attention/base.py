@@ -42,6 +42,7 @@ from ...hardware import HardwareProfile
 from . import formulas
 from .formulas import Sizes
 from .masks import MaskSpec
+from ..symbolic import hint_of
 
 __all__ = ["Strategy", "STRATEGIES", "register", "bytes_sent", "bytes_sent_by_rank", "contiguous_layout",
            "zigzag_layout", "zigzag_layout_when_causal", "AttentionShape", "StrategyCost", "Pricing",
@@ -238,7 +239,7 @@ def bytes_sent_by_rank(strategy: str, direction: str, lengths: Sequence[int], *,
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(STRATEGIES)}")
     sizes = Sizes.of(B=B, H=H, Hkv=Hkv, D=D, Dv=Dv, dtype=dtype, key_mask=key_mask,
                      segment_ids_dtype=segment_ids_dtype)
-    return STRATEGIES[strategy].bytes_by_rank([int(n) for n in lengths], sizes, backward, P_u)
+    return STRATEGIES[strategy].bytes_by_rank([hint_of(n) for n in lengths], sizes, backward, P_u)
 
 
 # ---------------------------------------------------------------------------- pricing
