@@ -30,7 +30,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .graph import eliminate_dead_code, keep_real_values
-from .ops import value_of
+from .ops import as_size, value_of
 from .regions import REGIONS, inline_regions
 
 __all__ = ["is_dynamic", "specialize", "size_key", "symbolic_dims", "symbol_of", "GenericGraph", "generalize",
@@ -99,8 +99,8 @@ def _propagate(gm: fx.GraphModule, mode: FakeTensorMode, fake_args: list) -> Non
         node.meta["example_value"] = val
     for node in list(gm.graph.nodes):
         val = node.meta.get("val")
-        if isinstance(val, (int, torch.SymInt, torch.SymBool)) and node.op not in ("output", "placeholder"):
-            node.replace_all_uses_with(bool(val) if isinstance(val, (bool, torch.SymBool)) else val)  # noqa
+        if isinstance(val, (int, torch.SymInt, torch.SymBool)) and node.op != "output":
+            node.replace_all_uses_with(bool(val) if isinstance(val, (bool, torch.SymBool)) else as_size(val))  # noqa
     eliminate_dead_code(gm.graph)
     gm.recompile()
 
