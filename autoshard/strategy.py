@@ -70,7 +70,14 @@ def _guard_same_choice(length: torch.SymInt, choice) -> None:
     length outside compiles the graph of its own class. The range is probed by doubling and bisection; the
     strategies are all exact, so a choice that changed and changed back inside a probed step only costs time."""
     hint = hint_of(length)
-    want = choice(hint)
+
+    def choice_at(n: int):
+        try:
+            return choice(n)
+        except ValueError:  # no strategy fits at n (the memory budget): a class ends before
+            return None
+
+    want = choice_at(hint)
 
     def edge(same: int, step) -> int:
         other = same
@@ -78,13 +85,13 @@ def _guard_same_choice(length: torch.SymInt, choice) -> None:
             nxt = step(other)
             if nxt == other:
                 return other
-            if choice(nxt) != want:
+            if choice_at(nxt) != want:
                 break
             same = other = nxt
         other = nxt
         while abs(other - same) > 1:
             mid = (same + other) // 2
-            if choice(mid) == want:
+            if choice_at(mid) == want:
                 same = mid
             else:
                 other = mid

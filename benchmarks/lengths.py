@@ -14,6 +14,9 @@ one launch, each after a warm-up step at its first length:
   sees: every micro-batch a different total length);
 * ``fixed``: the same number of steps at the range's top length (the same documents' distribution).
 
+The varying loop runs twice: compiled once per length (``length_classes=False``) and once per length class
+(``length_classes=True``).
+
 Columns: the compilations the backend counted in the timed steps (``autoshard.explain()``'s causes), tokens,
 seconds, milliseconds per 1K tokens, and ``varying / fixed`` of the time per token -- the price of a new length.
 Issue 37's goal: at most 3 compilations for 12 lengths, ``varying / fixed`` <= 1.10.
@@ -48,10 +51,11 @@ def _batch(length: int, seed: int) -> dict:
     return dict(input_ids=ids, labels=ids, position_ids=positions, use_cache=False)
 
 
-def _loop(lengths: list[int], seed: int) -> tuple[int, float, int]:
-    """(compilations, seconds, tokens) of the steps after the first (a warm-up) at ``lengths``."""
+def _loop(lengths: list[int], seed: int, classes: bool) -> tuple[int, float, int]:
+    """(compilations, seconds, tokens) of the steps after the first (a warm-up) at ``lengths``; ``classes``: the
+    backend's ``length_classes``."""
     model = small_llama()
-    compiled = autoshard.compile(model)
+    compiled = autoshard.compile(model, length_classes=classes)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step(length: int, i: int) -> None:
@@ -74,7 +78,8 @@ def _measure(low: int, high: int, steps: int) -> dict:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(low)
     varying = [high] + [int(torch.randint(low, high + 1, (1,), generator=gen)) for _ in range(steps)]
-    return {"varying": _loop(varying, 0), "fixed": _loop([high] * (steps + 1), 0)}
+    return {"varying, per length": _loop(varying, 0, False), "varying, classes": _loop(varying, 0, True),
+            "fixed": _loop([high] * (steps + 1), 0, True)}
 
 
 def main() -> None:

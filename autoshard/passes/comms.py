@@ -40,7 +40,7 @@ from ..runtime.conv_halo import decode_windows, window_bytes
 from ..runtime.layouts import SequenceLayout
 from ..runtime.op_info import arguments, lookup, register
 from ..runtime.redistribute import cumsum_totals_bytes, grad_sync, grad_sync_bucket, realign_bytes, reduce_partial
-from .ops import numel, op_of, value_of
+from .ops import hint_of, numel, op_of, value_of
 from .regions import REGION
 
 __all__ = ["Comm", "CommBook", "Call", "declares", "derive_comms", "max_local_formula", "SERVES",
@@ -102,7 +102,7 @@ class Call:
         whose kind (the encoding drops it) picks the byte formula."""
         layout = SequenceLayout.decode(self.arguments[name])
         attached = self.node.meta.get(LAYOUT)
-        return attached if attached == layout else layout
+        return (attached if attached == layout else layout).at_hint()
 
     @property
     def reason(self) -> str:
@@ -126,7 +126,7 @@ class Call:
 
     def row_bytes(self, layout: SequenceLayout) -> int:
         """Bytes of one sequence position of the value (from its global shape: a rank's shard may be empty)."""
-        return numel(value_of(self.value).shape) // layout.length * self.itemsize
+        return hint_of(numel(value_of(self.value).shape)) // layout.length * self.itemsize
 
 
 @dataclass

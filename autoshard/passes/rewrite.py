@@ -39,7 +39,7 @@ from ..runtime.redistribute import grad_scale, grad_sync, grad_sync_bucket, real
 from .comms import EMITTED_BY, LAYOUT, REASON, SERVES, CommBook, derive_comms
 from .graph import is_module_state, mutates, storage_of, user_line
 from .infer import Families, Family
-from .ops import UNBOUND, is_tensor_node, numel, op_of, shape_of, value_of
+from .ops import UNBOUND, hint_of, is_tensor_node, numel, op_of, shape_of, value_of
 from .regions import REGION
 from .report import CompileReport, Fallback, Transition
 from .rules import RULES
@@ -102,15 +102,16 @@ class Rewriter:
         dim, factor, family, offset = dims[0]
         factors = self.families.factors[node][dim]
         layout = self.family_layout(family).derive(offset, factors[factor])
-        self._root_of[layout] = family.length
+        self._root_of[layout.at_hint()] = hint_of(family.length)  # what the comm book reads: the call's lengths
         return Shard(dim, layout, tuple(factors) if len(factors) > 1 else (), factor if len(factors) > 1 else 0)
 
     def root_length(self, layout: SequenceLayout) -> int:
-        """The length of the family root a split value's layout derives from (for byte formulas)."""
+        """The length of the family root a split value's layout derives from (for byte formulas), at the lengths of
+        the call being compiled."""
         known = self._root_of.get(layout)
         if known is not None:
             return known
-        return self.families.families[0].length if self.families.families else layout.length
+        return hint_of(self.families.families[0].length) if self.families.families else layout.length
 
     def placement(self, node: Any) -> Placement:
         if not isinstance(node, fx.Node):

@@ -131,15 +131,22 @@ class GenericGraph:
     """The fake mode of its example values (the pipeline runs under it)."""
     dims: list[tuple[int, int, sympy.Symbol]]
     """(input index, dim, symbol) of every symbolic input dim."""
+    fakes: dict[int, torch.Tensor]
+    """Input index -> the fake tensor of symbolic sizes it was compiled with (the tensors with a symbolic dim)."""
+    _check: tuple[int, str | None] | None = None
 
     def values(self, args) -> dict[sympy.Symbol, int]:
         """Every symbol's value in a call with ``args``."""
         return {sym: args[i].size(d) for i, d, sym in self.dims}
 
     def admits(self, args) -> bool:
-        """Whether a call with ``args`` is in the length class: every guard compiling it recorded holds."""
-        values = self.values(args)
-        return all(bool(guard.expr.xreplace(values)) for guard in self.shape_env.guards)
+        """Whether a call with ``args`` is in the length class: every guard compiling it recorded holds (checked by
+        the ``ShapeEnv``'s guard code, built once per set of guards)."""
+        env = self.shape_env
+        if self._check is None or self._check[0] != len(env.guards):
+            self._check = (len(env.guards), env.produce_guards_expression(list(self.fakes.values())))
+        code = self._check[1]
+        return code is None or env.evaluate_guards_expression(code, [args[i] for i in self.fakes])
 
 
 def generalize(gm: fx.GraphModule, args: list) -> GenericGraph:
@@ -171,7 +178,7 @@ def generalize(gm: fx.GraphModule, args: list) -> GenericGraph:
                 raise NotImplementedError(f"the size {node.name}, which no tensor input has")
             fake_args[i] = symbols[symbol]
     _propagate(generic, mode, fake_args)
-    return GenericGraph(generic, env, mode, dims)
+    return GenericGraph(generic, env, mode, dims, {i: fake_args[i] for i in sorted({i for i, _, _ in dims})})
 
 
 def materialize_sizes(gm: fx.GraphModule) -> None:

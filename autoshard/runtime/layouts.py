@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from .symbolic import evaluate, is_symbolic as _symbolic
+from .symbolic import evaluate, hint_of, is_symbolic as _symbolic
 
 __all__ = ["SequenceLayout", "LAYOUTS", "split_sizes"]
 
@@ -130,6 +130,12 @@ class SequenceLayout:
         if not _symbolic(self.length):
             return self
         return _decode_cached(tuple(evaluate(c, values) for c in self.encode()))
+
+    def at_hint(self) -> "SequenceLayout":
+        """This layout at the lengths of the call being compiled (a symbolic one's hints): what reports count."""
+        if not _symbolic(self.length):
+            return self
+        return _decode_cached(tuple(hint_of(c) for c in self.encode()))
 
     # ------------------------------------------------------------------ queries
     def local_intervals(self, rank: int) -> tuple[Interval, ...]:
