@@ -131,8 +131,8 @@ class GenericGraph:
     """The fake mode of its example values (the pipeline runs under it)."""
     dims: list[tuple[int, int, sympy.Symbol]]
     """(input index, dim, symbol) of every symbolic input dim."""
-    fakes: dict[int, torch.Tensor]
-    """Input index -> the fake tensor of symbolic sizes it was compiled with (the tensors with a symbolic dim)."""
+    fake_args: list
+    """The inputs it was compiled with: fake tensors (of symbolic sizes where ``dims`` says), ``SymInt`` lengths."""
     _check: tuple[int, str | None] | None = None
 
     def values(self, args) -> dict[sympy.Symbol, int]:
@@ -144,9 +144,14 @@ class GenericGraph:
         the ``ShapeEnv``'s guard code, built once per set of guards)."""
         env = self.shape_env
         if self._check is None or self._check[0] != len(env.guards):
-            self._check = (len(env.guards), env.produce_guards_expression(list(self.fakes.values())))
+            self._check = (len(env.guards), env.produce_guards_expression([self.fake_args[i] for i in self._inputs]))
         code = self._check[1]
-        return code is None or env.evaluate_guards_expression(code, [args[i] for i in self.fakes])
+        return code is None or env.evaluate_guards_expression(code, [args[i] for i in self._inputs])
+
+    @property
+    def _inputs(self) -> list[int]:
+        """The inputs with a symbolic dim (the guards are on their sizes)."""
+        return sorted({i for i, _, _ in self.dims})
 
 
 def generalize(gm: fx.GraphModule, args: list) -> GenericGraph:
@@ -178,7 +183,7 @@ def generalize(gm: fx.GraphModule, args: list) -> GenericGraph:
                 raise NotImplementedError(f"the size {node.name}, which no tensor input has")
             fake_args[i] = symbols[symbol]
     _propagate(generic, mode, fake_args)
-    return GenericGraph(generic, env, mode, dims, {i: fake_args[i] for i in sorted({i for i, _, _ in dims})})
+    return GenericGraph(generic, env, mode, dims, fake_args)
 
 
 def materialize_sizes(gm: fx.GraphModule) -> None:

@@ -52,7 +52,7 @@ def split_sizes(total: int, parts: int) -> list[int]:
 
 
 def _key(value):
-    return value.node.expr if _symbolic(value) else value
+    return value.node.expr if isinstance(value, torch.SymInt) else value
 
 
 def _size(value):
@@ -119,6 +119,7 @@ class SequenceLayout:
         Positions that fall outside ``[0, self.length)`` go to the rank holding the nearest position.
         ``derive(0, self.length)`` is this layout itself.
         """
+        offset, length = _size(offset), _size(length)
         if offset == 0 and length == self.length:
             return self
         symbolic = _symbolic(offset) or _symbolic(length) or _symbolic(self.length)
