@@ -289,7 +289,8 @@ class Rewriter:
         x, dim = self._split_factors(node, new, have, local=True)
         x = _serving(self.call(torch.ops.autoshard.seq_realign.default, x, dim, have.layout.encode(),
                                want.layout.encode(), self.groups.sequence), node)
-        sent = realign_bytes(have.layout, want.layout, self._row_bytes(node, have), "forward")[self.rank]
+        sent = realign_bytes(have.layout.at_hint(), want.layout.at_hint(), hint_of(self._row_bytes(node, have)),
+                             "forward")[self.rank]  # the report's count, at the call's lengths
         self.report.transitions.append(Transition("realign", node.name, str(have), str(want), sent, "positions moved"))
         return self._merge_factors(node, x, want, local=True)
 

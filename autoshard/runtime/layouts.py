@@ -74,6 +74,11 @@ class SequenceLayout:
     intervals: tuple[tuple[Interval, ...], ...]
     """``intervals[r]``: the sorted, disjoint, non-adjacent, half-open position ranges rank ``r`` holds."""
 
+    def __post_init__(self):  # a SymInt of constant value is its int: it hashes and compares as the int layout
+        object.__setattr__(self, "length", _size(self.length))
+        object.__setattr__(self, "intervals", tuple(tuple((_size(s), _size(e)) for s, e in ivs)
+                                                    for ivs in self.intervals))
+
     def __hash__(self) -> int:  # a symbolic length hashes by its expression (a SymInt itself is unhashable)
         return hash((_key(self.length), self.world_size, tuple(tuple((_key(s), _key(e)) for s, e in ivs)
                                                                 for ivs in self.intervals)))
@@ -128,15 +133,17 @@ class SequenceLayout:
     def evaluated(self, values: dict) -> "SequenceLayout":
         """This layout for one call of a graph compiled for every length: its symbolic positions evaluated at
         ``values`` (symbol -> int, :func:`~autoshard.runtime.symbolic.evaluate`)."""
-        if not _symbolic(self.length):
+        code = self.encode()
+        if not any(isinstance(c, torch.SymInt) for c in code):
             return self
-        return _decode_cached(tuple(evaluate(c, values) for c in self.encode()))
+        return _decode_cached(tuple(evaluate(c, values) for c in code))
 
     def at_hint(self) -> "SequenceLayout":
         """This layout at the lengths of the call being compiled (a symbolic one's hints): what reports count."""
-        if not _symbolic(self.length):
+        code = self.encode()
+        if not any(isinstance(c, torch.SymInt) for c in code):
             return self
-        return _decode_cached(tuple(hint_of(c) for c in self.encode()))
+        return _decode_cached(tuple(hint_of(c) for c in code))
 
     # ------------------------------------------------------------------ queries
     def local_intervals(self, rank: int) -> tuple[Interval, ...]:
