@@ -84,6 +84,9 @@ _COMPILES = itertools.count()
 must be the same graph."""
 SIZES_CACHED = 8
 """How many sets of sizes of one dynamic-shape graph keep their compiled graph (least recently used first out)."""
+CLASS_TRIES = 2
+"""How many times a dynamic graph tries to compile a length class before it compiles once per set of sizes only
+(a try that fails costs a compile)."""
 RECORDS_KEPT = 64
 """How many compiled graphs' records a backend keeps for reports and warnings (oldest first out)."""
 _LAST_CHECK: dict[str, int] = {}
@@ -134,6 +137,8 @@ class GraphRecord:
     """Whether anything in the graph is split along a sequence."""
     cause: Cause = Cause("new graph")
     """Why it was compiled."""
+    length_class: str = ""
+    """The lengths a graph compiled for a length class serves (:meth:`GenericGraph.describe`), else empty."""
 
 
 class AutoshardBackend:
@@ -333,31 +338,39 @@ class AutoshardBackend:
         self.compilations[record.cause.kind] += 1
         self.compiled.append(record)
 
-    def compile_class(self, gm: fx.GraphModule, args: list) -> tuple[GenericGraph, Callable] | None:
+    def compile_class(self, gm: fx.GraphModule, args: list, names: list[str]) -> tuple[GenericGraph, Callable] | str:
         """Compile a dynamic graph once for the length class of ``args`` (:func:`~.passes.specialize.generalize`):
-        the compiled graph serves every call the returned :class:`GenericGraph` admits. None (on every rank alike)
-        where a graph of symbolic lengths is not supported (the caller then compiles for the sizes of ``args``)."""
+        the compiled graph serves every call the returned :class:`GenericGraph` admits. Where a graph of symbolic
+        lengths is not supported, why not (on every rank alike; the caller then compiles for the sizes of
+        ``args``), empty with ``length_classes=False``. ``names``: the inputs' names in the user's code."""
         config, pg = self.config, self._sequence_group()
-        if (not config.length_classes or config.inputs != "replicated"
-                or config.inner_for(_device_type(args)) != "eager"):
-            return None
+        if not config.length_classes:
+            return ""
+        if config.inputs != "replicated":
+            return "inputs='sharded'"
+        if config.inner_for(_device_type(args)) != "eager":
+            return f"inner={config.inner_for(_device_type(args))!r} (length classes run with inner='eager')"
+        why = None
         try:
             generic = generalize(gm, args)
             kind = graph_kind(DynamoGraph(gm=generic.gm, example_inputs=args), specialized=True)
-            ready = kind.name == "plain"
+            why = None if kind.name == "plain" else f"a graph of kind {kind.name}"
         except Exception as e:  # noqa: BLE001 -- any failure falls back to a graph for these sizes
-            logger.debug("autoshard: no length class: %s", e, exc_info=True)
-            ready = False
-        if not _on_every_rank(ready, pg):
-            return None
+            logger.debug("autoshard: no length class", exc_info=True)
+            why = f"{type(e).__name__}: {e}"
+        if not _on_every_rank(why is None, pg):
+            return why or "not supported on another rank"
         try:
             with warnings.catch_warnings():  # fx warns of every SymInt a pass writes; materialize_sizes lifts them
                 warnings.filterwarnings("ignore", message="Raw SymInt value")
                 run = self._compile(generic.gm, args, None, None, generic)
+            self.compiled[-1].length_class = generic.describe(names)
         except Exception as e:  # noqa: BLE001
-            logger.debug("autoshard: no length class: %s", e, exc_info=True)
-            run = None
-        return (generic, run) if _on_every_rank(run is not None, pg) else None
+            logger.debug("autoshard: no length class", exc_info=True)
+            run, why = None, f"{type(e).__name__}: {e}"
+        if not _on_every_rank(run is not None, pg):
+            return why or "not supported on another rank"
+        return generic, run
 
     def compile_for_sizes(self, gm: fx.GraphModule, args: list, dims: list | None = None,
                           lengths: tuple | None = None) -> Callable:
@@ -405,6 +418,9 @@ class _PerSizes:
         self.classes: list[tuple[GenericGraph, Callable]] = []
         """The length classes compiled (:meth:`AutoshardBackend.compile_class`), each with its rank graph: a call
         one admits compiles nothing."""
+        self.class_failures = 0
+        self.no_class: str | None = None
+        """Why no length class is tried any more (:data:`CLASS_TRIES` failed), or None."""
         self.compiled_keys: set[tuple] = set()
         """Every key compiled so far (evicted ones too): a key compiled again was dropped from the cache."""
         self.names = [input_name(n) or n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -432,11 +448,13 @@ class _PerSizes:
             if self.last_args is not None:
                 self.backend._cause = self._cause_of(key)
             self.compiled_keys.add(key)
-            found = self.backend.compile_class(self.gm, list(args)) if lengths is None else None
-            if found is not None:
+            found = "inputs='sharded'" if lengths is not None else self.no_class or self.backend.compile_class(
+                self.gm, list(args), self.names)
+            if isinstance(found, tuple):
                 self.classes.append(found)
                 fn = found[1]
             else:
+                self._no_class(found)
                 fn = self.backend.compile_for_sizes(self.gm, list(args), self.split_dims, lengths)
         if key not in self.cache:
             self.cache[key] = fn
@@ -446,6 +464,17 @@ class _PerSizes:
             self.cache.move_to_end(key)
         self.last_args = key[0]
         return fn(*args)
+
+    def _no_class(self, why: str) -> None:
+        """A length class was not compiled, for ``why``: the compilation for these sizes says so in its cause (what
+        :func:`explain` prints); after a second failure no class is tried again (each try costs a compile)."""
+        self.class_failures += 1
+        if self.class_failures >= CLASS_TRIES:
+            self.no_class = why
+        if why:
+            cause = self.backend._cause
+            self.backend._cause = dataclasses.replace(cause, detail="; ".join(
+                filter(None, [cause.detail, f"no length class: {' '.join(why.split())[:160]}"])))
 
     def _class_of(self, args) -> Callable | None:
         """The rank graph of the first length class every rank admits a call with ``args`` to, or None. Each rank's
@@ -667,7 +696,8 @@ def _describe(index: int, record: GraphRecord) -> list[str]:
              + (f" ({', '.join(f'{n} {k}' for k, n in strategies.items())})" if strategies else "")
              + f", {len(report.comms)} collective(s), {len(report.fallbacks)} fallback(s)"
              + (f", {deferred} output(s) handed on uncomputed" if deferred else "")
-             + f"; compiled for: {record.cause.describe()}"]
+             + f"; compiled for: {record.cause.describe()}"
+             + (f"; serves {record.length_class}" if record.length_class else "")]
     if report.square_values:
         lines.append(f"  sequence x sequence values: {', '.join(report.square_values)}")
     lines += [f"  fallback {f.node} ({f.op}): {f.reason}" for f in report.fallbacks]

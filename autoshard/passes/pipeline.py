@@ -81,7 +81,7 @@ from .functionalize import functionalize
 from .infer import Families, LinkContext, find_families
 from .lazy import LazyOutput, kv_cache_outputs, lazy_outputs
 from .normalize import canonicalize, decompose
-from .ops import op_of, value_of
+from .ops import hint_of, op_of, value_of
 from .regions import Region, fill_regions, inline_regions, outline_regions
 from .recompute import recompute_layers
 from .report import CompileReport
@@ -369,7 +369,7 @@ def compile_graph(gm: fx.GraphModule, *, config: BackendConfig, groups: Sequence
              "does not read it")
     rewriter.report.passes = state.stats
     rewriter.report.fallbacks[:0] = state.missed
-    gathered = {tuple(value_of(n).shape) for n in rewriter.gathered_outputs}
+    gathered = {tuple(map(hint_of, value_of(n).shape)) for n in rewriter.gathered_outputs}  # at the call's lengths
     return CompiledGraph(state.gm, rewriter.report, families, state.strategies, gathered, state.reasons,
                          rewriter.carried_outputs, state.deferred_outputs, state.lazy_outputs, state.cache_outputs)
 

@@ -148,6 +148,33 @@ class GenericGraph:
         code = self._check[1]
         return code is None or env.evaluate_guards_expression(code, [args[i] for i in self._inputs])
 
+    def describe(self, names: list[str]) -> str:
+        """The class as a sentence: each length's range (from the guards that bound one symbol by a constant) and
+        how many other guards there are (the layout pieces' sizes, residues), e.g. ``input_ids dim 1 in
+        [6, 32616] (+ 30 more guards)``; ``names``: the inputs' names."""
+        bounds: dict = {}
+        other = 0
+        for guard in self.shape_env.guards:
+            expr = guard.expr
+            sym = next(iter(expr.free_symbols)) if len(expr.free_symbols) == 1 else None
+            low, high = bounds.get(sym, (None, None))
+            if sym is not None and isinstance(expr, sympy.Rel) and expr.lhs == sym and expr.rhs.is_Integer:
+                value = int(expr.rhs)
+                if isinstance(expr, (sympy.GreaterThan, sympy.StrictGreaterThan)):
+                    value += isinstance(expr, sympy.StrictGreaterThan)
+                    bounds[sym] = (value if low is None else max(low, value), high)
+                    continue
+                if isinstance(expr, (sympy.LessThan, sympy.StrictLessThan)):
+                    value -= isinstance(expr, sympy.StrictLessThan)
+                    bounds[sym] = (low, value if high is None else min(high, value))
+                    continue
+            other += 1
+        parts = []
+        for i, d, sym in self.dims:
+            low, high = bounds.get(sym, (None, None))
+            parts.append(f"{names[i]} dim {d} in [{2 if low is None else low}, {'...' if high is None else high}]")
+        return ", ".join(parts) + (f" (+ {other} more guards)" if other else "")
+
     @property
     def _inputs(self) -> list[int]:
         """The inputs with a symbolic dim (the guards are on their sizes)."""

@@ -45,13 +45,15 @@ def _train_at_lengths(lengths, classes: bool):
         model.zero_grad()
         ref.zero_grad()
     strategies = {a["strategy"] for record in backend.compiled for a in record.report.attention}
-    return worst, dict(backend.compilations), strategies
+    return worst, dict(backend.compilations), strategies, autoshard.explain(backend)
 
 
 @pytest.mark.parametrize("world", [3, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_one_compilation_per_length_class(world):
-    for worst, compilations, strategies in run_on_ranks(_train_at_lengths, world, LENGTHS, True, timeout=600):
+    for worst, compilations, strategies, explained in run_on_ranks(_train_at_lengths, world, LENGTHS, True,
+                                                                   timeout=600):
         assert worst < 1e-12, worst
+        assert "; serves input_ids dim 1 in [" in explained, explained  # what explain() says of a class
         assert compilations == {"new graph": 1, "recompiled by dynamo": 1, "new sequence length": 1}, compilations
         assert strategies and not strategies & {"whole", "gathered-kv"}, strategies
 
@@ -101,3 +103,25 @@ def test_packed_documents_of_every_length_share_a_compilation():
         assert worst < 1e-5, worst  # a float64 model; transformers computes its loss in float32 (logits.float())
         assert compilations == {"new graph": 1, "recompiled by dynamo": 1}, compilations
         assert strategies and not strategies & {"whole", "gathered-kv"}, strategies
+
+
+def _aot_eager_lengths():
+    torch.manual_seed(0)
+    model = LlamaLM().double()
+    ref = copy.deepcopy(model)
+    backend = autoshard.backend(inner="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    errors = []
+    for n in (20, 21, 23):
+        ids = torch.randint(0, 256, (2, n))
+        errors.append((compiled(ids, ids)[0] - ref(ids, ids)[0]).abs().item())
+    return max(errors), dict(backend.compilations), autoshard.explain(backend)
+
+
+def test_an_unsupported_inner_compiler_compiles_per_length_and_says_why():
+    """Length classes run with ``inner="eager"``; with ``aot_eager`` every length compiles, exact, and
+    ``explain()`` says why no class was compiled."""
+    for worst, compilations, explained in run_on_ranks(_aot_eager_lengths, 2, timeout=600):
+        assert worst < 1e-12, worst
+        assert compilations == {"new graph": 1, "recompiled by dynamo": 1, "new sequence length": 1}, compilations
+        assert "no length class: inner='aot_eager'" in explained, explained
