@@ -125,3 +125,26 @@ def test_an_unsupported_inner_compiler_compiles_per_length_and_says_why():
         assert worst < 1e-12, worst
         assert compilations == {"new graph": 1, "recompiled by dynamo": 1, "new sequence length": 1}, compilations
         assert "no length class: inner='aot_eager'" in explained, explained
+
+
+def _generate_prompts(lengths):
+    from test_decode import _generate, _model
+
+    model, backend = _model(), autoshard.backend()
+    model.forward = torch.compile(model.forward, backend=backend)
+    tokens = [_generate(model, n).sequences for n in lengths]
+    return tokens, dict(backend.compilations)
+
+
+def test_generate_prefills_new_prompt_lengths_without_compiling():
+    """``generate()`` on prompts of five lengths (transformers Llama, the KV cache split along the sequence): the
+    prefills after the second length share its class (no ``new sequence length`` compilation), the tokens are one
+    process's."""
+    from test_decode import _generate, _model
+
+    lengths = (29, 31, 40, 23, 52)
+    model = _model()
+    expected = [_generate(model, n).sequences for n in lengths]
+    for tokens, compilations in run_on_ranks(_generate_prompts, 2, lengths, timeout=600):
+        assert all(torch.equal(a, b) for a, b in zip(tokens, expected))
+        assert "new sequence length" not in compilations, compilations
