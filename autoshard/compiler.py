@@ -18,8 +18,10 @@ one check's keys per group in the store.
 A dynamic-shape graph (dynamo's symbolic sizes, after a second sequence length) is compiled once per length class
 (:meth:`AutoshardBackend.compile_class`, ``length_classes=True``): the passes run on symbolic lengths, the rank graph
 computes its sizes at run time, and a later call whose sizes every rank's guards admit runs it without compiling.
-Where that is not supported (split inputs, an inner compiler other than eager, values handed between graphs, a
-memory budget) it is compiled once per distinct set of sizes; the ``SIZES_CACHED`` sets of sizes used most recently
+The inner compiler (eager, aot_eager, inductor) traces the rank graph with the class's symbolic sizes, so its code
+serves the class too. With a memory budget (by default on CUDA) the memory policy decides at the call's sizes and the class
+ends there (what fits fits every shorter length). Where a class is not supported (split inputs, another inner
+compiler, values handed between graphs) it is compiled once per distinct set of sizes; the ``SIZES_CACHED`` sets of sizes used most recently
 keep their compiled graph.
 Every compilation is counted with its cause (:class:`Cause`: a new graph, a dynamo recompile and the guard that
 failed, a new sequence length, batch size or dtype of a dynamic graph, sizes dropped from the cache, a new mask
@@ -260,13 +262,13 @@ class AutoshardBackend:
         index = next(_COMPILES)
         _check_same_graph(pg, index, gm, global_inputs or example_inputs,
                           same_values=self.config.inputs == "replicated")
-        config, policy = self._memory_policy(gm, global_inputs or example_inputs, pg.size())
+        config, policy = self._memory_policy(gm, global_inputs or example_inputs, pg.size(), generic)
         if generic is None:
             compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group),
                                      sharded_inputs=sharded_inputs, carried_inputs=set(placements) or None)
         else:
-            if deferred or carried or policy is not None:
-                raise NotImplementedError("values handed over from another graph, or a memory budget")
+            if deferred or carried:
+                raise NotImplementedError("values handed over from another graph")
             with enable_python_dispatcher():
                 compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group))
             if compiled.deferred_outputs:
@@ -275,7 +277,8 @@ class AutoshardBackend:
         compiled.report.memory_policy = policy
         self._record(GraphRecord(compiled.report, compiled.gathered_output_shapes, bool(compiled.families.families)),
                      example_inputs)
-        run = _lower(compiled.graph_module, example_inputs, self.config.inner_for(_device_type(example_inputs)))
+        run = _lower(compiled.graph_module, example_inputs if generic is None else generic.fake_args,
+                     self.config.inner_for(_device_type(example_inputs)))
         if deferred or carried or compiled.carried_outputs or compiled.deferred_outputs or compiled.lazy_outputs:
             lazy = {i: functools.partial(lazy_head, spec=spec, group_name=pg.group_name,
                                          summed=self.config.grad_sync, world=pg.size(), host=config.offload)
@@ -291,16 +294,21 @@ class AutoshardBackend:
             run = checking_inputs(run, checked, [names[i] for i in checked], pg.group_name, index)
         return run
 
-    def _memory_policy(self, gm: fx.GraphModule, example_inputs: list, world: int) -> tuple[BackendConfig, Any]:
+    def _memory_policy(self, gm: fx.GraphModule, example_inputs: list, world: int,
+                       generic: GenericGraph | None = None) -> tuple[BackendConfig, Any]:
         """The config the memory policy chooses for this graph (:mod:`autoshard.policy`) and what it weighed;
         the backend's own config and None without a budget (``memory_budget`` unset on CPU). Decided from rank
-        0's plan, so every rank decides the same."""
+        0's plan, so every rank decides the same. For a length class (``generic``), decided at this call's sizes
+        and the class bounded by them: what fits there fits every shorter length."""
         budget, strict = self.config.memory_budget, True
         if budget is None:
             budget, strict = device_budget(example_inputs), False
         if budget is None:
             return self.config, None
         host = self.config.host_budget if self.config.host_budget is not None else host_budget()
+        if generic is not None:
+            gm = specialize(generic.source, example_inputs)
+            generic.bound_above()
         return memory_policy_for(gm, example_inputs, plan_graphs=plan_graphs, world_size=world, config=self.config,
                                  budget=budget, host_budget=host, strict=strict)
 
@@ -348,8 +356,9 @@ class AutoshardBackend:
             return ""
         if config.inputs != "replicated":
             return "inputs='sharded'"
-        if config.inner_for(_device_type(args)) != "eager":
-            return f"inner={config.inner_for(_device_type(args))!r} (length classes run with inner='eager')"
+        inner = config.inner_for(_device_type(args))
+        if inner not in ("eager", "aot_eager", "inductor"):
+            return f"inner={inner!r} (length classes run with eager, aot_eager and inductor)"
         why = None
         try:
             generic = generalize(gm, args)

@@ -76,9 +76,10 @@ class BackendConfig:
     """Compile a graph whose sequence length varies (dynamo's dynamic graph, after a second length) once for a
     whole class of lengths: its sizes stay symbolic through the passes and the rank graph computes them at run
     time; a length outside every compiled class (the cost model switches strategy there, or a few tokens per
-    rank) compiles its class. Applies with ``inner="eager"`` and whole inputs, in a graph that takes no values
-    from another graph and without a ``memory_budget``; elsewhere, and with False, a dynamic graph compiles once
-    per set of sizes (``explain()`` says why)."""
+    rank) compiles its class. Applies with whole inputs and the inner compilers ``eager``, ``aot_eager`` and
+    ``inductor`` (they compile the class's graph with symbolic sizes), in a graph that takes no values from another
+    graph; with a memory budget (the default on CUDA) a class ends at the length it was compiled for. Elsewhere,
+    and with False, a dynamic graph compiles once per set of sizes (``explain()`` says why)."""
 
     kernels: str = "auto"
     """Local attention implementation: ``"triton"``, ``"torch"``, or ``"auto"`` (Triton on CUDA)."""

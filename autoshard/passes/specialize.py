@@ -12,8 +12,7 @@ into its bool, as dynamo folds it in a static graph):
   from its inputs, and the guards are the length class: :meth:`GenericGraph.admits` tells whether a later call is
   in it. A guard is always sound -- the worst case is a class of one length.
 - :func:`specialize` folds every size into its integer, for one set of sizes (the fallback where a graph of
-  symbolic lengths is not supported: split inputs, an inner compiler other than eager, values handed between
-  graphs).
+  symbolic lengths is not supported: split inputs, values handed between graphs, a memory budget).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .graph import eliminate_dead_code, keep_real_values
-from .ops import as_size, value_of
+from .ops import as_size, hint_of, value_of
 from .regions import REGIONS, inline_regions
 
 __all__ = ["is_dynamic", "specialize", "size_key", "symbolic_dims", "symbol_of", "GenericGraph", "generalize",
@@ -131,8 +130,11 @@ class GenericGraph:
     """The fake mode of its example values (the pipeline runs under it)."""
     dims: list[tuple[int, int, sympy.Symbol]]
     """(input index, dim, symbol) of every symbolic input dim."""
+    source: fx.GraphModule
+    """Dynamo's graph it copies (what a decision taken at the call's own sizes specializes: the memory policy)."""
     fake_args: list
-    """The inputs it was compiled with: fake tensors (of symbolic sizes where ``dims`` says), ``SymInt`` lengths."""
+    """The inputs it was compiled with: fake tensors (of symbolic sizes where ``dims`` says), ``SymInt`` lengths;
+    what the inner compiler traces the rank graph with, so its code serves the class too (its guards join these)."""
     _check: tuple[int, str | None] | None = None
 
     def values(self, args) -> dict[sympy.Symbol, int]:
@@ -147,6 +149,14 @@ class GenericGraph:
             self._check = (len(env.guards), env.produce_guards_expression([self.fake_args[i] for i in self._inputs]))
         code = self._check[1]
         return code is None or env.evaluate_guards_expression(code, [args[i] for i in self._inputs])
+
+    def bound_above(self) -> None:
+        """Limit the class to lengths up to the call's: a decision taken at the call's sizes that stays right for
+        shorter ones (a memory policy: memory grows with the length) records this guard."""
+        for i, d, _ in self.dims:
+            size = self.fake_args[i].shape[d]
+            if not size <= hint_of(size):  # records the guard; it holds at the hint
+                raise AssertionError("unreachable")
 
     def describe(self, names: list[str]) -> str:
         """The class as a sentence: each length's range (from the guards that bound one symbol by a constant) and
@@ -210,7 +220,7 @@ def generalize(gm: fx.GraphModule, args: list) -> GenericGraph:
                 raise NotImplementedError(f"the size {node.name}, which no tensor input has")
             fake_args[i] = symbols[symbol]
     _propagate(generic, mode, fake_args)
-    return GenericGraph(generic, env, mode, dims, fake_args)
+    return GenericGraph(generic, env, mode, dims, gm, fake_args)
 
 
 def materialize_sizes(gm: fx.GraphModule) -> None:

@@ -92,7 +92,8 @@ def _sharded_lengths_and_cache():
     call must run the graph of its global length on both ranks; then new batch sizes (dynamo makes the batch
     dim symbolic too, which is not the split one). The store keeps no key of old checks."""
     model, ref, _, _ = _llama_and_batch(13)
-    compiled = torch.compile(model, backend=autoshard.backend(inputs="sharded"))
+    backend = autoshard.backend(inputs="sharded")
+    compiled = torch.compile(model, backend=backend)
     errors = []
     for batch, seq in ((2, 13), (2, 14), (2, 12), (2, 13), (2, 14), (3, 13), (4, 14), (3, 12)):
         ids = torch.randint(0, 256, (batch, seq))
@@ -101,14 +102,15 @@ def _sharded_lengths_and_cache():
     store = dist.distributed_c10d._get_default_store()
     group = dist.group.WORLD.group_name
     kept = [i for i in range(64) for r in range(2) if store.check([f"autoshard/{group}/{i}/{r}"])]
-    return errors, kept
+    return errors, kept, autoshard.explain(backend)
 
 
 def test_sharded_inputs_of_new_global_lengths_stay_exact():
     results = run_on_ranks(_sharded_lengths_and_cache, 2)
-    for errors, kept in results:
+    for errors, kept, explained in results:
         assert max(errors) < 1e-12, errors
         assert len(kept) == 2  # one check's keys, one per rank: the last
+        assert "no length class: inputs='sharded'" in explained, explained  # compiled per length, and why
 
 
 def _mis_split():
