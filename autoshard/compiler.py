@@ -60,8 +60,7 @@ from .passes.static_cache import static_prefill_runner
 from .passes.ops import value_of
 from .passes.pipeline import DynamoGraph, GraphKind, compile_graph, graph_kind, input_name, source_name
 from .passes.report import CompileReport
-from .passes.specialize import (GenericGraph, generalize, materialize_sizes, size_key, specialize, symbol_of,
-                               symbolic_dims)
+from .passes.specialize import GenericGraph, generalize, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
 from .planner import plan_graph, plan_graphs
 from .policy import device_budget, host_budget, memory_policy_for
@@ -273,7 +272,6 @@ class AutoshardBackend:
                 compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group))
             if compiled.deferred_outputs:
                 raise NotImplementedError("outputs handed on uncomputed")
-            materialize_sizes(compiled.graph_module)
         compiled.report.memory_policy = policy
         self._record(GraphRecord(compiled.report, compiled.gathered_output_shapes, bool(compiled.families.families)),
                      example_inputs)

@@ -36,6 +36,8 @@ The passes (:data:`PASSES`), in one ordered list, each with a name:
 ``rewrite``        the local graph of this rank (:mod:`.rewrite`)
 ``tile``           token-local regions (``tile_tokens``) and MLP blocks (``chunk_mlp``) run in checkpointed tiles
                    of this rank's tokens (:mod:`.tile`)
+``materialize``    symbolic sizes the passes wrote (a graph compiled for a length class) become nodes that compute
+                   them from the inputs at run time (:mod:`.specialize`)
 ``outline``        checkpointed regions are cut out of the local graph again, still checkpointed (:mod:`.regions`)
 =================  ==================================================================================
 
@@ -87,7 +89,7 @@ from .recompute import recompute_layers
 from .report import CompileReport
 from .rewrite import Rewriter, is_parameter
 from .rules import link_graph
-from .specialize import is_dynamic
+from .specialize import is_dynamic, materialize_sizes
 from .static_cache import static_prefill
 
 __all__ = ["GraphKind", "DynamoGraph", "KINDS", "graph_kind", "PipelineState", "PassStats", "PASSES", "run_pipeline",
@@ -252,6 +254,10 @@ def _lazy(state: PipelineState) -> dict[str, int]:
     return {"lazy": len(state.lazy_outputs), "kv_cache": len(state.cache_outputs)}
 
 
+def _materialize(state: PipelineState) -> dict[str, int]:
+    return {"sizes": materialize_sizes(state.gm)}
+
+
 def _outline(state: PipelineState) -> dict[str, int]:
     outlined = outline_regions(state.gm, state.regions, offload=state.config.offload,
                                prefetch=state.config.offload_prefetch)
@@ -291,6 +297,7 @@ PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[Pi
     ("strategy", _strategy, _decisions_text),
     ("rewrite", _rewrite, _graph_code),
     ("tile", _tile, _graph_code),
+    ("materialize", _materialize, _graph_code),
     ("outline", _outline, _graph_code),
 )
 """(name, pass, what the pass produced as text for a dump), in the order they run."""

@@ -12,7 +12,8 @@ into its bool, as dynamo folds it in a static graph):
   from its inputs, and the guards are the length class: :meth:`GenericGraph.admits` tells whether a later call is
   in it. A guard is always sound -- the worst case is a class of one length.
 - :func:`specialize` folds every size into its integer, for one set of sizes (the fallback where a graph of
-  symbolic lengths is not supported: split inputs, values handed between graphs, a memory budget).
+  symbolic lengths is not supported: split inputs, values handed between graphs; and what the memory policy
+  plans at the call's sizes).
 """
 
 from __future__ import annotations
@@ -123,11 +124,12 @@ class GenericGraph:
     once for a whole length class (see the module docstring)."""
 
     gm: fx.GraphModule
-    """The copy; its sizes are ``SymInt`` expressions of :attr:`symbols`, hinted with the first call's values."""
+    """The copy; its sizes are ``SymInt`` expressions of the symbols of :attr:`dims`, hinted with the first call's
+    values."""
     shape_env: ShapeEnv
     """Where compiling it records its guards."""
     mode: FakeTensorMode
-    """The fake mode of its example values (the pipeline runs under it)."""
+    """The fake mode of its example values."""
     dims: list[tuple[int, int, sympy.Symbol]]
     """(input index, dim, symbol) of every symbolic input dim."""
     source: fx.GraphModule
@@ -223,10 +225,11 @@ def generalize(gm: fx.GraphModule, args: list) -> GenericGraph:
     return GenericGraph(generic, env, mode, dims, gm, fake_args)
 
 
-def materialize_sizes(gm: fx.GraphModule) -> None:
+def materialize_sizes(gm: fx.GraphModule) -> int:
     """Replace every ``SymInt`` a pass wrote into a node's arguments by nodes that compute it at run time from the
-    graph's inputs (``Graph.materialize_symints``), so the graph runs for every length of its class. Raises when a
-    checkpointed body holds one (its inputs need not carry the symbol)."""
+    graph's inputs (``Graph.materialize_symints``), so the graph runs for every length of its class; returns how
+    many. Runs before checkpointed regions are cut out (they then take the sizes as inputs); raises when a body cut
+    out before holds one (its inputs need not carry the symbol)."""
     def symints(value, out):
         if isinstance(value, torch.SymInt):
             out.append(value)
@@ -246,7 +249,7 @@ def materialize_sizes(gm: fx.GraphModule) -> None:
             raise NotImplementedError(f"a symbolic size inside the checkpointed body {name}")
     found = [v for n in gm.graph.nodes for v in symints((n.args, n.kwargs), [])]
     if not found:
-        return
+        return 0
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
     with gm.graph.inserting_before(first):
         nodes = gm.graph.materialize_symints(found)
@@ -270,3 +273,4 @@ def materialize_sizes(gm: fx.GraphModule) -> None:
         if node not in made:
             node.args, node.kwargs = swap(node.args), swap(node.kwargs)
     gm.recompile()
+    return len(found)

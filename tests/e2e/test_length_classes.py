@@ -18,6 +18,7 @@ import torch
 
 import autoshard
 from autoshard.testing import run_on_ranks
+from autoshard.testing.data import packed_row
 from autoshard.testing.models import LlamaLM
 
 LENGTHS = (40, 41, 37, 53, 64, 4, 45)
@@ -48,25 +49,17 @@ def _train_at_lengths(lengths, classes: bool, inner: str = "eager", **options):
     return worst, dict(backend.compilations), strategies, autoshard.explain(backend)
 
 
-@pytest.mark.parametrize("world", [3, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
-def test_one_compilation_per_length_class(world):
+@pytest.mark.parametrize("world, recompute", [(3, "layers"), pytest.param(2, "none", marks=pytest.mark.slow),
+                                             pytest.param(4, "none", marks=pytest.mark.slow)])
+def test_one_compilation_per_length_class(world, recompute):
+    """(At 3 ranks with every layer checkpointed: the sizes the checkpointed bodies read are computed outside and
+    handed in.)"""
     for worst, compilations, strategies, explained in run_on_ranks(_train_at_lengths, world, LENGTHS, True,
-                                                                   timeout=600):
+                                                                   recompute=recompute, timeout=600):
         assert worst < 1e-12, worst
         assert "; serves input_ids dim 1 in [" in explained, explained  # what explain() says of a class
         assert compilations == {"new graph": 1, "recompiled by dynamo": 1, "new sequence length": 1}, compilations
         assert strategies and not strategies & {"whole", "gathered-kv"}, strategies
-
-
-def _packed_row(length: int, generator: torch.Generator) -> dict:
-    """One row of documents of 5-20 tokens, positions restarting at each (``DataCollatorWithFlattening``'s)."""
-    docs = []
-    while sum(docs) < length:
-        docs.append(int(torch.randint(5, 21, (1,), generator=generator)))
-    docs[-1] -= sum(docs) - length
-    ids = torch.randint(0, 256, (1, length), generator=generator)
-    positions = torch.cat([torch.arange(n) for n in docs if n > 0])[None]
-    return dict(input_ids=ids, labels=ids, position_ids=positions, use_cache=False)
 
 
 def _packed_transformers_llama(lengths, classes=True):
@@ -82,7 +75,7 @@ def _packed_transformers_llama(lengths, classes=True):
     generator = torch.Generator().manual_seed(2)
     worst = 0.0
     for n in lengths:
-        batch = _packed_row(n, generator)
+        batch = packed_row(n, (5, 20), 256, generator)  # documents of 5-20 tokens
         loss = compiled(**batch).loss
         loss.backward()
         expected = ref(**batch).loss
