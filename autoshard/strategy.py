@@ -27,7 +27,7 @@ from .runtime.attention import STRATEGIES
 from .runtime.attention.base import AttentionShape
 from .runtime.attention.masks import MaskSpec
 from .runtime.layouts import SequenceLayout
-from .runtime.symbolic import hint_of, is_symbolic
+from .runtime.symbolic import hint_of, is_symbolic, size_key
 
 if TYPE_CHECKING:
     from .passes.infer import Families
@@ -125,6 +125,7 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
     topology = topology or config.topology or HardwareProfile()
     layouts, strategies, reasons = {}, {}, {}
     decided = {}  # (shape, hybrid possible) -> (best, why): the layers of a model share a few shapes
+    guarded = set()  # (that key, a symbolic length) whose class range is guarded
     for fam in families.families:
         chosen, wanted_layouts = {}, set()
         for node in fam.attention_nodes:
@@ -139,13 +140,14 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
                 continue
             hybrid_possible = heads_axis_size is not None or planning
             key = (_at_hint(shape), hybrid_possible)
+            decide = lambda length, s=key[0], h=hybrid_possible: choose_strategy(attention_costs(  # noqa: E731
+                dataclasses.replace(s, seq=length), world, topology, hybrid_possible=h,
+                memory_budget=config.memory_budget, head_chunks=config.head_chunks))
             if key not in decided:
-                decide = lambda length, s=key[0]: choose_strategy(attention_costs(  # noqa: E731
-                    dataclasses.replace(s, seq=length), world, topology, hybrid_possible=hybrid_possible,
-                    memory_budget=config.memory_budget, head_chunks=config.head_chunks))
                 decided[key] = decide(key[0].seq)
-                if is_symbolic(shape.seq):
-                    _guard_same_choice(shape.seq, lambda length: _choice(decide(length)[0]))
+            if is_symbolic(shape.seq) and (key, size_key(shape.seq)) not in guarded:  # each length's own class
+                guarded.add((key, size_key(shape.seq)))
+                _guard_same_choice(shape.seq, lambda length: _choice(decide(length)[0]))
             best, why = decided[key]
             chosen[node], reasons[node] = best.strategy, why
             wanted_layouts.add(best.layout)
