@@ -3,6 +3,7 @@
     python examples/hf_trainer.py --check                  # launches 4 CPU ranks with torchrun: (dp=2, sp=2)
     torchrun --nproc-per-node 4 examples/hf_trainer.py     # the same, launched by hand
     python examples/hf_trainer.py --sft --check            # TRL's SFTTrainer with packing=True
+    python examples/hf_trainer.py --flatten --check        # Trainer + DataCollatorWithFlattening (padding-free)
 
 What a user writes (``--sft``: ``sequence_parallel(SFTTrainer)`` and an ``SFTConfig``)::
 
@@ -11,8 +12,10 @@ What a user writes (``--sft``: ``sequence_parallel(SFTTrainer)`` and an ``SFTCon
     trainer.train()
 
 It trains a small transformers Llama (float64, so the comparison is exact to rounding) for three steps of two
-micro-batches each on two kinds of data: rows of fixed length, and rows packed with documents (``position_ids``
-restarting at each). The ranks of each sp group read the same batches and split every sequence; the Trainer wraps
+micro-batches each on three kinds of data: rows of fixed length, rows packed with documents (``position_ids``
+restarting at each), and documents of 8 to 40 tokens that ``DataCollatorWithFlattening`` packs into one row per
+micro-batch (``--flatten``: only these) -- every micro-batch a new length, which the backend serves from one length
+class instead of a compilation per length (each kind's compilations are printed). The ranks of each sp group read the same batches and split every sequence; the Trainer wraps
 the model in DDP over all four ranks. A checkpoint is saved at step 2 and a second trainer resumes from it.
 
 With ``--check`` the launcher then trains the same model with the plain ``Trainer`` (``SFTTrainer``) on one process,
@@ -41,6 +44,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=4, help="ranks torchrun starts")
     p.add_argument("--sp", type=int, default=2, help="ranks per sequence-parallel group (dp = nproc / sp)")
     p.add_argument("--sft", action="store_true", help="TRL's SFTTrainer with packing=True instead of Trainer")
+    p.add_argument("--flatten", action="store_true",
+                   help="only the Trainer with DataCollatorWithFlattening on documents of varying lengths")
     p.add_argument("--check", action="store_true", help="compare with one-process training afterwards")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest relative parameter difference (--check); default 1e-8, with --sft 1e-6 (TRL casts the "
@@ -66,9 +71,9 @@ def model():
 
 def dataset(kind: str):
     """``fixed``: rows of SEQ tokens; ``packed``: rows of SEQ tokens holding two documents each (positions restart);
-    ``sft``: documents of 8 to 40 tokens that SFTTrainer packs itself."""
+    ``sft`` and ``flatten``: documents of 8 to 40 tokens that SFTTrainer or the flattening collator packs."""
     gen = torch.Generator().manual_seed(5)
-    if kind == "sft":
+    if kind in ("sft", "flatten"):
         import datasets
 
         return datasets.Dataset.from_list([{"input_ids": torch.randint(3, VOCAB, (int(n),), generator=gen).tolist()}
@@ -106,9 +111,11 @@ def trainer(kind: str, out: str, batch: int, sp: int | None, **extra):
 
         cls, args, more = SFTTrainer, SFTConfig(packing=True, max_length=64, **common), {"processing_class": tokenizer()}
     else:
-        from transformers import Trainer, TrainingArguments
+        from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
         cls, args, more = Trainer, TrainingArguments(**common), {}
+        if kind == "flatten":
+            more = {"data_collator": DataCollatorWithFlattening()}
     if sp:
         from autoshard.integrations.transformers import sequence_parallel
 
@@ -126,30 +133,40 @@ def ranks(args) -> None:
 
     root = args.out or os.path.join(tempfile.gettempdir(), "autoshard_hf_trainer")
     results = {}
-    for kind in (["sft"] if args.sft else ["fixed", "packed"]):
+    for kind in _kinds(args):
         out = os.path.join(root, kind)
-        t = trainer(kind, out, 1, args.sp)
+        t = trainer(kind, out, _ROWS_PER_MICRO_BATCH[kind], args.sp)
         t.train()
         t.save_model(os.path.join(out, "final"))
         report = autoshard.explain(t)
-        resumed = trainer(kind, out, 1, args.sp)
+        resumed = trainer(kind, out, _ROWS_PER_MICRO_BATCH[kind], args.sp)
         resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
         gap = max(((a - b).abs().max() / b.abs().max()).item()
                   for a, b in zip(resumed.model.parameters(), t.model.parameters()))
         attention = [a["strategy"] for r in t.autoshard_backend.compiled for a in r.report.attention]
         fallbacks = [str(f) for r in t.autoshard_backend.compiled for f in r.report.fallbacks]
-        results[kind] = {"losses": losses(t), "resumed_gap": gap, "attention": attention, "fallbacks": fallbacks}
+        results[kind] = {"losses": losses(t), "resumed_gap": gap, "attention": attention, "fallbacks": fallbacks,
+                         "compilations": dict(t.autoshard_backend.compilations)}
         if t.args.process_index == 0:
             print(f"[{kind}] losses {losses(t)}\n{report}", flush=True)
     if torch.distributed.get_rank() == 0:
         Path(root, "results.json").write_text(json.dumps(results))
 
 
+_ROWS_PER_MICRO_BATCH = {"fixed": 1, "packed": 1, "sft": 1, "flatten": 3}
+"""Rows (documents, for ``flatten``) a rank's micro-batch holds; the one-process run takes dp times as many."""
+
+
+def _kinds(args) -> list[str]:
+    return ["sft"] if args.sft else ["flatten"] if args.flatten else ["fixed", "packed", "flatten"]
+
+
 def launch(args) -> int:
     """Start the ranks with torchrun; with ``--check``, compare with one process."""
     out = args.out or tempfile.mkdtemp(prefix="autoshard_trainer_")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               __file__, f"--sp={args.sp}", f"--out={out}"] + (["--sft"] if args.sft else [])
+               __file__, f"--sp={args.sp}", f"--out={out}"] + (["--sft"] if args.sft else []) + (
+                   ["--flatten"] if args.flatten else [])
     code = subprocess.run(command).returncode
     if code or not args.check:
         return code
@@ -158,7 +175,8 @@ def launch(args) -> int:
     results = json.loads(Path(out, "results.json").read_text())
     failures = []
     for kind, got in results.items():
-        reference = trainer(kind, tempfile.mkdtemp(), args.nproc // args.sp, None, save_strategy="no")
+        reference = trainer(kind, tempfile.mkdtemp(), _ROWS_PER_MICRO_BATCH[kind] * (args.nproc // args.sp), None,
+                            save_strategy="no")
         reference.train()
         saved = LlamaForCausalLM.from_pretrained(os.path.join(out, kind, "final"), torch_dtype=torch.float64)
         weights = dict(reference.model.named_parameters())
@@ -166,12 +184,15 @@ def launch(args) -> int:
         loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], losses(reference)))
         print(f"[{kind}] sp {got['losses']}\n[{kind}] one process {losses(reference)}\n[{kind}] loss difference "
               f"{loss:.1e}, parameters {worst:.1e}, resumed vs uninterrupted {got['resumed_gap']:.1e}, attention "
-              f"{sorted(set(got['attention']))}, {len(got['fallbacks'])} fallback(s)")
+              f"{sorted(set(got['attention']))}, {len(got['fallbacks'])} fallback(s)\n[{kind}] compilations on rank 0 "
+              f"{got['compilations']}")
         if (len(got["losses"]) != len(losses(reference)) or loss > args.loss_tolerance
                 or max(worst, got["resumed_gap"]) > args.tolerance):
             failures.append(f"{kind}: differs from one process")
         if not got["attention"] or got["fallbacks"] or any(s in ("gathered-kv", "whole") for s in got["attention"]):
             failures.append(f"{kind}: attention not distributed: {got['attention']} {got['fallbacks']}")
+        if "new sequence length" in got["compilations"]:
+            failures.append(f"{kind}: a compilation per sequence length: {got['compilations']}")
     for failure in failures:
         print("FAILED", failure)
     return 1 if failures else 0

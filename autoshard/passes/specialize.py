@@ -132,6 +132,8 @@ class GenericGraph:
     """The fake mode of its example values."""
     dims: list[tuple[int, int, sympy.Symbol]]
     """(input index, dim, symbol) of every symbolic input dim."""
+    sizes: list[tuple[int, sympy.Symbol]]
+    """(input index, symbol) of the int inputs that are a length no tensor input has."""
     source: fx.GraphModule
     """Dynamo's graph it copies (what a decision taken at the call's own sizes specializes: the memory policy)."""
     fake_args: list
@@ -141,14 +143,15 @@ class GenericGraph:
 
     def values(self, args) -> dict[sympy.Symbol, int]:
         """Every symbol's value in a call with ``args``."""
-        return {sym: args[i].size(d) for i, d, sym in self.dims}
+        return {sym: args[i].size(d) for i, d, sym in self.dims} | {sym: int(args[i]) for i, sym in self.sizes}
 
     def admits(self, args) -> bool:
         """Whether a call with ``args`` is in the length class: every guard compiling it recorded holds (checked by
         the ``ShapeEnv``'s guard code, built once per set of guards)."""
         env = self.shape_env
         if self._check is None or self._check[0] != len(env.guards):
-            self._check = (len(env.guards), env.produce_guards_expression([self.fake_args[i] for i in self._inputs]))
+            self._check = (len(env.guards), env.produce_guards_expression(  # a symbol a guard made constant
+                [self.fake_args[i] for i in self._inputs], ignore_static=False))  # is checked as a static size
         code = self._check[1]
         return code is None or env.evaluate_guards_expression(code, [args[i] for i in self._inputs])
 
@@ -182,15 +185,16 @@ class GenericGraph:
                     continue
             other += 1
         parts = []
-        for i, d, sym in self.dims:
+        for name, sym in [(f"{names[i]} dim {d}", sym) for i, d, sym in self.dims] + [(names[i], sym)
+                                                                                     for i, sym in self.sizes]:
             low, high = bounds.get(sym, (None, None))
-            parts.append(f"{names[i]} dim {d} in [{2 if low is None else low}, {'...' if high is None else high}]")
+            parts.append(f"{name} in [{2 if low is None else low}, {'...' if high is None else high}]")
         return ", ".join(parts) + (f" (+ {other} more guards)" if other else "")
 
     @property
     def _inputs(self) -> list[int]:
-        """The inputs with a symbolic dim (the guards are on their sizes)."""
-        return sorted({i for i, _, _ in self.dims})
+        """The inputs with a symbolic dim and the symbolic ints (the guards are on their sizes)."""
+        return sorted({i for i, _, _ in self.dims} | {i for i, _ in self.sizes})
 
 
 def generalize(gm: fx.GraphModule, args: list) -> GenericGraph:
@@ -201,7 +205,7 @@ def generalize(gm: fx.GraphModule, args: list) -> GenericGraph:
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     placeholders = [n for n in generic.graph.nodes if n.op == "placeholder"]
-    fake_args, symbols, dims = list(args), {}, []
+    fake_args, symbols, dims, sizes = list(args), {}, [], []
     for i, (node, arg) in enumerate(zip(placeholders, args)):
         value = value_of(node)
         if isinstance(arg, torch.Tensor):
@@ -217,12 +221,15 @@ def generalize(gm: fx.GraphModule, args: list) -> GenericGraph:
                     dims.append((i, d, after.node.expr))
     for i, (node, arg) in enumerate(zip(placeholders, args)):
         symbol = symbol_of(node)
+        if symbol is not None and symbol not in symbols:  # a size passed alone (a graph after a break): its own
+            if arg < 2:
+                raise NotImplementedError(f"the size {node.name} = {arg}")
+            symbols[symbol] = env.create_symintnode(env.create_symbol(arg, ConstantSource(f"input{i}")), hint=arg)
+            sizes.append((i, symbols[symbol].node.expr))
         if symbol is not None:
-            if symbol not in symbols:
-                raise NotImplementedError(f"the size {node.name}, which no tensor input has")
             fake_args[i] = symbols[symbol]
     _propagate(generic, mode, fake_args)
-    return GenericGraph(generic, env, mode, dims, gm, fake_args)
+    return GenericGraph(generic, env, mode, dims, sizes, gm, fake_args)
 
 
 def materialize_sizes(gm: fx.GraphModule) -> int:
