@@ -315,7 +315,7 @@ def _slice_indices(it: slice, size) -> tuple:
     ``SymInt`` records its guard (the slice ``[1:]`` of a length is ``1`` for every length of at least 1)."""
     step = 1 if it.step is None else it.step
     if not isinstance(size, torch.SymInt) or not isinstance(step, int) or step <= 0:
-        return it.indices(as_size(size) if isinstance(size, torch.SymInt) else size)
+        return it.indices(int(size))  # a symbolic size specializes (its guard pins the length)
 
     def clamp(i, default):
         if i is None:
