@@ -70,7 +70,7 @@ from .runtime.warn import warn
 from .runtime.attention.dispatch import last_dispatch
 from .runtime.layouts import SequenceLayout
 from .runtime.split_tensor import SplitTensor
-from .runtime.symbolic import evaluate
+from .runtime.symbolic import evaluate, is_symbolic
 from .runtime.groups import (GroupLike, check_sequence_mesh, default_store, sequence_group,
                              sequence_groups)
 
@@ -561,7 +561,16 @@ def _placing_per_call(run: Callable, wrapper: Callable, placements: dict[int, Sh
                                                                   factors=tuple(evaluate(f, values) for f in p.factors))
                                            for i, p in placements.items()})
 
-    return lambda *args: wrapped(tuple(generic.values(args).items()))(*args)
+    symbolic = {i: p.dim for i, p in placements.items() if is_symbolic(p.layout.length)}
+
+    def run_placed(*args):
+        out = wrapped(tuple(generic.values(args).items()))(*args)
+        for i, dim in symbolic.items():  # of the class's length: the next graph dynamo traces takes any length
+            torch._dynamo.maybe_mark_dynamic(out[i], dim)
+            torch._dynamo.maybe_mark_dynamic(out[i].local, dim)
+        return out
+
+    return run_placed
 
 
 def _split_dims(gm: fx.GraphModule, example_inputs: list) -> list[tuple[int, int, Any]]:

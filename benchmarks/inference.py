@@ -96,6 +96,51 @@ def run(seq: int, new: int, compiled: bool) -> dict:
             "peak": measured.peak_bytes, "kv": _cache_bytes(out.past_key_values)}
 
 
+def prompts(lengths: list[int], warm_up: list[int], new: int) -> dict:
+    """One rank's figures for ``generate()`` over prompts of ``lengths`` after warm-up prompts of ``warm_up``, one
+    compiled model: the prefill of each measured prompt, the median decode step, and the compilations during the
+    warm-up and the measured prompts."""
+    model, backend = _model(), autoshard.backend()
+    model.forward = torch.compile(model.forward, backend=backend)
+    generator = torch.Generator().manual_seed(1)
+    for seq in warm_up:
+        model.generate(torch.randint(0, VOCAB, (1, seq), generator=generator), max_new_tokens=new, do_sample=False)
+    warm = len(backend.compiled)
+    prefills, steps = [], []
+    for seq in lengths:
+        clock = _Clock()
+        start = time.perf_counter()
+        model.generate(torch.randint(0, VOCAB, (1, seq), generator=generator), max_new_tokens=new, do_sample=False,
+                       streamer=clock)
+        prefills.append(clock.times[1] - start)
+        steps += [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
+    return {"warm": warm, "measured": len(backend.compiled) - warm, "prefill": statistics.median(prefills),
+            "decode": statistics.median(steps)}
+
+
+def compare_prompts(count: int, low: int, high: int, new: int, timeout: float) -> None:
+    """At P=2: ``count`` prompts of different lengths in ``[low, high]`` against ``count`` prompts of one length
+    (their median), both after the same two warm-up prompts: compilations, median prefill and decode step."""
+    rng = torch.Generator().manual_seed(3)
+    lengths = sorted({int(n) for n in torch.randint(low, high + 1, (4 * count,), generator=rng)})
+    order = torch.randperm(len(lengths), generator=rng)[:count + 2]
+    chosen = [lengths[i] for i in order]
+    warm_up, varying = chosen[:2], chosen[2:]
+    fixed = [sorted(varying)[len(varying) // 2]] * count
+    print(f"{'prompts':<28} {'compilations':>12} {'prefill s':>9} {'x fixed':>7} {'decode ms/token':>15}")
+    rows = {}
+    for name, lengths in (("fixed", fixed), ("varying", varying)):
+        results = run_on_ranks(prompts, 2, lengths, warm_up, new, timeout=timeout, threads=1,
+                               env=LOW_MMAP_THRESHOLD_ENV)
+        rows[name] = {"prefill": max(r["prefill"] for r in results), "decode": max(r["decode"] for r in results),
+                      "warm": results[0]["warm"], "measured": results[0]["measured"]}
+    for name, lengths in (("fixed", fixed), ("varying", varying)):
+        r = rows[name]
+        label = f"{name} {min(lengths)}-{max(lengths)} x{len(lengths)}"
+        print(f"{label:<28} {r['warm']:>5} + {r['measured']:>4} {r['prefill']:>9.2f} "
+              f"{r['prefill'] / rows['fixed']['prefill']:>7.2f} {1e3 * r['decode']:>15.1f}", flush=True)
+
+
 def measure(seq: int, new: int, world: int, timeout: float) -> dict:
     results = run_on_ranks(run, world, seq, new, world > 1, timeout=timeout, threads=2 // world,
                            env=LOW_MMAP_THRESHOLD_ENV)
@@ -109,7 +154,14 @@ def main():
     parser.add_argument("--seq", type=int, nargs="*", default=[8192, 16384, 32768], help="prompt lengths")
     parser.add_argument("--new", type=int, default=32, help="new tokens per generate")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--prompts", type=int, default=0,
+                        help="instead: this many prompts of different lengths against as many of one length, at P=2")
+    parser.add_argument("--range", default="2048-4096", help="with --prompts: low-high prompt lengths")
     args = parser.parse_args()
+    if args.prompts:
+        low, high = map(int, args.range.split("-"))
+        compare_prompts(args.prompts, low, high, args.new, args.timeout)
+        return
     mib = 1 << 20
     print(f"{'S':>6}  {'run':<11} {'prefill s':>9} {'decode ms/token':>15} {'peak/rank MiB':>13} {'x one':>5} "
           f"{'KV/rank MiB':>11} {'x one':>5}")

@@ -25,8 +25,9 @@ pipeline (:mod:`.pipeline`) does not apply; this pass recognizes it and rewrites
   serves every step of a full window);
 * the cache outputs leave as ``SplitTensor`` carrying the cache's :class:`~autoshard.runtime.kv_cache.CacheLayout`.
 
-The rewritten graph takes, after the original inputs, each cache input's end position, the indices of its
-shard's entries in the appended cache, for a window the entries that stay and for a fixed-size cache the slot of
+The rewritten graph is the same on every rank and for every prompt: it takes, after the original inputs, the
+index of the first new position the rank keeps of each appended cache, the indices of its shard's entries in the
+appended cache, for a window the entries that stay and for a fixed-size cache the slot of
 every position (:class:`DecodeGraph` says which); :func:`decode_runner` supplies them and wraps the outputs. A
 graph whose cache inputs are used any other way (a slice, a norm over the cache, an append along another dim, a
 causal mask over several new queries) is not a decode step: :func:`decode_graph` returns None with the reason,
@@ -43,7 +44,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ..runtime.kv_cache import CacheLayout, appended, room  # importing it defines the autoshard::cache_* ops
+from ..runtime.kv_cache import CacheLayout, appended, first_owned, room  # importing it defines the autoshard::cache_* ops
 from ..runtime.split_tensor import SplitTensor
 from .graph import eliminate_dead_code
 from .ops import canonical, is_tensor_node, op_of, value_of
@@ -57,14 +58,15 @@ class DecodeGraph:
     """A decode step rewritten for this rank."""
 
     gm: fx.GraphModule
-    """The rewritten graph: the original inputs (cache inputs as this rank's shards), then one end position per
-    cache input (the positions it has seen: its length, plus those a window dropped), then one tensor per cache
+    """The rewritten graph: the original inputs (cache inputs as this rank's shards), then per appended cache input
+    the index of the first new position this rank keeps (it keeps every ``P``-th from there), then one tensor per cache
     input of its local entries' indices in the appended cache (None for a cache no mask reads), then one tensor
     per windowed cache input of the local entries its window keeps, then one per fixed-size cache input of the
     local slot of every position, then one per appended cache input of its shard's view with room for the new
     positions."""
-    caches: dict[int, tuple[int, CacheLayout, int]] = field(default_factory=dict)
-    """Input position of each cache input -> (its sequence dim, its layout rule, new positions per step)."""
+    caches: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Input position of each cache input -> (its sequence dim, new positions per step). Its layout rule is read
+    from the carrier at each call, so one graph serves every prompt length."""
     masked: set[int] = field(default_factory=set)
     """The cache inputs whose keys a mask reads: the graph takes their shards' positions."""
     grown: set[int] = field(default_factory=set)
@@ -92,10 +94,10 @@ def _not_decode(reason: str) -> tuple[None, str]:
     return None, reason
 
 
-def decode_graph(gm: fx.GraphModule, example_inputs: list, *, rank: int, group_name: str
-                 ) -> tuple[DecodeGraph | None, str]:
-    """``gm`` rewritten as this rank's decode step, or (None, why it is not one). ``example_inputs``: the
-    graph's inputs, the cache among them as ``SplitTensor`` of ``group_name``."""
+def decode_graph(gm: fx.GraphModule, example_inputs: list, *, group_name: str) -> tuple[DecodeGraph | None, str]:
+    """``gm`` rewritten as a decode step, or (None, why it is not one). ``example_inputs``: the graph's inputs, the
+    cache among them as ``SplitTensor`` of ``group_name``. The graph is every rank's: what differs by rank and by
+    prompt (the positions a rank holds) :func:`decode_runner` computes at each call."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     carried = {i: x for i, x in enumerate(example_inputs)
                if isinstance(x, SplitTensor) and x.group_name == group_name}
@@ -106,7 +108,7 @@ def decode_graph(gm: fx.GraphModule, example_inputs: list, *, rank: int, group_n
     appends: dict[fx.Node, tuple[int, fx.Node]] = {}  # cat node -> (cache input position, new values node)
     writes: dict[fx.Node, int] = {}  # index_copy_ node -> cache input position
     statics: dict[fx.Node, int] = {}  # a fixed-size cache input (written in place) -> its position
-    caches: dict[int, tuple[int, CacheLayout, int]] = {}
+    caches: dict[int, tuple[int, int]] = {}
     split = {placeholders[j] for j in carried}
     for i, x in carried.items():
         node, dim = placeholders[i], x.seq_dim
@@ -135,12 +137,12 @@ def decode_graph(gm: fx.GraphModule, example_inputs: list, *, rank: int, group_n
             if isinstance(value_of(new), SplitTensor) or new in split:
                 return _not_decode(f"{user.name} appends a split value")
             appends[user] = (i, new)
-            caches[i] = (dim, _rule(x), count)
+            caches[i] = (dim, count)
         if i in writes.values():
             if i in caches:
                 return _not_decode(f"cache input {node.name} is both appended to and written in place")
             statics[node] = i
-            caches[i] = (dim, _rule(x), 0)
+            caches[i] = (dim, 0)
         elif reads:
             return _not_decode(f"cache input {node.name} is used by {reads[0].name}, not appended to or written")
     sources = {**{cat: i for cat, (i, _) in appends.items()}, **statics}
@@ -176,7 +178,8 @@ def decode_graph(gm: fx.GraphModule, example_inputs: list, *, rank: int, group_n
                 return _not_decode(f"the window {user.name} of the appended cache {cat.name} is used by another "
                                    "operation than the graph's output")
             windows[user] = keep
-    return _rewrite(gm, placeholders, caches, appends, writes, attentions, windows, rank, group_name), ""
+    world = _rule(next(iter(carried.values()))).world_size
+    return _rewrite(gm, placeholders, caches, appends, writes, attentions, windows, world, group_name), ""
 
 
 _IN_PLACE_WRITES = {"index_copy_", "index_put_", "copy_", "setitem", "index_fill_", "scatter_"}
@@ -275,7 +278,7 @@ def _unused_metadata(node: fx.Node) -> bool:
     return _method(node) in _METADATA and not node.users
 
 
-def _rewrite(gm, placeholders, caches, appends, writes, attentions, windows, rank, group_name) -> DecodeGraph:
+def _rewrite(gm, placeholders, caches, appends, writes, attentions, windows, world, group_name) -> DecodeGraph:
     gm = copy.deepcopy(gm)  # dynamo reads the graph it handed over after the backend returns
     by_name = {n.name: n for n in gm.graph.nodes}
     placeholders = [by_name[n.name] for n in placeholders]
@@ -288,9 +291,9 @@ def _rewrite(gm, placeholders, caches, appends, writes, attentions, windows, ran
     windowed = {appends[node.args[0]][0]: keep for node, keep in windows.items()}
     graph = gm.graph
     last = placeholders[-1]
-    lengths, positions, kept, slots, extended = {}, {}, {}, {}, {}
+    firsts, positions, kept, slots, extended = {}, {}, {}, {}, {}
     grown = {i for i, _ in appends.values()}
-    for names, kind, inputs in ((lengths, "cache_end", caches), (positions, "cache_indices", caches),
+    for names, kind, inputs in ((firsts, "cache_first", grown), (positions, "cache_indices", caches),
                                 (kept, "cache_kept", windowed), (slots, "cache_slots", statics),
                                 (extended, "cache_extended", grown)):
         for i in sorted(inputs):
@@ -304,10 +307,9 @@ def _rewrite(gm, placeholders, caches, appends, writes, attentions, windows, ran
         graph.erase_node(write)
     index_of = {**{cat: i for cat, (i, _) in appends.items()}, **{placeholders[i]: i for i in statics}}
     for cat, (i, new) in appends.items():  # written after the shard, in its storage (the runner made room)
-        dim, rule, _ = caches[i]
         with graph.inserting_before(cat):
             graph.call_function(torch.ops.autoshard.cache_append.default, (
-                extended[i], new, dim, lengths[i], rule.prompt.length, rule.slot(rank), rule.world_size))
+                extended[i], new, caches[i][0], firsts[i], world))
         local[cat] = extended[i]
     report, masked = CompileReport(), set()
     for node, (op, k, v) in attentions.items():
@@ -348,18 +350,20 @@ def _rewrite(gm, placeholders, caches, appends, writes, attentions, windows, ran
 
 
 def decode_runner(decode: DecodeGraph, rank: int, group_name: str) -> Callable:
-    """Call the rewritten graph with the cache inputs' shards, their end positions, the local indices a mask and
-    a window read; hand the extended caches back as ``SplitTensor`` (a window's with its new first position)."""
+    """Call the rewritten graph with the cache inputs' shards, the new positions this rank keeps, the local indices a
+    mask and a window read, all from each carrier's own layout rule (a new prompt length is a new rule, not a new
+    graph); hand the extended caches back as ``SplitTensor`` (a window's with its new first position)."""
     fn = decode.gm.forward
 
     def run(*args):
-        ends, indices, kept, slots, grown, starts, memo = [], [], [], [], [], {}, {}
+        firsts, indices, kept, slots, grown, starts, rules, memo = [], [], [], [], [], {}, {}, {}
         for i in sorted(decode.caches):
-            dim, rule, new = decode.caches[i]
+            dim, new = decode.caches[i]
+            rule = rules[i] = _rule(args[i])
             start = args[i].cache_start
             end = start + int(args[i].shape[dim])
-            ends.append(end)
             if i in decode.grown:  # the shard with room for its new positions: appending copies no cache
+                firsts.append(first_owned(rule, rank, end))
                 held, extended = room(args[i].local, dim, appended(rule, rank, end, new))
                 args[i].local = held  # the carrier the caller holds: the same values, a storage that grows
                 grown.append(extended)
@@ -381,15 +385,15 @@ def decode_runner(decode: DecodeGraph, rank: int, group_name: str) -> Callable:
                     memo[key, starts[i]] = torch.nonzero(held >= starts[i]).flatten()
                 kept.append(memo[key, starts[i]])
         inputs = [args[i].local if i in decode.caches else a for i, a in enumerate(args)]
-        out = fn(*inputs, *ends, *indices, *kept, *slots, *grown)
+        out = fn(*inputs, *firsts, *indices, *kept, *slots, *grown)
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
         for pos, (i, window) in decode.cache_outputs.items():
-            dim, rule, new = decode.caches[i]
+            dim, new = decode.caches[i]
             start = starts[i] if window else args[i].cache_start
             shape = list(args[i].shape)
             shape[dim] = args[i].cache_start + shape[dim] + new - start
             torch._dynamo.maybe_mark_dynamic(flat[pos], dim)  # a shard grows every P steps: no recompile then
-            flat[pos] = SplitTensor(flat[pos], dim, rule, group_name, shape, start)
+            flat[pos] = SplitTensor(flat[pos], dim, rules[i], group_name, shape, start)
         return type(out)(flat) if isinstance(out, (tuple, list)) else flat[0]
 
     return run

@@ -418,7 +418,7 @@ def _dry_run(graph: DynamoGraph) -> bool | None:
 def _decode_step(graph: DynamoGraph):
     if not any(isinstance(x, SplitTensor) for x in graph.example_inputs):
         return None
-    decode, why_not = decode_graph(graph.gm, graph.example_inputs, rank=graph.rank, group_name=graph.group_name)
+    decode, why_not = decode_graph(graph.gm, graph.example_inputs, group_name=graph.group_name)
     if decode is None:
         logger.debug("autoshard: not a decode step: %s", why_not)
     return decode

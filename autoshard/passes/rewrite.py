@@ -36,6 +36,7 @@ from ..runtime.accounting import all_gather_bytes, all_reduce_bytes
 from ..runtime.groups import SequenceGroups
 from ..runtime.layouts import SequenceLayout
 from ..runtime.redistribute import grad_scale, grad_sync, grad_sync_bucket, realign_bytes, reduce_partial
+from ..runtime.symbolic import is_symbolic
 from .comms import EMITTED_BY, LAYOUT, REASON, SERVES, CommBook, derive_comms
 from .graph import is_module_state, mutates, storage_of, user_line
 from .infer import Families, Family
@@ -438,11 +439,15 @@ class Rewriter:
         """The graph's outputs: split ones gathered (``outputs="gathered"``), left as local shards
         (``"sharded"``), or, with ``"split"``, left local and listed in ``carried_outputs`` for the backend
         to hand back as :class:`~autoshard.runtime.split_tensor.SplitTensor` (a value whose split merges
-        the sequence with another dim is gathered)."""
+        the sequence with another dim is gathered, and so are a few positions sliced out of the sequence, as the last
+        token's logits ``generate()`` asks for with ``logits_to_keep=1``: a rank holds one at most, so every use would
+        gather them)."""
         def out(n, index=None):
             have = self.placement(n)
+            few = isinstance(have, Shard) and have.layout.kind == "derived" and not is_symbolic(
+                have.layout.length) and have.layout.length <= self.world
             if isinstance(have, Shard) and (self.config.outputs == "sharded" or (
-                    self.config.outputs == "split" and index is not None and not have.factors)):
+                    self.config.outputs == "split" and index is not None and not have.factors and not few)):
                 if self.config.outputs == "split":
                     self.carried_outputs[index] = have
                 if index is not None:

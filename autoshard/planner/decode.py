@@ -114,7 +114,7 @@ def plan_decode(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = 
         captured = {}
 
         def grab(gm, example_inputs):
-            decode, why_not = decode_graph(gm, example_inputs, rank=rank, group_name=group)
+            decode, why_not = decode_graph(gm, example_inputs, group_name=group)
             captured.update(decode=decode, why_not=why_not, inputs=list(example_inputs))
             if decode is None:
                 return gm.forward

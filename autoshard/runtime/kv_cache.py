@@ -48,7 +48,7 @@ from .collectives import _pg, all_gather_impl
 from .layouts import SequenceLayout
 from .op_info import declare
 
-__all__ = ["CacheLayout", "appended", "cache_append", "cache_write", "decode_attention", "room"]
+__all__ = ["CacheLayout", "appended", "cache_append", "cache_write", "decode_attention", "first_owned", "room"]
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,7 @@ class CacheLayout:
         """How many of the positions ``[start, length)`` ``rank`` holds (``length >= prompt.length``)."""
         if start:
             return int((self.positions(rank, length) >= start).sum())
-        return self.prompt.local_length(rank) + len(_owned(0, length - self.prompt.length, self.slot(rank),
-                                                           self.world_size))
+        return self.prompt.local_length(rank) + appended(self, rank, self.prompt.length, length - self.prompt.length)
 
     def positions(self, rank: int, length: int, device=None, start: int = 0) -> torch.Tensor:
         """The positions of ``[start, length)`` (``length >= prompt.length``) ``rank`` holds, in its local order
@@ -127,10 +126,13 @@ def _layout_at(cache: CacheLayout, length: int) -> SequenceLayout:
 # ---------------------------------------------------------------------------- cache_append
 
 
-def _owned(appended: int, new: int, slot: int, world: int) -> range:
-    """Which of ``new`` positions added after ``appended`` positions past the prompt go to the rank in ``slot``
-    (indices into the new ones)."""
-    return range((slot - appended) % world, max(new, 0), world)
+def first_owned(cache: CacheLayout, rank: int, past_length: int) -> int:
+    """Of the positions added after a cache of ``past_length`` positions: the index of the first one ``rank`` holds
+    (it holds every ``P``-th from there)."""
+    if past_length < cache.prompt.length:
+        raise ValueError(f"autoshard: a cache of {past_length} positions is shorter than its prompt "
+                         f"({cache.prompt.length})")
+    return (cache.slot(rank) - (past_length - cache.prompt.length)) % cache.world_size
 
 
 GROWTH = 16
@@ -163,18 +165,15 @@ def room(local: torch.Tensor, dim: int, new: int) -> tuple[torch.Tensor, torch.T
 
 
 @torch.library.custom_op("autoshard::cache_append", mutates_args=("extended",))
-def _cache_append_op(extended: torch.Tensor, new: torch.Tensor, dim: int, past_length: int, prompt_length: int,
-                     slot: int, world: int) -> None:
-    if past_length < prompt_length:
-        raise ValueError(f"autoshard: a cache of {past_length} positions is shorter than its prompt ({prompt_length})")
-    keep = _owned(past_length - prompt_length, new.size(dim), slot, world)
+def _cache_append_op(extended: torch.Tensor, new: torch.Tensor, dim: int, first: int, world: int) -> None:
+    keep = range(first, new.size(dim), world)
     if len(keep):
         mine = new.index_select(dim, torch.tensor(list(keep), dtype=torch.long, device=new.device))
         extended.narrow(dim, extended.size(dim) - len(keep), len(keep)).copy_(mine)
 
 
 @_cache_append_op.register_fake
-def _(extended, new, dim, past_length, prompt_length, slot, world):
+def _(extended, new, dim, first, world):
     return None
 
 
@@ -183,7 +182,7 @@ declare(torch.ops.autoshard.cache_append.default)
 
 def appended(cache: CacheLayout, rank: int, past_length: int, new: int) -> int:
     """How many of ``new`` positions added to a cache of ``past_length`` positions ``rank`` keeps."""
-    return len(_owned(past_length - cache.prompt.length, new, cache.slot(rank), cache.world_size))
+    return len(range(first_owned(cache, rank, past_length), new, cache.world_size))
 
 
 def cache_append(past: torch.Tensor, new: torch.Tensor, dim: int, *, past_length: int, cache: CacheLayout,
@@ -192,8 +191,8 @@ def cache_append(past: torch.Tensor, new: torch.Tensor, dim: int, *, past_length
     positions laid out as ``cache``; of ``new`` (replicated) it keeps the positions ``cache`` gives it, written
     after ``past`` in its storage (:func:`room`: no copy of ``past`` while the storage has room)."""
     _, extended = room(past, dim, appended(cache, rank, past_length, new.size(dim)))
-    torch.ops.autoshard.cache_append.default(extended, new, dim, past_length, cache.prompt.length,
-                                             cache.slot(rank), cache.world_size)
+    torch.ops.autoshard.cache_append.default(extended, new, dim, first_owned(cache, rank, past_length),
+                                             cache.world_size)
     return extended
 
 

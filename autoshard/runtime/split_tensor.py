@@ -38,7 +38,7 @@ import torch
 from .carrier import Carrier, is_fake_or_meta
 from .groups import default_store, resolve_group
 from .kv_cache import CacheLayout, cache_write
-from .layouts import SequenceLayout
+from .layouts import LAYOUTS, SequenceLayout
 
 __all__ = ["SplitTensor", "wrap", "local_of"]
 
@@ -99,6 +99,13 @@ def _cache_write(cache: SplitTensor, dim: int, index, source) -> SplitTensor:
     return cache
 
 
+def _placing(rule: SequenceLayout | CacheLayout):
+    """What a compiled graph depends on of a carrier's rule, its global length apart (:meth:`SplitTensor.__metadata_guard__`)."""
+    if isinstance(rule, CacheLayout):
+        return "cache", rule.world_size
+    return (rule.kind, rule.world_size) if rule.kind in LAYOUTS else rule
+
+
 class SplitTensor(Carrier):
     """A value split along a sequence dim over a group's ranks (see the module docstring)."""
 
@@ -145,8 +152,16 @@ class SplitTensor(Carrier):
         return rule.at(self.cache_start + int(self.shape[self.seq_dim]), self.cache_start)
 
     def __tensor_flatten__(self):
-        # The layout, or a cache's rule (it does not change as the cache grows: dynamo's guard on it holds)
         return ["local"], (self.seq_dim, self.layout_rule, self.group_name)
+
+    @classmethod
+    def __metadata_guard__(cls, compiled, given) -> bool:
+        """Whether a graph dynamo traced with a carrier of context ``compiled`` serves one of context ``given``:
+        the same dim and group, and a rule that places the same positions once the shapes match (dynamo guards the
+        global shape apart): a built-in layout of the same kind and world size (its positions follow from the
+        length), any cache rule of the same world size (a decode graph reads the rule at each call: a new prompt
+        is no new graph), else the same layout."""
+        return compiled[0] == given[0] and compiled[2] == given[2] and _placing(compiled[1]) == _placing(given[1])
 
     @staticmethod
     def __tensor_unflatten__(inner, context, outer_size, outer_stride):

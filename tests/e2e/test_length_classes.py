@@ -123,23 +123,34 @@ def test_length_classes_with_an_inner_compiler_and_a_memory_budget(inner, tolera
 
 
 def _generate_prompts(lengths):
+    import warnings
+
     from test_decode import _generate, _model
 
     model, backend = _model(), autoshard.backend()
     model.forward = torch.compile(model.forward, backend=backend)
-    tokens = [_generate(model, n).sequences for n in lengths]
-    return tokens, dict(backend.compilations)
+    tokens, compiled = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in lengths:
+            tokens.append(_generate(model, n).sequences)
+            compiled.append(len(backend.compiled))
+    gathered = [str(w.message) for w in caught if "outside compiled code" in str(w.message)]
+    return tokens, compiled, dict(backend.compilations), gathered
 
 
 def test_generate_prefills_new_prompt_lengths_without_compiling():
-    """``generate()`` on prompts of five lengths (transformers Llama, the KV cache split along the sequence): the
-    prefills after the second length share its class (no ``new sequence length`` compilation), the tokens are one
-    process's."""
+    """``generate()`` on prompts of ten lengths (transformers Llama, the KV cache split along the sequence): the
+    second prompt compiles the prefill's length class and the decode step for any prompt (its cache carriers' rule
+    is read per call, not guarded), the next eight compile nothing (dynamo's recompile limit, which would run the
+    model uncompiled, is never near), nothing is gathered outside compiled code, the tokens are one process's."""
     from test_decode import _generate, _model
 
-    lengths = (29, 31, 40, 23, 52)
+    lengths = (29, 31, 40, 23, 52, 61, 35, 44, 70, 33)
     model = _model()
     expected = [_generate(model, n).sequences for n in lengths]
-    for tokens, compilations in run_on_ranks(_generate_prompts, 2, lengths, timeout=600):
+    for tokens, compiled, compilations, gathered in run_on_ranks(_generate_prompts, 2, lengths, timeout=600):
         assert all(torch.equal(a, b) for a, b in zip(tokens, expected))
-        assert "new sequence length" not in compilations, compilations
+        assert compiled[2:] == [compiled[1]] * (len(lengths) - 2), compiled
+        assert compiled[1] <= 5 and "new sequence length" not in compilations, (compiled, compilations)
+        assert not gathered, gathered[0]
