@@ -33,6 +33,7 @@ from .passes.deferred import DeferredOutput, inline_deferred
 from .passes.lazy import LazyOutput
 from .placements import Shard
 from .runtime.deferred import DeferredTensor, Recipe, defer
+from .runtime.kv_cache import CacheLayout
 from .runtime.lazy_linear import lazy_linear
 from .runtime.redistribute import grad_scale, grad_sync
 from .runtime.split_tensor import SplitTensor, local_of, wrap
@@ -106,26 +107,38 @@ def unwrap_inputs(args: Sequence, *, flatten: bool, split: Collection[int]) -> t
 
 
 def wrap_outputs(out: Sequence, args: Sequence, *, split: dict[int, Shard], deferred: dict[int, DeferredOutput],
-                 lazy: dict[int, Callable], group_name: str) -> Sequence:
+                 lazy: dict[int, Callable], group_name: str, caches: Collection[int] = ()) -> Sequence:
     """At run time: the compiled graph's outputs ``out`` as they leave it, from the inputs ``args`` it was called
     with (flattened: :func:`unwrap_inputs`): at each position of ``lazy`` made by its function of the output and
-    ``args`` (:func:`lazy_head`), of ``split`` a ``SplitTensor`` over ``group_name``, of ``deferred`` (None from
-    the graph) a ``DeferredTensor`` of the inputs its recipe reads."""
+    ``args`` (:func:`lazy_head`), of ``split`` a ``SplitTensor`` over ``group_name`` (at a position of ``caches``,
+    the keys or values of a KV cache, without gradient: one carrying a :class:`~autoshard.runtime.kv_cache.
+    CacheLayout`), of ``deferred`` (None from the graph) a ``DeferredTensor`` of the inputs its recipe reads."""
     out = type(out)(lazy[i](o, args) if i in lazy else o for i, o in enumerate(out))
-    return type(out)(wrap(o, split[i].dim, split[i].layout, group_name) if i in split
+    return type(out)(_split_cache(o, split[i], group_name) if i in split and i in caches and not o.requires_grad
+                     else wrap(o, split[i].dim, split[i].layout, group_name) if i in split
                      else defer(deferred[i].recipe, [args[j] for j in deferred[i].inputs])
                      if i in deferred else o for i, o in enumerate(out))
 
 
+def _split_cache(local: torch.Tensor, shard: Shard, group_name: str) -> SplitTensor:
+    """A prefill's KV cache keys or values leaving split: the carrier of a cache that grows (its rule is the prompt's
+    layout; dynamo's guard on it holds for every prompt, so the first decode step compiles once for all), its shard
+    dynamic along the sequence as the decode steps' shards are (:mod:`autoshard.passes.decode`)."""
+    torch._dynamo.maybe_mark_dynamic(local, shard.dim)
+    shape = list(local.shape)
+    shape[shard.dim] = shard.layout.length
+    return SplitTensor(local, shard.dim, CacheLayout(shard.layout), group_name, shape)
+
+
 def carrying(fn: Callable, *, flatten: bool, split_inputs: Collection[int], split_outputs: dict[int, Shard],
              deferred_outputs: dict[int, DeferredOutput], lazy_outputs: dict[int, Callable],
-             group_name: str) -> Callable:
+             group_name: str, cache_outputs: Collection[int] = ()) -> Callable:
     """``fn`` (a compiled per-rank graph) called on what its carrier inputs hold (:func:`unwrap_inputs`), its
     outputs wrapped as they leave (:func:`wrap_outputs`)."""
     def run(*args):
         flat, local = unwrap_inputs(args, flatten=flatten, split=split_inputs)
         return wrap_outputs(fn(*local), flat, split=split_outputs, deferred=deferred_outputs, lazy=lazy_outputs,
-                            group_name=group_name)
+                            group_name=group_name, caches=cache_outputs)
     return run
 
 

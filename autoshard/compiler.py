@@ -283,7 +283,7 @@ class AutoshardBackend:
                     for i, spec in compiled.lazy_outputs.items()}
             wrapper = functools.partial(carrying, flatten=bool(deferred), split_inputs=set(carried),
                                         deferred_outputs=compiled.deferred_outputs, lazy_outputs=lazy,
-                                        group_name=pg.group_name)
+                                        group_name=pg.group_name, cache_outputs=set(compiled.cache_outputs or ()))
             if generic is not None and compiled.carried_outputs:
                 run = _placing_per_call(run, wrapper, compiled.carried_outputs, generic)
             else:
@@ -567,7 +567,6 @@ def _placing_per_call(run: Callable, wrapper: Callable, placements: dict[int, Sh
         out = wrapped(tuple(generic.values(args).items()))(*args)
         for i, dim in symbolic.items():  # of the class's length: the next graph dynamo traces takes any length
             torch._dynamo.maybe_mark_dynamic(out[i], dim)
-            torch._dynamo.maybe_mark_dynamic(out[i].local, dim)
         return out
 
     return run_placed

@@ -3,7 +3,7 @@
     python examples/hf_trainer.py --check                  # launches 4 CPU ranks with torchrun: (dp=2, sp=2)
     torchrun --nproc-per-node 4 examples/hf_trainer.py     # the same, launched by hand
     python examples/hf_trainer.py --sft --check            # TRL's SFTTrainer with packing=True
-    python examples/hf_trainer.py --flatten --check        # Trainer + DataCollatorWithFlattening (padding-free)
+    python examples/hf_trainer.py --data flatten --check   # Trainer + DataCollatorWithFlattening (padding-free)
 
 What a user writes (``--sft``: ``sequence_parallel(SFTTrainer)`` and an ``SFTConfig``)::
 
@@ -14,7 +14,7 @@ What a user writes (``--sft``: ``sequence_parallel(SFTTrainer)`` and an ``SFTCon
 It trains a small transformers Llama (float64, so the comparison is exact to rounding) for three steps of two
 micro-batches each on three kinds of data: rows of fixed length, rows packed with documents (``position_ids``
 restarting at each), and documents of 8 to 40 tokens that ``DataCollatorWithFlattening`` packs into one row per
-micro-batch (``--flatten``: only these) -- every micro-batch a new length, which the backend serves from one length
+micro-batch (``--data flatten``: only these) -- every micro-batch a new length, which the backend serves from one length
 class instead of a compilation per length (each kind's compilations are printed). The ranks of each sp group read the same batches and split every sequence; the Trainer wraps
 the model in DDP over all four ranks. A checkpoint is saved at step 2 and a second trainer resumes from it.
 
@@ -44,8 +44,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=4, help="ranks torchrun starts")
     p.add_argument("--sp", type=int, default=2, help="ranks per sequence-parallel group (dp = nproc / sp)")
     p.add_argument("--sft", action="store_true", help="TRL's SFTTrainer with packing=True instead of Trainer")
-    p.add_argument("--flatten", action="store_true",
-                   help="only the Trainer with DataCollatorWithFlattening on documents of varying lengths")
+    p.add_argument("--data", default="fixed,packed,flatten",
+                   help="the kinds of data the Trainer trains on, comma-separated: fixed (rows of one length), packed "
+                        "(rows packed with documents), flatten (DataCollatorWithFlattening on documents of varying "
+                        "lengths)")
     p.add_argument("--check", action="store_true", help="compare with one-process training afterwards")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest relative parameter difference (--check); default 1e-8, with --sft 1e-6 (TRL casts the "
@@ -158,15 +160,18 @@ _ROWS_PER_MICRO_BATCH = {"fixed": 1, "packed": 1, "sft": 1, "flatten": 3}
 
 
 def _kinds(args) -> list[str]:
-    return ["sft"] if args.sft else ["flatten"] if args.flatten else ["fixed", "packed", "flatten"]
+    kinds = args.data.split(",")
+    unknown = set(kinds) - {"fixed", "packed", "flatten"}
+    if unknown:
+        raise SystemExit(f"--data: unknown kind(s) {sorted(unknown)}; expected fixed, packed, flatten")
+    return ["sft"] if args.sft else kinds
 
 
 def launch(args) -> int:
     """Start the ranks with torchrun; with ``--check``, compare with one process."""
     out = args.out or tempfile.mkdtemp(prefix="autoshard_trainer_")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               __file__, f"--sp={args.sp}", f"--out={out}"] + (["--sft"] if args.sft else []) + (
-                   ["--flatten"] if args.flatten else [])
+               __file__, f"--sp={args.sp}", f"--out={out}", f"--data={args.data}"] + (["--sft"] if args.sft else [])
     code = subprocess.run(command).returncode
     if code or not args.check:
         return code

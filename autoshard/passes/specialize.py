@@ -164,37 +164,38 @@ class GenericGraph:
                 raise AssertionError("unreachable")
 
     def describe(self, names: list[str]) -> str:
-        """The class as a sentence: each length's range (from the guards that bound one symbol by a constant) and
-        how many other guards there are (the layout pieces' sizes, residues), e.g. ``input_ids dim 1 in
+        """The class as a sentence: each length's range, the sizes a guard made equal named together, and how many
+        other guards there are (the layout pieces' sizes, residues), e.g. ``input_ids dim 1 = position_ids dim 1 in
         [6, 32616] (+ 30 more guards)``; ``names``: the inputs' names."""
-        bounds: dict = {}
-        other = 0
-        for guard in self.shape_env.guards:
-            expr = guard.expr
-            sym = next(iter(expr.free_symbols)) if len(expr.free_symbols) == 1 else None
-            low, high = bounds.get(sym, (None, None))
-            if sym is not None and isinstance(expr, sympy.Rel) and expr.lhs == sym and expr.rhs.is_Integer:
-                value = int(expr.rhs)
-                if isinstance(expr, (sympy.GreaterThan, sympy.StrictGreaterThan)):
-                    value += isinstance(expr, sympy.StrictGreaterThan)
-                    bounds[sym] = (value if low is None else max(low, value), high)
-                    continue
-                if isinstance(expr, (sympy.LessThan, sympy.StrictLessThan)):
-                    value -= isinstance(expr, sympy.StrictLessThan)
-                    bounds[sym] = (low, value if high is None else min(high, value))
-                    continue
-            other += 1
-        parts = []
+        env = self.shape_env
+        lengths: dict = {}  # the symbol a guard replaced each by -> the sizes it stands for
         for name, sym in [(f"{names[i]} dim {d}", sym) for i, d, sym in self.dims] + [(names[i], sym)
                                                                                      for i, sym in self.sizes]:
-            low, high = bounds.get(sym, (None, None))
-            parts.append(f"{name} in [{2 if low is None else low}, {'...' if high is None else high}]")
+            lengths.setdefault(env.replace(sym), []).append(name)
+        parts = []
+        for sym, named in lengths.items():
+            if not sym.free_symbols:
+                parts.append(f"{' = '.join(named)} = {sym}")
+                continue
+            bound = env.bound_sympy(sym)
+            high = int(bound.upper) if bound.upper.is_Integer else "..."
+            parts.append(f"{' = '.join(named)} in [{max(2, int(bound.lower))}, {high}]")
+        other = sum(1 for guard in env.guards if not _bounds_or_names(guard.expr))
         return ", ".join(parts) + (f" (+ {other} more guards)" if other else "")
 
     @property
     def _inputs(self) -> list[int]:
         """The inputs with a symbolic dim and the symbolic ints (the guards are on their sizes)."""
         return sorted({i for i, _, _ in self.dims} | {i for i, _ in self.sizes})
+
+
+def _bounds_or_names(expr) -> bool:
+    """Whether a guard bounds one symbol by a constant or makes two symbols equal (what :meth:`GenericGraph.describe`
+    says in words)."""
+    if not isinstance(expr, sympy.Rel):
+        return False
+    sides = (expr.lhs, expr.rhs)
+    return all(side.is_Symbol or side.is_Integer for side in sides) and any(side.is_Symbol for side in sides)
 
 
 def generalize(gm: fx.GraphModule, args: list) -> GenericGraph:

@@ -38,7 +38,7 @@ import torch
 from .carrier import Carrier, is_fake_or_meta
 from .groups import default_store, resolve_group
 from .kv_cache import CacheLayout, cache_write
-from .layouts import LAYOUTS, SequenceLayout
+from .layouts import SequenceLayout
 
 __all__ = ["SplitTensor", "wrap", "local_of"]
 
@@ -100,10 +100,10 @@ def _cache_write(cache: SplitTensor, dim: int, index, source) -> SplitTensor:
 
 
 def _placing(rule: SequenceLayout | CacheLayout):
-    """What a compiled graph depends on of a carrier's rule, its global length apart (:meth:`SplitTensor.__metadata_guard__`)."""
-    if isinstance(rule, CacheLayout):
-        return "cache", rule.world_size
-    return (rule.kind, rule.world_size) if rule.kind in LAYOUTS else rule
+    """What a compiled graph depends on of a carrier's rule (:meth:`SplitTensor.__metadata_guard__`): of a cache's, its
+    world size (a decode graph reads the rule at each call); of a layout, all of it (its shards' lengths follow from
+    it, and dynamo guards them on every rank alike only so)."""
+    return ("cache", rule.world_size) if isinstance(rule, CacheLayout) else rule
 
 
 class SplitTensor(Carrier):
@@ -157,10 +157,8 @@ class SplitTensor(Carrier):
     @classmethod
     def __metadata_guard__(cls, compiled, given) -> bool:
         """Whether a graph dynamo traced with a carrier of context ``compiled`` serves one of context ``given``:
-        the same dim and group, and a rule that places the same positions once the shapes match (dynamo guards the
-        global shape apart): a built-in layout of the same kind and world size (its positions follow from the
-        length), any cache rule of the same world size (a decode graph reads the rule at each call: a new prompt
-        is no new graph), else the same layout."""
+        the same dim and group, and the same layout, or any cache rule of the same world size (a decode graph reads
+        the rule at each call: a new prompt is no new graph)."""
         return compiled[0] == given[0] and compiled[2] == given[2] and _placing(compiled[1]) == _placing(given[1])
 
     @staticmethod
