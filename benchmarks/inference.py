@@ -2,6 +2,7 @@
 
     python benchmarks/inference.py                      # prompts of 8192, 16384 and 32768 tokens, 32 new tokens
     python benchmarks/inference.py --seq 4096 --new 16  # what a small machine runs quickly
+    python benchmarks/inference.py --prompts 10 --new 8 --range 2048-4096   # new prompt lengths, P=2
 
 A KV-heavy transformers Llama from a config (vocabulary 8000, hidden 256, 4 layers, 8 query and 8 key-value heads
 of 32: 8 KiB of cache per token in float32), ``generate()`` greedy from one prompt of S tokens, CPU:
@@ -26,6 +27,20 @@ Measured (2 shared CPU cores, torch 2.13 CPU, transformers 5.25, ``python benchm
      16384  P=2              6.21            38.0           168  0.43        68.0  0.53
      32768  one process     21.25            91.0           776  1.00       256.2  1.00
      32768  P=2             17.86            43.3           336  0.43       136.0  0.53
+
+``--prompts N``: at P=2, one compiled model serves two warm-up prompts of other lengths, then N prompts of N
+different lengths (``varying``), against a second process that serves the same warm-ups and then N prompts of one
+length (``fixed``): the compilations of the warm-up + of the measured prompts, the median prefill (and
+``varying / fixed``) and the median decode step. Measured the same way::
+
+    prompts                      compilations prefill s x fixed decode ms/token
+    fixed 2944-2944 x10              5 +    0      0.66    1.00            16.0
+    varying 2120-4007 x10            5 +    0      0.62    0.94            17.9
+
+Nothing compiles after the warm-up: the prefill's length class serves every prompt and one decode graph serves
+every step of every prompt (the cache carriers' rule is read at each call). Before (commit 98c8b0a, the same
+command): ``6 + 2`` compilations, and the decode steps of new prompts at 36.0 ms/token -- dynamo recompiled the
+decode step for every prompt until its recompile limit, then ran it uncompiled, the cache gathered whole.
 
 One process's decode step is dominated by ``DynamicCache``'s ``torch.cat``, which copies the whole cache every
 step; at P=2 each rank's shard grows in place in a storage with room (a sixteenth more: the KV column's 0.53), so a
