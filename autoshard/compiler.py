@@ -56,6 +56,7 @@ from .boundary import (carrying, deferred_inputs_of, inline_inputs, lazy_head, s
 from .config import BackendConfig, resolve_config, trace_checkpointed_layers
 from .passes.decode import cache_written_in_place, decode_runner
 from .passes.dense_masks import dense_mask_runner
+from .passes.graph import user_line
 from .passes.static_cache import static_prefill_runner
 from .passes.ops import value_of
 from .passes.pipeline import DynamoGraph, GraphKind, compile_graph, graph_kind, input_name, source_name
@@ -126,6 +127,31 @@ def _dynamo_cause(seen: list[int]) -> Cause:
     return Cause("new graph")
 
 
+_WARNED_FRAMES: set[int] = set()
+"""The frames (dynamo's frame ids) warned about as at dynamo's recompile limit."""
+
+
+def _warn_at_the_recompile_limit(gm: fx.GraphModule, cause: Cause) -> None:
+    """Warn (once per frame) when dynamo hands over the last graph its recompile limit allows for a frame: at the next
+    guard failure there it runs the frame uncompiled, so nothing in it is distributed any more -- correct, whole on
+    every rank, which a user would otherwise learn only from later warnings about values used outside compiled
+    code."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    limit = torch._dynamo.config.recompile_limit
+    if compile_id is None or compile_id.frame_compile_id is None or compile_id.frame_compile_id + 1 < limit:
+        return
+    if compile_id.frame_id in _WARNED_FRAMES:
+        return
+    _WARNED_FRAMES.add(compile_id.frame_id)
+    where = next((user_line(n) for n in gm.graph.nodes if n.meta.get("stack_trace")), "unknown")
+    warn(f"autoshard: dynamo has compiled the code at {where} {compile_id.frame_compile_id + 1} times "
+         f"(torch._dynamo.config.recompile_limit = {limit}); at its next guard failure there dynamo runs that code "
+         f"uncompiled, and nothing in it is split along the sequence any more (correct, but whole on every rank). "
+         f"This time: {cause.describe()}. TORCH_LOGS=recompiles names every failing guard; autoshard.explain() lists "
+         f"why each graph compiled. Where the guards are new sequence lengths of values handed from one graph to the "
+         f"next (FSDP2's per-layer graphs), raising torch._dynamo.config.recompile_limit keeps them compiled")
+
+
 @dataclass
 class GraphRecord:
     """What the backend keeps of a graph it compiled: what reports read, nothing that holds the graphs."""
@@ -178,6 +204,7 @@ class AutoshardBackend:
                              "settings as autoshard.backend(**settings) (see autoshard.BackendConfig)")
         pg = self._sequence_group()
         self._cause = _dynamo_cause(self._guard_failures_seen)
+        _warn_at_the_recompile_limit(gm, self._cause)
         graph = DynamoGraph(gm=gm, example_inputs=example_inputs, dry_run=self.config.dry_run, rank=pg.rank(),
                             group_name=pg.group_name)
         kind = graph_kind(graph)

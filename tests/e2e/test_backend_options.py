@@ -152,6 +152,28 @@ def test_new_sequence_lengths_recompile_and_stay_exact():
         assert "new sequence length (input_ids dim 1: 8 -> 7" in explained, explained
 
 
+def _at_the_recompile_limit():
+    import warnings
+
+    torch.manual_seed(0)
+    compiled = torch.compile(LlamaLM().double(), backend=autoshard.backend())
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seq in (8, 7, 9):
+            ids = torch.randint(0, 256, (2, seq))
+            compiled(ids, ids)
+    return [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+
+
+def test_the_last_compilation_dynamo_allows_a_frame_is_warned():
+    """Past dynamo's recompile limit a frame runs uncompiled, whole on every rank: the backend warns when it is handed
+    that frame's last graph (once), naming the code and the cause."""
+    warned = run_on_ranks(_at_the_recompile_limit, 1)[0]
+    assert len(warned) == 1, warned
+    assert "compiled the code at" in warned[0] and "2 times" in warned[0], warned[0]
+    assert "This time: recompiled by dynamo" in warned[0], warned[0]
+
+
 def _world_of_one():
     r = compare_with_one_process(LlamaLM, lambda: (torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 9))),
                                  dtype=torch.float64)
