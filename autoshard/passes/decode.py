@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ..runtime.kv_cache import CacheLayout, appended, first_owned, room  # importing it defines the autoshard::cache_* ops
+from ..runtime.kv_cache import CacheLayout, appended, first_owned, room  # defines the autoshard::cache_* ops
 from ..runtime.split_tensor import SplitTensor
 from .graph import eliminate_dead_code
 from .ops import canonical, is_tensor_node, op_of, value_of

@@ -12,6 +12,7 @@ boundary, with the compilations counted.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -119,7 +120,7 @@ def test_length_classes_with_an_inner_compiler_and_a_memory_budget(inner, tolera
                                                           memory_budget=4 << 30, timeout=900):
         assert worst < tolerance, worst
         assert compilations == {"new graph": 1, "recompiled by dynamo": 1, "new sequence length": 1}, compilations
-        assert "serves input_ids dim 1 in [4, 41]" in explained and "memory policy" in explained, explained
+        assert re.search(r"serves input_ids dim 1 in \[\d+, 41\]", explained) and "memory policy" in explained, explained
 
 
 def _generate_prompts(lengths):
