@@ -83,6 +83,11 @@ def _box(base: fx.Node, index) -> list[tuple[int, int, int, int, int]] | None:
             if not all(b is None or (isinstance(b, int) and not isinstance(b, bool)) for b in
                        (item.start, item.stop, item.step)) or (item.step or 1) < 1:
                 return None
+            if isinstance(size, torch.SymInt):  # a length of a class: a whole slice restricts nothing; the bounds of
+                if (item.start or 0, item.stop, item.step or 1) != (0, None, 1):  # a part would pin the length
+                    return None
+                dim += 1
+                continue
             start, stop, step = item.indices(size)
             count = len(range(start, stop, step))
             if step == 1 or count <= 1:

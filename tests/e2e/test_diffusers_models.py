@@ -13,7 +13,9 @@ Tiny configs with random weights, token counts the world size does not divide. W
 
 A pipeline as a user runs it: ``WanPipeline`` (a tiny VAE and transformer, prompt embeddings given, classifier-free
 guidance, 30 denoising steps, float64) with ``pipe.transformer = torch.compile(pipe.transformer, backend=...)``
-returns one process's latents, with one compilation for every step (the timestep is a value, not a shape).
+returns one process's latents, with one compilation for every step (the timestep is a value, not a shape). The
+transformer at five latent shapes (frames, height and width changing): two compilations, the second a length class
+of symbolic frames, height and width.
 
 Training (slow tier): three AdamW steps of a flow-matching loss (``mse(model(x_t, t), noise - x0)``) on Flux and
 Wan, FSDP2 over both ranks (every block and the root) with autoshard's recomputed layers, equal one-process
@@ -170,8 +172,33 @@ SLOW = ["cogvideox", "qwenimage", "sd3", "hunyuanvideo", "ltx", "pixart", "sana"
 CASES = [(2, n) for n in DEFAULT + SLOW] + [(4, n) for n in DEFAULT + SLOW]
 
 
+SHAPES = ((3, 6, 10), (5, 8, 12), (4, 10, 8), (3, 6, 10), (6, 12, 12))
+"""Latent video shapes (frames, height, width) a Wan transformer is called with in turn: 45 to 216 tokens."""
+
+
+def _new_shapes() -> dict:
+    """The Wan transformer (float64, no gradients) at every shape of ``SHAPES``, against the uncompiled model: the
+    largest difference, the compilations, and the attention strategies and fallbacks of every graph compiled."""
+    torch._dynamo.reset()  # dynamo's state of the same code from the models compiled before in this process
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(**WAN, in_channels=4, out_channels=4).double().eval()
+    backend = autoshard.backend()
+    compiled = torch.compile(model, backend=backend)
+    generator = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for frames, height, width in SHAPES:
+        kw = dict(hidden_states=torch.randn(1, 4, frames, height, width, generator=generator, dtype=torch.float64),
+                  timestep=torch.tensor([3]),
+                  encoder_hidden_states=torch.randn(1, 5, 16, generator=generator, dtype=torch.float64))
+        with torch.no_grad():
+            worst = max(worst, (compiled(**kw).sample - model(**kw).sample).abs().max().item())
+    return {"error": worst, "compilations": len(backend.compiled),
+            "strategies": [sorted(a["strategy"] for a in r.report.attention) for r in backend.compiled],
+            "fallbacks": sum(len(r.report.fallbacks) for r in backend.compiled)}
+
+
 def _launch(names, pipeline: bool) -> tuple:
-    return _run(names), _pipeline_run() if pipeline else None
+    return _run(names), (_pipeline_run(), _new_shapes()) if pipeline else None
 
 
 @functools.cache
@@ -196,11 +223,22 @@ def test_diffusers_transformer_matches_one_process(world, name):
 
 
 def test_a_wan_pipeline_samples_as_one_process_with_one_compilation():
-    for rank, (_, pipeline) in _results(2, False).items():
+    for rank, (_, (pipeline, _)) in _results(2, False).items():
         where = f"WanPipeline P=2 rank {rank}: {pipeline}"
         assert pipeline["shape"] == (1, 16, 3, 6, 10) and pipeline["error"] <= 1e-12, where
         assert pipeline["compilations"] == 1, where  # 30 steps x (text, negative): the timestep is a value
         assert pipeline["strategies"] == ["allgather", "local"], where
+
+
+def test_a_video_transformer_at_new_shapes_compiles_once_more():
+    """Wan at five latent video shapes, frames, height and width all changing (one shape again): the first compiles
+    dynamo's static graph, the second the length class of symbolic frames, height and width that serves the rest
+    (the rotary table's slices and the patchify's flatten stay symbolic); one process's outputs, every graph's
+    self-attention distributed and its cross-attention local, no fallback."""
+    for rank, (_, (_, shapes)) in _results(2, False).items():
+        where = f"Wan at {SHAPES}, P=2 rank {rank}: {shapes}"
+        assert shapes["error"] <= 1e-12 and shapes["compilations"] == 2, where
+        assert shapes["strategies"] == [["allgather", "local"]] * 2 and shapes["fallbacks"] == 0, where
 
 
 def _train(name: str) -> tuple:

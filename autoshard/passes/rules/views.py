@@ -311,10 +311,12 @@ _ADVANCED = (IndexTensor, IndexList)
 
 
 def _slice_indices(it: slice, size) -> tuple:
-    """``it.indices(size)``, also for a symbolic ``size`` and a forward step: each clamp a comparison, which on a
-    ``SymInt`` records its guard (the slice ``[1:]`` of a length is ``1`` for every length of at least 1)."""
+    """``it.indices(size)``, also for a symbolic ``size`` or bound and a forward step: each clamp a comparison, which
+    on a ``SymInt`` records its guard (the slice ``[1:]`` of a length is ``1`` for every length of at least 1; the
+    slice ``[:T]`` of a table of 1024 rotary frequencies is ``T`` for every ``T`` up to 1024)."""
     step = 1 if it.step is None else it.step
-    if not isinstance(size, torch.SymInt) or not isinstance(step, int) or step <= 0:
+    symbolic = any(isinstance(v, torch.SymInt) for v in (size, it.start, it.stop))
+    if not symbolic or not isinstance(step, int) or step <= 0:
         return it.indices(int(size))  # a symbolic size specializes (its guard pins the length)
 
     def clamp(i, default):
