@@ -127,8 +127,9 @@ def _keeps_prompt(index, dim: int, write: fx.Node) -> bool:
     if any(i != slice(None) for d, i in enumerate(index) if d != dim):
         return False
     kept = index[dim]
-    return (kept.start in (None, 0) and kept.step in (None, 1) and isinstance(kept.stop, int)
-            and kept.stop >= value_of(write.args[3]).shape[dim])
+    stop = value_of(kept.stop) if isinstance(kept.stop, fx.Node) else kept.stop  # a symbolic length: a size node
+    return (kept.start in (None, 0) and kept.step in (None, 1) and isinstance(stop, (int, torch.SymInt))
+            and bool(stop >= value_of(write.args[3]).shape[dim]))
 
 
 def _start_input(positions, placeholders) -> int | None:
