@@ -113,11 +113,18 @@ def wrap_outputs(out: Sequence, args: Sequence, *, split: dict[int, Shard], defe
     ``args`` (:func:`lazy_head`), of ``split`` a ``SplitTensor`` over ``group_name`` (at a position of ``caches``,
     the keys or values of a KV cache, without gradient: one carrying a :class:`~autoshard.runtime.kv_cache.
     CacheLayout`), of ``deferred`` (None from the graph) a ``DeferredTensor`` of the inputs its recipe reads."""
-    out = type(out)(lazy[i](o, args) if i in lazy else o for i, o in enumerate(out))
-    return type(out)(_split_cache(o, split[i], group_name) if i in split and i in caches and not o.requires_grad
-                     else wrap(o, split[i].dim, split[i].layout, group_name) if i in split
-                     else defer(deferred[i].recipe, [args[j] for j in deferred[i].inputs])
-                     if i in deferred else o for i, o in enumerate(out))
+    def leaving(i: int, o):
+        if i in lazy:
+            o = lazy[i](o, args)
+        if i in split:
+            if i in caches and not o.requires_grad:
+                return _split_cache(o, split[i], group_name)
+            return wrap(o, split[i].dim, split[i].layout, group_name)
+        if i in deferred:
+            return defer(deferred[i].recipe, [args[j] for j in deferred[i].inputs])
+        return o
+
+    return type(out)(leaving(i, o) for i, o in enumerate(out))
 
 
 def _split_cache(local: torch.Tensor, shard: Shard, group_name: str) -> SplitTensor:

@@ -144,14 +144,14 @@ def compare_prompts(count: int, low: int, high: int, new: int, timeout: float) -
     fixed = [sorted(varying)[len(varying) // 2]] * count
     print(f"{'prompts':<28} {'compilations':>12} {'prefill s':>9} {'x fixed':>7} {'decode ms/token':>15}")
     rows = {}
-    for name, lengths in (("fixed", fixed), ("varying", varying)):
-        results = run_on_ranks(prompts, 2, lengths, warm_up, new, timeout=timeout, threads=1,
+    for name, prompt_lengths in (("fixed", fixed), ("varying", varying)):
+        results = run_on_ranks(prompts, 2, prompt_lengths, warm_up, new, timeout=timeout, threads=1,
                                env=LOW_MMAP_THRESHOLD_ENV)
         rows[name] = {"prefill": max(r["prefill"] for r in results), "decode": max(r["decode"] for r in results),
                       "warm": results[0]["warm"], "measured": results[0]["measured"]}
-    for name, lengths in (("fixed", fixed), ("varying", varying)):
+    for name, prompt_lengths in (("fixed", fixed), ("varying", varying)):
         r = rows[name]
-        label = f"{name} {min(lengths)}-{max(lengths)} x{len(lengths)}"
+        label = f"{name} {min(prompt_lengths)}-{max(prompt_lengths)} x{len(prompt_lengths)}"
         print(f"{label:<28} {r['warm']:>5} + {r['measured']:>4} {r['prefill']:>9.2f} "
               f"{r['prefill'] / rows['fixed']['prefill']:>7.2f} {1e3 * r['decode']:>15.1f}", flush=True)
 
