@@ -6,7 +6,7 @@ dense masks or plain) and compiles it as its kind says (:data:`_COMPILE_KIND`); 
 sequence goes through one sequence of steps (:meth:`AutoshardBackend._compile`): check that every rank compiled the
 same graph, choose the memory policy's config, run the passes of :data:`autoshard.passes.pipeline.PASSES` in order
 (canonical ops, capture, decompose, link, families, strategy, rewrite; ``AUTOSHARD_DUMP=<dir>`` writes what each
-produced), record what they did (:class:`GraphRecord`, :func:`explain`), and lower the per-rank graph with the inner
+produced), record what they did (:class:`~autoshard.records.GraphRecord`, :func:`explain`), and lower the per-rank graph with the inner
 compiler (by default inductor on CUDA, eager elsewhere).
 
 Every rank compiles its own graph (uneven shards make ranks' shapes differ) and, before the first
@@ -23,7 +23,7 @@ serves the class too. With a memory budget (by default on CUDA) the memory polic
 ends there (what fits fits every shorter length). Where a class is not supported (split inputs, another inner
 compiler, values handed between graphs) it is compiled once per distinct set of sizes; the ``SIZES_CACHED`` sets of sizes used most recently
 keep their compiled graph.
-Every compilation is counted with its cause (:class:`Cause`: a new graph, a dynamo recompile and the guard that
+Every compilation is counted with its cause (:class:`~autoshard.records.Cause`: a new graph, a dynamo recompile and the guard that
 failed, a new sequence length, batch size or dtype of a dynamic graph, sizes dropped from the cache, a new mask
 structure); :func:`explain` prints the counts, so a user who sees a compile per step learns why.
 Every rank makes the same cache decision on every call: with split inputs (``inputs="sharded"``) the
@@ -43,7 +43,6 @@ import itertools
 import logging
 import warnings
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -56,13 +55,13 @@ from .boundary import (carrying, deferred_inputs_of, inline_inputs, lazy_head, s
 from .config import BackendConfig, resolve_config, trace_checkpointed_layers
 from .passes.decode import cache_written_in_place, decode_runner
 from .passes.dense_masks import dense_mask_runner
-from .passes.graph import user_line
 from .passes.static_cache import static_prefill_runner
 from .passes.ops import value_of
 from .passes.pipeline import DynamoGraph, GraphKind, compile_graph, graph_kind, input_name, source_name
 from .passes.report import CompileReport
 from .passes.specialize import GenericGraph, generalize, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
+from .records import CAUSES, Cause, GraphRecord, describe_record, dynamo_cause, warn_at_the_recompile_limit
 from .planner import plan_graph, plan_graphs
 from .policy import device_budget, host_budget, memory_policy_for
 from .runtime.collectives import gather_facts
@@ -93,79 +92,6 @@ RECORDS_KEPT = 64
 """How many compiled graphs' records a backend keeps for reports and warnings (oldest first out)."""
 _LAST_CHECK: dict[str, int] = {}
 """Group name -> number of this rank's last graph check in that group (whose store key it still holds)."""
-
-
-CAUSES = ("new graph", "recompiled by dynamo", "new sequence length", "new batch size", "new dtype",
-          "sizes dropped from the cache", "new variant")
-"""Why the backend compiles a graph (:class:`Cause`), in the order :func:`explain` counts them."""
-
-
-@dataclass(frozen=True)
-class Cause:
-    """Why a graph was compiled."""
-
-    kind: str
-    """One of :data:`CAUSES`: ``new graph`` (dynamo handed over a graph, first of its code or after a graph
-    break), ``recompiled by dynamo`` (a guard of an earlier graph failed), ``new sequence length`` / ``new batch
-    size`` / ``new dtype`` (a dynamic graph called with sizes not compiled before), ``sizes dropped from the
-    cache`` (compiled before, evicted since: more than ``SIZES_CACHED`` sets of sizes in use), ``new variant``
-    (another variant of a graph already counted: a mask structure, a cache prefill's dense variant)."""
-    detail: str = ""
-    """What changed, e.g. dynamo's failed guard or ``input 2 dim 1: 61 -> 64``."""
-
-    def describe(self) -> str:
-        return self.kind + (f" ({self.detail})" if self.detail else "")
-
-
-def _dynamo_cause(seen: list[int]) -> Cause:
-    """The cause of dynamo handing over a graph: the newest guard failure dynamo reported since the last call
-    (``seen[0]`` counts the reasons read before), else a new graph."""
-    reasons = [r for failures in list(torch._dynamo.utils.guard_failures.values()) for r in failures]
-    fresh, seen[0] = reasons[seen[0]:], len(reasons)
-    if fresh:
-        return Cause("recompiled by dynamo", " ".join(str(fresh[-1]).split())[:200])
-    return Cause("new graph")
-
-
-_WARNED_FRAMES: set[int] = set()
-"""The frames (dynamo's frame ids) warned about as at dynamo's recompile limit."""
-
-
-def _warn_at_the_recompile_limit(gm: fx.GraphModule, cause: Cause) -> None:
-    """Warn (once per frame) when dynamo hands over the last graph its recompile limit allows for a frame: at the next
-    guard failure there it runs the frame uncompiled, so nothing in it is distributed any more -- correct, whole on
-    every rank, which a user would otherwise learn only from later warnings about values used outside compiled
-    code."""
-    compile_id = torch._guards.CompileContext.current_compile_id()
-    limit = torch._dynamo.config.recompile_limit
-    if compile_id is None or compile_id.frame_compile_id is None or compile_id.frame_compile_id + 1 < limit:
-        return
-    if compile_id.frame_id in _WARNED_FRAMES:
-        return
-    _WARNED_FRAMES.add(compile_id.frame_id)
-    where = next((user_line(n) for n in gm.graph.nodes if n.meta.get("stack_trace")), "unknown")
-    warn(f"autoshard: dynamo has compiled the code at {where} {compile_id.frame_compile_id + 1} times "
-         f"(torch._dynamo.config.recompile_limit = {limit}); at its next guard failure there dynamo runs that code "
-         f"uncompiled, and nothing in it is split along the sequence any more (correct, but whole on every rank). "
-         f"This time: {cause.describe()}. TORCH_LOGS=recompiles names every failing guard; autoshard.explain() lists "
-         f"why each graph compiled. Where the guards are new sequence lengths of values handed from one graph to the "
-         f"next (FSDP2's per-layer graphs), raising torch._dynamo.config.recompile_limit keeps them compiled")
-
-
-@dataclass
-class GraphRecord:
-    """What the backend keeps of a graph it compiled: what reports read, nothing that holds the graphs."""
-
-    report: CompileReport
-    """Placements, transitions, fallbacks, attention decisions."""
-    gathered_output_shapes: set
-    """Global shapes of the outputs the graph gathers whole."""
-    splits_sequence: bool
-    """Whether anything in the graph is split along a sequence."""
-    cause: Cause = Cause("new graph")
-    """Why it was compiled."""
-    length_class: str = ""
-    """The lengths a graph compiled for a length class serves (:meth:`GenericGraph.describe`), else empty."""
 
 
 class AutoshardBackend:
@@ -203,8 +129,8 @@ class AutoshardBackend:
             raise ValueError(f"autoshard: torch.compile options {sorted(options)} are inductor's; autoshard takes its "
                              "settings as autoshard.backend(**settings) (see autoshard.BackendConfig)")
         pg = self._sequence_group()
-        self._cause = _dynamo_cause(self._guard_failures_seen)
-        _warn_at_the_recompile_limit(gm, self._cause)
+        self._cause = dynamo_cause(self._guard_failures_seen)
+        warn_at_the_recompile_limit(gm, self._cause)
         graph = DynamoGraph(gm=gm, example_inputs=example_inputs, dry_run=self.config.dry_run, rank=pg.rank(),
                             group_name=pg.group_name)
         kind = graph_kind(graph)
@@ -728,35 +654,6 @@ def backend(group: GroupLike = None, config: BackendConfig | None = None, **over
     return AutoshardBackend(group, config)
 
 
-def _describe(index: int, record: GraphRecord) -> list[str]:
-    """A compiled graph's record, as :func:`explain` prints it."""
-    report = record.report
-    strategies = Counter(a["strategy"] for a in report.attention)
-    counts = {name: stats.counts for name, stats in report.passes.items()}
-    deferred = counts.get("defer", {}).get("deferred", 0)
-    lines = [f"graph {index}: {len(report.attention)} attention call(s)"
-             + (f" ({', '.join(f'{n} {k}' for k, n in strategies.items())})" if strategies else "")
-             + f", {len(report.comms)} collective(s), {len(report.fallbacks)} fallback(s)"
-             + (f", {deferred} output(s) handed on uncomputed" if deferred else "")
-             + f"; compiled for: {record.cause.describe()}"
-             + (f"; serves {record.length_class}" if record.length_class else "")]
-    if report.square_values:
-        lines.append(f"  sequence x sequence values: {', '.join(report.square_values)}")
-    lines += [f"  fallback {f.node} ({f.op}): {f.reason}" for f in report.fallbacks]
-    lines += [f"  attention {a['node']}: {a['strategy']}" + (f" -- {a['reason']}" if a.get("reason") else "")
-              for a in report.attention if a["strategy"] in ("gathered-kv", "whole")]
-    levers = {"chunked LM head + loss": counts.get("chunking", {}).get("chunked_losses", 0),
-              "chunked MLP blocks": counts.get("tile", {}).get("chunked_mlps", 0),
-              "tiled token-local regions": counts.get("tile", {}).get("tiled_regions", 0),
-              "recomputed regions": len(report.recomputed),
-              "offloaded regions": counts.get("outline", {}).get("offloaded", 0)}
-    if any(levers.values()):
-        lines.append("  memory: " + ", ".join(f"{n} {k}" for k, n in levers.items() if n))
-    if report.memory_policy is not None:
-        lines.append("  " + report.memory_policy.describe())
-    return lines
-
-
 def explain(compiled_by: AutoshardBackend | Any = None) -> str:
     """What a backend did to the graphs it compiled on this rank (the last ``RECORDS_KEPT``), oldest first:
     attention strategies, fallbacks, the memory levers and the memory policy's choice; after a run with packed
@@ -772,7 +669,7 @@ def explain(compiled_by: AutoshardBackend | Any = None) -> str:
         return "autoshard: nothing compiled on this rank yet"
     counts = ", ".join(f"{source.compilations[kind]} {kind}" for kind in CAUSES if source.compilations[kind])
     lines = [f"compilations on this rank: {sum(source.compilations.values())} ({counts})"]
-    lines += [line for i, record in enumerate(source.compiled) for line in _describe(i, record)]
+    lines += [line for i, record in enumerate(source.compiled) for line in describe_record(i, record)]
     documents = last_dispatch()
     if documents is not None:
         lines.append(f"packed documents, latest attention: {documents.summary()}")

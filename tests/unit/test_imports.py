@@ -1,4 +1,5 @@
-"""The package's import graph has no cycle, and every module imports alone.
+"""The package's import graph has no cycle, every module imports alone, and the package keeps its shape: no module
+over ``MAX_LINES`` lines, no import of a package module deferred into a function.
 
 The graph is read from the source with ``ast`` (fast and exact): an edge ``a -> b`` for every ``import`` of ``b``
 in ``a``, at module level or inside a function (an import deferred into a function hides a cycle, it does not
@@ -116,6 +117,25 @@ def test_the_graph_finds_a_cycle_hidden_in_a_function():
 def test_the_import_graph_has_no_cycle():
     found = cycles(import_graph())
     assert not found, f"import cycles: {[sorted(c) for c in found]}"
+
+
+MAX_LINES = 700
+"""A module longer than this does several jobs: split it by job (issue 42's acceptance)."""
+
+
+def test_no_module_is_over_max_lines():
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_package_import_is_deferred_into_a_function():
+    deferred = [f"{name}: {ast.unparse(node)}" for name, path in _modules().items()
+                for function in ast.walk(ast.parse(path.read_text()))
+                if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for node in ast.walk(function)
+                if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("autoshard"))
+                or isinstance(node, ast.Import) and any(a.name.startswith("autoshard") for a in node.names)]
+    assert not deferred, f"imports deferred into functions (they hide cycles): {deferred}"
 
 
 _IMPORT_EACH_ALONE = """

@@ -7,8 +7,9 @@ DTensor's ``_ops/``); importing the package imports every file:
 file               ops
 =================  ============================================================================
 ``pointwise``      elementwise ops (ATen ``pointwise`` tag), casts, identity, dropout
-``views``          view/reshape/flatten/squeeze/unsqueeze, permute/transpose, expand,
-                   getitem / narrow / select, split, unbind, cat, stack, pad, repeat_interleave
+``views``          view/reshape/flatten/squeeze/unsqueeze, permute/transpose, expand, repeat,
+                   repeat_interleave, getitem / narrow / select
+``joins``          split / chunk / unbind, cat, stack, pad
 ``matmul``         linear, matmul/bmm/mm, addmm
 ``norms``          layer_norm, rms_norm, softmax/log_softmax (and over the sequence)
 ``reductions``     sum/mean/amax/... over any dims, cumsum
@@ -39,8 +40,8 @@ import torch.fx as fx
 
 from ..infer import LinkContext, token_local_nodes
 from ..ops import is_tensor_node, op_of, shape_of, size_key
-from . import (attention, conv, embedding, factories, loss, markers, matmul, norms,  # noqa: F401 -- each registers
-               reductions, selection, views)
+from . import (attention, conv, embedding, factories, joins, loss, markers, matmul,  # noqa: F401 -- each registers
+               norms, reductions, selection, views)
 from .pointwise import link_broadcast
 from .registry import RULES
 
