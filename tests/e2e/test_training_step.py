@@ -187,10 +187,12 @@ def _accumulated() -> float:
                for n, p in model.named_parameters())
 
 
-SLOW = {(2, 62, "ring", "aot_eager"), (4, 63, "ring", "eager"), (4, 61, "ulysses", "eager"), "fsdp_levers",
+SLOW = {(2, 62, "ring", "aot_eager"), (4, 63, "ring", "eager"), (4, 61, "ulysses", "eager"), "fsdp", "fsdp_levers",
         "fsdp_tiles", "ddp"}
-"""Marked slow and run in a launch of their own: checkpointing under aot_eager and at 4 ranks, FSDP2 with the levers or
-the tiles, and DDP (the Trainer test of ``test_hf_trainer.py`` trains with DDP over (dp, sp) too)."""
+"""Marked slow and run in a launch of their own: checkpointing under aot_eager and at 4 ranks, FSDP2 on the (dp, sp)
+mesh, alone or with the levers or the tiles (``test_mask_boundaries.py`` trains FSDP2's per-layer graphs by default),
+and DDP (the default tier's accumulation test and the Trainer test of ``test_hf_trainer.py`` train with DDP over (dp,
+sp) too)."""
 
 
 def _run(world: int, slow: bool):
