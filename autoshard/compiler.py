@@ -61,6 +61,7 @@ from .passes.pipeline import DynamoGraph, GraphKind, compile_graph, graph_kind, 
 from .passes.report import CompileReport
 from .passes.specialize import GenericGraph, generalize, size_key, specialize, symbol_of, symbolic_dims
 from .placements import Shard
+from .recognized import recognize_loaded, warn_if_traced_through
 from .records import CAUSES, Cause, GraphRecord, describe_record, dynamo_cause, warn_at_the_recompile_limit
 from .planner import plan_graph, plan_graphs
 from .policy import device_budget, host_budget, memory_policy_for
@@ -109,6 +110,7 @@ class AutoshardBackend:
         self._guard_failures_seen = [0]
         self._warned_whole_cache = False
         trace_checkpointed_layers()
+        recognize_loaded()
 
     @property
     def sharded_layout(self) -> str:
@@ -129,6 +131,7 @@ class AutoshardBackend:
             raise ValueError(f"autoshard: torch.compile options {sorted(options)} are inductor's; autoshard takes its "
                              "settings as autoshard.backend(**settings) (see autoshard.BackendConfig)")
         pg = self._sequence_group()
+        warn_if_traced_through(gm)
         self._cause = dynamo_cause(self._guard_failures_seen)
         warn_at_the_recompile_limit(gm, self._cause)
         graph = DynamoGraph(gm=gm, example_inputs=example_inputs, dry_run=self.config.dry_run, rank=pg.rank(),

@@ -113,7 +113,7 @@ class Call:
     def needs_grad(self) -> bool:
         """Whether the value it serves needs a gradient, so the call's backward runs."""
         v = value_of(self.value)
-        return isinstance(v, torch.Tensor) and v.requires_grad
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (v if isinstance(v, (tuple, list)) else [v]))
 
     @property
     def phases(self) -> tuple[str, ...]:

@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from ..config import dynamo_settings
+from ..recognized import recognize_loaded
 from ..boundary import DeferredInput, inline_inputs, shard_inputs
 from ..passes.graph import keep_real_values
 
@@ -103,6 +104,7 @@ def capture(model, args: tuple, kwargs: dict, *, per_layer_graphs: bool = False)
 
         # every plan compiles the model anew (its own capturing backend): dynamo's per-frame recompile limit would
         # otherwise make the ninth plan of one model run it eagerly, capturing nothing
+        recognize_loaded()  # the functions dynamo records as one op, as a backend made now would (see recognized.py)
         with torch._dynamo.config.patch(recompile_limit=1 << 30, accumulated_recompile_limit=1 << 30), dynamo_settings():
             torch.compile(model, backend=grab, dynamic=False)(*args, **kwargs)
     if not calls:

@@ -19,6 +19,7 @@ file               ops
 ``loss``           cross_entropy / nll_loss, elementwise losses: exact global reductions
 ``attention``      the captured attention: distributed attention
 ``conv``           convolutions: 1-d ones along the sequence split with halos (strided too)
+``recurrence``     the gated delta rule (linear attention): state passing between ranks
 =================  ============================================================================
 
 A rule is two functions: ``link(ctx, node, op)`` declares edges between sequence elements (see
@@ -41,7 +42,7 @@ import torch.fx as fx
 from ..infer import LinkContext, token_local_nodes
 from ..ops import is_tensor_node, op_of, shape_of, size_key
 from . import (attention, conv, embedding, factories, joins, loss, markers, matmul,  # noqa: F401 -- each registers
-               norms, reductions, selection, views)
+               norms, recurrence, reductions, selection, views)
 from .pointwise import link_broadcast
 from .registry import RULES
 

@@ -1,0 +1,99 @@
+"""Linear attention split along the sequence by state passing: transformers' Qwen3-Next, unmodified.
+
+Qwen3-Next alternates Gated DeltaNet layers (transformers' chunked torch form of the gated delta rule, a causal
+``conv1d`` before it) with full attention, and its MLPs are experts. Under ``autoshard.backend()`` the rule is recorded
+as one ``autoshard::gated_delta_rule`` (:mod:`autoshard.recognized`) and split by state passing (one all-gather of
+every piece's state; :mod:`autoshard.runtime.recurrence`). Asserted on real ranks against one process (float32 --
+transformers computes the rule in float32 whatever the model's dtype -- 1e-4 relative, as the other transformers
+models): loss and every gradient, 0 fallbacks, no S x S value, the attention distributed, the state passed forward
+and its gradient backward; and the plan's bytes, state passing included, equal to the bytes the run sent.
+Lengths the world size does not divide, ring (contiguous) and zigzag (two pieces on a rank) layouts.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard.runtime import comm_counter
+from autoshard.testing import run_on_ranks
+from autoshard.testing.equivalence import compare_with_one_process
+
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4
+PASSING = "recurrent state passing"
+
+
+def _build(seq: int):
+    cfg = transformers.Qwen3NextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=256, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"])
+    cfg._attn_implementation = "sdpa"
+    ids = torch.randint(0, 256, (2, seq))
+    return (lambda: transformers.Qwen3NextForCausalLM(cfg)), {"input_ids": ids, "labels": ids.clone()}
+
+
+def _case(seq: int, strategy: str, count_bytes: bool) -> dict:
+    torch._dynamo.reset()
+    torch.manual_seed(0)  # every rank builds the same model and inputs
+    make, kwargs = _build(seq)
+    r = compare_with_one_process(make, lambda: (), kwargs=kwargs, strategy=strategy)
+    out = dict(error=r.max_error(), summary=r.summary(), fallbacks=r.fallbacks,
+               strategies=[a["strategy"] for a in r.attention],
+               squares=[v for report in r.compiled_reports for v in report.square_values],
+               passing=sorted(c.phase for report in r.compiled_reports for c in report.comms if c.reason == PASSING))
+    if count_bytes:
+        out["bytes"] = _planned_and_sent(make(), dict(kwargs, use_cache=False), strategy)
+    return out
+
+
+def _planned_and_sent(model, kwargs: dict, strategy: str) -> tuple:
+    """(planned forward, sent forward, planned backward, sent backward) bytes of one training step."""
+    torch._dynamo.reset()
+    plan = autoshard.plan(model, (), kwargs, world_size=dist.get_world_size(), rank=dist.get_rank(),
+                          strategy=strategy, outputs="gathered")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=autoshard.backend(strategy=strategy, outputs="gathered"))
+    with comm_counter() as forward:
+        loss = compiled(**kwargs).loss
+    with comm_counter() as backward:
+        loss.backward()
+    return plan.bytes_sent("forward"), forward.payload_bytes_sent, plan.bytes_sent("backward"), backward.bytes_sent
+
+
+CASES = {2: [(14, "zigzag", True)], 4: [(13, "ring", True), (15, "zigzag", False)]}
+
+
+@functools.cache
+def _results(world: int) -> list[list[dict]]:
+    return run_on_ranks(_run, world, CASES[world], timeout=600)
+
+
+def _run(cases) -> list[dict]:
+    return [_case(*case) for case in cases]
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_gated_deltanet_layers_pass_their_state(world):
+    for rank, results in enumerate(_results(world)):
+        for (seq, strategy, _), r in zip(CASES[world], results):
+            where = f"Qwen3-Next S={seq} {strategy} P={world} rank {rank}"
+            assert r["error"] <= TOLERANCE, f"{where}: {r['summary']}"
+            assert r["fallbacks"] == [] and r["squares"] == [], f"{where}: {r['fallbacks']} {r['squares']}"
+            assert r["strategies"] == [strategy], f"{where}: {r['strategies']}"
+            assert r["passing"] == ["backward", "forward"], f"{where}: state passing booked {r['passing']}"
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_the_plan_books_the_state_passing_the_run_sends(world):
+    for rank, results in enumerate(_results(world)):
+        for (seq, strategy, count_bytes), r in zip(CASES[world], results):
+            if count_bytes:
+                planned_forward, sent_forward, planned_backward, sent_backward = r["bytes"]
+                assert (planned_forward, planned_backward) == (sent_forward, sent_backward), (seq, strategy, rank)
