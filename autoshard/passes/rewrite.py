@@ -435,17 +435,24 @@ class Rewriter:
                 new.meta[REGION] = region
             new = new.next
 
+    def _few_positions(self, have) -> bool:
+        """Whether ``have`` splits a piece of the sequence of a constant length no longer than one rank's share (the
+        last token's logits, a convolution's last positions): at most two ranks hold any of it, so it leaves whole."""
+        if not (isinstance(have, Shard) and have.layout.kind == "derived") or is_symbolic(have.layout.length):
+            return False
+        root = self.root_length(have.layout)
+        return have.layout.length <= self.world or (not is_symbolic(root) and have.layout.length * self.world <= root)
+
     def _outputs(self, node: fx.Node) -> None:
         """The graph's outputs: split ones gathered (``outputs="gathered"``), left as local shards
         (``"sharded"``), or, with ``"split"``, left local and listed in ``carried_outputs`` for the backend
         to hand back as :class:`~autoshard.runtime.split_tensor.SplitTensor` (a value whose split merges
-        the sequence with another dim is gathered, and so are a few positions sliced out of the sequence, as the last
-        token's logits ``generate()`` asks for with ``logits_to_keep=1``: a rank holds one at most, so every use would
-        gather them)."""
+        the sequence with another dim is gathered, and so are a few positions sliced out of the sequence
+        (:meth:`_few_positions`): the last token's logits ``generate()`` asks for with ``logits_to_keep=1``, the last
+        positions a linear-attention layer's convolution keeps in its cache and updates in place)."""
         def out(n, index=None):
             have = self.placement(n)
-            few = isinstance(have, Shard) and have.layout.kind == "derived" and not is_symbolic(
-                have.layout.length) and have.layout.length <= self.world
+            few = self._few_positions(have)
             if isinstance(have, Shard) and (self.config.outputs == "sharded" or (
                     self.config.outputs == "split" and index is not None and not have.factors and not few)):
                 if self.config.outputs == "split":

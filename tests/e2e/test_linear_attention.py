@@ -7,7 +7,8 @@ every piece's state; :mod:`autoshard.runtime.recurrence`). Asserted on real rank
 transformers computes the rule in float32 whatever the model's dtype -- 1e-4 relative, as the other transformers
 models): loss and every gradient, 0 fallbacks, no S x S value, the attention distributed, the state passed forward
 and its gradient backward; and the plan's bytes, state passing included, equal to the bytes the run sent.
-Lengths the world size does not divide, ring (contiguous) and zigzag (two pieces on a rank) layouts.
+Lengths the world size does not divide, ring (contiguous) and zigzag (two pieces on a rank) layouts. ``generate()``
+gives one process's tokens: the prefill split, the decode steps reading the passed final state and the conv state.
 """
 
 import functools
@@ -67,6 +68,21 @@ def _planned_and_sent(model, kwargs: dict, strategy: str) -> tuple:
     return plan.bytes_sent("forward"), forward.payload_bytes_sent, plan.bytes_sent("backward"), backward.bytes_sent
 
 
+def _generate(length: int) -> dict:
+    """generate() on a prompt of ``length`` tokens: the prefill split (the layers' final states and conv states go
+    to the cache whole), the decode steps on them; the tokens against the same model uncompiled on this rank."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    make, _ = _build(length)
+    model = make().eval()
+    prompt = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(1))
+    expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    backend = autoshard.backend()
+    model.forward = torch.compile(model.forward, backend=backend)
+    return dict(same=torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), expected),
+                explain=autoshard.explain(backend))
+
+
 CASES = {2: [(14, "zigzag", True)], 4: [(13, "ring", True), (15, "zigzag", False)]}
 
 
@@ -76,7 +92,7 @@ def _results(world: int) -> list[list[dict]]:
 
 
 def _run(cases) -> list[dict]:
-    return [_case(*case) for case in cases]
+    return [_case(*case) for case in cases] + ([_generate(37)] if dist.get_world_size() == 2 else [])
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -97,3 +113,12 @@ def test_the_plan_books_the_state_passing_the_run_sends(world):
             if count_bytes:
                 planned_forward, sent_forward, planned_backward, sent_backward = r["bytes"]
                 assert (planned_forward, planned_backward) == (sent_forward, sent_backward), (seq, strategy, rank)
+
+
+def test_generate_prefills_split_and_decodes_from_the_passed_state():
+    for rank, results in enumerate(_results(2)):
+        r = results[-1]
+        assert r["same"], f"rank {rank}: tokens differ from one process\n{r['explain']}"
+        graphs = [line for line in r["explain"].splitlines() if line.startswith("graph")]
+        assert "allgather" in graphs[0] and all(" 0 fallback(s)" in line for line in graphs), r["explain"]
+        assert all("decode" in line for line in graphs[1:]), r["explain"]
