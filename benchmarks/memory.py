@@ -4,6 +4,7 @@
     python benchmarks/memory.py --seq 4096       # what a small machine can run
     python benchmarks/memory.py --cap 3          # the longest S whose step fits 3 GiB per rank, each way
     python benchmarks/memory.py --model moe      # a mixture-of-experts model (Qwen3-MoE) instead
+    python benchmarks/memory.py --model hybrid   # linear attention + attention + experts (Qwen3-Next)
 
 A transformers Llama from a config (vocabulary 32000, hidden 256, 4 layers, 8 query / 2 key-value heads,
 float32, CPU): forward + backward of the loss at S tokens, batch 1. The step is the base model, the
@@ -11,7 +12,9 @@ float32, CPU): forward + backward of the loss at S tokens, batch 1. The step is 
 ``cross_entropy``) returning the loss only: ``LlamaForCausalLM.forward`` also returns the logits, and a
 value the caller gets cannot be chunked away. ``--model moe``: transformers' Qwen3-MoE of the same sizes, every
 layer's MLP 8 experts of width 256 with 2 per token (its default ``grouped_mm`` experts), loss only (no router
-loss).
+loss). ``--model hybrid``: transformers' Qwen3-Next of the same sizes, three Gated DeltaNet layers (8 value / 4 key
+heads of 32, transformers' chunked torch form of the rule, split by state passing) and one attention layer, the
+experts of ``moe`` and a shared expert.
 
 * ``one process``: the plain model, uncompiled (autoshard compiles nothing on one rank);
 * ``P=2, whole loss``: compiled over 2 gloo ranks with ``chunk_loss=None``: each rank holds its
@@ -46,6 +49,14 @@ Measured (2 shared CPU cores, torch 2.13 CPU, transformers 5.24; ``--budget 0.5`
      16384  P=2, chunked         1061 MiB   0.14    31.6  chunk_loss
      16384  P=2, policy           326 MiB   0.04    40.1  chunk_loss; recompute='layers'
 
+``--model hybrid --seq 4096 --ways "one process" "P=2, whole loss" "P=2, chunked"`` (Qwen3-Next: three Gated DeltaNet
+layers split by state passing, one attention layer, experts; same machine, transformers 5.25)::
+
+         S  run               peak/rank  x one  step s  levers
+      4096  one process          2338 MiB   1.00    10.3  -
+      4096  P=2, whole loss      1049 MiB   0.45     7.8  -
+      4096  P=2, chunked          457 MiB   0.20     7.1  chunk_loss
+
 ``--cap 1 --max-seq 32768`` (longest S under 1 GiB per rank): one process < 4096 (4096: 1906 MiB); P=2 whole
 loss 4096; P=2 chunked 8192 (16384: 1061 MiB); P=2 policy 32768, the longest tried (849 MiB). With tiles and head
 groups in the policy's ladder, ``--cap 1 --ways "P=2, policy" --start 32768 --max-seq 65536``: 771 MiB at 32768,
@@ -77,13 +88,13 @@ class LossOnly(nn.Module):
         self.llama = llama
 
     def forward(self, ids, labels):
-        h = self.llama.model(input_ids=ids).last_hidden_state
+        h = self.llama.model(input_ids=ids, use_cache=False).last_hidden_state
         logits = self.llama.lm_head(h)
         return self.llama.loss_function(logits, labels, self.llama.config.vocab_size)
 
 
 def _model(kind: str) -> nn.Module:
-    """``llama`` or ``moe`` (Qwen3-MoE), float32, random weights."""
+    """``llama``, ``moe`` (Qwen3-MoE) or ``hybrid`` (Qwen3-Next), float32, random weights."""
     import transformers
 
     sizes = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
@@ -92,6 +103,13 @@ def _model(kind: str) -> nn.Module:
     if kind == "moe":
         cfg, cls = transformers.Qwen3MoeConfig(num_experts=EXPERTS, num_experts_per_tok=TOP_K, head_dim=HIDDEN // HEADS,
                                                moe_intermediate_size=HIDDEN, **sizes), transformers.Qwen3MoeForCausalLM
+    elif kind == "hybrid":
+        cfg = transformers.Qwen3NextConfig(
+            num_experts=EXPERTS, num_experts_per_tok=TOP_K, head_dim=HIDDEN // HEADS, moe_intermediate_size=HIDDEN,
+            shared_expert_intermediate_size=HIDDEN, linear_num_key_heads=KV_HEADS * 2, linear_num_value_heads=HEADS,
+            linear_key_head_dim=HIDDEN // HEADS, linear_value_head_dim=HIDDEN // HEADS,
+            layer_types=["linear_attention"] * (LAYERS - 1) + ["full_attention"], **sizes)
+        cls = transformers.Qwen3NextForCausalLM
     else:
         cfg, cls = transformers.LlamaConfig(**sizes), transformers.LlamaForCausalLM
     torch.manual_seed(0)
@@ -142,7 +160,7 @@ def main():
     parser.add_argument("--start", type=int, default=4096, help="the first S --cap tries")
     parser.add_argument("--ways", nargs="*", help="the ways of running to measure (default: all)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
-    parser.add_argument("--model", choices=("llama", "moe"), default="llama", help="the model (see above)")
+    parser.add_argument("--model", choices=("llama", "moe", "hybrid"), default="llama", help="the model (see above)")
     args = parser.parse_args()
     ways = runs(int((args.cap if args.cap is not None else args.budget) * 2**30))
     ways = {name: way for name, way in ways.items() if args.ways is None or name in args.ways}
