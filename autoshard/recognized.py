@@ -2,10 +2,11 @@
 
 Some sequence mixers are written as Python that no graph pass could read back: transformers' gated delta rule (the
 linear attention of Qwen3-Next, Qwen3.5, OLMo-Hybrid) is a loop over chunks of 64 positions that dynamo unrolls, one
-step per chunk, its count fixed by the length. Such a function is recognized *before* tracing instead: the backend
+step per chunk, its count fixed by the length; Mamba2's chunked scan (Falcon-H1, Bamba) reshapes the sequence into
+chunks and mixes them with a chunk-by-chunk decay matrix. Such a function is recognized *before* tracing instead: the backend
 registers, for every loaded module that defines one, a stand-in with dynamo (``torch._dynamo.substitute_in_graph``)
-that records one ``autoshard::gated_delta_rule`` call (:mod:`autoshard.runtime.recurrence`) whose implementation is
-the model's own function. Outside compilation nothing changes: the function stays the module's and runs as it is;
+that records one ``autoshard::gated_delta_rule`` or ``autoshard::ssd_chunk_scan`` call
+(:mod:`autoshard.runtime.recurrence`) whose implementation is the model's own function. Outside compilation nothing changes: the function stays the module's and runs as it is;
 under compilation the op runs it, so a graph that is not split computes what the model computes.
 
 :data:`RECOGNIZED` lists what is recognized: a function name and the op's stand-in. Every module in ``sys.modules``
@@ -56,9 +57,24 @@ def _gated_delta_rule_stand_in(implementation: str) -> Callable:
     return gated_delta_rule
 
 
+def _ssd_chunk_scan_stand_in(implementation: str) -> Callable:
+    def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+        if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
+            raise ValueError("autoshard: Mamba2's scan of packed sequences (seq_idx, cu_seqlens) needs the mamba-ssm "
+                             "kernels; its torch form keeps no documents apart")
+        out, state = torch.ops.autoshard.ssd_chunk_scan(hidden_states, dt, B, C, A, D, dt_bias, initial_states,
+                                                        implementation, chunk_size, dt_softplus, float(dt_limit[0]),
+                                                        float(dt_limit[1]))
+        return (out, state) if return_final_states else out
+
+    return mamba2_chunk_scan
+
+
 RECOGNIZED = (
     Recognized(package="transformers.models.", name="torch_chunk_gated_delta_rule",
                stand_in=_gated_delta_rule_stand_in),
+    Recognized(package="transformers.models.", name="mamba2_chunk_scan", stand_in=_ssd_chunk_scan_stand_in),
 )
 """What is recognized (see the module docstring)."""
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .. import annotations as _annotations  # noqa: F401 -- defines the markers' ops
 from ..runtime.symbolic import as_size, hint_of, size_key
-from ..runtime import recurrence as _recurrence  # noqa: F401 -- defines autoshard::gated_delta_rule
+from ..runtime import recurrence as _recurrence  # noqa: F401 -- defines the recurrence ops
 from ..runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines autoshard::check_band
 
 __all__ = ["Op", "OP_KEY", "UNBOUND", "canonical", "op_of", "permutation", "register_canonical", "value_of",
@@ -432,11 +432,19 @@ def _bind_marked_attention(q, k, v, attn_mask, causal, scale):
             "enable_gqa": True}
 
 
-@register_canonical("gated_delta_rule", functions=[torch.ops.autoshard.gated_delta_rule,
-                                                   torch.ops.autoshard.gated_delta_rule.default])
+@register_canonical("recurrence", functions=[torch.ops.autoshard.gated_delta_rule,
+                                             torch.ops.autoshard.gated_delta_rule.default])
 def _bind_gated_delta_rule(q, k, v, g, beta, initial_state, implementation, chunk_size, use_qk_l2norm):
-    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
-            "implementation": implementation, "chunk_size": chunk_size, "use_qk_l2norm": use_qk_l2norm}
+    return {"kind": "gated_delta_rule", "sequence": [q, k, v, g, beta], "others": [], "initial_state": initial_state,
+            "config": [implementation, chunk_size, use_qk_l2norm]}
+
+
+@register_canonical("recurrence", functions=[torch.ops.autoshard.ssd_chunk_scan,
+                                             torch.ops.autoshard.ssd_chunk_scan.default])
+def _bind_ssd_chunk_scan(x, dt, B, C, A, D, dt_bias, initial_state, implementation, chunk_size, dt_softplus, dt_min,
+                         dt_max):
+    return {"kind": "ssd_chunk_scan", "sequence": [x, dt, B, C], "others": [A, D, dt_bias],
+            "initial_state": initial_state, "config": [implementation, chunk_size, dt_softplus, dt_min, dt_max]}
 
 
 # --- nodes that carry no tensor computation (a guard on a buffer read as a mask among them)

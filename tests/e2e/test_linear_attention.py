@@ -1,12 +1,14 @@
-"""Linear attention split along the sequence by state passing: transformers' Qwen3-Next, unmodified.
+"""Linear attention and state-space layers split along the sequence by state passing: transformers' Qwen3-Next and
+Falcon-H1, unmodified.
 
 Qwen3-Next alternates Gated DeltaNet layers (transformers' chunked torch form of the gated delta rule, a causal
-``conv1d`` before it) with full attention, and its MLPs are experts. Under ``autoshard.backend()`` the rule is recorded
-as one ``autoshard::gated_delta_rule`` (:mod:`autoshard.recognized`) and split by state passing (one all-gather of
-every piece's state; :mod:`autoshard.runtime.recurrence`). Asserted on real ranks against one process (float32 --
-transformers computes the rule in float32 whatever the model's dtype -- 1e-4 relative, as the other transformers
-models): loss and every gradient, 0 fallbacks, no S x S value, the attention distributed, the state passed forward
-and its gradient backward; and the plan's bytes, state passing included, equal to the bytes the run sent.
+``conv1d`` before it) with full attention, and its MLPs are experts; Falcon-H1 runs a Mamba2 mixer (transformers'
+chunked scan) beside the attention in every layer. Under ``autoshard.backend()`` the rule and the scan are recorded
+as one op each (:mod:`autoshard.recognized`) and split by state passing (one all-gather of every piece's state;
+:mod:`autoshard.runtime.recurrence`). Asserted on real ranks against one process (float32 -- transformers computes
+both in float32 whatever the model's dtype -- 1e-4 relative, as the other transformers models): loss and every
+gradient, 0 fallbacks, no S x S value, every attention distributed, the state passed forward and its gradient
+backward; and the plan's bytes, state passing included, equal to the bytes the run sent.
 Lengths the world size does not divide, ring (contiguous) and zigzag (two pieces on a rank) layouts. ``generate()``
 gives one process's tokens: the prefill split, the decode steps reading the passed final state and the conv state.
 """
@@ -28,22 +30,32 @@ TOLERANCE = 1e-4
 PASSING = "recurrent state passing"
 
 
-def _build(seq: int):
-    cfg = transformers.Qwen3NextConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=256, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32,
-        layer_types=["linear_attention", "full_attention"])
+def _build(name: str, seq: int):
+    """(model factory, forward kwargs): Qwen3-Next (Gated DeltaNet and attention layers, experts) or Falcon-H1 (Mamba2
+    and attention side by side in every layer)."""
+    if name == "qwen3_next":
+        cfg = transformers.Qwen3NextConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=256, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            layer_types=["linear_attention", "full_attention"])
+        cls = transformers.Qwen3NextForCausalLM
+    else:
+        cfg = transformers.FalconH1Config(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+            mamba_d_conv=4, mamba_chunk_size=8, max_position_embeddings=256)
+        cls = transformers.FalconH1ForCausalLM
     cfg._attn_implementation = "sdpa"
     ids = torch.randint(0, 256, (2, seq))
-    return (lambda: transformers.Qwen3NextForCausalLM(cfg)), {"input_ids": ids, "labels": ids.clone()}
+    return (lambda: cls(cfg)), {"input_ids": ids, "labels": ids.clone()}
 
 
-def _case(seq: int, strategy: str, count_bytes: bool) -> dict:
+def _case(name: str, seq: int, strategy: str, count_bytes: bool) -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)  # every rank builds the same model and inputs
-    make, kwargs = _build(seq)
+    make, kwargs = _build(name, seq)
     r = compare_with_one_process(make, lambda: (), kwargs=kwargs, strategy=strategy)
     out = dict(error=r.max_error(), summary=r.summary(), fallbacks=r.fallbacks,
                strategies=[a["strategy"] for a in r.attention],
@@ -73,7 +85,7 @@ def _generate(length: int) -> dict:
     to the cache whole), the decode steps on them; the tokens against the same model uncompiled on this rank."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    make, _ = _build(length)
+    make, _ = _build("qwen3_next", length)
     model = make().eval()
     prompt = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(1))
     expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
@@ -83,7 +95,9 @@ def _generate(length: int) -> dict:
                 explain=autoshard.explain(backend))
 
 
-CASES = {2: [(14, "zigzag", True)], 4: [(13, "ring", True), (15, "zigzag", False)]}
+CASES = {2: [("qwen3_next", 14, "zigzag", True), ("falcon_h1", 13, "ring", True)],
+         4: [("qwen3_next", 13, "ring", True), ("falcon_h1", 15, "zigzag", False)]}
+"""(model, length, strategy, whether the plan's bytes are checked too), by world size."""
 
 
 @functools.cache
@@ -96,23 +110,24 @@ def _run(cases) -> list[dict]:
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_gated_deltanet_layers_pass_their_state(world):
+def test_linear_attention_and_mamba2_layers_pass_their_state(world):
     for rank, results in enumerate(_results(world)):
-        for (seq, strategy, _), r in zip(CASES[world], results):
-            where = f"Qwen3-Next S={seq} {strategy} P={world} rank {rank}"
+        for (name, seq, strategy, _), r in zip(CASES[world], results):
+            where = f"{name} S={seq} {strategy} P={world} rank {rank}"
             assert r["error"] <= TOLERANCE, f"{where}: {r['summary']}"
             assert r["fallbacks"] == [] and r["squares"] == [], f"{where}: {r['fallbacks']} {r['squares']}"
-            assert r["strategies"] == [strategy], f"{where}: {r['strategies']}"
-            assert r["passing"] == ["backward", "forward"], f"{where}: state passing booked {r['passing']}"
+            assert r["strategies"] and set(r["strategies"]) == {strategy}, f"{where}: {r['strategies']}"
+            assert r["passing"] and r["passing"].count("forward") == r["passing"].count("backward"), \
+                f"{where}: state passing booked {r['passing']}"
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_the_plan_books_the_state_passing_the_run_sends(world):
     for rank, results in enumerate(_results(world)):
-        for (seq, strategy, count_bytes), r in zip(CASES[world], results):
+        for (name, seq, strategy, count_bytes), r in zip(CASES[world], results):
             if count_bytes:
                 planned_forward, sent_forward, planned_backward, sent_backward = r["bytes"]
-                assert (planned_forward, planned_backward) == (sent_forward, sent_backward), (seq, strategy, rank)
+                assert (planned_forward, planned_backward) == (sent_forward, sent_backward), (name, seq, rank)
 
 
 def test_generate_prefills_split_and_decodes_from_the_passed_state():

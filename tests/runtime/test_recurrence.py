@@ -1,32 +1,33 @@
-"""The gated delta rule split along the sequence (:func:`autoshard.runtime.recurrence.split_gated_delta_rule`) on
-real ranks, against the recurrence run position by position on one process: every rank's output, the final state and
-the gradients of query, key, value, decay and beta, in float64 (tolerance 1e-10), contiguous and zigzag layouts,
-lengths the world size does not divide, grouped value heads.
+"""Recurrences split along the sequence (:func:`autoshard.runtime.recurrence.split_recurrence`) on real ranks, against
+the recurrence run position by position on one process: every rank's output, the final state and the gradient of
+every input, in float64 (tolerance 1e-10), for the gated delta rule and Mamba2's scan, contiguous and zigzag layouts,
+lengths the world size does not divide, a sequence shorter than the world, grouped heads.
 
-The implementation registered here is the recurrence written out step by step (no chunks): the state passing is
-checked against an independent form of the rule, not against the chunked one it runs.
+The implementations registered here are the recurrences written out step by step (no chunks): state passing is
+checked against an independent form of each rule, not against the chunked one transformers runs.
 """
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from autoshard.runtime.groups import group_name
 from autoshard.runtime.layouts import SequenceLayout
-from autoshard.runtime.recurrence import register_implementation, split_gated_delta_rule
+from autoshard.runtime.recurrence import register_implementation, split_recurrence
 from autoshard.testing import run_on_ranks
 
-B, HK, HV, DK, DV = 2, 2, 4, 5, 3
+BATCH, GROUPS, HEADS, KEY, VALUE = 2, 2, 4, 5, 3
 TOLERANCE = dict(rtol=1e-10, atol=1e-10)
 
 
-def stepwise(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=True,
-             use_qk_l2norm_in_kernel=False):
+def delta_rule_stepwise(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=True,
+                        use_qk_l2norm_in_kernel=False):
     """The gated delta rule one position at a time: ``S <- exp(g) S``, ``S <- S + beta k (v - S^T k)^T``,
     ``out = S^T q / sqrt(Dk)`` (query and key L2-normalized first when asked)."""
     query, key = (x.repeat_interleave(value.shape[2] // x.shape[2], 2) for x in (query, key))
     if use_qk_l2norm_in_kernel:
-        query, key = (torch.nn.functional.normalize(x, dim=-1, eps=1e-6) for x in (query, key))
+        query, key = (F.normalize(x, dim=-1, eps=1e-6) for x in (query, key))
     state = (initial_state if initial_state is not None
              else value.new_zeros(value.shape[0], value.shape[2], key.shape[-1], value.shape[-1])).to(value.dtype)
     outs = []
@@ -39,47 +40,89 @@ def stepwise(query, key, value, g, beta, chunk_size=64, initial_state=None, outp
     return torch.stack(outs, 1), state
 
 
-register_implementation("tests.stepwise", stepwise)
+def ssd_stepwise(x, dt, A, B, C, chunk_size=64, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
+                 dt_limit=(0.0, float("inf")), return_final_states=True):
+    """Mamba2's scan one position at a time: ``h <- exp(dt A) h + dt x B^T``, ``y = h C + D x``."""
+    dt = dt + dt_bias if dt_bias is not None else dt
+    dt = (F.softplus(dt) if dt_softplus else dt).clamp(*dt_limit)
+    B, C = (t.repeat_interleave(x.shape[2] // t.shape[2], 2) for t in (B, C))
+    h = initial_states if initial_states is not None else x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[-1])
+    outs = []
+    for t in range(x.shape[1]):
+        h = h * (dt[:, t] * A).exp()[..., None, None] + torch.einsum("bh,bhp,bhn->bhpn", dt[:, t], x[:, t], B[:, t])
+        outs.append(torch.einsum("bhpn,bhn->bhp", h, C[:, t]) + (D[:, None] * x[:, t] if D is not None else 0))
+    return torch.stack(outs, 1), h
 
 
-def _inputs(length: int):
+register_implementation("tests.delta_rule_stepwise", delta_rule_stepwise)
+register_implementation("tests.ssd_stepwise", ssd_stepwise)
+
+
+def _inputs(kind: str, length: int) -> tuple[list, list, list]:
+    """(sequence inputs, other inputs, config) of ``kind`` at ``length`` positions."""
     gen = torch.Generator().manual_seed(length)
     rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
-    return [rand(B, length, HK, DK), rand(B, length, HK, DK), rand(B, length, HV, DV),
-            -torch.rand(B, length, HV, generator=gen, dtype=torch.float64), torch.rand(B, length, HV, generator=gen,
-                                                                                   dtype=torch.float64)]
+    unit = lambda *shape: torch.rand(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    if kind == "gated_delta_rule":
+        return ([rand(BATCH, length, GROUPS, KEY), rand(BATCH, length, GROUPS, KEY), rand(BATCH, length, HEADS, VALUE),
+                 -unit(BATCH, length, HEADS), unit(BATCH, length, HEADS)], [], ["tests.delta_rule_stepwise", 64, True])
+    return ([rand(BATCH, length, HEADS, VALUE), rand(BATCH, length, HEADS), rand(BATCH, length, GROUPS, KEY),
+             rand(BATCH, length, GROUPS, KEY)], [-unit(HEADS), rand(HEADS), rand(HEADS)],
+            ["tests.ssd_stepwise", 64, True, 0.0, float("inf")])
 
 
-def _weights(length: int):
-    gen = torch.Generator().manual_seed(1000 + length)
-    return (torch.randn(B, length, HV, DV, generator=gen, dtype=torch.float64),
-            torch.randn(B, HV, DK, DV, generator=gen, dtype=torch.float64))
+def _one_process(kind: str, sequence: list, others: list, config: list):
+    fn = delta_rule_stepwise if kind == "gated_delta_rule" else ssd_stepwise
+    if kind == "gated_delta_rule":
+        return fn(*sequence, use_qk_l2norm_in_kernel=config[2])
+    x, dt, B, C = sequence
+    A, D, dt_bias = others
+    return fn(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=config[2], dt_limit=tuple(config[3:]))
 
 
-def _on_rank(kind: str, length: int):
+def _weights(out_shape, state_shape):
+    gen = torch.Generator().manual_seed(1000)
+    return (torch.randn(*out_shape, generator=gen, dtype=torch.float64),
+            torch.randn(*state_shape, generator=gen, dtype=torch.float64))
+
+
+def _on_rank(kind: str, layout_kind: str, length: int):
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = getattr(SequenceLayout, kind)(length, world)
-    whole = _inputs(length)
-    mine = [x.index_select(1, layout.positions(rank)).requires_grad_() for x in whole]
-    out, state = split_gated_delta_rule(*mine, "tests.stepwise", 64, True, layout.encode(), rank, group_name(None))
-    w_out, w_state = _weights(length)
-    loss = (out * w_out.index_select(1, layout.positions(rank))).sum() + (state * w_state).sum() / world
-    loss.backward()
-    return out.detach(), state.detach(), [x.grad for x in mine]
+    layout = getattr(SequenceLayout, layout_kind)(length, world)
+    sequence, others, config = _inputs(kind, length)
+    positions = layout.positions(rank)
+    mine = [x.index_select(1, positions).requires_grad_() for x in sequence]
+    others = [x.requires_grad_() for x in others]
+    out, state = split_recurrence(kind, mine, others, config, layout.encode(), rank, group_name(None))
+    whole_out, _ = _one_process(kind, *_inputs(kind, length))
+    w_out, w_state = _weights(whole_out.shape, state.shape)
+    ((out * w_out.index_select(1, positions)).sum() + (state * w_state).sum() / world).backward()
+    return out.detach(), state.detach(), [x.grad for x in mine], [x.grad for x in others]
 
 
-@pytest.mark.parametrize("world,kind,length", [(2, "contiguous", 13), (2, "zigzag", 14), (3, "contiguous", 2),
-                                               pytest.param(3, "contiguous", 11, marks=pytest.mark.slow),
-                                               pytest.param(4, "zigzag", 19, marks=pytest.mark.slow)])
-def test_state_passing_equals_the_recurrence_on_one_process(world, kind, length):
-    whole = [x.clone().requires_grad_() for x in _inputs(length)]
-    out, state = stepwise(*whole, use_qk_l2norm_in_kernel=True)
-    w_out, w_state = _weights(length)
+CASES = [(2, "contiguous", 13), (2, "zigzag", 14), (3, "contiguous", 2),
+         pytest.param(3, "contiguous", 11, marks=pytest.mark.slow), pytest.param(4, "zigzag", 19, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("kind", ["gated_delta_rule", "ssd_chunk_scan"])
+@pytest.mark.parametrize("world,layout_kind,length", CASES)
+def test_state_passing_equals_the_recurrence_on_one_process(kind, world, layout_kind, length):
+    sequence, others, config = _inputs(kind, length)
+    sequence, others = [x.requires_grad_() for x in sequence], [x.requires_grad_() for x in others]
+    out, state = _one_process(kind, sequence, others, config)
+    w_out, w_state = _weights(out.shape, state.shape)
     ((out * w_out).sum() + (state * w_state).sum()).backward()
-    layout = getattr(SequenceLayout, kind)(length, world)
-    for rank, (r_out, r_state, r_grads) in enumerate(run_on_ranks(_on_rank, world, kind, length)):
-        torch.testing.assert_close(r_out, out.detach().index_select(1, layout.positions(rank)), **TOLERANCE, msg=f"rank {rank} output")
+    layout = getattr(SequenceLayout, layout_kind)(length, world)
+    other_grads = [torch.zeros_like(x) for x in others]
+    for rank, (r_out, r_state, r_grads, r_other_grads) in enumerate(run_on_ranks(_on_rank, world, kind, layout_kind,
+                                                                                  length)):
+        positions = layout.positions(rank)
+        torch.testing.assert_close(r_out, out.detach().index_select(1, positions), **TOLERANCE,
+                                   msg=f"rank {rank} output")
         torch.testing.assert_close(r_state, state.detach(), **TOLERANCE, msg=f"rank {rank} final state")
-        for name, got, x in zip(("query", "key", "value", "g", "beta"), r_grads, whole):
-            torch.testing.assert_close(got, x.grad.index_select(1, layout.positions(rank)), **TOLERANCE,
-                                       msg=f"rank {rank} gradient of {name}")
+        for i, (got, x) in enumerate(zip(r_grads, sequence)):
+            torch.testing.assert_close(got, x.grad.index_select(1, positions), **TOLERANCE,
+                                       msg=f"rank {rank} gradient of sequence input {i}")
+        other_grads = [total + got for total, got in zip(other_grads, r_other_grads)]
+    for i, (total, x) in enumerate(zip(other_grads, others)):  # each rank's share of a whole input's gradient
+        torch.testing.assert_close(total, x.grad, **TOLERANCE, msg=f"gradient of other input {i}, summed over ranks")

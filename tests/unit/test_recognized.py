@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autoshard.recognized import recognize_loaded, warn_if_traced_through
-from tests.runtime.test_recurrence import stepwise
+from tests.runtime.test_recurrence import delta_rule_stepwise
 
 NAME = "torch_chunk_gated_delta_rule"
 
@@ -22,7 +22,7 @@ NAME = "torch_chunk_gated_delta_rule"
 def _model_module(name: str) -> types.ModuleType:
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                                      output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-        out, state = stepwise(query, key, value, g, beta, initial_state=initial_state,
+        out, state = delta_rule_stepwise(query, key, value, g, beta, initial_state=initial_state,
                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         return out, state if output_final_state else None
 

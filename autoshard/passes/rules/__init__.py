@@ -19,7 +19,7 @@ file               ops
 ``loss``           cross_entropy / nll_loss, elementwise losses: exact global reductions
 ``attention``      the captured attention: distributed attention
 ``conv``           convolutions: 1-d ones along the sequence split with halos (strided too)
-``recurrence``     the gated delta rule (linear attention): state passing between ranks
+``recurrence``     the gated delta rule and Mamba2's scan: state passing between ranks
 =================  ============================================================================
 
 A rule is two functions: ``link(ctx, node, op)`` declares edges between sequence elements (see
