@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..runtime.attention.empty_rows import soft_capped_attention, uniform_attention
-from .graph import eliminate_dead_code, is_module_state, new_node, real_value, unused_impure, user_line
+from .graph import eliminate_dead_code, is_module_state, new_node, real_value, unused_impure, user_line, where
 from ..runtime.attention.masks import MaskSpec
 from .masks import MASKING_FILL, MaskData, Unstructurable, empty_rows_of, structure_mask, structure_mask_mod
 from .ops import canonical, is_tensor_node, permutation, register_canonical, shape_of, size_key, value_of
@@ -500,7 +500,7 @@ def capture_attention(gm: fx.GraphModule, missed: list[Fallback] | None = None) 
             found = _capture_flex(gm, node)
             if isinstance(found, str):
                 if missed is not None:
-                    missed.append(Fallback(node.name, "flex_attention", found))
+                    missed.append(Fallback(node.name, "flex_attention", f"{found} ({where(node)})"))
             else:
                 captured.append((found, None))
             continue
@@ -511,7 +511,7 @@ def capture_attention(gm: fx.GraphModule, missed: list[Fallback] | None = None) 
         elif op is not None and op.name == "matmul":
             found = _handwritten(graph, node)
             if isinstance(found, str) and missed is not None:
-                missed.append(Fallback(node.name, "matmul", found))
+                missed.append(Fallback(node.name, "matmul", f"{found} ({where(node)})"))
             if not isinstance(found, tuple):
                 continue
             q, k, v, mask, scale, softcap, dropout_p, fill, sinks = found

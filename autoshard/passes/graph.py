@@ -29,7 +29,7 @@ from torch.utils.weak import TensorWeakRef
 
 from .ops import canonical, is_tensor_node, value_of
 
-__all__ = ["new_node", "user_line", "reachable", "fake_mode_of", "mutates", "storage_of", "has_side_effects",
+__all__ = ["new_node", "user_line", "where", "reachable", "fake_mode_of", "mutates", "storage_of", "has_side_effects",
            "is_pure", "eliminate_dead_code", "unused_impure", "is_module_state", "keep_real_values", "real_value",
            "REAL_VALUE"]
 
@@ -208,3 +208,13 @@ def user_line(node: fx.Node) -> str:
         return "unknown"
     where = f"  ({lines[code[-1] - 1]})" if code[-1] and lines[code[-1] - 1].startswith("File ") else ""
     return lines[code[-1]] + where
+
+
+def where(node: fx.Node) -> str:
+    """Where ``node`` comes from, for a message: the module that made it (the innermost of dynamo's module stack, as
+    ``model.layers[0].self_attn``) and the user's source line (:func:`user_line`)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    module = next(reversed(stack.values()))[0] if stack else ""
+    module = module.removeprefix("L['self'].").removeprefix("L['self']")
+    return (f"module {module}, " if module else "") + user_line(node)
+

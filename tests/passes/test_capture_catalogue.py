@@ -384,7 +384,12 @@ def test_mask_from_a_buffer_on_the_meta_device_is_unknown():
 
 
 def test_scores_through_another_function_are_not_attention():
-    assert _plan(relu_scores, strategy="ring").attention == []
+    """Not captured, and said where: the fallback names the line (and module) that looks like attention."""
+    plan = _plan(relu_scores, strategy="ring")
+    assert plan.attention == []
+    (fallback,) = plan.fallbacks
+    assert "through relu" in fallback.reason and "test_capture_catalogue.py\", line" in fallback.reason \
+        and "in relu_scores" in fallback.reason, fallback.reason
 
 
 def test_subtracted_bias_is_captured():
