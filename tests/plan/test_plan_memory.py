@@ -10,7 +10,8 @@ and the chunked loss; with a vocabulary of 1024 at S=4096, checkpointed layers a
 layer recomputed in backward -- and the same, hidden 512, tiled, with Ulysses attention whole or in 2 head groups:
 the peak is then the attention's backward (whole; in 2 groups a collective's at this length), whose head-split
 copies the plan counts (``Strategy.working_set``; at S=8192 both peaks are the attention's: 256.3 / 240.3 MiB
-predicted, 265.5 / 249.4 measured).
+predicted, 265.5 / 249.4 measured). In the slow tier also a mixture-of-experts model (Qwen3-MoE: 135.2 MiB predicted,
+134.9 measured) and a hybrid of Gated DeltaNet and attention layers with experts (Qwen3-Next: 192.6 / 191.5 MiB).
 """
 
 import functools
@@ -32,18 +33,24 @@ TOLERANCE = 0.15
 """Measured 0.0% to 4% from the peaks (the simulated step frees what the run frees, when it frees it); 15% is the
 issue's target and leaves room for allocator and library versions."""
 
-CASES = {"checkpointed layers": (1024, 256, 4096, True, {}),
-         "ulysses": (1024, 512, 4096, True, {"strategy": "ulysses", "tile_tokens": 256}),
-         "ulysses head groups": (1024, 512, 4096, True, {"strategy": "ulysses", "tile_tokens": 256, "head_chunks": 2}),
-         "whole loss": (32000, 128, 2048, False, {"chunk_loss": None}),
-         "checkpointed": (32000, 128, 2048, True, {"chunk_loss": None}),
-         "chunked": (32000, 128, 2048, False, {})}
-"""Name -> (vocabulary, hidden size, S, gradient checkpointing, backend options), measured in this order in the same
-two processes. The small case comes first: measured after the large-vocabulary ones it read 46 MiB against 84 MiB
+CASES = {"checkpointed layers": ("llama", 1024, 256, 4096, True, {}),
+         "ulysses": ("llama", 1024, 512, 4096, True, {"strategy": "ulysses", "tile_tokens": 256}),
+         "ulysses head groups": ("llama", 1024, 512, 4096, True, {"strategy": "ulysses", "tile_tokens": 256,
+                                                                   "head_chunks": 2}),
+         "whole loss": ("llama", 32000, 128, 2048, False, {"chunk_loss": None}),
+         "checkpointed": ("llama", 32000, 128, 2048, True, {"chunk_loss": None}),
+         "experts": ("qwen3_moe", 1024, 256, 2048, False, {}),
+         "linear attention and experts": ("qwen3_next", 1024, 256, 2048, False, {}),
+         "chunked": ("llama", 32000, 128, 2048, False, {})}
+"""Name -> (model, vocabulary, hidden size, S, gradient checkpointing, backend options), measured in this order in the
+same two processes. The models: transformers' Llama, Qwen3-MoE (8 experts, 2 per token, each rank dispatching its
+own tokens) and Qwen3-Next (three Gated DeltaNet layers split by state passing, one attention layer, the same
+experts). The small case comes first: measured after the large-vocabulary ones it read 46 MiB against 84 MiB
 alone -- the resident set did not rise by what the step allocated; most likely the processes still held memory
 the earlier cases had freed (not verified further) -- while the large cases, here and in ``benchmarks/plan.py``,
 read the same in any order."""
-SLOW = ("checkpointed layers", "ulysses", "ulysses head groups", "whole loss", "checkpointed")
+SLOW = ("checkpointed layers", "ulysses", "ulysses head groups", "whole loss", "checkpointed", "experts",
+        "linear attention and experts")
 """Cases measured in a launch of their own and marked slow (the default suite measures one: the chunked loss; the
 plan of checkpointed layers is checked without a run below)."""
 
@@ -56,16 +63,26 @@ class _LossOnly(nn.Module):
         self.llama = llama
 
     def forward(self, ids, labels):
-        logits = self.llama.lm_head(self.llama.model(input_ids=ids).last_hidden_state)
+        logits = self.llama.lm_head(self.llama.model(input_ids=ids, use_cache=False).last_hidden_state)
         return self.llama.loss_function(logits, labels, self.llama.config.vocab_size)
 
 
-def _model(vocab: int, hidden: int, seq: int, checkpointed: bool) -> nn.Module:
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
-                                   num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=seq, attn_implementation="sdpa")
+def _model(kind: str, vocab: int, hidden: int, seq: int, checkpointed: bool) -> nn.Module:
+    sizes = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, attn_implementation="sdpa")
+    experts = dict(num_experts=8, num_experts_per_tok=2, head_dim=hidden // 4, moe_intermediate_size=hidden)
+    if kind == "qwen3_moe":
+        cfg, cls = transformers.Qwen3MoeConfig(**experts, **sizes), transformers.Qwen3MoeForCausalLM
+    elif kind == "qwen3_next":
+        cfg = transformers.Qwen3NextConfig(
+            **experts, shared_expert_intermediate_size=hidden, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=hidden // 4, linear_value_head_dim=hidden // 4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"], **sizes)
+        cls = transformers.Qwen3NextForCausalLM
+    else:
+        cfg, cls = transformers.LlamaConfig(**sizes), transformers.LlamaForCausalLM
     torch.manual_seed(0)
-    llama = transformers.LlamaForCausalLM(cfg).float()
+    llama = cls(cfg).float()
     if checkpointed:
         llama.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True  # transformers >= 5.25
@@ -76,9 +93,9 @@ def _measured(names: list[str]) -> dict[str, int]:
     """This rank's peak bytes of each named case's step, in order."""
     out = {}
     for name in names:
-        vocab, hidden, seq, checkpointed, options = CASES[name]
+        kind, vocab, hidden, seq, checkpointed, options = CASES[name]
         torch._dynamo.reset()
-        model = _model(vocab, hidden, seq, checkpointed)
+        model = _model(kind, vocab, hidden, seq, checkpointed)
         ids = torch.randint(0, vocab, (1, seq))
         compiled = torch.compile(model, backend=autoshard.backend(**options), dynamic=False)
         compiled(ids, ids).backward()  # compile, warm up
@@ -104,10 +121,10 @@ def _measured_peak(name: str) -> int:
 @functools.cache
 def _planned(name: str):
     """The plan's memory per rank of a case, the model on the meta device."""
-    vocab, hidden, seq, checkpointed, options = CASES[name]
+    kind, vocab, hidden, seq, checkpointed, options = CASES[name]
     torch._dynamo.reset()
     with torch.device("meta"):
-        model = _model(vocab, hidden, seq, checkpointed)
+        model = _model(kind, vocab, hidden, seq, checkpointed)
         ids = torch.randint(0, vocab, (1, seq))
     return autoshard.plan(model, (ids, ids), world_size=WORLD, **options).memory_per_rank
 
@@ -143,7 +160,7 @@ def test_prefetching_offload_holds_one_more_layer_input():
     transformers Llama, float32, S=4096 on 2 ranks (what the copies cost: ``tests/plan/test_step_time.py``)."""
     vocab, hidden, seq = 1024, 64, 4096
     with torch.device("meta"):
-        model = _model(vocab, hidden, seq, False)
+        model = _model("llama", vocab, hidden, seq, False)
         ids = torch.randint(0, vocab, (1, seq))
     plans = {}
     for prefetch in (True, False):
