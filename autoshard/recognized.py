@@ -3,11 +3,12 @@
 Some sequence mixers are written as Python that no graph pass could read back: transformers' gated delta rule (the
 linear attention of Qwen3-Next, Qwen3.5, OLMo-Hybrid) is a loop over chunks of 64 positions that dynamo unrolls, one
 step per chunk, its count fixed by the length; Mamba2's chunked scan (Falcon-H1, Bamba) reshapes the sequence into
-chunks and mixes them with a chunk-by-chunk decay matrix. Such a function is recognized *before* tracing instead: the backend
-registers, for every loaded module that defines one, a stand-in with dynamo (``torch._dynamo.substitute_in_graph``)
-that records one ``autoshard::gated_delta_rule`` or ``autoshard::ssd_chunk_scan`` call
-(:mod:`autoshard.runtime.recurrence`) whose implementation is the model's own function. Outside compilation nothing changes: the function stays the module's and runs as it is;
-under compilation the op runs it, so a graph that is not split computes what the model computes.
+chunks and mixes them with a chunk-by-chunk decay matrix. Such a function is recognized *before* tracing instead:
+the backend registers, for every loaded module that defines one, a stand-in with dynamo
+(``torch._dynamo.substitute_in_graph``) that records one ``autoshard::gated_delta_rule`` or
+``autoshard::ssd_chunk_scan`` call (:mod:`autoshard.runtime.recurrence`) whose implementation is the model's own
+function. Outside compilation nothing changes: the function stays the module's and runs as it is; under compilation
+the op runs it, so a graph that is not split computes what the model computes.
 
 :data:`RECOGNIZED` lists what is recognized: a function name and the op's stand-in. Every module in ``sys.modules``
 whose name starts with ``transformers.models.`` and that defines the name is served, whatever the model (the

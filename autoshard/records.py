@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from .passes.graph import user_line
 from .passes.report import CompileReport
+from .passes.rules.recurrence import STATE_PASSING
 from .runtime.warn import warn
 
 __all__ = ["CAUSES", "Cause", "GraphRecord", "describe_record", "dynamo_cause", "warn_at_the_recompile_limit"]
@@ -101,8 +102,10 @@ def describe_record(index: int, record: GraphRecord) -> list[str]:
     strategies = Counter(a["strategy"] for a in report.attention)
     counts = {name: stats.counts for name, stats in report.passes.items()}
     deferred = counts.get("defer", {}).get("deferred", 0)
+    recurrences = sum(c.reason == STATE_PASSING and c.phase == "forward" for c in report.comms)
     lines = [f"graph {index}: {len(report.attention)} attention call(s)"
              + (f" ({', '.join(f'{n} {k}' for k, n in strategies.items())})" if strategies else "")
+             + (f", {recurrences} recurrence(s) passing their state" if recurrences else "")
              + f", {len(report.comms)} collective(s), {len(report.fallbacks)} fallback(s)"
              + (f", {deferred} output(s) handed on uncomputed" if deferred else "")
              + f"; compiled for: {record.cause.describe()}"

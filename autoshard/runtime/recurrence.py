@@ -47,7 +47,8 @@ IMPLEMENTATIONS: dict[str, Callable] = {}
 (out, final state)`` (query and key ``[B, S, Hk, Dk]``, value ``[B, S, Hv, Dv]``, ``g`` and ``beta`` ``[B, S, Hv]``,
 the state ``[B, Hv, Dk, Dv]``); for ``autoshard::ssd_chunk_scan`` (Mamba2's state space duality) ``fn(x, dt, A, B,
 C, chunk_size=, D=, dt_bias=, initial_states=, dt_softplus=, dt_limit=, return_final_states=True) -> (out, final
-state)`` (``x`` ``[B, S, H, P]``, ``dt`` ``[B, S, H]``, ``B`` and ``C`` ``[B, S, G, N]``, the state ``[B, H, P, N]``)."""
+state)`` (``x`` ``[B, S, H, P]``, ``dt`` ``[B, S, H]``, ``B`` and ``C`` ``[B, S, G, N]``, the state
+``[B, H, P, N]``)."""
 
 
 def register_implementation(name: str, fn: Callable) -> None:
@@ -63,7 +64,8 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _implementation(name: str) -> Callable:
     if name not in IMPLEMENTATIONS:
-        raise KeyError(f"autoshard: no recurrence implementation {name!r} registered (known: {sorted(IMPLEMENTATIONS)})")
+        raise KeyError(f"autoshard: no recurrence implementation {name!r} registered "
+                       f"(known: {sorted(IMPLEMENTATIONS)})")
     return IMPLEMENTATIONS[name]
 
 
@@ -92,7 +94,8 @@ def _recomputing_autograd(op, run: Callable, tensors: int) -> None:
 # ----------------------------------------------------------------------------- the gated delta rule
 
 
-def _run_gated_delta_rule(q, k, v, g, beta, initial_state, implementation: str, chunk_size: int, use_qk_l2norm: bool):
+def _run_gated_delta_rule(q, k, v, g, beta, initial_state, implementation: str, chunk_size: int,
+                          use_qk_l2norm: bool):
     out, state = _implementation(implementation)(q, k, v, g=g, beta=beta, chunk_size=chunk_size,
                                                  initial_state=initial_state, output_final_state=True,
                                                  use_qk_l2norm_in_kernel=use_qk_l2norm)

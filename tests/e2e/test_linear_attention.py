@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
+from autoshard.passes.rules.recurrence import STATE_PASSING
 from autoshard.runtime import comm_counter
 from autoshard.testing import run_on_ranks
 from autoshard.testing.equivalence import compare_with_one_process
@@ -27,7 +28,6 @@ from autoshard.testing.equivalence import compare_with_one_process
 transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 1e-4
-PASSING = "recurrent state passing"
 
 
 def _build(name: str, seq: int):
@@ -60,7 +60,8 @@ def _case(name: str, seq: int, strategy: str, count_bytes: bool) -> dict:
     out = dict(error=r.max_error(), summary=r.summary(), fallbacks=r.fallbacks,
                strategies=[a["strategy"] for a in r.attention],
                squares=[v for report in r.compiled_reports for v in report.square_values],
-               passing=sorted(c.phase for report in r.compiled_reports for c in report.comms if c.reason == PASSING))
+               passing=sorted(c.phase for report in r.compiled_reports for c in report.comms
+                              if c.reason == STATE_PASSING))
     if count_bytes:
         out["bytes"] = _planned_and_sent(make(), dict(kwargs, use_cache=False), strategy)
     return out
@@ -135,5 +136,6 @@ def test_generate_prefills_split_and_decodes_from_the_passed_state():
         r = results[-1]
         assert r["same"], f"rank {rank}: tokens differ from one process\n{r['explain']}"
         graphs = [line for line in r["explain"].splitlines() if line.startswith("graph")]
-        assert "allgather" in graphs[0] and all(" 0 fallback(s)" in line for line in graphs), r["explain"]
+        assert "allgather" in graphs[0] and "1 recurrence(s) passing their state" in graphs[0], r["explain"]
+        assert all(" 0 fallback(s)" in line for line in graphs), r["explain"]
         assert all("decode" in line for line in graphs[1:]), r["explain"]

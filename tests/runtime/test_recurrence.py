@@ -101,7 +101,8 @@ def _on_rank(kind: str, layout_kind: str, length: int):
 
 
 CASES = [(2, "contiguous", 13), (2, "zigzag", 14), (3, "contiguous", 2),
-         pytest.param(3, "contiguous", 11, marks=pytest.mark.slow), pytest.param(4, "zigzag", 19, marks=pytest.mark.slow)]
+         pytest.param(3, "contiguous", 11, marks=pytest.mark.slow),
+         pytest.param(4, "zigzag", 19, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("kind", ["gated_delta_rule", "ssd_chunk_scan"])

@@ -22,7 +22,10 @@ from ..ops import op_of, value_of
 from .pointwise import TUPLE_LINKS, run_whole
 from .registry import register
 
-__all__: list[str] = []  # the rules register themselves on import; nothing here is called from outside
+__all__ = ["STATE_PASSING"]  # the rules register themselves on import
+
+STATE_PASSING = "recurrent state passing"
+"""The reason the byte book gives a recurrence's state passing (what :func:`autoshard.explain` counts)."""
 
 
 def link_recurrence(ctx, node, op):
@@ -67,8 +70,8 @@ def _state_passing(book, call) -> None:
     pieces = max(len(layout.local_intervals(r)) for r in range(layout.world_size))
     other = recurrence.other([value_of(x) for x in op["sequence"]])
     row = state_passing_bytes(tuple(state.shape), other, recurrence.value_dim, pieces, state.element_size())
-    book.all_gather_rows(call.value.name, row, "forward", "recurrent state passing", (P - 1) * row)
+    book.all_gather_rows(call.value.name, row, "forward", STATE_PASSING, (P - 1) * row)
     if call.needs_grad:
         book.comms.append(Comm("reduce_scatter", call.value.name, "backward",
                                [reduce_scatter_bytes(row, book.world)] * book.world, (P - 1) * row,
-                               reason="recurrent state passing"))
+                               reason=STATE_PASSING))
