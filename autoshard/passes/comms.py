@@ -250,7 +250,7 @@ def _windows(book: CommBook, call: Call) -> None:
     gradients. The halos are the convolution's input's: the report names that value."""
     src = Call(call.node, op_of(call.value)["input"])
     layout = call.layout()
-    windows = decode_windows(tuple(call.arguments["windows"]), layout.world_size)
+    windows = decode_windows(tuple(map(hint_of, call.arguments["windows"])), layout.world_size)  # at the call's sizes
     for phase in src.phases:
         book.point_to_point("halo_exchange", src.value.name, phase,
                             window_bytes(layout, windows, src.row_bytes(layout), phase), "convolution halos")

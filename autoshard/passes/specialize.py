@@ -89,7 +89,8 @@ def _copy(gm: fx.GraphModule, args: list) -> fx.GraphModule:
 
 def _propagate(gm: fx.GraphModule, mode: FakeTensorMode, fake_args: list) -> None:
     """Recompute every node's example value from ``fake_args`` and fold every size-valued node into its value
-    (an ``int``, or a ``SymInt`` of a symbolic length; a test of sizes into its bool)."""
+    (an ``int``, or a ``SymInt`` of a symbolic length; a shape into its tuple of them; a test of sizes into its
+    bool)."""
     with enable_python_dispatcher():  # without it, ``F.pad`` reads a symbolic size through ``aten.size`` as an int
         FakeTensorProp(gm, mode).propagate(*fake_args)
     for node in gm.graph.nodes:  # the inlined bodies' nodes too
@@ -101,6 +102,8 @@ def _propagate(gm: fx.GraphModule, mode: FakeTensorMode, fake_args: list) -> Non
         val = node.meta.get("val")
         if isinstance(val, (int, torch.SymInt, torch.SymBool)) and node.op != "output":
             node.replace_all_uses_with(bool(val) if isinstance(val, (bool, torch.SymBool)) else as_size(val))  # noqa
+        elif node.op == "call_method" and node.target == "size" and isinstance(val, (tuple, list)):
+            node.replace_all_uses_with(tuple(as_size(v) for v in val))  # noqa -- x.shape kept whole (z.shape)
     eliminate_dead_code(gm.graph)
     gm.recompile()
 

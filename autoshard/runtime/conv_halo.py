@@ -24,6 +24,7 @@ import functools
 from typing import Sequence
 
 from .layouts import SequenceLayout
+from .symbolic import as_size
 from .redistribute import define_run_moves, runs_bytes
 
 __all__ = ["window_plan", "window_bytes", "encode_windows", "decode_windows"]
@@ -33,12 +34,13 @@ Windows = tuple[tuple[tuple[int, int], ...], ...]
 
 
 def encode_windows(windows: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
-    """Flatten per-rank windows into ints (see the module docstring)."""
+    """Flatten per-rank windows into ints (see the module docstring); a bound that depends on a symbolic length (a
+    length class's graph) stays a ``SymInt``, computed per call."""
     out = []
     for ranges in windows:
         out.append(len(ranges))
         for lo, hi in ranges:
-            out += [int(lo), int(hi)]
+            out += [as_size(lo), as_size(hi)]
     return out
 
 

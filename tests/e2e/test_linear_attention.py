@@ -11,6 +11,7 @@ gradient, 0 fallbacks, no S x S value, every attention distributed, the state pa
 backward; and the plan's bytes, state passing included, equal to the bytes the run sent.
 Lengths the world size does not divide, ring (contiguous) and zigzag (two pieces on a rank) layouts. ``generate()``
 gives one process's tokens: the prefill split, the decode steps reading the passed final state and the conv state.
+A new length every step compiles once more, for a length class that serves the later lengths.
 """
 
 import functools
@@ -96,7 +97,28 @@ def _generate(length: int) -> dict:
                 explain=autoshard.explain(backend))
 
 
-CASES = {2: [("qwen3_next", 14, "zigzag", True), ("falcon_h1", 13, "ring", True)],
+def _lengths(name: str, lengths: list[int]) -> dict:
+    """Training losses at a new length every step (a padding-free run) against the same model uncompiled, and what
+    the backend compiled for them."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    make, _ = _build(name, 8)
+    model = make()
+    reference = make()
+    reference.load_state_dict(model.state_dict())
+    compiled = autoshard.compile(model)
+    errors = []
+    for n in lengths:
+        ids = torch.randint(0, 256, (2, n), generator=torch.Generator().manual_seed(n))
+        loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+        expected = reference(input_ids=ids, labels=ids, use_cache=False).loss
+        errors.append(abs((loss - expected) / expected).item())
+    backend = compiled.autoshard_backend
+    return dict(errors=errors, compilations=sum(backend.compilations.values()),
+                fallbacks=[f for record in backend.compiled for f in record.report.fallbacks])
+
+
+CASES = {2: [("qwen3_next", 14, "zigzag", False), ("falcon_h1", 13, "ring", True)],
          4: [("qwen3_next", 13, "ring", True), ("falcon_h1", 15, "zigzag", False)]}
 """(model, length, strategy, whether the plan's bytes are checked too), by world size."""
 
@@ -107,7 +129,8 @@ def _results(world: int) -> list[list[dict]]:
 
 
 def _run(cases) -> list[dict]:
-    return [_case(*case) for case in cases] + ([_generate(37)] if dist.get_world_size() == 2 else [])
+    extra = [_generate(37), _lengths("falcon_h1", [37, 41, 53, 60])] if dist.get_world_size() == 2 else []
+    return [_case(*case) for case in cases] + extra
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -133,9 +156,18 @@ def test_the_plan_books_the_state_passing_the_run_sends(world):
 
 def test_generate_prefills_split_and_decodes_from_the_passed_state():
     for rank, results in enumerate(_results(2)):
-        r = results[-1]
+        r = results[-2]
         assert r["same"], f"rank {rank}: tokens differ from one process\n{r['explain']}"
         graphs = [line for line in r["explain"].splitlines() if line.startswith("graph")]
         assert "allgather" in graphs[0] and "1 recurrence(s) passing their state" in graphs[0], r["explain"]
         assert all(" 0 fallback(s)" in line for line in graphs), r["explain"]
         assert all("decode" in line for line in graphs[1:]), r["explain"]
+
+
+def test_new_lengths_share_one_compilation():
+    """A new length every step (37, 41, 53, 60 tokens): the first compiles for its length, the next for a length
+    class that serves the rest -- the scans, their convolutions' halos and the state passing computed per call."""
+    for rank, results in enumerate(_results(2)):
+        r = results[-1]
+        assert max(r["errors"]) <= 1e-6, f"rank {rank}: relative loss errors {r['errors']}"
+        assert r["compilations"] == 2 and r["fallbacks"] == [], (rank, r)
