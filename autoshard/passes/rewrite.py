@@ -435,13 +435,16 @@ class Rewriter:
                 new.meta[REGION] = region
             new = new.next
 
-    def _few_positions(self, have) -> bool:
+    def _few_positions(self, node: fx.Node, have) -> bool:
         """Whether ``have`` splits a piece of the sequence of a constant length no longer than one rank's share (the
-        last token's logits, a convolution's last positions): at most two ranks hold any of it, so it leaves whole."""
+        last token's logits, a convolution's last positions): at most two ranks hold any of it, so it leaves whole.
+        An attention's keys or values cut to their last positions (a sliding-window cache) stay split: the decode
+        steps read them where they are."""
         if not (isinstance(have, Shard) and have.layout.kind == "derived") or is_symbolic(have.layout.length):
             return False
         root = self.root_length(have.layout)
-        return have.layout.length <= self.world or (not is_symbolic(root) and have.layout.length * self.world <= root)
+        few = have.layout.length <= self.world or (not is_symbolic(root) and have.layout.length * self.world <= root)
+        return few and not _cut_from_keys_or_values(node)
 
     def _outputs(self, node: fx.Node) -> None:
         """The graph's outputs: split ones gathered (``outputs="gathered"``), left as local shards
@@ -452,7 +455,7 @@ class Rewriter:
         positions a linear-attention layer's convolution keeps in its cache and updates in place)."""
         def out(n, index=None):
             have = self.placement(n)
-            few = self._few_positions(have)
+            few = self._few_positions(n, have)
             if isinstance(have, Shard) and (self.config.outputs == "sharded" or (
                     self.config.outputs == "split" and index is not None and not have.factors and not few)):
                 if self.config.outputs == "split":
@@ -468,6 +471,18 @@ class Rewriter:
             self.graph.output(type(results)(out(n, i) if isinstance(n, fx.Node) else n for i, n in enumerate(results)))
         else:
             self.graph.output(fx.node.map_arg(results, out))
+
+
+def _cut_from_keys_or_values(node: fx.Node) -> bool:
+    """Whether ``node`` is an attention's keys or values, sliced, copied or cast (a sliding-window cache's tail)."""
+    reads = {op[key] for op in map(op_of, node.graph.nodes) if op is not None and op.name == "attention"
+             for key in ("k", "v")}
+    while node not in reads:
+        op = op_of(node)
+        if op is None or op.name not in ("getitem", "narrow", "identity", "to") or not isinstance(op["input"], fx.Node):
+            return False
+        node = op["input"]
+    return True
 
 
 def is_parameter(node: fx.Node) -> bool:
