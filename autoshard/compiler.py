@@ -6,8 +6,8 @@ dense masks or plain) and compiles it as its kind says (:data:`_COMPILE_KIND`); 
 sequence goes through one sequence of steps (:meth:`AutoshardBackend._compile`): check that every rank compiled the
 same graph, choose the memory policy's config, run the passes of :data:`autoshard.passes.pipeline.PASSES` in order
 (canonical ops, capture, decompose, link, families, strategy, rewrite; ``AUTOSHARD_DUMP=<dir>`` writes what each
-produced), record what they did (:class:`~autoshard.records.GraphRecord`, :func:`explain`), and lower the per-rank graph with the inner
-compiler (by default inductor on CUDA, eager elsewhere).
+produced), record what they did (:class:`~autoshard.records.GraphRecord`, :func:`explain`), and lower the per-rank
+graph with the inner compiler (by default inductor on CUDA, eager elsewhere).
 
 Every rank compiles its own graph (uneven shards make ranks' shapes differ) and, before the first
 run, checks through the rendezvous store that all ranks compiled the same graph for the same shapes:
@@ -23,9 +23,9 @@ serves the class too. With a memory budget (by default on CUDA) the memory polic
 ends there (what fits fits every shorter length). Where a class is not supported (split inputs, another inner
 compiler, values handed between graphs) it is compiled once per distinct set of sizes; the ``SIZES_CACHED`` sets of sizes used most recently
 keep their compiled graph.
-Every compilation is counted with its cause (:class:`~autoshard.records.Cause`: a new graph, a dynamo recompile and the guard that
-failed, a new sequence length, batch size or dtype of a dynamic graph, sizes dropped from the cache, a new mask
-structure); :func:`explain` prints the counts, so a user who sees a compile per step learns why.
+Every compilation is counted with its cause (:class:`~autoshard.records.Cause`: a new graph, a dynamo recompile and
+the guard that failed, a new sequence length, batch size or dtype of a dynamic graph, sizes dropped from the cache, a
+new mask structure); :func:`explain` prints the counts, so a user who sees a compile per step learns why.
 Every rank makes the same cache decision on every call: with split inputs (``inputs="sharded"``) the
 ranks' local lengths differ, so on every call they all-gather their local lengths and a digest of their
 other sizes (a few bytes, counted as ``"metadata"``) and key the cache on all ranks' lengths; a rank

@@ -113,7 +113,8 @@ class Call:
     def needs_grad(self) -> bool:
         """Whether the value it serves needs a gradient, so the call's backward runs."""
         v = value_of(self.value)
-        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (v if isinstance(v, (tuple, list)) else [v]))
+        values = v if isinstance(v, (tuple, list)) else [v]  # a recurrence's (output, final state)
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in values)
 
     @property
     def phases(self) -> tuple[str, ...]:

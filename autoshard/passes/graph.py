@@ -217,4 +217,3 @@ def where(node: fx.Node) -> str:
     module = next(reversed(stack.values()))[0] if stack else ""
     module = module.removeprefix("L['self'].").removeprefix("L['self']")
     return (f"module {module}, " if module else "") + user_line(node)
-
