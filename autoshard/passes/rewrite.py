@@ -435,7 +435,7 @@ class Rewriter:
                 new.meta[REGION] = region
             new = new.next
 
-    def _few_positions(self, node: fx.Node, have) -> bool:
+    def _few_positions(self, node: fx.Node, have, keys_and_values: set) -> bool:
         """Whether ``have`` splits a piece of the sequence of a constant length no longer than one rank's share (the
         last token's logits, a convolution's last positions): at most two ranks hold any of it, so it leaves whole.
         An attention's keys or values cut to their last positions (a sliding-window cache) stay split: the decode
@@ -444,7 +444,7 @@ class Rewriter:
             return False
         root = self.root_length(have.layout)
         few = have.layout.length <= self.world or (not is_symbolic(root) and have.layout.length * self.world <= root)
-        return few and not _cut_from_keys_or_values(node)
+        return few and not _cut_from(node, keys_and_values)
 
     def _outputs(self, node: fx.Node) -> None:
         """The graph's outputs: split ones gathered (``outputs="gathered"``), left as local shards
@@ -453,9 +453,12 @@ class Rewriter:
         the sequence with another dim is gathered, and so are a few positions sliced out of the sequence
         (:meth:`_few_positions`): the last token's logits ``generate()`` asks for with ``logits_to_keep=1``, the last
         positions a linear-attention layer's convolution keeps in its cache and updates in place)."""
+        attentions = [op for op in map(op_of, self.gm.graph.nodes) if op is not None and op.name == "attention"]
+        keys_and_values = {op[key] for op in attentions for key in ("k", "v")}
+
         def out(n, index=None):
             have = self.placement(n)
-            few = self._few_positions(n, have)
+            few = self._few_positions(n, have, keys_and_values)
             if isinstance(have, Shard) and (self.config.outputs == "sharded" or (
                     self.config.outputs == "split" and index is not None and not have.factors and not few)):
                 if self.config.outputs == "split":
@@ -473,11 +476,10 @@ class Rewriter:
             self.graph.output(fx.node.map_arg(results, out))
 
 
-def _cut_from_keys_or_values(node: fx.Node) -> bool:
-    """Whether ``node`` is an attention's keys or values, sliced, copied or cast (a sliding-window cache's tail)."""
-    reads = {op[key] for op in map(op_of, node.graph.nodes) if op is not None and op.name == "attention"
-             for key in ("k", "v")}
-    while node not in reads:
+def _cut_from(node: fx.Node, sources: set) -> bool:
+    """Whether ``node`` is one of ``sources`` (an attention's keys or values), sliced, copied or cast (a sliding-window
+    cache's tail)."""
+    while node not in sources:
         op = op_of(node)
         if op is None or op.name not in ("getitem", "narrow", "identity", "to") or not isinstance(op["input"], fx.Node):
             return False

@@ -38,8 +38,8 @@ from .collectives import all_gather
 from .layouts import SequenceLayout
 from .op_info import declare
 
-__all__ = ["IMPLEMENTATIONS", "RECURRENCES", "Recurrence", "register_implementation", "split_recurrence", "state_dtype",
-           "state_passing_bytes"]
+__all__ = ["IMPLEMENTATIONS", "RECURRENCES", "Recurrence", "pieces_per_rank", "register_implementation",
+           "split_recurrence", "state_dtype", "state_passing_bytes"]
 
 IMPLEMENTATIONS: dict[str, Callable] = {}
 """Name -> the function a recurrence op runs, with transformers' signature: for ``autoshard::gated_delta_rule``
@@ -212,7 +212,7 @@ def split_recurrence(kind: str, sequence: list[torch.Tensor], others: list[torch
     # gradients, so on every rank the output depends on every gathered state and every whole input (``anchor``, a
     # zero) and the gathered states on the inputs (the padding, a zero multiple of their sum): the first piece's
     # incoming state is a constant, and a rank may hold no position at all.
-    most = max(len(layout.local_intervals(r)) for r in range(layout.world_size))  # ranks may hold fewer pieces
+    most = pieces_per_rank(layout)  # ranks may hold fewer pieces
     padding = torch.zeros_like(start_state) + sum(x.sum() for x in sequence) * 0
     every = all_gather(torch.stack([state for _, _, state in pieces] + [padding] * (most - len(pieces))), 0,
                        group=group)
@@ -231,6 +231,12 @@ def split_recurrence(kind: str, sequence: list[torch.Tensor], others: list[torch
     if not outs:  # a rank holding no position (a sequence shorter than the world)
         return torch.zeros_like(values, dtype=recurrence.output_dtype(sequence)) + anchor, fold
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)), fold
+
+
+def pieces_per_rank(layout: SequenceLayout) -> int:
+    """How many pieces of the sequence each rank contributes to the state all-gather: the most any rank holds (the
+    others pad)."""
+    return max(len(layout.local_intervals(r)) for r in range(layout.world_size))
 
 
 def state_passing_bytes(state_shape: tuple, other: int, value_dim: int, pieces: int, itemsize: int) -> int:

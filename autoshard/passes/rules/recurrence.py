@@ -16,7 +16,7 @@ from __future__ import annotations
 from ...placements import REPLICATE
 from ...runtime.accounting import reduce_scatter_bytes
 from ...runtime.attention.formulas import P
-from ...runtime.recurrence import RECURRENCES, split_recurrence, state_passing_bytes
+from ...runtime.recurrence import RECURRENCES, pieces_per_rank, split_recurrence, state_passing_bytes
 from ..comms import Comm, declares
 from ..ops import op_of, value_of
 from .pointwise import TUPLE_LINKS, run_whole
@@ -66,10 +66,9 @@ def _state_passing(book, call) -> None:
     ``(P - 1)`` times a rank's states, however long the sequence."""
     op = op_of(call.value)  # the original call: (output, final state)
     recurrence, state = RECURRENCES[op["kind"]], value_of(call.value)[1]
-    layout = call.layout()
-    pieces = max(len(layout.local_intervals(r)) for r in range(layout.world_size))
     other = recurrence.other([value_of(x) for x in op["sequence"]])
-    row = state_passing_bytes(tuple(state.shape), other, recurrence.value_dim, pieces, state.element_size())
+    row = state_passing_bytes(tuple(state.shape), other, recurrence.value_dim, pieces_per_rank(call.layout()),
+                              state.element_size())
     book.all_gather_rows(call.value.name, row, "forward", STATE_PASSING, (P - 1) * row)
     if call.needs_grad:
         book.comms.append(Comm("reduce_scatter", call.value.name, "backward",
