@@ -3,12 +3,13 @@
 Some sequence mixers are written as Python that no graph pass could read back: transformers' gated delta rule (the
 linear attention of Qwen3-Next, Qwen3.5, OLMo-Hybrid) is a loop over chunks of 64 positions that dynamo unrolls, one
 step per chunk, its count fixed by the length; Mamba2's chunked scan (Falcon-H1, Bamba) reshapes the sequence into
-chunks and mixes them with a chunk-by-chunk decay matrix. Such a function is recognized *before* tracing instead:
-the backend registers, for every loaded module that defines one, a stand-in with dynamo
-(``torch._dynamo.substitute_in_graph``) that records one ``autoshard::gated_delta_rule`` or
-``autoshard::ssd_chunk_scan`` call (:mod:`autoshard.runtime.recurrence`) whose implementation is the model's own
-function. Outside compilation nothing changes: the function stays the module's and runs as it is; under compilation
-the op runs it, so a graph that is not split computes what the model computes.
+chunks and mixes them with a chunk-by-chunk decay matrix; Mamba (1)'s selective scan (Mamba, Falcon-Mamba, Jamba,
+Zamba) loops over every position. Such a function is recognized *before* tracing instead: the backend registers, for
+every loaded module that defines one, a stand-in with dynamo (``torch._dynamo.substitute_in_graph``) that records one
+``autoshard::gated_delta_rule``, ``autoshard::ssd_chunk_scan`` or ``autoshard::selective_scan`` call
+(:mod:`autoshard.runtime.recurrence`) whose implementation is the model's own function. Outside compilation nothing
+changes: the function stays the module's and runs as it is; under compilation the op runs it, so a graph that is not
+split computes what the model computes.
 
 :data:`RECOGNIZED` lists what is recognized: a function name and the op's stand-in. Every module in ``sys.modules``
 whose name starts with ``transformers.models.`` and that defines the name is served, whatever the model (the
@@ -20,6 +21,7 @@ its function unrolled, which :func:`warn_if_traced_through` says.
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -72,12 +74,28 @@ def _ssd_chunk_scan_stand_in(implementation: str) -> Callable:
     return mamba2_chunk_scan
 
 
+def _selective_scan_stand_in(implementation: str) -> Callable:
+    def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                             return_last_state=False, **kwargs):
+        # transformers' layout has the sequence last ([B, D, S], [B, N, S]); the op's has it on dim 1
+        out, state = torch.ops.autoshard.selective_scan(
+            hidden_states.transpose(1, 2), dt.transpose(1, 2), B.transpose(1, 2), C.transpose(1, 2),
+            z.transpose(1, 2) if z is not None else None, A, D, delta_bias, implementation, delta_softplus)
+        return (out.transpose(1, 2), state) if return_last_state else out.transpose(1, 2)
+
+    return mamba_selective_scan
+
+
 RECOGNIZED = (
     Recognized(package="transformers.models.", name="torch_chunk_gated_delta_rule",
                stand_in=_gated_delta_rule_stand_in),
     Recognized(package="transformers.models.", name="mamba2_chunk_scan", stand_in=_ssd_chunk_scan_stand_in),
+    Recognized(package="transformers.models.", name="mamba_selective_scan", stand_in=_selective_scan_stand_in),
 )
 """What is recognized (see the module docstring)."""
+
+_FRAME = re.compile(r'File "([^"]+)", line \d+, in (\w+)')
+"""A frame of a node's stack trace: (file, function)."""
 
 _REGISTERED: dict[int, str] = {}
 """id of every function registered -> its implementation name (``module.function``)."""
@@ -130,8 +148,9 @@ def warn_if_traced_through(gm: fx.GraphModule) -> None:
     """Warn when ``gm`` was traced through a recognized function (its module was imported after the backend
     looked, so dynamo unrolled it and it runs whole), and register the stand-ins for the graphs traced from now on."""
     names = {r.name for r in RECOGNIZED}
-    unrolled = sorted({name for node in gm.graph.nodes for name in names
-                       if f"in {name}\n" in node.meta.get("stack_trace", "")})
+    unrolled = sorted({name for node in gm.graph.nodes
+                       for path, name in _FRAME.findall(node.meta.get("stack_trace") or "")
+                       if name in names and path != __file__})  # a stand-in shares its function's name
     if unrolled:
         recognize_loaded()
         warn(f"autoshard: this graph was traced through {', '.join(unrolled)} before autoshard recognized it (its "

@@ -5,6 +5,7 @@
     python benchmarks/memory.py --cap 3          # the longest S whose step fits 3 GiB per rank, each way
     python benchmarks/memory.py --model moe      # a mixture-of-experts model (Qwen3-MoE) instead
     python benchmarks/memory.py --model hybrid   # linear attention + attention + experts (Qwen3-Next)
+    python benchmarks/memory.py --model jamba    # Mamba (1) + attention + experts (Jamba)
 
 A transformers Llama from a config (vocabulary 32000, hidden 256, 4 layers, 8 query / 2 key-value heads,
 float32, CPU): forward + backward of the loss at S tokens, batch 1. The step is the base model, the
@@ -14,7 +15,9 @@ value the caller gets cannot be chunked away. ``--model moe``: transformers' Qwe
 layer's MLP 8 experts of width 256 with 2 per token (its default ``grouped_mm`` experts), loss only (no router
 loss). ``--model hybrid``: transformers' Qwen3-Next of the same sizes, three Gated DeltaNet layers (8 value / 4 key
 heads of 32, transformers' chunked torch form of the rule, split by state passing) and one attention layer, the
-experts of ``moe`` and a shared expert.
+experts of ``moe`` and a shared expert. ``--model jamba``: transformers' Jamba of the same sizes, Mamba (1) layers
+(state 16, expand 2, transformers' selective scan position by position, split by state passing) and attention
+layers alternating, the experts of ``moe`` in every other layer.
 
 * ``one process``: the plain model, uncompiled (autoshard compiles nothing on one rank);
 * ``P=2, whole loss``: compiled over 2 gloo ranks with ``chunk_loss=None``: each rank holds its
@@ -94,7 +97,7 @@ class LossOnly(nn.Module):
 
 
 def _model(kind: str) -> nn.Module:
-    """``llama``, ``moe`` (Qwen3-MoE) or ``hybrid`` (Qwen3-Next), float32, random weights."""
+    """``llama``, ``moe`` (Qwen3-MoE), ``hybrid`` (Qwen3-Next) or ``jamba``, float32, random weights."""
     import transformers
 
     sizes = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
@@ -103,6 +106,11 @@ def _model(kind: str) -> nn.Module:
     if kind == "moe":
         cfg, cls = transformers.Qwen3MoeConfig(num_experts=EXPERTS, num_experts_per_tok=TOP_K, head_dim=HIDDEN // HEADS,
                                                moe_intermediate_size=HIDDEN, **sizes), transformers.Qwen3MoeForCausalLM
+    elif kind == "jamba":
+        cfg = transformers.JambaConfig(
+            num_experts=EXPERTS, num_experts_per_tok=TOP_K, attn_layer_period=2, attn_layer_offset=1,
+            expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16, mamba_expand=2, **sizes)
+        cls = transformers.JambaForCausalLM
     elif kind == "hybrid":
         cfg = transformers.Qwen3NextConfig(
             num_experts=EXPERTS, num_experts_per_tok=TOP_K, head_dim=HIDDEN // HEADS, moe_intermediate_size=HIDDEN,
@@ -160,7 +168,8 @@ def main():
     parser.add_argument("--start", type=int, default=4096, help="the first S --cap tries")
     parser.add_argument("--ways", nargs="*", help="the ways of running to measure (default: all)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
-    parser.add_argument("--model", choices=("llama", "moe", "hybrid"), default="llama", help="the model (see above)")
+    parser.add_argument("--model", choices=("llama", "moe", "hybrid", "jamba"), default="llama",
+                        help="the model (see above)")
     args = parser.parse_args()
     ways = runs(int((args.cap if args.cap is not None else args.budget) * 2**30))
     ways = {name: way for name, way in ways.items() if args.ways is None or name in args.ways}

@@ -208,7 +208,8 @@ def _fresh(base: fx.Node, write: fx.Node, view: fx.Node | None, order: dict[fx.N
     for node in order:
         if node is base or node is view or order[node] >= order[write] or not is_tensor_node(node):
             continue  # views made after the write are made of the written value (their uses are rewired)
-        if storage_of(node) != storage:
+        other = storage_of(node)
+        if other is None or other != storage:  # StorageWeakRef compares with storages only
             continue
         if node.op in ("placeholder", "get_attr") or any(order[u] > order[write] for u in node.users):
             return False

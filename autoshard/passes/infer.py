@@ -100,6 +100,7 @@ class LinkContext:
         self.edge_list: list[tuple[Elem, Elem, int, int]] = []
         """(a, b, delta, order): position i of a is position i + delta of b."""
         self.seeds: list[tuple[Elem, fx.Node | None]] = []
+        self.weak_seeds: list[Elem] = []
         self.conditional_seeds: list[tuple[Elem, Elem]] = []
         """(element, anchor): the element roots a family of its own when the anchor is in one."""
         self.token_local: set[fx.Node] = set()
@@ -144,6 +145,12 @@ class LinkContext:
     def seed(self, elem: Elem, attention: fx.Node | None = None) -> None:
         """``elem`` carries a sequence (the first seed of a family becomes its root)."""
         self.seeds.append((elem, attention))
+
+    def seed_weakly(self, elem: Elem) -> None:
+        """``elem`` carries a sequence, but roots its family only when no :meth:`seed` is in it: a recurrence's input,
+        whose positions may sit at an offset from the attention's (after a causal convolution), which keep the
+        layout the strategy asked for."""
+        self.weak_seeds.append(elem)
 
     def seed_along(self, elem: Elem, anchor: Elem) -> None:
         """``elem`` carries a sequence of its own whenever ``anchor`` is in a family (a strided convolution's
@@ -214,7 +221,7 @@ def find_families(ctx: LinkContext) -> Families:
 
     families: list[Family] = []
     by_root: dict[Elem, Family] = {}
-    for seed, attention in ctx.seeds:
+    for seed, attention in ctx.seeds + [(elem, None) for elem in ctx.weak_seeds]:
         root, seed_off = find(seed)
         fam = by_root.get(root)
         if fam is None:

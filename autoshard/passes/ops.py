@@ -447,6 +447,13 @@ def _bind_ssd_chunk_scan(x, dt, B, C, A, D, dt_bias, initial_state, implementati
             "initial_state": initial_state, "config": [implementation, chunk_size, dt_softplus, dt_min, dt_max]}
 
 
+@register_canonical("recurrence", functions=[torch.ops.autoshard.selective_scan,
+                                             torch.ops.autoshard.selective_scan.default])
+def _bind_selective_scan(x, dt, B, C, z, A, D, delta_bias, implementation, delta_softplus):
+    return {"kind": "selective_scan", "sequence": [x, dt, B, C, z], "others": [A, D, delta_bias],
+            "initial_state": None, "config": [implementation, delta_softplus]}
+
+
 # --- nodes that carry no tensor computation (a guard on a buffer read as a mask among them)
 _NOOPS = {torch._C._log_api_usage_once, torch._C._set_grad_enabled, torch.autograd.function.FunctionCtx,
           builtins.isinstance, torch._C._get_tracing_state, torch.ops.autoshard.check_band.default,

@@ -1,10 +1,12 @@
-"""Linear attention and state-space layers split along the sequence by state passing: transformers' Qwen3-Next and
-Falcon-H1, unmodified.
+"""Linear attention and state-space layers split along the sequence by state passing: transformers' Qwen3-Next,
+Falcon-H1, Jamba and Mamba, unmodified.
 
 Qwen3-Next alternates Gated DeltaNet layers (transformers' chunked torch form of the gated delta rule, a causal
 ``conv1d`` before it) with full attention, and its MLPs are experts; Falcon-H1 runs a Mamba2 mixer (transformers'
-chunked scan) beside the attention in every layer. Under ``autoshard.backend()`` the rule and the scan are recorded
-as one op each (:mod:`autoshard.recognized`) and split by state passing (one all-gather of every piece's state;
+chunked scan) beside the attention in every layer; Jamba alternates Mamba (1) layers (a selective scan, position by
+position) with attention, experts in every other layer; Mamba has Mamba layers alone (no attention: its scans seed
+the split). Under ``autoshard.backend()`` the rule and the scans are recorded as one op each
+(:mod:`autoshard.recognized`) and split by state passing (one all-gather of every piece's state;
 :mod:`autoshard.runtime.recurrence`). Asserted on real ranks against one process (float32 -- transformers computes
 both in float32 whatever the model's dtype -- 1e-4 relative, as the other transformers models): loss and every
 gradient, 0 fallbacks, no S x S value, every attention distributed, the state passed forward and its gradient
@@ -32,8 +34,9 @@ TOLERANCE = 1e-4
 
 
 def _build(name: str, seq: int):
-    """(model factory, forward kwargs): Qwen3-Next (Gated DeltaNet and attention layers, experts) or Falcon-H1 (Mamba2
-    and attention side by side in every layer)."""
+    """(model factory, forward kwargs): Qwen3-Next (Gated DeltaNet and attention layers, experts), Jamba (a Mamba
+    layer, then an attention layer with experts), Mamba (Mamba layers alone) or Falcon-H1 (Mamba2 and attention side
+    by side in every layer)."""
     if name == "qwen3_next":
         cfg = transformers.Qwen3NextConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -42,13 +45,25 @@ def _build(name: str, seq: int):
             moe_intermediate_size=32, shared_expert_intermediate_size=32,
             layer_types=["linear_attention", "full_attention"])
         cls = transformers.Qwen3NextForCausalLM
+    elif name == "mamba":
+        cfg = transformers.MambaConfig(vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2,
+                                       conv_kernel=4, time_step_rank=8)
+        cls = transformers.MambaForCausalLM
+    elif name == "jamba":
+        cfg = transformers.JambaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+            attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+            mamba_dt_rank=8, max_position_embeddings=256)
+        cls = transformers.JambaForCausalLM
     else:
         cfg = transformers.FalconH1Config(
             vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
             mamba_d_conv=4, mamba_chunk_size=8, max_position_embeddings=256)
         cls = transformers.FalconH1ForCausalLM
-    cfg._attn_implementation = "sdpa"
+    if name != "mamba":  # Mamba has no attention
+        cfg._attn_implementation = "sdpa"
     ids = torch.randint(0, 256, (2, seq))
     return (lambda: cls(cfg)), {"input_ids": ids, "labels": ids.clone()}
 
@@ -82,12 +97,12 @@ def _planned_and_sent(model, kwargs: dict, strategy: str) -> tuple:
     return plan.bytes_sent("forward"), forward.payload_bytes_sent, plan.bytes_sent("backward"), backward.bytes_sent
 
 
-def _generate(length: int) -> dict:
+def _generate(name: str, length: int) -> dict:
     """generate() on a prompt of ``length`` tokens: the prefill split (the layers' final states and conv states go
     to the cache whole), the decode steps on them; the tokens against the same model uncompiled on this rank."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    make, _ = _build("qwen3_next", length)
+    make, _ = _build(name, length)
     model = make().eval()
     prompt = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(1))
     expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
@@ -118,9 +133,13 @@ def _lengths(name: str, lengths: list[int]) -> dict:
                 fallbacks=[f for record in backend.compiled for f in record.report.fallbacks])
 
 
-CASES = {2: [("qwen3_next", 14, "zigzag", False), ("falcon_h1", 13, "ring", True)],
-         4: [("qwen3_next", 13, "ring", True), ("falcon_h1", 15, "zigzag", False)]}
+CASES = {2: [("qwen3_next", 14, "zigzag", False), ("falcon_h1", 13, "ring", True), ("jamba", 15, "zigzag", True),
+             ("mamba", 13, "ring", False)],
+         4: [("qwen3_next", 13, "ring", True), ("falcon_h1", 15, "zigzag", False), ("jamba", 14, "ring", False)]}
 """(model, length, strategy, whether the plan's bytes are checked too), by world size."""
+
+GENERATE = {2: "qwen3_next", 4: "jamba"}
+"""The model generate() runs, by world size."""
 
 
 @functools.cache
@@ -129,18 +148,20 @@ def _results(world: int) -> list[list[dict]]:
 
 
 def _run(cases) -> list[dict]:
-    extra = [_generate(37), _lengths("falcon_h1", [37, 41, 53, 60])] if dist.get_world_size() == 2 else []
+    world = dist.get_world_size()
+    extra = [_generate(GENERATE[world], 37)] + ([_lengths("falcon_h1", [37, 41, 53, 60])] if world == 2 else [])
     return [_case(*case) for case in cases] + extra
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_linear_attention_and_mamba2_layers_pass_their_state(world):
+def test_linear_attention_and_state_space_layers_pass_their_state(world):
     for rank, results in enumerate(_results(world)):
         for (name, seq, strategy, _), r in zip(CASES[world], results):
             where = f"{name} S={seq} {strategy} P={world} rank {rank}"
             assert r["error"] <= TOLERANCE, f"{where}: {r['summary']}"
             assert r["fallbacks"] == [] and r["squares"] == [], f"{where}: {r['fallbacks']} {r['squares']}"
-            assert r["strategies"] and set(r["strategies"]) == {strategy}, f"{where}: {r['strategies']}"
+            attentions = set() if name == "mamba" else {strategy}  # Mamba has none: its recurrences seed the split
+            assert set(r["strategies"]) == attentions, f"{where}: {r['strategies']}"
             assert r["passing"] and r["passing"].count("forward") == r["passing"].count("backward"), \
                 f"{where}: state passing booked {r['passing']}"
 
@@ -154,9 +175,10 @@ def test_the_plan_books_the_state_passing_the_run_sends(world):
                 assert (planned_forward, planned_backward) == (sent_forward, sent_backward), (name, seq, rank)
 
 
-def test_generate_prefills_split_and_decodes_from_the_passed_state():
-    for rank, results in enumerate(_results(2)):
-        r = results[-2]
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_generate_prefills_split_and_decodes_from_the_passed_state(world):
+    for rank, results in enumerate(_results(world)):
+        r = results[len(CASES[world])]
         assert r["same"], f"rank {rank}: tokens differ from one process\n{r['explain']}"
         graphs = [line for line in r["explain"].splitlines() if line.startswith("graph")]
         assert "allgather" in graphs[0] and "1 recurrence(s) passing their state" in graphs[0], r["explain"]

@@ -1,7 +1,8 @@
 """Recurrences split along the sequence (:func:`autoshard.runtime.recurrence.split_recurrence`) on real ranks, against
 the recurrence run position by position on one process: every rank's output, the final state and the gradient of
-every input, in float64 (tolerance 1e-10), for the gated delta rule and Mamba2's scan, contiguous and zigzag layouts,
-lengths the world size does not divide, a sequence shorter than the world, grouped heads.
+every input, in float64 (tolerance 1e-10), for the gated delta rule, Mamba2's scan and Mamba (1)'s selective scan,
+contiguous and zigzag layouts, lengths the world size does not divide, a sequence shorter than the world, grouped
+heads, a selective scan without its gate.
 
 The implementations registered here are the recurrences written out step by step (no chunks): state passing is
 checked against an independent form of each rule, not against the chunked one transformers runs.
@@ -17,7 +18,7 @@ from autoshard.runtime.layouts import SequenceLayout
 from autoshard.runtime.recurrence import register_implementation, split_recurrence
 from autoshard.testing import run_on_ranks
 
-BATCH, GROUPS, HEADS, KEY, VALUE = 2, 2, 4, 5, 3
+BATCH, GROUPS, HEADS, KEY, VALUE, CHANNELS = 2, 2, 4, 5, 3, 6
 TOLERANCE = dict(rtol=1e-10, atol=1e-10)
 
 
@@ -54,8 +55,25 @@ def ssd_stepwise(x, dt, A, B, C, chunk_size=64, D=None, dt_bias=None, initial_st
     return torch.stack(outs, 1), h
 
 
+def selective_scan_stepwise(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                            return_last_state=True, **kwargs):
+    """Mamba (1)'s selective scan one position at a time, in transformers' layout (channels first, the sequence
+    last): ``h <- exp(dt A) h + dt B x``, ``y = (h C + D x) silu(z)``."""
+    dt = dt + delta_bias[:, None] if delta_bias is not None else dt
+    dt = F.softplus(dt) if delta_softplus else dt
+    h = hidden_states.new_zeros(hidden_states.shape[0], hidden_states.shape[1], A.shape[-1])
+    outs = []
+    for t in range(hidden_states.shape[-1]):
+        h = h * (dt[:, :, t, None] * A).exp() + torch.einsum("bd,bn,bd->bdn", dt[:, :, t], B[:, :, t],
+                                                              hidden_states[:, :, t])
+        y = torch.einsum("bdn,bn->bd", h, C[:, :, t]) + (D * hidden_states[:, :, t] if D is not None else 0)
+        outs.append(y * F.silu(z[:, :, t]) if z is not None else y)
+    return torch.stack(outs, -1), h
+
+
 register_implementation("tests.delta_rule_stepwise", delta_rule_stepwise)
 register_implementation("tests.ssd_stepwise", ssd_stepwise)
+register_implementation("tests.selective_scan_stepwise", selective_scan_stepwise)
 
 
 def _inputs(kind: str, length: int) -> tuple[list, list, list]:
@@ -66,18 +84,27 @@ def _inputs(kind: str, length: int) -> tuple[list, list, list]:
     if kind == "gated_delta_rule":
         return ([rand(BATCH, length, GROUPS, KEY), rand(BATCH, length, GROUPS, KEY), rand(BATCH, length, HEADS, VALUE),
                  -unit(BATCH, length, HEADS), unit(BATCH, length, HEADS)], [], ["tests.delta_rule_stepwise", 64, True])
-    return ([rand(BATCH, length, HEADS, VALUE), rand(BATCH, length, HEADS), rand(BATCH, length, GROUPS, KEY),
-             rand(BATCH, length, GROUPS, KEY)], [-unit(HEADS), rand(HEADS), rand(HEADS)],
-            ["tests.ssd_stepwise", 64, True, 0.0, float("inf")])
+    if kind == "ssd_chunk_scan":
+        return ([rand(BATCH, length, HEADS, VALUE), rand(BATCH, length, HEADS), rand(BATCH, length, GROUPS, KEY),
+                 rand(BATCH, length, GROUPS, KEY)], [-unit(HEADS), rand(HEADS), rand(HEADS)],
+                ["tests.ssd_stepwise", 64, True, 0.0, float("inf")])
+    gate = rand(BATCH, length, CHANNELS) if length != 2 else None  # the gate is optional: left out in one case
+    return ([rand(BATCH, length, CHANNELS), rand(BATCH, length, CHANNELS), rand(BATCH, length, KEY),
+             rand(BATCH, length, KEY), gate], [-unit(CHANNELS, KEY), rand(CHANNELS), rand(CHANNELS)],
+            ["tests.selective_scan_stepwise", True])
 
 
 def _one_process(kind: str, sequence: list, others: list, config: list):
-    fn = delta_rule_stepwise if kind == "gated_delta_rule" else ssd_stepwise
     if kind == "gated_delta_rule":
-        return fn(*sequence, use_qk_l2norm_in_kernel=config[2])
-    x, dt, B, C = sequence
-    A, D, dt_bias = others
-    return fn(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=config[2], dt_limit=tuple(config[3:]))
+        return delta_rule_stepwise(*sequence, use_qk_l2norm_in_kernel=config[2])
+    if kind == "ssd_chunk_scan":
+        x, dt, B, C = sequence
+        A, D, dt_bias = others
+        return ssd_stepwise(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=config[2], dt_limit=tuple(config[3:]))
+    x, dt, B, C, z = (t.transpose(1, 2) if t is not None else None for t in sequence)
+    A, D, delta_bias = others
+    out, state = selective_scan_stepwise(x, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=config[1])
+    return out.transpose(1, 2), state
 
 
 def _weights(out_shape, state_shape):
@@ -91,13 +118,13 @@ def _on_rank(kind: str, layout_kind: str, length: int):
     layout = getattr(SequenceLayout, layout_kind)(length, world)
     sequence, others, config = _inputs(kind, length)
     positions = layout.positions(rank)
-    mine = [x.index_select(1, positions).requires_grad_() for x in sequence]
+    mine = [x.index_select(1, positions).requires_grad_() if x is not None else None for x in sequence]
     others = [x.requires_grad_() for x in others]
     out, state = split_recurrence(kind, mine, others, config, layout.encode(), rank, group_name(None))
     whole_out, _ = _one_process(kind, *_inputs(kind, length))
     w_out, w_state = _weights(whole_out.shape, state.shape)
     ((out * w_out.index_select(1, positions)).sum() + (state * w_state).sum() / world).backward()
-    return out.detach(), state.detach(), [x.grad for x in mine], [x.grad for x in others]
+    return out.detach(), state.detach(), [x.grad for x in mine if x is not None], [x.grad for x in others]
 
 
 CASES = [(2, "contiguous", 13), (2, "zigzag", 14), (3, "contiguous", 2),
@@ -105,11 +132,12 @@ CASES = [(2, "contiguous", 13), (2, "zigzag", 14), (3, "contiguous", 2),
          pytest.param(4, "zigzag", 19, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("kind", ["gated_delta_rule", "ssd_chunk_scan"])
+@pytest.mark.parametrize("kind", ["gated_delta_rule", "ssd_chunk_scan", "selective_scan"])
 @pytest.mark.parametrize("world,layout_kind,length", CASES)
 def test_state_passing_equals_the_recurrence_on_one_process(kind, world, layout_kind, length):
     sequence, others, config = _inputs(kind, length)
-    sequence, others = [x.requires_grad_() for x in sequence], [x.requires_grad_() for x in others]
+    sequence = [x.requires_grad_() if x is not None else None for x in sequence]
+    others = [x.requires_grad_() for x in others]
     out, state = _one_process(kind, sequence, others, config)
     w_out, w_state = _weights(out.shape, state.shape)
     ((out * w_out).sum() + (state * w_state).sum()).backward()
@@ -121,7 +149,7 @@ def test_state_passing_equals_the_recurrence_on_one_process(kind, world, layout_
         torch.testing.assert_close(r_out, out.detach().index_select(1, positions), **TOLERANCE,
                                    msg=f"rank {rank} output")
         torch.testing.assert_close(r_state, state.detach(), **TOLERANCE, msg=f"rank {rank} final state")
-        for i, (got, x) in enumerate(zip(r_grads, sequence)):
+        for i, (got, x) in enumerate(zip(r_grads, [x for x in sequence if x is not None])):
             torch.testing.assert_close(got, x.grad.index_select(1, positions), **TOLERANCE,
                                        msg=f"rank {rank} gradient of sequence input {i}")
         other_grads = [total + got for total, got in zip(other_grads, r_other_grads)]

@@ -1,9 +1,11 @@
-"""Linear recurrences: the gated delta rule and Mamba2's chunked scan (``autoshard::gated_delta_rule``,
-``autoshard::ssd_chunk_scan``, recorded by :mod:`autoshard.recognized`), one canonical op ``recurrence``.
+"""Linear recurrences: the gated delta rule, Mamba2's chunked scan and Mamba (1)'s selective scan
+(``autoshard::gated_delta_rule``, ``autoshard::ssd_chunk_scan``, ``autoshard::selective_scan``, recorded by
+:mod:`autoshard.recognized`), one canonical op ``recurrence``.
 
-A recurrence's sequence inputs (the delta rule's query, key, value, decay and beta; the scan's ``x``, ``dt``, ``B``
-and ``C``) carry one sequence on dim 1, the same positions as its output (its first result); its other inputs (the
-scan's ``A``, ``D``, ``dt_bias``) and its second result, the final state, have none. Link: those dims are one family.
+A recurrence's sequence inputs (the delta rule's query, key, value, decay and beta; the scans' ``x``, ``dt``, ``B``,
+``C`` and the selective scan's gate ``z``) carry one sequence on dim 1, the same positions as its output (its first
+result); its other inputs (the scans' ``A``, ``D``, ``dt_bias``) and its second result, the final state, have
+none. Link: those dims are one family.
 Rewrite: with the sequence split, every sequence input is taken in the output's layout, the others whole, and the call
 becomes :func:`~autoshard.runtime.recurrence.split_recurrence` -- each rank runs its pieces, one all-gather of every
 piece's state (independent of the length) passes the state along, and the final state is the whole sequence's on
@@ -30,8 +32,10 @@ STATE_PASSING = "recurrent state passing"
 
 def link_recurrence(ctx, node, op):
     first, *rest = op["sequence"]
+    ctx.seed_weakly((first, 1, 0))  # a model of recurrences alone (Mamba) is split too
     for x in rest:
-        ctx.link_dims(x, 1, first, 1)
+        if x is not None:  # the selective scan's gate is optional
+            ctx.link_dims(x, 1, first, 1)
 
 
 def _link_output(ctx, producer, op, index, node):
@@ -49,7 +53,7 @@ def rewrite_recurrence(rw, node, op):
     if op["initial_state"] is not None:
         run_whole(rw, node, "a recurrence from an initial state")
         return
-    sequence = [rw.input(x, out) for x in op["sequence"]]
+    sequence = [rw.input(x, out) if x is not None else None for x in op["sequence"]]
     others = [rw.input(x, REPLICATE, partial_grad=True) if x is not None else None for x in op["others"]]
     new = rw.call(split_recurrence, op["kind"], sequence, others, list(op["config"]), out.layout.encode(), rw.rank,
                   rw.groups.sequence)
@@ -66,9 +70,8 @@ def _state_passing(book, call) -> None:
     ``(P - 1)`` times a rank's states, however long the sequence."""
     op = op_of(call.value)  # the original call: (output, final state)
     recurrence, state = RECURRENCES[op["kind"]], value_of(call.value)[1]
-    other = recurrence.other([value_of(x) for x in op["sequence"]])
-    row = state_passing_bytes(tuple(state.shape), other, recurrence.value_dim, pieces_per_rank(call.layout()),
-                              state.element_size())
+    sequence = [value_of(x) if x is not None else None for x in op["sequence"]]
+    row = state_passing_bytes(recurrence.summary_shape(sequence), pieces_per_rank(call.layout()), state.element_size())
     book.all_gather_rows(call.value.name, row, "forward", STATE_PASSING, (P - 1) * row)
     if call.needs_grad:
         book.comms.append(Comm("reduce_scatter", call.value.name, "backward",
