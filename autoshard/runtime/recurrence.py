@@ -23,7 +23,8 @@ all-gather of every piece's ``[E | M]`` (a few states per rank, however long the
 pieces before each of its own, in sequence order, into that piece's incoming state ``X``, and add the correction
 ``out_{v=0}(X)``. Every layout is served (a zigzag rank holds two pieces, each with its own incoming state); the work
 per rank is about two local runs over ``S / P`` positions, against one run over ``S`` on one process. The final
-state (a cache's) is the fold over every piece, the same on every rank.
+state (a cache's) is the fold over every piece, the same on every rank; a given initial state (a cache's, when a
+prompt is continued) is the first piece's incoming state.
 
 The ops' backward recomputes the forward under autograd and differentiates it (the way activation checkpointing
 does): the implementation is the model's own code, whose backward autograd already knows.
@@ -378,13 +379,15 @@ RECURRENCES: dict[str, Recurrence] = {
 """The recurrence ops state passing serves, by name."""
 
 
-def split_recurrence(kind: str, sequence: list[torch.Tensor | None], others: list[torch.Tensor | None], config: list,
-                     layout: list[int], rank: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+def split_recurrence(kind: str, sequence: list[torch.Tensor | None], others: list[torch.Tensor | None],
+                     initial_state: torch.Tensor | None, config: list, layout: list[int], rank: int,
+                     group: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence ``kind`` (:data:`RECURRENCES`) of a sequence split by ``layout`` (encoded) along dim 1 of every
     ``sequence`` input (None: an input the call does without), on this ``rank``'s positions, by state passing over
     ``group`` (see the module docstring): this rank's output and the whole sequence's final state
-    (:func:`state_dtype`, the same on every rank). ``others``: the op's inputs with no sequence (whole), ``config``
-    its non-tensor arguments."""
+    (:func:`state_dtype`, the same on every rank). ``others``: the op's inputs with no sequence (whole),
+    ``initial_state`` the state the sequence starts from (whole; None: zero -- a cache's, when a prompt is continued:
+    the first piece's incoming state), ``config`` its non-tensor arguments."""
     recurrence, layout = RECURRENCES[kind], SequenceLayout.decode(layout)
     values = sequence[recurrence.values]
     dtype, given = state_dtype(values.dtype), [x for x in sequence if x is not None]
@@ -402,9 +405,12 @@ def split_recurrence(kind: str, sequence: list[torch.Tensor | None], others: lis
     padding = values.new_zeros(recurrence.summary_shape(sequence), dtype=dtype) + sum(x.sum() for x in given) * 0
     every = all_gather(torch.stack([summary for _, _, summary in pieces] + [padding] * (most - len(pieces))), 0,
                        group=group)
-    anchor = (every.sum() + sum(x.sum() for x in others if x is not None)) * 0  # the whole inputs too
+    whole = [x for x in others + [initial_state] if x is not None]
+    anchor = (every.sum() + sum(x.sum() for x in whole)) * 0  # the whole inputs too
     starts = [(lo, r, i) for r in range(layout.world_size) for i, (lo, _) in enumerate(layout.local_intervals(r))]
-    incoming, fold = {}, values.new_zeros(recurrence.state_shape(sequence), dtype=dtype)
+    fold = (initial_state.to(dtype) if initial_state is not None
+            else values.new_zeros(recurrence.state_shape(sequence), dtype=dtype))
+    incoming = {}
     for _, r, i in sorted(starts):
         incoming[r, i] = fold
         fold = recurrence.fold(fold, every[r * most + i])

@@ -12,7 +12,8 @@ both in float32 whatever the model's dtype -- 1e-4 relative, as the other transf
 gradient, 0 fallbacks, no S x S value, every attention distributed, the state passed forward and its gradient
 backward; and the plan's bytes, state passing included, equal to the bytes the run sent.
 Lengths the world size does not divide, ring (contiguous) and zigzag (two pieces on a rank) layouts. ``generate()``
-gives one process's tokens: the prefill split, the decode steps reading the passed final state and the conv state.
+gives one process's tokens: the prefill split, the decode steps reading the passed final state and the conv state; a
+prompt continued in a second chunk starts that chunk's recurrences from the cached state.
 A new length every step compiles once more, for a length class that serves the later lengths.
 """
 
@@ -112,6 +113,25 @@ def _generate(name: str, length: int) -> dict:
                 explain=autoshard.explain(backend))
 
 
+def _continue(name: str, first: int, second: int) -> dict:
+    """A prompt of ``first`` tokens, then ``second`` more continuing its cache (a multi-turn chat's next turn): the
+    second chunk's recurrences start from the cached state; the logits against the same model uncompiled."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    make, _ = _build(name, first)
+    model = make().eval()
+    ids = torch.randint(0, 256, (1, first + second), generator=torch.Generator().manual_seed(2))
+    backend = autoshard.backend(outputs="gathered")
+    compiled = torch.compile(model.forward, backend=backend)
+    logits = []
+    with torch.no_grad():
+        for run in (model.forward, compiled):
+            head = run(ids[:, :first], use_cache=True)
+            tail = run(ids[:, first:], past_key_values=head.past_key_values, use_cache=True)
+            logits.append(torch.cat([head.logits, tail.logits], 1))
+    return dict(error=(logits[1] - logits[0]).abs().max().item(), explain=autoshard.explain(backend))
+
+
 def _lengths(name: str, lengths: list[int]) -> dict:
     """Training losses at a new length every step (a padding-free run) against the same model uncompiled, and what
     the backend compiled for them."""
@@ -149,7 +169,8 @@ def _results(world: int) -> list[list[dict]]:
 
 def _run(cases) -> list[dict]:
     world = dist.get_world_size()
-    extra = [_generate(GENERATE[world], 37)] + ([_lengths("falcon_h1", [37, 41, 53, 60])] if world == 2 else [])
+    extra = [_generate(GENERATE[world], 37)] + ([_lengths("falcon_h1", [37, 41, 53, 60])] if world == 2 else
+                                                 [_continue("qwen3_next", 33, 27)])
     return [_case(*case) for case in cases] + extra
 
 
@@ -193,3 +214,14 @@ def test_new_lengths_share_one_compilation():
         r = results[-1]
         assert max(r["errors"]) <= 1e-6, f"rank {rank}: relative loss errors {r['errors']}"
         assert r["compilations"] == 2 and r["fallbacks"] == [], (rank, r)
+
+
+@pytest.mark.slow
+def test_a_continued_prompt_starts_its_recurrences_from_the_cached_state():
+    """The second chunk's recurrence is split too, its first piece starting from the cache's state (its attention,
+    over the cached keys and the new ones, runs whole: keys that are not the queries' sequence)."""
+    for rank, results in enumerate(_results(4)):
+        r = results[-1]
+        assert r["error"] <= 1e-5, f"rank {rank}: logits differ by {r['error']}\n{r['explain']}"
+        graphs = [line for line in r["explain"].splitlines() if line.startswith("graph")]
+        assert len(graphs) == 2 and all("1 recurrence(s) passing their state" in line for line in graphs), r["explain"]

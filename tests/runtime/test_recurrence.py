@@ -2,7 +2,7 @@
 the recurrence run position by position on one process: every rank's output, the final state and the gradient of
 every input, in float64 (tolerance 1e-10), for the gated delta rule, Mamba2's scan and Mamba (1)'s selective scan,
 contiguous and zigzag layouts, lengths the world size does not divide, a sequence shorter than the world, grouped
-heads, a selective scan without its gate.
+heads, a selective scan without its gate, a delta rule and an SSD scan that start from a given state.
 
 The implementations registered here are the recurrences written out step by step (no chunks): state passing is
 checked against an independent form of each rule, not against the chunked one transformers runs.
@@ -76,31 +76,35 @@ register_implementation("tests.ssd_stepwise", ssd_stepwise)
 register_implementation("tests.selective_scan_stepwise", selective_scan_stepwise)
 
 
-def _inputs(kind: str, length: int) -> tuple[list, list, list]:
-    """(sequence inputs, other inputs, config) of ``kind`` at ``length`` positions."""
+def _inputs(kind: str, length: int, from_state: bool) -> tuple[list, list, torch.Tensor | None, list]:
+    """(sequence inputs, other inputs, initial state, config) of ``kind`` at ``length`` positions; the recurrences
+    that take an initial state start from a random one when ``from_state`` (a cache's, a prompt continued)."""
     gen = torch.Generator().manual_seed(length)
     rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
     unit = lambda *shape: torch.rand(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
     if kind == "gated_delta_rule":
         return ([rand(BATCH, length, GROUPS, KEY), rand(BATCH, length, GROUPS, KEY), rand(BATCH, length, HEADS, VALUE),
-                 -unit(BATCH, length, HEADS), unit(BATCH, length, HEADS)], [], ["tests.delta_rule_stepwise", 64, True])
+                 -unit(BATCH, length, HEADS), unit(BATCH, length, HEADS)], [],
+                rand(BATCH, HEADS, KEY, VALUE) if from_state else None, ["tests.delta_rule_stepwise", 64, True])
     if kind == "ssd_chunk_scan":
         return ([rand(BATCH, length, HEADS, VALUE), rand(BATCH, length, HEADS), rand(BATCH, length, GROUPS, KEY),
                  rand(BATCH, length, GROUPS, KEY)], [-unit(HEADS), rand(HEADS), rand(HEADS)],
+                rand(BATCH, HEADS, VALUE, KEY) if from_state else None,
                 ["tests.ssd_stepwise", 64, True, 0.0, float("inf")])
     gate = rand(BATCH, length, CHANNELS) if length != 2 else None  # the gate is optional: left out in one case
     return ([rand(BATCH, length, CHANNELS), rand(BATCH, length, CHANNELS), rand(BATCH, length, KEY),
-             rand(BATCH, length, KEY), gate], [-unit(CHANNELS, KEY), rand(CHANNELS), rand(CHANNELS)],
-            ["tests.selective_scan_stepwise", True])
+             rand(BATCH, length, KEY), gate], [-unit(CHANNELS, KEY), rand(CHANNELS), rand(CHANNELS)], None,
+            ["tests.selective_scan_stepwise", True])  # transformers' selective scan takes no initial state
 
 
-def _one_process(kind: str, sequence: list, others: list, config: list):
+def _one_process(kind: str, sequence: list, others: list, initial: torch.Tensor | None, config: list):
     if kind == "gated_delta_rule":
-        return delta_rule_stepwise(*sequence, use_qk_l2norm_in_kernel=config[2])
+        return delta_rule_stepwise(*sequence, initial_state=initial, use_qk_l2norm_in_kernel=config[2])
     if kind == "ssd_chunk_scan":
         x, dt, B, C = sequence
         A, D, dt_bias = others
-        return ssd_stepwise(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=config[2], dt_limit=tuple(config[3:]))
+        return ssd_stepwise(x, dt, A, B, C, D=D, dt_bias=dt_bias, initial_states=initial, dt_softplus=config[2],
+                            dt_limit=tuple(config[3:]))
     x, dt, B, C, z = (t.transpose(1, 2) if t is not None else None for t in sequence)
     A, D, delta_bias = others
     out, state = selective_scan_stepwise(x, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=config[1])
@@ -113,38 +117,40 @@ def _weights(out_shape, state_shape):
             torch.randn(*state_shape, generator=gen, dtype=torch.float64))
 
 
-def _on_rank(kind: str, layout_kind: str, length: int):
+def _on_rank(kind: str, layout_kind: str, length: int, from_state: bool):
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = getattr(SequenceLayout, layout_kind)(length, world)
-    sequence, others, config = _inputs(kind, length)
+    sequence, others, initial, config = _inputs(kind, length, from_state)
     positions = layout.positions(rank)
     mine = [x.index_select(1, positions).requires_grad_() if x is not None else None for x in sequence]
-    others = [x.requires_grad_() for x in others]
-    out, state = split_recurrence(kind, mine, others, config, layout.encode(), rank, group_name(None))
-    whole_out, _ = _one_process(kind, *_inputs(kind, length))
+    whole = [x.requires_grad_() for x in others + ([initial] if initial is not None else [])]
+    out, state = split_recurrence(kind, mine, whole[:len(others)], initial, config, layout.encode(), rank,
+                                  group_name(None))
+    whole_out, _ = _one_process(kind, *_inputs(kind, length, from_state))
     w_out, w_state = _weights(whole_out.shape, state.shape)
     ((out * w_out.index_select(1, positions)).sum() + (state * w_state).sum() / world).backward()
-    return out.detach(), state.detach(), [x.grad for x in mine if x is not None], [x.grad for x in others]
+    return out.detach(), state.detach(), [x.grad for x in mine if x is not None], [x.grad for x in whole]
 
 
-CASES = [(2, "contiguous", 13), (2, "zigzag", 14), (3, "contiguous", 2),
-         pytest.param(3, "contiguous", 11, marks=pytest.mark.slow),
-         pytest.param(4, "zigzag", 19, marks=pytest.mark.slow)]
+CASES = [(2, "contiguous", 13, False), (2, "zigzag", 14, True), (3, "contiguous", 2, False),
+         pytest.param(3, "contiguous", 11, True, marks=pytest.mark.slow),
+         pytest.param(4, "zigzag", 19, False, marks=pytest.mark.slow)]
+"""(world size, layout, length, whether the recurrences that take an initial state start from one)."""
 
 
 @pytest.mark.parametrize("kind", ["gated_delta_rule", "ssd_chunk_scan", "selective_scan"])
-@pytest.mark.parametrize("world,layout_kind,length", CASES)
-def test_state_passing_equals_the_recurrence_on_one_process(kind, world, layout_kind, length):
-    sequence, others, config = _inputs(kind, length)
+@pytest.mark.parametrize("world,layout_kind,length,from_state", CASES)
+def test_state_passing_equals_the_recurrence_on_one_process(kind, world, layout_kind, length, from_state):
+    sequence, others, initial, config = _inputs(kind, length, from_state)
     sequence = [x.requires_grad_() if x is not None else None for x in sequence]
-    others = [x.requires_grad_() for x in others]
-    out, state = _one_process(kind, sequence, others, config)
+    whole = [x.requires_grad_() for x in others + ([initial] if initial is not None else [])]
+    out, state = _one_process(kind, sequence, others, initial, config)
     w_out, w_state = _weights(out.shape, state.shape)
     ((out * w_out).sum() + (state * w_state).sum()).backward()
     layout = getattr(SequenceLayout, layout_kind)(length, world)
-    other_grads = [torch.zeros_like(x) for x in others]
-    for rank, (r_out, r_state, r_grads, r_other_grads) in enumerate(run_on_ranks(_on_rank, world, kind, layout_kind,
-                                                                                  length)):
+    whole_grads = [torch.zeros_like(x) for x in whole]
+    for rank, (r_out, r_state, r_grads, r_whole_grads) in enumerate(run_on_ranks(_on_rank, world, kind, layout_kind,
+                                                                                  length, from_state)):
         positions = layout.positions(rank)
         torch.testing.assert_close(r_out, out.detach().index_select(1, positions), **TOLERANCE,
                                    msg=f"rank {rank} output")
@@ -152,6 +158,7 @@ def test_state_passing_equals_the_recurrence_on_one_process(kind, world, layout_
         for i, (got, x) in enumerate(zip(r_grads, [x for x in sequence if x is not None])):
             torch.testing.assert_close(got, x.grad.index_select(1, positions), **TOLERANCE,
                                        msg=f"rank {rank} gradient of sequence input {i}")
-        other_grads = [total + got for total, got in zip(other_grads, r_other_grads)]
-    for i, (total, x) in enumerate(zip(other_grads, others)):  # each rank's share of a whole input's gradient
-        torch.testing.assert_close(total, x.grad, **TOLERANCE, msg=f"gradient of other input {i}, summed over ranks")
+        whole_grads = [total + got for total, got in zip(whole_grads, r_whole_grads)]
+    for i, (total, x) in enumerate(zip(whole_grads, whole)):  # each rank's share of a whole input's gradient
+        torch.testing.assert_close(total, x.grad, **TOLERANCE,
+                                   msg=f"gradient of whole input {i} (the initial state last), summed over ranks")

@@ -9,8 +9,8 @@ none. Link: those dims are one family.
 Rewrite: with the sequence split, every sequence input is taken in the output's layout, the others whole, and the call
 becomes :func:`~autoshard.runtime.recurrence.split_recurrence` -- each rank runs its pieces, one all-gather of every
 piece's state (independent of the length) passes the state along, and the final state is the whole sequence's on
-every rank (booked in the byte book). Not split, it runs whole. An initial state (a cache's, when a prompt is
-continued) is not passed along yet: such a call runs whole, recorded as a fallback.
+every rank (booked in the byte book); an initial state (a cache's, when a prompt is continued) is taken whole and
+starts the first piece. Not split, it runs whole.
 """
 
 from __future__ import annotations
@@ -50,13 +50,11 @@ def rewrite_recurrence(rw, node, op):
     if out is None or out.dim != 1 or out.factors:
         run_whole(rw, node, "" if out is None else "the recurrence's sequence is a merged dim")
         return
-    if op["initial_state"] is not None:
-        run_whole(rw, node, "a recurrence from an initial state")
-        return
     sequence = [rw.input(x, out) if x is not None else None for x in op["sequence"]]
-    others = [rw.input(x, REPLICATE, partial_grad=True) if x is not None else None for x in op["others"]]
-    new = rw.call(split_recurrence, op["kind"], sequence, others, list(op["config"]), out.layout.encode(), rw.rank,
-                  rw.groups.sequence)
+    others = [rw.input(x, REPLICATE, partial_grad=True) if x is not None else None
+              for x in op["others"] + [op["initial_state"]]]
+    new = rw.call(split_recurrence, op["kind"], sequence, others[:-1], others[-1], list(op["config"]),
+                  out.layout.encode(), rw.rank, rw.groups.sequence)
     rw.done(node, new, (out, REPLICATE))
 
 
