@@ -49,12 +49,9 @@ class Recognized:
 
 def _gated_delta_rule_stand_in(implementation: str) -> Callable:
     def gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                         use_qk_l2norm_in_kernel=False, **kwargs):
-        if kwargs.get("cu_seqlens") is not None:
-            raise ValueError("autoshard: the gated delta rule of packed sequences (cu_seqlens) needs the fla kernels; "
-                             "its torch form keeps no documents apart")
+                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
         out, state = torch.ops.autoshard.gated_delta_rule(query, key, value, g, beta, initial_state, implementation,
-                                                          chunk_size, use_qk_l2norm_in_kernel)
+                                                          chunk_size, use_qk_l2norm_in_kernel, cu_seqlens)
         return out, (state if output_final_state else None)
 
     return gated_delta_rule
@@ -62,13 +59,13 @@ def _gated_delta_rule_stand_in(implementation: str) -> Callable:
 
 def _ssd_chunk_scan_stand_in(implementation: str) -> Callable:
     def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
-                          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
-        if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
-            raise ValueError("autoshard: Mamba2's scan of packed sequences (seq_idx, cu_seqlens) needs the mamba-ssm "
-                             "kernels; its torch form keeps no documents apart")
+                          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None,
+                          seq_idx=None, cu_seqlens=None, **kwargs):
+        if z is not None:  # transformers' torch form takes no gate (its models gate after the scan)
+            raise ValueError("autoshard: Mamba2's scan with a gate z is not recognized; gate its output instead")
         out, state = torch.ops.autoshard.ssd_chunk_scan(hidden_states, dt, B, C, A, D, dt_bias, initial_states,
                                                         implementation, chunk_size, dt_softplus, float(dt_limit[0]),
-                                                        float(dt_limit[1]))
+                                                        float(dt_limit[1]), seq_idx, cu_seqlens)
         return (out, state) if return_final_states else out
 
     return mamba2_chunk_scan
@@ -102,9 +99,12 @@ _REGISTERED: dict[int, str] = {}
 
 
 def _defined(obj, name: str) -> Callable | None:
-    """The plain function named ``name`` that ``obj`` runs in the end: ``obj`` itself, or what it wraps --
+    """The outermost plain function named ``name`` that ``obj`` runs: ``obj`` itself, or what it wraps --
     ``functools.wraps`` chains (``__wrapped__``), closures, and the forward of a module standing for a function
-    (transformers' hub-kernel wrappers make a module-level function an ``nn.Module`` whose forward calls it)."""
+    (transformers' hub-kernel wrappers make a module-level function an ``nn.Module`` whose forward calls it). The
+    outermost: transformers' ``use_kernel_func_from_hub_with_fallback`` wraps the torch form in a function of its name
+    that calls a kernel (fla, mamba-ssm) where one is installed and runs on the inputs' device, so the op runs
+    whichever the model would."""
     todo, seen = [obj], set()
     while todo:
         item = todo.pop()
@@ -114,7 +114,7 @@ def _defined(obj, name: str) -> Callable | None:
         if isinstance(item, torch.nn.Module):
             todo.append(type(item).forward)
         elif inspect.isfunction(item):
-            if item.__name__ == name and not hasattr(item, "__wrapped__"):
+            if item.__name__ == name:
                 return item
             todo += [getattr(item, "__wrapped__", None)] + [cell.cell_contents for cell in item.__closure__ or ()
                                                              if _filled(cell)]

@@ -434,24 +434,26 @@ def _bind_marked_attention(q, k, v, attn_mask, causal, scale):
 
 @register_canonical("recurrence", functions=[torch.ops.autoshard.gated_delta_rule,
                                              torch.ops.autoshard.gated_delta_rule.default])
-def _bind_gated_delta_rule(q, k, v, g, beta, initial_state, implementation, chunk_size, use_qk_l2norm):
+def _bind_gated_delta_rule(q, k, v, g, beta, initial_state, implementation, chunk_size, use_qk_l2norm,
+                           cu_seqlens=None):
     return {"kind": "gated_delta_rule", "sequence": [q, k, v, g, beta], "others": [], "initial_state": initial_state,
-            "config": [implementation, chunk_size, use_qk_l2norm]}
+            "config": [implementation, chunk_size, use_qk_l2norm], "packed": cu_seqlens}
 
 
 @register_canonical("recurrence", functions=[torch.ops.autoshard.ssd_chunk_scan,
                                              torch.ops.autoshard.ssd_chunk_scan.default])
 def _bind_ssd_chunk_scan(x, dt, B, C, A, D, dt_bias, initial_state, implementation, chunk_size, dt_softplus, dt_min,
-                         dt_max):
+                         dt_max, seq_idx=None, cu_seqlens=None):
     return {"kind": "ssd_chunk_scan", "sequence": [x, dt, B, C], "others": [A, D, dt_bias],
-            "initial_state": initial_state, "config": [implementation, chunk_size, dt_softplus, dt_min, dt_max]}
+            "initial_state": initial_state, "config": [implementation, chunk_size, dt_softplus, dt_min, dt_max],
+            "packed": seq_idx if seq_idx is not None else cu_seqlens}
 
 
 @register_canonical("recurrence", functions=[torch.ops.autoshard.selective_scan,
                                              torch.ops.autoshard.selective_scan.default])
 def _bind_selective_scan(x, dt, B, C, z, A, D, delta_bias, implementation, delta_softplus):
     return {"kind": "selective_scan", "sequence": [x, dt, B, C, z], "others": [A, D, delta_bias],
-            "initial_state": None, "config": [implementation, delta_softplus]}
+            "initial_state": None, "config": [implementation, delta_softplus], "packed": None}
 
 
 # --- nodes that carry no tensor computation (a guard on a buffer read as a mask among them)

@@ -74,25 +74,27 @@ def _implementation(name: str) -> Callable:
     return IMPLEMENTATIONS[name]
 
 
-def _recomputing_autograd(op, run: Callable, tensors: int) -> None:
-    """``op``'s autograd: save its ``tensors`` tensor inputs, and in backward run ``run`` on them (and the rest of the
-    inputs) under autograd and differentiate it (``run`` returns the op's output, or a tuple of its outputs)."""
+def _recomputing_autograd(op, run: Callable) -> None:
+    """``op``'s autograd: save its tensor inputs, and in backward run ``run`` on its inputs under autograd and
+    differentiate it (``run`` takes the op's arguments and returns its output, or a tuple of its outputs)."""
     def setup(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:tensors])
-        ctx.config = inputs[tensors:]
+        ctx.tensor_at = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+        ctx.save_for_backward(*(inputs[i] for i in ctx.tensor_at))
+        ctx.arguments = [None if isinstance(x, torch.Tensor) else x for x in inputs]
 
     def backward(ctx, *grad_outputs):
+        arguments = list(ctx.arguments)
+        for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
+            arguments[i] = t.detach().requires_grad_(ctx.needs_input_grad[i])
+        wanted = [i for i in ctx.tensor_at if arguments[i].requires_grad]
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) if t is not None else None
-                      for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[:tensors])]
-            outputs = run(*leaves, *ctx.config)
+            outputs = run(*arguments)
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
             pairs = [(o, go) for o, go in zip(outputs, grad_outputs) if go is not None]
-            wanted = [t for t in leaves if t is not None and t.requires_grad]
-            grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [go for _, go in pairs], allow_unused=True)
-                         if wanted else ())
-        return (*(next(grads) if t is not None and t.requires_grad else None for t in leaves),
-                *(None for _ in ctx.config))
+            grads = (torch.autograd.grad([o for o, _ in pairs], [arguments[i] for i in wanted],
+                                         [go for _, go in pairs], allow_unused=True) if wanted else ())
+        by_index = dict(zip(wanted, grads))
+        return tuple(by_index.get(i) for i in range(len(arguments)))
 
     op.register_autograd(backward, setup_context=setup)
 
@@ -100,30 +102,39 @@ def _recomputing_autograd(op, run: Callable, tensors: int) -> None:
 # ----------------------------------------------------------------------------- the gated delta rule
 
 
+def _packed(**arguments) -> dict:
+    """The packed-document arguments given (a kernel's: fla's ``cu_seqlens``, mamba-ssm's ``seq_idx``), for the
+    implementation's call: the ones left out are not passed at all (a torch form may not take them)."""
+    return {name: value for name, value in arguments.items() if value is not None}
+
+
 def _run_gated_delta_rule(q, k, v, g, beta, initial_state, implementation: str, chunk_size: int,
-                          use_qk_l2norm: bool):
+                          use_qk_l2norm: bool, cu_seqlens=None):
     out, state = _implementation(implementation)(q, k, v, g=g, beta=beta, chunk_size=chunk_size,
                                                  initial_state=initial_state, output_final_state=True,
-                                                 use_qk_l2norm_in_kernel=use_qk_l2norm)
+                                                 use_qk_l2norm_in_kernel=use_qk_l2norm, **_packed(cu_seqlens=cu_seqlens))
     return out.contiguous(), state.to(state_dtype(q.dtype)).contiguous()
 
 
 @torch.library.custom_op("autoshard::gated_delta_rule", mutates_args=())
 def _gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       initial_state: torch.Tensor | None, implementation: str, chunk_size: int,
-                      use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run_gated_delta_rule(q, k, v, g, beta, initial_state, implementation, chunk_size, use_qk_l2norm)
+                      use_qk_l2norm: bool, cu_seqlens: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_gated_delta_rule(q, k, v, g, beta, initial_state, implementation, chunk_size, use_qk_l2norm,
+                                 cu_seqlens)
 
 
 @_gated_delta_rule.register_fake
-def _(q, k, v, g, beta, initial_state, implementation, chunk_size, use_qk_l2norm):
+def _(q, k, v, g, beta, initial_state, implementation, chunk_size, use_qk_l2norm, cu_seqlens=None):
     batch, length, _, key_dim = k.shape
     heads, value_dim = v.shape[-2:]
+    states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1  # packed: one state per document
     return (q.new_empty((batch, length, heads, value_dim)),
-            q.new_empty((batch, heads, key_dim, value_dim), dtype=state_dtype(q.dtype)))
+            q.new_empty((states, heads, key_dim, value_dim), dtype=state_dtype(q.dtype)))
 
 
-_recomputing_autograd(_gated_delta_rule, _run_gated_delta_rule, 6)
+_recomputing_autograd(_gated_delta_rule, _run_gated_delta_rule)
 declare(torch.ops.autoshard.gated_delta_rule.default)
 
 
@@ -131,10 +142,11 @@ declare(torch.ops.autoshard.gated_delta_rule.default)
 
 
 def _run_ssd_chunk_scan(x, dt, B, C, A, D, dt_bias, initial_state, implementation: str, chunk_size: int,
-                        dt_softplus: bool, dt_min: float, dt_max: float):
+                        dt_softplus: bool, dt_min: float, dt_max: float, seq_idx=None, cu_seqlens=None):
     out, state = _implementation(implementation)(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
                                                  initial_states=initial_state, dt_softplus=dt_softplus,
-                                                 dt_limit=(dt_min, dt_max), return_final_states=True)
+                                                 dt_limit=(dt_min, dt_max), return_final_states=True,
+                                                 **_packed(seq_idx=seq_idx, cu_seqlens=cu_seqlens))
     return out.to(state_dtype(x.dtype)).contiguous(), state.to(state_dtype(x.dtype)).contiguous()
 
 
@@ -142,19 +154,21 @@ def _run_ssd_chunk_scan(x, dt, B, C, A, D, dt_bias, initial_state, implementatio
 def _ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, A: torch.Tensor,
                     D: torch.Tensor | None, dt_bias: torch.Tensor | None, initial_state: torch.Tensor | None,
                     implementation: str, chunk_size: int, dt_softplus: bool, dt_min: float,
-                    dt_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    dt_max: float, seq_idx: torch.Tensor | None = None,
+                    cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return _run_ssd_chunk_scan(x, dt, B, C, A, D, dt_bias, initial_state, implementation, chunk_size, dt_softplus,
-                               dt_min, dt_max)
+                               dt_min, dt_max, seq_idx, cu_seqlens)
 
 
 @_ssd_chunk_scan.register_fake
-def _(x, dt, B, C, A, D, dt_bias, initial_state, implementation, chunk_size, dt_softplus, dt_min, dt_max):
+def _(x, dt, B, C, A, D, dt_bias, initial_state, implementation, chunk_size, dt_softplus, dt_min, dt_max,
+      seq_idx=None, cu_seqlens=None):
     batch, _, heads, head_dim = x.shape
     dtype = state_dtype(x.dtype)
     return x.new_empty(x.shape, dtype=dtype), x.new_empty((batch, heads, head_dim, B.shape[-1]), dtype=dtype)
 
 
-_recomputing_autograd(_ssd_chunk_scan, _run_ssd_chunk_scan, 8)
+_recomputing_autograd(_ssd_chunk_scan, _run_ssd_chunk_scan)
 declare(torch.ops.autoshard.ssd_chunk_scan.default)
 
 
@@ -190,7 +204,7 @@ def _(x, dt, B, C, z, A, D, delta_bias, implementation, delta_softplus):
             x.new_empty((batch, channels, A.shape[-1]), dtype=state_dtype(x.dtype)))
 
 
-_recomputing_autograd(_selective_scan, _run_selective_scan, 8)
+_recomputing_autograd(_selective_scan, _run_selective_scan)
 declare(torch.ops.autoshard.selective_scan.default)
 
 
@@ -216,7 +230,7 @@ def _(cumulative_dt, C, z, A, incoming):
                                    dtype=torch.promote_types(dtype, z.dtype) if z is not None else dtype)
 
 
-_recomputing_autograd(_selective_scan_correction, _run_selective_scan_correction, 5)
+_recomputing_autograd(_selective_scan_correction, _run_selective_scan_correction)
 declare(torch.ops.autoshard.selective_scan_correction.default)
 
 

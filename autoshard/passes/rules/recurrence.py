@@ -10,7 +10,8 @@ Rewrite: with the sequence split, every sequence input is taken in the output's 
 becomes :func:`~autoshard.runtime.recurrence.split_recurrence` -- each rank runs its pieces, one all-gather of every
 piece's state (independent of the length) passes the state along, and the final state is the whole sequence's on
 every rank (booked in the byte book); an initial state (a cache's, when a prompt is continued) is taken whole and
-starts the first piece. Not split, it runs whole.
+starts the first piece. Not split, it runs whole; so does a call over packed documents (a kernel's ``cu_seqlens`` or
+``seq_idx``), recorded as a fallback.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def rewrite_recurrence(rw, node, op):
     out = rw.out_shard(op["sequence"][0])
     if out is None or out.dim != 1 or out.factors:
         run_whole(rw, node, "" if out is None else "the recurrence's sequence is a merged dim")
+        return
+    if op["packed"] is not None:
+        run_whole(rw, node, "a recurrence over packed documents (cu_seqlens, seq_idx): state passing does not restart "
+                            "the state at their boundaries yet")
         return
     sequence = [rw.input(x, out) if x is not None else None for x in op["sequence"]]
     others = [rw.input(x, REPLICATE, partial_grad=True) if x is not None else None
