@@ -16,6 +16,7 @@ Three kinds, as in DTensor, with short string forms for plans and dumps:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Union
 
@@ -73,6 +74,19 @@ class Shard:
         out = list(shape)
         out[self.dim] = self.local_size(rank)
         return out
+
+    def stores_like(self, other: "Placement") -> bool:
+        """Whether a value split as ``self`` holds, on every rank, the elements it would hold split as ``other``, in
+        the same order: the same dim and layout, and the same sizes merged before and after the sequence (the merge
+        may be factored differently: ``[B, S, H]`` and ``[B, S, Hk, r]`` with ``H = Hk r``)."""
+        return (isinstance(other, Shard) and self.dim == other.dim and self.layout == other.layout
+                and size_key(self._merged_around()) == size_key(other._merged_around()))
+
+    def _merged_around(self) -> tuple:
+        """(the product of the factors merged before the sequence, the product of those after): (1, 1) unmerged."""
+        if not self.factors:
+            return 1, 1
+        return math.prod(self.factors[:self.factor]), math.prod(self.factors[self.factor + 1:])
 
     def moved(self, dim: int) -> "Shard":
         """The same sharding on another tensor dim."""

@@ -9,8 +9,9 @@ the split). Under ``autoshard.backend()`` the rule and the scans are recorded as
 (:mod:`autoshard.recognized`) and split by state passing (one all-gather of every piece's state;
 :mod:`autoshard.runtime.recurrence`). Asserted on real ranks against one process (float32 -- transformers computes
 both in float32 whatever the model's dtype -- 1e-4 relative, as the other transformers models): loss and every
-gradient, 0 fallbacks, no S x S value, every attention distributed, the state passed forward and its gradient
-backward; and the plan's bytes, state passing included, equal to the bytes the run sent.
+gradient, 0 fallbacks, no S x S value, no activation gathered whole or moved between ranks, every attention
+distributed, the state passed forward and its gradient backward; and the plan's bytes, state passing included, equal
+to the bytes the run sent.
 Lengths the world size does not divide, ring (contiguous) and zigzag (two pieces on a rank) layouts. ``generate()``
 gives one process's tokens: the prefill split, the decode steps reading the passed final state and the conv state; a
 prompt continued in a second chunk starts that chunk's recurrences from the cached state.
@@ -77,6 +78,8 @@ def _case(name: str, seq: int, strategy: str, count_bytes: bool) -> dict:
     out = dict(error=r.max_error(), summary=r.summary(), fallbacks=r.fallbacks,
                strategies=[a["strategy"] for a in r.attention],
                squares=[v for report in r.compiled_reports for v in report.square_values],
+               moved=[f"{t.kind} {t.node}" for report in r.compiled_reports for t in report.transitions
+                      if t.reason != "output"],  # the logits the harness compares are gathered
                passing=sorted(c.phase for report in r.compiled_reports for c in report.comms
                               if c.reason == STATE_PASSING))
     if count_bytes:
@@ -181,6 +184,7 @@ def test_linear_attention_and_state_space_layers_pass_their_state(world):
             where = f"{name} S={seq} {strategy} P={world} rank {rank}"
             assert r["error"] <= TOLERANCE, f"{where}: {r['summary']}"
             assert r["fallbacks"] == [] and r["squares"] == [], f"{where}: {r['fallbacks']} {r['squares']}"
+            assert r["moved"] == [], f"{where}: activations gathered or moved between ranks: {r['moved']}"
             attentions = set() if name == "mamba" else {strategy}  # Mamba has none: its recurrences seed the split
             assert set(r["strategies"]) == attentions, f"{where}: {r['strategies']}"
             assert r["passing"] and r["passing"].count("forward") == r["passing"].count("backward"), \

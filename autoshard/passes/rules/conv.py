@@ -4,7 +4,8 @@ The batch dim passes through a convolution. A 1-d convolution (``conv1d``, input
 along a split sequence runs on shards with halos (Whisper-style audio front ends, Conformer / Mamba
 convolutions):
 
-* link: with stride 1 output position ``i`` is input position ``i + (k-1)*d//2 - p`` (the kernel's centre), an
+* link: with stride 1 output position ``i`` is input position ``i`` when it reads it (``0 <= p <= d*(k-1)``: a
+  "same" or a causal convolution keeps its input's layout), else ``i + (k-1)*d//2 - p`` (the kernel's centre), an
   ordinary offset edge, so input and output share a family; a strided convolution maps ``j`` to ``s*j - p``,
   which no offset expresses, so each side is a conditional seed of the other (``seed_along``): the input
   becomes a family of its own, with its own layout, whenever the output is split, and the other way round.
@@ -63,6 +64,16 @@ def _conv1d(op) -> tuple[int, int, int, int] | None:
     return kernel, stride, left, dilation
 
 
+def _anchor(kernel: int, left: int, dilation: int) -> int:
+    """Which input position a stride-1 output position ``i`` is linked to, as ``i + anchor``: ``i`` itself whenever
+    ``i`` is one of the positions it reads (a "same" convolution, and a causal one -- padded by ``d*(k-1)`` and cut
+    back to the input's length, as Mamba's and Gated DeltaNet's are), so that output keeps the input's layout and
+    the layers after it need no realignment; else the kernel's centre."""
+    if 0 <= left <= dilation * (kernel - 1) and left % dilation == 0:
+        return 0
+    return dilation * (kernel - 1) // 2 - left
+
+
 def link_conv(ctx, node, op):
     src = op["input"]
     if len(shape_of(src)) == len(shape_of(op["weight"])):  # batched: [B, C, *spatial]
@@ -73,7 +84,7 @@ def link_conv(ctx, node, op):
     kernel, stride, left, dilation = params
     dim = len(shape_of(src)) - 1
     if stride == 1:
-        ctx.link_dims(node, dim, src, dim, dilation * (kernel - 1) // 2 - left)
+        ctx.link_dims(node, dim, src, dim, _anchor(kernel, left, dilation))
     else:
         ctx.seed_along((src, dim, 0), (node, dim, 0))
         ctx.seed_along((node, dim, 0), (src, dim, 0))
