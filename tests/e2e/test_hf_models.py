@@ -97,6 +97,12 @@ def build(name: str, seq: int, impl: str):
                                  num_experts_per_tok=1, attention_chunk_size=seq // 2, interleave_moe_layer_step=1,
                                  **SMALL)
         cls = T.Llama4ForCausalLM
+    elif name == "deepseek_v3":  # latent attention, routed experts in groups, a shared expert, a dense first layer
+        cfg = T.DeepseekV3Config(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                 first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                                 qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1, moe_intermediate_size=32,
+                                 **SMALL)
+        cls = T.DeepseekV3ForCausalLM
     elif name == "qwen3_moe":
         cfg = T.Qwen3MoeConfig(num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                moe_intermediate_size=32, **SMALL)
@@ -123,7 +129,8 @@ def _run(cases, inner):
         make, kwargs = build(name, seq, impl)
         r = compare_with_one_process(make, lambda: (), kwargs=kwargs, strategy=strategy, inner=inner)
         squares = [v for g in r.compiled_reports for v in g.square_values]
-        out.append((name, seq, impl, strategy, r.max_error(), r.summary(), r.fallbacks, r.attention, squares))
+        moved = [f"{t.kind} {t.node}" for g in r.compiled_reports for t in g.transitions if t.reason != "output"]
+        out.append((name, seq, impl, strategy, r.max_error(), r.summary(), r.fallbacks, r.attention, squares, moved))
     return out
 
 
@@ -144,23 +151,26 @@ CASES_4 = [("llama_pad", 62, "sdpa", "zigzag"), ("mistral", 64, "eager", "ring")
            ("vit", 17, "eager", "ring"), ("gpt2", 61, "sdpa", "ring")]
 
 
-def _check_case(where: str, case: tuple, result: tuple) -> None:
-    name, seq, impl, strategy, err, summary, fallbacks, attention, squares = result
+def _check_case(where: str, case: tuple, result: tuple, stays: bool = False) -> None:
+    """``stays``: also no activation gathered whole or moved between ranks (the outputs the harness compares
+    aside)."""
+    name, seq, impl, strategy, err, summary, fallbacks, attention, squares, moved = result
     assert (name, seq, impl, strategy) == case, (where, case, result[:4])
     assert err <= 1e-4, f"{where}: {summary}"
     assert fallbacks == [], f"{where}: {fallbacks}"
     assert squares == [], f"{where}: S x S values {squares}"
     assert attention and all(a["strategy"] == strategy for a in attention), f"{where}: {attention}"
+    assert not stays or moved == [], f"{where}: activations gathered or moved between ranks: {moved}"
 
 
-def _check(world, cases, inner="eager"):
+def _check(world, cases, inner="eager", stays=False):
     """Run ``cases`` on ``world`` ranks, the graphs lowered with ``inner``, and check every rank; returns every
     case's attention records."""
     records = []
     for rank, results in enumerate(run_on_ranks(_run, world, cases, inner, timeout=900)):
         for case, result in zip(cases, results):
             where = f"{result[0]} {result[2]} S={result[1]} {result[3]} P={world} rank {rank}"
-            _check_case(where, case, result)
+            _check_case(where, case, result, stays)
             records.append((where, result[7]))
     return records
 
@@ -218,31 +228,37 @@ def _check_gemma2(records) -> None:
         assert sorted(str(a["window"]) for a in attention) == ["(3, 0)", "None"], f"{where}: {attention}"
 
 
-def test_gpt_oss_sink_attention_is_distributed():
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_gpt_oss_sink_attention_is_distributed(world):
     """gpt-oss's eager attention adds a learned sink logit per head to every row's softmax: captured with its sinks
     and distributed, on its sliding-window and its global layers, sinks' gradients summed over the ranks; with left
     padding the rows that see no key give 0 (the sink takes their attention). Its experts run on each rank's tokens
     (:mod:`autoshard.passes.dispatch`): no fallback."""
     cases = [("gpt_oss", 13, "eager", "ring"), ("gpt_oss_pad", 14, "eager", "zigzag")]
-    for rank, results in enumerate(run_on_ranks(_run, 2, cases, "eager", timeout=900)):
-        for case, (name, seq, impl, strategy, err, summary, fallbacks, attention, squares) in zip(cases, results):
-            where = f"{name} S={seq} {strategy} rank {rank}"
+    for rank, results in enumerate(run_on_ranks(_run, world, cases, "eager", timeout=900)):
+        for case, (name, seq, impl, strategy, err, summary, fallbacks, attention, squares, moved) in zip(cases,
+                                                                                                        results):
+            where = f"{name} S={seq} {strategy} P={world} rank {rank}"
             assert err <= 1e-4, f"{where}: {summary}"
             assert squares == [], f"{where}: S x S values {squares}"
             assert len(attention) == 2 and all(a["strategy"] == strategy and a["sinks"] for a in attention), attention
-            assert sorted(str(a["window"]) for a in attention) == [f"({seq // 3 - 1}, 0)", "None"], f"{where}: {attention}"
+            windows = sorted(str(a["window"]) for a in attention)
+            assert windows == [f"({seq // 3 - 1}, 0)", "None"], f"{where}: {attention}"
             assert fallbacks == [], f"{where}: {fallbacks}"
+            assert moved == [], f"{where}: activations gathered or moved between ranks: {moved}"
 
 
 MOE_CASES = {2: [("mixtral", 13, "sdpa", "ring"), ("qwen3_moe", 14, "sdpa", "zigzag"), ("llama4", 13, "sdpa", "ring")],
-             4: [("qwen3_moe", 13, "sdpa", "ring"), ("mixtral", 14, "sdpa", "zigzag"), ("llama4", 14, "sdpa", "zigzag")]}
+             4: [("qwen3_moe", 13, "sdpa", "ring"), ("mixtral", 14, "sdpa", "zigzag"), ("llama4", 14, "sdpa", "zigzag"),
+                 ("deepseek_v3", 14, "sdpa", "zigzag")]}
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_expert_dispatch_runs_on_each_ranks_tokens(world):
     """Mixture-of-experts layers as transformers runs them under torch.compile (its grouped_mm experts: the slots
     sorted by expert, grouped products, the inverse permutation; Llama-4's tokens repeated whole per expert and
-    batched per expert, its attention chunked): each rank routes and computes its own tokens -- no fallback, no
-    gather -- and the loss (Mixtral's with the router's load-balancing loss over all tokens) and every gradient
-    equal one process's, at lengths the world size does not divide."""
-    _check(world, MOE_CASES[world])  # exact, no fallback, no S x S value, every attention distributed
+    batched per expert, its attention chunked; DeepSeek-V3's experts routed in groups beside a shared expert, its
+    latent attention, in the slow tier): each rank routes and computes its own tokens -- no fallback, no gather, no
+    activation moved between ranks -- and the loss (Mixtral's with the router's load-balancing loss over all tokens)
+    and every gradient equal one process's, at lengths the world size does not divide."""
+    _check(world, MOE_CASES[world], stays=True)
