@@ -60,6 +60,15 @@ layers split by state passing, one attention layer, experts; same machine, trans
       4096  P=2, whole loss      1049 MiB   0.45     7.8  -
       4096  P=2, chunked          457 MiB   0.20     7.1  chunk_loss
 
+``--model jamba --seq 1024 --ways "one process" "P=2, whole loss" "P=2, chunked"`` (Jamba: Mamba (1) layers split by
+state passing, attention layers, experts; same machine; transformers' selective scan runs position by position and
+its backward takes time quadratic in the length it scans, hence the short S and the step times)::
+
+         S  run               peak/rank  x one  step s
+      1024  one process           676 MiB   1.00    92.1
+      1024  P=2, whole loss       266 MiB   0.39    24.9
+      1024  P=2, chunked          208 MiB   0.31    24.6
+
 ``--cap 1 --max-seq 32768`` (longest S under 1 GiB per rank): one process < 4096 (4096: 1906 MiB); P=2 whole
 loss 4096; P=2 chunked 8192 (16384: 1061 MiB); P=2 policy 32768, the longest tried (849 MiB). With tiles and head
 groups in the policy's ladder, ``--cap 1 --ways "P=2, policy" --start 32768 --max-seq 65536``: 771 MiB at 32768,
