@@ -26,6 +26,7 @@ logits; ``--loss-tolerance``) and every final parameter (``--tolerance``) equal 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -153,6 +154,9 @@ def ranks(args) -> None:
             print(f"[{kind}] losses {losses(t)}\n{report}", flush=True)
     if torch.distributed.get_rank() == 0:
         Path(root, "results.json").write_text(json.dumps(results))
+    del t, resumed  # the trainers hold the process group: let destroy_process_group join its threads now
+    gc.collect()
+    torch.distributed.destroy_process_group()
 
 
 _ROWS_PER_MICRO_BATCH = {"fixed": 1, "packed": 1, "sft": 1, "flatten": 3}
