@@ -33,6 +33,7 @@ does): the implementation is the model's own code, whose backward autograd alrea
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -76,18 +77,23 @@ def _implementation(name: str) -> Callable:
 
 def _recomputing_autograd(op, run: Callable) -> None:
     """``op``'s autograd: save its tensor inputs, and in backward run ``run`` on its inputs under autograd and
-    differentiate it (``run`` takes the op's arguments and returns its output, or a tuple of its outputs)."""
+    differentiate it (``run`` takes the op's arguments and returns its output, or a tuple of its outputs), under the
+    autocast the forward ran under, as activation checkpointing does."""
     def setup(ctx, inputs, output):
         ctx.tensor_at = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
         ctx.save_for_backward(*(inputs[i] for i in ctx.tensor_at))
         ctx.arguments = [None if isinstance(x, torch.Tensor) else x for x in inputs]
+        ctx.autocast = [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                        if torch.is_autocast_enabled(device)]  # backward recomputes under the forward's autocast
 
     def backward(ctx, *grad_outputs):
         arguments = list(ctx.arguments)
         for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
             arguments[i] = t.detach().requires_grad_(ctx.needs_input_grad[i])
         wanted = [i for i in ctx.tensor_at if arguments[i].requires_grad]
-        with torch.enable_grad():
+        with torch.enable_grad(), contextlib.ExitStack() as autocast:
+            for device, dtype in ctx.autocast:
+                autocast.enter_context(torch.autocast(device, dtype=dtype))
             outputs = run(*arguments)
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
             pairs = [(o, go) for o, go in zip(outputs, grad_outputs) if go is not None]

@@ -162,3 +162,26 @@ def test_state_passing_equals_the_recurrence_on_one_process(kind, world, layout_
     for i, (total, x) in enumerate(zip(whole_grads, whole)):  # each rank's share of a whole input's gradient
         torch.testing.assert_close(total, x.grad, **TOLERANCE,
                                    msg=f"gradient of whole input {i} (the initial state last), summed over ranks")
+
+
+def _mixing_dtypes(hidden_states, dt, A, B, C, **kwargs):
+    """The step-by-step scan, then a product of a bfloat16 and a float32 tensor: only autocast runs it (as
+    transformers' Mamba (1) scan does with a bfloat16 model under autocast)."""
+    out, state = selective_scan_stepwise(hidden_states.float(), dt.float(), A, B.float(), C.float(), **kwargs)
+    eye = torch.eye(out.shape[1])
+    return torch.matmul(eye, out.to(hidden_states.dtype)), state
+
+
+register_implementation("tests.mixing_dtypes", _mixing_dtypes)
+
+
+def test_backward_recomputes_under_the_forwards_autocast():
+    """The ops' backward reruns the model's function: under the autocast the forward ran under, as activation
+    checkpointing does (outside it, the bfloat16 x float32 product above fails)."""
+    (x, dt, B, C, z), (A, D, delta_bias), _, _ = _inputs("selective_scan", 5, False)
+    x = x.to(torch.bfloat16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = torch.ops.autoshard.selective_scan(x, dt.float(), B.float(), C.float(), z.float(), A.float(), None,
+                                                    None, "tests.mixing_dtypes", True)
+    out.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16 and torch.isfinite(x.grad.float()).all()
