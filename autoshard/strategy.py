@@ -32,7 +32,7 @@ from .runtime.symbolic import hint_of, is_symbolic, size_key
 if TYPE_CHECKING:
     from .passes.infer import Families
 
-__all__ = ["choose", "attention_shape"]
+__all__ = ["choose", "attention_shape", "LONGEST", "LengthClass", "deciding", "length_class"]
 
 
 def attention_shape(node, length: int) -> AttentionShape:
@@ -50,7 +50,7 @@ def attention_shape(node, length: int) -> AttentionShape:
 
 
 LONGEST = 1 << 40
-"""The longest sequence a length class reaches (a bound the probe of :func:`_guard_same_choice` stops at)."""
+"""The longest sequence a length class reaches (a bound the probe of :func:`length_class` stops at)."""
 
 
 def _at_hint(shape: AttentionShape) -> AttentionShape:
@@ -64,20 +64,44 @@ def _choice(cost) -> tuple:
     return cost.strategy, cost.layout, cost.mesh
 
 
-def _guard_same_choice(length: torch.SymInt, choice) -> None:
-    """Guard a symbolic ``length`` to the range around its value where ``choice(length)`` (the strategy the cost
-    model picks) stays the same: a graph compiled for every length serves that range (a length class), and a
-    length outside compiles the graph of its own class. The range is probed by doubling and bisection; the
-    strategies are all exact, so a choice that changed and changed back inside a probed step only costs time."""
-    hint = hint_of(length)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LengthClass:
+    """The lengths around a call's over which the cost model's choice for an attention stays the same: what one
+    compilation of a graph of symbolic lengths serves for it (a length outside compiles a class of its own)."""
 
+    low: int
+    """The shortest length of the class (1: none shorter is different)."""
+    high: int
+    """The longest (:data:`LONGEST`: none longer is different)."""
+    below: str
+    """The strategy chosen just below :attr:`low`, with its layout where only that changes (``"allgather on the
+    contiguous layout"``); ``""`` where there is none, or where none fits there."""
+    above: str
+    """The same just above :attr:`high`."""
+
+
+def deciding(shape: AttentionShape, world: int, topology: HardwareProfile, config: BackendConfig, *,
+             hybrid_possible: bool):
+    """The cost model's choice for ``shape`` as a function of its length: ``length -> (best cost, why)``
+    (:func:`~autoshard.cost.choose_strategy`; raises ValueError where no strategy fits)."""
+    def decide(length: int):
+        return choose_strategy(attention_costs(dataclasses.replace(shape, seq=length), world, topology,
+                                               hybrid_possible=hybrid_possible, memory_budget=config.memory_budget,
+                                               head_chunks=config.head_chunks))
+    return decide
+
+
+def length_class(length: int, decide) -> LengthClass:
+    """The :class:`LengthClass` of ``length`` under ``decide`` (:func:`deciding`): the range around it where the
+    choice (strategy, layout, mesh) stays the same, probed by doubling and bisection. The strategies are all exact,
+    so a choice that changed and changed back inside a probed step only costs time."""
     def choice_at(n: int):
         try:
-            return choice(n)
+            return _choice(decide(n)[0])
         except ValueError:  # no strategy fits at n (the memory budget): a class ends before
             return None
 
-    want = choice_at(hint)
+    want = choice_at(length)
 
     def edge(same: int, step) -> int:
         other = same
@@ -97,11 +121,24 @@ def _guard_same_choice(length: torch.SymInt, choice) -> None:
                 other = mid
         return same
 
-    low = edge(hint, lambda n: max(1, n // 2))
-    high = edge(hint, lambda n: min(LONGEST, n * 2))
-    if low > 1 and not length >= low:  # the guards are recorded here; they hold at the hint
+    low = edge(length, lambda n: max(1, n // 2))
+    high = edge(length, lambda n: min(LONGEST, n * 2))
+    def named(other) -> str:  # the strategy, and its layout where only that changed
+        if other is None:
+            return ""
+        return other[0] if want is None or other[1] == want[1] else f"{other[0]} on the {other[1]} layout"
+
+    return LengthClass(low=low, high=high, below=named(choice_at(low - 1)) if low > 1 else "",
+                       above=named(choice_at(high + 1)) if high < LONGEST else "")
+
+
+def _guard_same_choice(length: torch.SymInt, decide) -> None:
+    """Guard a symbolic ``length`` to its :func:`length_class`: a graph compiled for every length serves that range,
+    and a length outside compiles the graph of its own class."""
+    lengths = length_class(hint_of(length), decide)
+    if lengths.low > 1 and not length >= lengths.low:  # the guards are recorded here; they hold at the hint
         raise AssertionError("unreachable")
-    if high < LONGEST and not length <= high:
+    if lengths.high < LONGEST and not length <= lengths.high:
         raise AssertionError("unreachable")
 
 
@@ -140,14 +177,12 @@ def choose(families: Families, *, config: BackendConfig, world: int, heads_axis_
                 continue
             hybrid_possible = heads_axis_size is not None or planning
             key = (_at_hint(shape), hybrid_possible)
-            decide = lambda length, s=key[0], h=hybrid_possible: choose_strategy(attention_costs(  # noqa: E731
-                dataclasses.replace(s, seq=length), world, topology, hybrid_possible=h,
-                memory_budget=config.memory_budget, head_chunks=config.head_chunks))
+            decide = deciding(key[0], world, topology, config, hybrid_possible=hybrid_possible)
             if key not in decided:
                 decided[key] = decide(key[0].seq)
             if is_symbolic(shape.seq) and (key, size_key(shape.seq)) not in guarded:  # each length's own class
                 guarded.add((key, size_key(shape.seq)))
-                _guard_same_choice(shape.seq, lambda length: _choice(decide(length)[0]))
+                _guard_same_choice(shape.seq, decide)
             best, why = decided[key]
             chosen[node], reasons[node] = best.strategy, why
             wanted_layouts.add(best.layout)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -41,13 +42,13 @@ from ..hardware import hardware as resolve_hardware
 from ..passes.capture import DENSE_MASK
 from ..passes.pipeline import compile_graph
 from ..policy import memory_policy_for
-from ..runtime.attention.base import AttentionShape, attention_seconds
+from ..runtime.attention.base import STRATEGIES, AttentionShape, attention_seconds
 from ..runtime.attention.dispatch import balance
 from ..runtime.attention.masks import MaskSpec
 from ..runtime.groups import SequenceGroups
 from ..runtime.input_check import check_bytes, replicated_inputs
 from ..runtime.layouts import SequenceLayout, split_sizes
-from ..strategy import attention_shape
+from ..strategy import LONGEST, attention_shape, deciding, length_class
 from .capture import capture, carried, inline_deferred_inputs
 from .fsdp import check_planning_options, memory_estimate, planned_step_time
 from .memory import GraphMemory, graph_memory
@@ -301,9 +302,35 @@ def _decisions(compiled, index: int, world: int, config: BackendConfig,
                        for c in costs],
                 positions={"causal": shape.mask.causal,
                            "window": list(shape.mask.window_arg) if shape.mask.window_arg else None,
-                           "chunk": shape.mask.chunk}))
+                           "chunk": shape.mask.chunk},
+                lengths=dict(_lengths(shape, strategy, decided.get("layout"), world, topology, config))))
             layer += 1
     return out
+
+
+@functools.lru_cache(maxsize=64)  # the layers of a model share a few shapes; each probe prices ~80 lengths
+def _lengths(shape: AttentionShape, strategy: str, layout: str | None, world: int, topology: HardwareProfile,
+             config: BackendConfig) -> dict:
+    """The lengths one compilation of a graph of symbolic lengths serves for this attention, as the plan shows them
+    (:attr:`AttentionDecision.lengths`; the cost model's :func:`~autoshard.strategy.length_class`, cut at the
+    zigzag layout's two chunks per rank and, with a memory budget, at this length, as the backend bounds a class);
+    empty where the cost model did not choose its strategy (the strategy
+    option, an attention run whole or on gathered keys)."""
+    if config.strategy != "auto" or strategy not in STRATEGIES:
+        return {}
+    decide = deciding(shape, world, topology, config, hybrid_possible=True)
+    try:
+        if STRATEGIES[decide(shape.seq)[0].strategy].algorithm != STRATEGIES[strategy].algorithm:
+            return {}
+    except ValueError:  # nothing fits at this length (the memory budget): ran as the budget's policy chose
+        return {}
+    lengths = length_class(shape.seq, decide)
+    low, below, high, above = lengths.low, lengths.below, lengths.high, lengths.above
+    if layout == "zigzag" and low < 2 * world:  # shorter, the family is laid out contiguously
+        low, below = 2 * world, f"{STRATEGIES[strategy].on_layout('contiguous').name} on the contiguous layout"
+    if config.memory_budget is not None and high > shape.seq:  # what fits here fits shorter lengths only
+        high, above = shape.seq, "the memory policy decides again"
+    return {"low": low, "high": high if high < LONGEST else None, "below": below, "above": above}
 
 
 def _documents_ratio(result: Plan, topology: HardwareProfile) -> float:

@@ -53,6 +53,10 @@ class AttentionDecision:
     """Every strategy's estimated cost (:class:`~autoshard.runtime.attention.base.StrategyCost` fields)."""
     positions: dict = field(default_factory=dict)
     """The position mask: ``causal``, ``window`` (``[left, right]`` or None) and ``chunk`` (0: none)."""
+    lengths: dict = field(default_factory=dict)
+    """Its length class: the sequence lengths ``low`` to ``high`` (None: no end) over which the cost model keeps its strategy (one
+    compilation of a graph of symbolic lengths serves them), and the strategy just ``below`` and ``above`` (``""``:
+    none); empty where the cost model did not choose it."""
 
 
 @dataclass
@@ -262,6 +266,8 @@ class Plan:
             lines.append(f"  step time {self.step_time.describe()}")
         if self.attention:
             lines.append(f"  why: {self.attention[0].reason}")
+        if any(a.lengths for a in self.attention):
+            lines.append(f"  {self.describe_length_class()}")
         for f in self.fallbacks:
             lines.append(f"  fallback: {f.node} ({f.op}): {f.reason}")
         lines.append("")
@@ -288,6 +294,30 @@ class Plan:
             for c in others:
                 lines.append(f"  {c.node[:40]:<40} {c.kind:<15} {c.phase:<9} {c.bytes_by_rank[self.rank]:>14,}")
         return "\n".join(lines)
+
+    def length_class(self) -> dict:
+        """The lengths over which every attention keeps its strategy: ``low``, ``high`` (as in
+        :attr:`AttentionDecision.lengths`) and the strategies ``below`` and ``above`` them, where the first class
+        boundary on either side is; empty where no attention's strategy came from the cost model."""
+        classes = [a.lengths for a in self.attention if a.lengths]
+        if not classes:
+            return {}
+        low = max(c["low"] for c in classes)
+        high = min((c["high"] for c in classes if c["high"] is not None), default=None)
+        return {"low": low, "high": high, "below": next(c["below"] for c in classes if c["low"] == low),
+                "above": next(c["above"] for c in classes if c["high"] == high)}
+
+    def describe_length_class(self) -> str:
+        """:meth:`length_class` as the plan's line."""
+        c = self.length_class()
+        up = "any longer" if c["high"] is None else f"{c['high']:,}"
+        text = (f"length class: one compilation (a graph of symbolic lengths) serves S = {c['low']:,} to {up} "
+                f"tokens with these strategies")
+        if c["low"] > 1:
+            text += f"; shorter compiles another class ({c['below'] or 'no strategy fits'})"
+        if c["high"] is not None:
+            text += f"; longer compiles another class ({c['above'] or 'no strategy fits'})"
+        return text
 
     # ------------------------------------------------------------------ serialization
     def to_json(self) -> str:

@@ -135,6 +135,20 @@ def test_plan_needs_no_process_group_and_round_trips():
                                           + plan.memory_per_rank.transient)
 
 
+def test_plan_says_which_lengths_its_compilation_serves():
+    """The plan's length class: from the zigzag layout's 2P (shorter, the family is laid out contiguously: another
+    class) to where the cost model switches strategy; a plan just outside it plans that other class."""
+    model = LlamaLM()
+    plan = autoshard.plan(model, (torch.zeros(1, 64, dtype=torch.long),) * 2, world_size=4)
+    lengths = plan.length_class()
+    assert lengths["low"] == 8 and lengths["below"] == "allgather on the contiguous layout", lengths
+    assert lengths["above"] == "zigzag" and lengths["high"] > 64, lengths
+    assert "length class: one compilation (a graph of symbolic lengths) serves S = 8 to " in str(plan), str(plan)
+    shorter = autoshard.plan(model, (torch.zeros(1, 7, dtype=torch.long),) * 2, world_size=4)
+    assert {(a.strategy, a.layout) for a in shorter.attention} == {("allgather", "contiguous")}
+    assert shorter.length_class() == {"low": 1, "high": 7, "below": "", "above": "allgather on the zigzag layout"}
+
+
 def test_plan_on_the_meta_device():
     with torch.device("meta"):
         model = LlamaLM()

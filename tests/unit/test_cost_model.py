@@ -8,6 +8,8 @@ from autoshard.cost import attention_costs, choose_strategy
 from autoshard.hardware import HardwareProfile
 from autoshard.runtime.attention import STRATEGIES, MaskSpec
 from autoshard.runtime.attention.base import AttentionShape
+from autoshard.strategy import LONGEST, deciding, length_class
+from autoshard.config import BackendConfig
 
 
 def _shape(seq, heads, kv_heads, head_dim, dtype, causal):
@@ -54,6 +56,18 @@ def test_memory_budget_rules_out_gathering_kv():
 def test_short_sequences_cannot_zigzag():
     costs = attention_costs(_shape(6, 8, 8, 16, torch.float32, True), 4, HardwareProfile())
     assert not next(c for c in costs if c.strategy == "zigzag").feasible
+
+
+def test_a_length_class_ends_where_the_cost_model_switches_strategy():
+    """The range a graph of symbolic lengths is guarded to (and the plan prints): the same choice at both ends, another
+    one just outside, named."""
+    decide = deciding(_shape(4096, 4, 2, 16, torch.float32, True), 4, HardwareProfile(), BackendConfig(),
+                      hybrid_possible=True)
+    lengths = length_class(4096, decide)
+    choice = lambda n: decide(n)[0].strategy  # noqa: E731
+    assert lengths.low < 4096 < lengths.high < LONGEST
+    assert choice(lengths.low) == choice(lengths.high) == choice(4096) != choice(lengths.high + 1) == lengths.above
+    assert lengths.low == 8 and lengths.below == "allgather on the contiguous layout"  # zigzag needs 2P positions
 
 
 def test_hardware_profile_rejects_values_the_model_would_divide_by():
