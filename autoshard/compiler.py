@@ -20,29 +20,28 @@ A dynamic-shape graph (dynamo's symbolic sizes, after a second sequence length) 
 computes its sizes at run time, and a later call whose sizes every rank's guards admit runs it without compiling.
 The inner compiler (eager, aot_eager, inductor) traces the rank graph with the class's symbolic sizes, so its code
 serves the class too. With a memory budget (by default on CUDA) the memory policy decides at the call's sizes and the class
-ends there (what fits fits every shorter length). Where a class is not supported (split inputs, another inner
-compiler, values handed between graphs) it is compiled once per distinct set of sizes; the ``SIZES_CACHED`` sets of sizes used most recently
-keep their compiled graph.
+ends there (what fits fits every shorter length). Inputs that arrive split (``inputs="sharded"``) join a class too:
+the graph is generalized at the global length (the sum of the ranks' local lengths, exchanged on every call), its
+split inputs placed in the layout of that symbolic length, and each call passes the global length where dynamo
+passes the rank's own. Where a class is not supported (another inner compiler, values handed between graphs, a
+size dynamo does not pass as an input) it is compiled once per distinct set of sizes; the ``SIZES_CACHED`` sets of
+sizes used most recently keep their compiled graph.
 Every compilation is counted with its cause (:class:`~autoshard.records.Cause`: a new graph, a dynamo recompile and
 the guard that failed, a new sequence length, batch size or dtype of a dynamic graph, sizes dropped from the cache, a
 new mask structure); :func:`explain` prints the counts, so a user who sees a compile per step learns why.
-Every rank makes the same cache decision on every call: with split inputs (``inputs="sharded"``) the
-ranks' local lengths differ, so on every call they all-gather their local lengths and a digest of their
-other sizes (a few bytes, counted as ``"metadata"``) and key the cache on all ranks' lengths; a rank
-whose shard is not the one the layout gives it, or whose other sizes differ, makes every rank raise.
+How every call of a dynamic graph is served, and how the ranks agree on it: :mod:`autoshard.dynamic_sizes`.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import datetime
 import functools
 import hashlib
 import itertools
 import logging
 import warnings
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from typing import Any, Callable
 
 import torch
@@ -53,25 +52,24 @@ from torch._dispatch.python import enable_python_dispatcher
 from .boundary import (carrying, deferred_inputs_of, inline_inputs, lazy_head, shard_inputs,
                        split_inputs_of)
 from .config import BackendConfig, resolve_config, trace_checkpointed_layers
+from .dynamic_sizes import NO_SHARDED_INPUT, PerSizes, on_every_rank, placing_per_call, short_shard
 from .passes.decode import cache_written_in_place, decode_runner
 from .passes.dense_masks import dense_mask_runner
 from .passes.static_cache import static_prefill_runner
 from .passes.ops import value_of
-from .passes.pipeline import DynamoGraph, GraphKind, compile_graph, graph_kind, input_name, source_name
+from .passes.pipeline import DynamoGraph, GraphKind, compile_graph, graph_kind, source_name
 from .passes.report import CompileReport
-from .passes.specialize import GenericGraph, generalize, size_key, specialize, symbol_of, symbolic_dims
+from .passes.specialize import GenericGraph, generalize, specialize, symbol_of
 from .placements import Shard
 from .recognized import recognize_loaded, warn_if_traced_through
 from .records import CAUSES, Cause, GraphRecord, describe_record, dynamo_cause, warn_at_the_recompile_limit
 from .planner import plan_graph, plan_graphs
 from .policy import device_budget, host_budget, memory_policy_for
-from .runtime.collectives import gather_facts
 from .runtime.input_check import checking_inputs, replicated_inputs
 from .runtime.warn import warn
 from .runtime.attention.dispatch import last_dispatch
 from .runtime.layouts import SequenceLayout
 from .runtime.split_tensor import SplitTensor
-from .runtime.symbolic import evaluate, is_symbolic
 from .runtime.groups import (GroupLike, check_sequence_mesh, default_store, sequence_group,
                              sequence_groups)
 
@@ -84,11 +82,6 @@ FINGERPRINT_TIMEOUT = datetime.timedelta(seconds=120)
 _COMPILES = itertools.count()
 """Numbers this process's compiles; ranks compile in the same order, so the n-th compile of every rank
 must be the same graph."""
-SIZES_CACHED = 8
-"""How many sets of sizes of one dynamic-shape graph keep their compiled graph (least recently used first out)."""
-CLASS_TRIES = 2
-"""How many times a dynamic graph tries to compile a length class before it compiles once per set of sizes only
-(a try that fails costs a compile)."""
 RECORDS_KEPT = 64
 """How many compiled graphs' records a backend keeps for reports and warnings (oldest first out)."""
 _LAST_CHECK: dict[str, int] = {}
@@ -140,7 +133,7 @@ class AutoshardBackend:
         if kind.name != "dry_run":
             self._warn_if_cache_kept_whole(gm, example_inputs)
         if kind.name not in ("dry_run", "decode", "dynamic") and self.config.inputs == "sharded":
-            raise ValueError(_NO_SHARDED_INPUT)  # split inputs arrive with a dynamic sequence dim
+            raise ValueError(short_shard(example_inputs) or NO_SHARDED_INPUT)  # split inputs' dim is dynamic
         return _COMPILE_KIND[kind.name](self, kind, graph)
 
     def compile(self, gm: fx.GraphModule, example_inputs: list, sharded_inputs: dict[str, Any] | None = None,
@@ -169,7 +162,7 @@ class AutoshardBackend:
 
     def _per_sizes(self, kind: GraphKind, graph: DynamoGraph) -> Callable:
         """Symbolic sizes: each set of sizes compiled on first use (:meth:`compile_for_sizes`)."""
-        return _PerSizes(self, graph.gm, graph.example_inputs)
+        return PerSizes(self, graph.gm, graph.example_inputs)
 
     def _static_prefill(self, kind: GraphKind, graph: DynamoGraph) -> Callable:
         """A prefill into a fixed-size KV cache, compiled as :mod:`autoshard.passes.static_cache` rewrites it (its
@@ -217,7 +210,8 @@ class AutoshardBackend:
         index = next(_COMPILES)
         _check_same_graph(pg, index, gm, global_inputs or example_inputs,
                           same_values=self.config.inputs == "replicated")
-        config, policy = self._memory_policy(gm, global_inputs or example_inputs, pg.size(), generic)
+        policy_inputs = example_inputs if generic is not None else global_inputs or example_inputs
+        config, policy = self._memory_policy(gm, policy_inputs, pg.size(), generic)
         if generic is None:
             compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group),
                                      sharded_inputs=sharded_inputs, carried_inputs=set(placements) or None)
@@ -225,14 +219,15 @@ class AutoshardBackend:
             if deferred or carried:
                 raise NotImplementedError("values handed over from another graph")
             with enable_python_dispatcher():
-                compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group))
+                compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group),
+                                         sharded_inputs=sharded_inputs)
             if compiled.deferred_outputs:
                 raise NotImplementedError("outputs handed on uncomputed")
         compiled.report.memory_policy = policy
         self._record(GraphRecord(compiled.report, compiled.gathered_output_shapes, bool(compiled.families.families)),
                      example_inputs)
-        run = _lower(compiled.graph_module, example_inputs if generic is None else generic.fake_args,
-                     self.config.inner_for(_device_type(example_inputs)))
+        traced = example_inputs if generic is None else generic.rank_args or generic.fake_args
+        run = _lower(compiled.graph_module, traced, self.config.inner_for(_device_type(example_inputs)))
         if deferred or carried or compiled.carried_outputs or compiled.deferred_outputs or compiled.lazy_outputs:
             lazy = {i: functools.partial(lazy_head, spec=spec, group_name=pg.group_name,
                                          summed=self.config.grad_sync, world=pg.size(), host=config.offload)
@@ -241,7 +236,7 @@ class AutoshardBackend:
                                         deferred_outputs=compiled.deferred_outputs, lazy_outputs=lazy,
                                         group_name=pg.group_name, cache_outputs=set(compiled.cache_outputs or ()))
             if generic is not None and compiled.carried_outputs:
-                run = _placing_per_call(run, wrapper, compiled.carried_outputs, generic)
+                run = placing_per_call(run, wrapper, compiled.carried_outputs, generic)
             else:
                 run = wrapper(run, split_outputs=compiled.carried_outputs)
         if checked:
@@ -260,8 +255,10 @@ class AutoshardBackend:
         if budget is None:
             return self.config, None
         host = self.config.host_budget if self.config.host_budget is not None else host_budget()
-        if generic is not None:
-            gm = specialize(generic.source, example_inputs)
+        if generic is not None:  # at the call's sizes: a split input's global ones
+            gm = specialize(generic.source, *generic.at_hints(example_inputs))
+            if generic.split_inputs:
+                example_inputs = [value_of(p) for p in gm.graph.nodes if p.op == "placeholder"]
             generic.bound_above()
         return memory_policy_for(gm, example_inputs, plan_graphs=plan_graphs, world_size=world, config=self.config,
                                  budget=budget, host_budget=host, strict=strict)
@@ -300,40 +297,63 @@ class AutoshardBackend:
         self.compilations[record.cause.kind] += 1
         self.compiled.append(record)
 
-    def compile_class(self, gm: fx.GraphModule, args: list, names: list[str]) -> tuple[GenericGraph, Callable] | str:
+    def compile_class(self, gm: fx.GraphModule, args: list, names: list[str], dims: list | None = None,
+                      totals: dict | None = None) -> tuple[GenericGraph, Callable] | str:
         """Compile a dynamic graph once for the length class of ``args`` (:func:`~.passes.specialize.generalize`):
         the compiled graph serves every call the returned :class:`GenericGraph` admits. Where a graph of symbolic
         lengths is not supported, why not (on every rank alike; the caller then compiles for the sizes of
-        ``args``), empty with ``length_classes=False``. ``names``: the inputs' names in the user's code."""
+        ``args``), empty with ``length_classes=False``. ``names``: the inputs' names in the user's code. With
+        ``inputs="sharded"``, ``dims``: the (input, dim, symbol) of the split dims, ``totals``: each symbol's global
+        length; the graph is generalized at the global lengths, its split inputs arrive as the layout of a symbolic
+        length splits it, and a call passes the global lengths where dynamo passes each rank's own
+        (:meth:`PerSizes.__call__`)."""
         config, pg = self.config, self._sequence_group()
         if not config.length_classes:
             return ""
-        if config.inputs != "replicated":
-            return "inputs='sharded'"
         inner = config.inner_for(_device_type(args))
         if inner not in ("eager", "aot_eager", "inductor"):
             return f"inner={inner!r} (length classes run with eager, aot_eager and inductor)"
-        why = None
+        why, placements = None, {}
         try:
-            generic = generalize(gm, args)
+            generic = generalize(gm, args, totals)
             kind = graph_kind(DynamoGraph(gm=generic.gm, example_inputs=args), specialized=True)
             why = None if kind.name == "plain" else f"a graph of kind {kind.name}"
+            if totals:
+                placements = self._arriving_split(generic, dims)
         except Exception as e:  # noqa: BLE001 -- any failure falls back to a graph for these sizes
             logger.debug("autoshard: no length class", exc_info=True)
             why = f"{type(e).__name__}: {e}"
-        if not _on_every_rank(why is None, pg):
+        if not on_every_rank(why is None, pg):
             return why or "not supported on another rank"
         try:
             with warnings.catch_warnings():  # fx warns of every SymInt a pass writes; materialize_sizes lifts them
                 warnings.filterwarnings("ignore", message="Raw SymInt value")
-                run = self._compile(generic.gm, args, None, None, generic)
+                run = self._compile(generic.gm, args, placements or None, generic.fake_args if placements else None,
+                                    generic)
             self.compiled[-1].length_class = generic.describe(names)
         except Exception as e:  # noqa: BLE001
             logger.debug("autoshard: no length class", exc_info=True)
             run, why = None, f"{type(e).__name__}: {e}"
-        if not _on_every_rank(run is not None, pg):
+        if not on_every_rank(run is not None, pg):
             return why or "not supported on another rank"
         return generic, run
+
+    def _arriving_split(self, generic: GenericGraph, dims: list) -> dict[str, Shard]:
+        """The placements of a generic graph's inputs that arrive split (``inputs="sharded"``; ``dims``: their
+        (input, dim, symbol)): the sharded layout of their symbolic global length. Sets the graph's
+        :attr:`~GenericGraph.rank_args`: this rank's shards, of the sizes the layout computes."""
+        pg = self._sequence_group()
+        placeholders = [n for n in generic.gm.graph.nodes if n.op == "placeholder"]
+        placements, rank_args = {}, list(generic.fake_args)
+        for i, d, _ in dims:
+            whole = generic.fake_args[i]
+            shard = Shard(d, SequenceLayout.of(self.sharded_layout, whole.shape[d], pg.size()))
+            placements[placeholders[i].name] = shard
+            with generic.mode:
+                rank_args[i] = torch.empty(shard.local_shape(whole.shape, pg.rank()), dtype=whole.dtype,
+                                           device=whole.device)
+        generic.rank_args = rank_args
+        return placements
 
     def compile_for_sizes(self, gm: fx.GraphModule, args: list, dims: list | None = None,
                           lengths: tuple | None = None) -> Callable:
@@ -369,170 +389,6 @@ _COMPILE_KIND: dict[str, Callable[[AutoshardBackend, GraphKind, DynamoGraph], Ca
     "plain": AutoshardBackend._plain,
 }
 """Kind of graph (:data:`~autoshard.passes.pipeline.KINDS`) -> how the backend compiles one of that kind."""
-
-
-class _PerSizes:
-    """A dynamic-shape graph, compiled once per distinct set of sizes it is called with; the
-    ``SIZES_CACHED`` sets used most recently keep their compiled graph (see the module docstring)."""
-
-    def __init__(self, backend: AutoshardBackend, gm: fx.GraphModule, example_inputs: list):
-        self.backend, self.gm = backend, gm
-        self.cache: OrderedDict[tuple, Callable] = OrderedDict()
-        self.classes: list[tuple[GenericGraph, Callable]] = []
-        """The length classes compiled (:meth:`AutoshardBackend.compile_class`), each with its rank graph: a call
-        one admits compiles nothing."""
-        self.class_failures = 0
-        self.no_class: str | None = None
-        """Why no length class is tried any more (:data:`CLASS_TRIES` failed), or None."""
-        self.compiled_keys: set[tuple] = set()
-        """Every key compiled so far (evicted ones too): a key compiled again was dropped from the cache."""
-        self.names = [input_name(n) or n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        """The inputs' names in the user's code (what a cause names)."""
-        self.last_args: tuple | None = None
-        """The shapes and dtypes (:func:`size_key`) of the latest call, what a new one is compared with."""
-        self.split_dims = _split_dims(gm, example_inputs) if backend.config.inputs == "sharded" else []
-        if backend.config.inputs == "sharded" and not self.split_dims:
-            raise ValueError(_NO_SHARDED_INPUT)
-        self.pg = backend._sequence_group()
-        symbols = {sym for _, _, sym in self.split_dims}
-        self.length_args = {i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
-                            if symbol_of(p) in symbols}
-        """Inputs that are a split length themselves (dynamo passes symbolic sizes as ints)."""
-
-    def __call__(self, *args):
-        lengths = self._split_lengths(args) if self.split_dims else None
-        key = (size_key(args), lengths)
-        fn = self.cache.get(key)
-        if fn is None and self.classes:
-            fn = self._class_of(args)
-        if fn is None:
-            if lengths is not None:
-                self._check_layout(lengths)
-            if self.last_args is not None:
-                self.backend._cause = self._cause_of(key)
-            self.compiled_keys.add(key)
-            found = "inputs='sharded'" if lengths is not None else self.no_class or self.backend.compile_class(
-                self.gm, list(args), self.names)
-            if isinstance(found, tuple):
-                self.classes.append(found)
-                fn = found[1]
-            else:
-                self._no_class(found)
-                fn = self.backend.compile_for_sizes(self.gm, list(args), self.split_dims, lengths)
-        if key not in self.cache:
-            self.cache[key] = fn
-            if len(self.cache) > SIZES_CACHED:
-                self.cache.popitem(last=False)
-        else:
-            self.cache.move_to_end(key)
-        self.last_args = key[0]
-        return fn(*args)
-
-    def _no_class(self, why: str) -> None:
-        """A length class was not compiled, for ``why``: the compilation for these sizes says so in its cause (what
-        :func:`explain` prints); after a second failure no class is tried again (each try costs a compile)."""
-        self.class_failures += 1
-        if self.class_failures >= CLASS_TRIES:
-            self.no_class = why
-        if why:
-            cause = self.backend._cause
-            self.backend._cause = dataclasses.replace(cause, detail="; ".join(
-                filter(None, [cause.detail, f"no length class: {' '.join(why.split())[:160]}"])))
-
-    def _class_of(self, args) -> Callable | None:
-        """The rank graph of the first length class every rank admits a call with ``args`` to, or None. Each rank's
-        compile records its own guards (its layout pieces differ), so the ranks agree (a few bytes, once per new
-        set of sizes: a repeated one is cached)."""
-        first = next((i for i, (generic, _) in enumerate(self.classes) if generic.admits(args)), -1)
-        if self.pg.size() > 1 and len({row[0] for row in gather_facts([first], self.pg)}) > 1:
-            return None
-        return self.classes[first][1] if first >= 0 else None
-
-    def _cause_of(self, key: tuple) -> Cause:
-        """Why sizes ``key`` are compiled, against the latest call's: compiled before and dropped from the cache,
-        or what changed -- a dtype, a leading dim of a multi-dim input alone (the batch), else the sequence."""
-        if key in self.compiled_keys:
-            return Cause("sizes dropped from the cache", f"more than SIZES_CACHED={SIZES_CACHED} sets of sizes in use")
-        changed, dtypes = [], []
-        for i, (new, old) in enumerate(zip(key[0], self.last_args)):
-            if isinstance(new, tuple) and isinstance(old, tuple):
-                (shape, dtype), (old_shape, old_dtype) = new, old
-                if dtype != old_dtype:
-                    dtypes.append(f"{self.names[i]}: {old_dtype} -> {dtype}")
-                changed += [(i, d, len(shape)) for d, (a, b) in enumerate(zip(shape, old_shape)) if a != b]
-        if dtypes:
-            return Cause("new dtype", ", ".join(dtypes))
-        detail = ", ".join(f"{self.names[i]} dim {d}: {self.last_args[i][0][d]} -> {key[0][i][0][d]}"
-                           for i, d, _ in changed[:3])
-        if changed and all(d == 0 and ndim > 1 for _, d, ndim in changed):
-            return Cause("new batch size", detail)
-        return Cause("new sequence length", detail or "a length passed as an int")
-
-    def _split_lengths(self, args) -> tuple[tuple[int, ...], ...]:
-        """Every rank's local lengths of the split dims (``[rank][dim]``), all-gathered with a digest of each
-        rank's other sizes; raises on every rank alike when the ranks' other sizes differ."""
-        others = [[list(a.shape), a.dtype] if isinstance(a, torch.Tensor) else None if i in self.length_args else a
-                  for i, a in enumerate(args)]
-        for i, d, _ in self.split_dims:
-            others[i][0][d] = None
-        digest = int.from_bytes(hashlib.sha256(repr(others).encode()).digest()[:7], "big")
-        rows = gather_facts([args[i].size(d) for i, d, _ in self.split_dims] + [digest], self.pg)
-        if len({row[-1] for row in rows}) > 1:
-            raise RuntimeError("autoshard: with inputs='sharded' every rank must pass inputs of the same shapes apart "
-                               "from the split sequence dim; the ranks' other sizes differ")
-        return tuple(tuple(row[:-1]) for row in rows)
-
-    def _check_layout(self, lengths: tuple[tuple[int, ...], ...]) -> None:
-        """Raise (on every rank alike: ``lengths`` is all-gathered) unless every split input arrives as the
-        layout splits it. Checked once per set of lengths, when it is compiled."""
-        kind = self.backend.sharded_layout
-        for k, (i, d, _) in enumerate(self.split_dims):
-            column = tuple(row[k] for row in lengths)
-            expected = SequenceLayout.of(kind, sum(column), self.pg.size()).local_lengths
-            if column != expected:
-                raise RuntimeError(
-                    f"autoshard: input {i} arrives split along dim {d} into local lengths {list(column)} over the "
-                    f"ranks, but the {kind} layout of {sum(column)} positions gives {list(expected)}; split inputs "
-                    f"with autoshard.shard_inputs(..., layout={kind!r})")
-
-
-_NO_SHARDED_INPUT = (
-    "autoshard: inputs='sharded' expects the inputs that carry the sequence to come from autoshard.shard_inputs(...), "
-    "which marks their sequence dim dynamic; this graph has no such input. Pass whole inputs with "
-    "inputs='replicated' (the default).")
-
-
-def _on_every_rank(ok: bool, pg: dist.ProcessGroup) -> bool:
-    """Whether ``ok`` holds on every rank of ``pg`` (one small all-gather, so all ranks take the same path)."""
-    return ok if pg.size() == 1 else all(row[0] for row in gather_facts([int(ok)], pg))
-
-
-def _placing_per_call(run: Callable, wrapper: Callable, placements: dict[int, Shard], generic: GenericGraph) -> Callable:
-    """``run`` (a rank graph of symbolic lengths) wrapped by ``wrapper`` with the outputs it returns split placed for
-    each call's lengths: one wrapper per set of lengths."""
-    @functools.lru_cache(maxsize=SIZES_CACHED)
-    def wrapped(key: tuple) -> Callable:
-        values = dict(key)
-        return wrapper(run, split_outputs={i: dataclasses.replace(p, layout=p.layout.evaluated(values),
-                                                                  factors=tuple(evaluate(f, values) for f in p.factors))
-                                           for i, p in placements.items()})
-
-    symbolic = {i: p.dim for i, p in placements.items() if is_symbolic(p.layout.length)}
-
-    def run_placed(*args):
-        out = wrapped(tuple(generic.values(args).items()))(*args)
-        for i, dim in symbolic.items():  # of the class's length: the next graph dynamo traces takes any length
-            torch._dynamo.maybe_mark_dynamic(out[i], dim)
-        return out
-
-    return run_placed
-
-
-def _split_dims(gm: fx.GraphModule, example_inputs: list) -> list[tuple[int, int, Any]]:
-    """(input, dim, symbol) of the symbolic dims ``autoshard.shard_inputs`` marked: the split sequence. Other
-    symbolic dims (a batch size dynamo made dynamic after a change) are sizes like any other."""
-    return [(i, d, sym) for i, d, sym in symbolic_dims(gm)
-            if d in getattr(example_inputs[i], "_dynamo_dynamic_indices", ())]
 
 
 _WARNED_ATTENTION: set[tuple[str, str]] = set()

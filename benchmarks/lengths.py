@@ -36,6 +36,17 @@ Measured (2 shared CPU cores, torch 2.13 CPU; ``--ranges 2900-4096 --worlds 2,4`
     12000-16384  2     varying, classes             1  178702     66.9           374.5             1.20
     12000-16384  2                fixed             1  196608     61.6           313.3             1.00
 
+``--inputs sharded`` (each rank passes its part of the row, ``autoshard.shard_inputs``; the same machine, ``--ranges
+2900-4096 --worlds 2,4``)::
+
+        lengths  P                 loop  compilations  tokens  seconds  ms / 1K tokens  varying / fixed
+      2900-4096  2  varying, per length            13   40928     21.2           518.8             1.37
+      2900-4096  2     varying, classes             1   40928     17.5           427.0             1.12
+      2900-4096  2                fixed             1   49152     18.7           379.6             1.00
+      2900-4096  4  varying, per length            13   40928     31.0           757.4             1.68
+      2900-4096  4     varying, classes             1   40928     19.3           471.0             1.04
+      2900-4096  4                fixed             1   49152     22.2           450.9             1.00
+
 At 12000-16384 tokens a compilation is small beside a step (both varying loops within noise of each other): what
 remains of ``varying / fixed`` there is not compiling, and shows with and without classes (suspected: the CPU
 allocator's new buffer sizes at every new length; not profiled).
@@ -64,15 +75,17 @@ def _batch(length: int, seed: int) -> dict:
     return packed_row(length, (200, 900), 8000, torch.Generator().manual_seed(seed))
 
 
-def _loop(lengths: list[int], seed: int, classes: bool) -> tuple[int, float, int]:
+def _loop(lengths: list[int], seed: int, classes: bool, inputs: str) -> tuple[int, float, int]:
     """(compilations, the warm-up's included; seconds and tokens of the steps after the first, a warm-up) at
-    ``lengths``; ``classes``: the backend's ``length_classes``."""
+    ``lengths``; ``classes``: the backend's ``length_classes``; ``inputs``: its ``inputs`` (``"sharded"``: each
+    rank passes its part of the row, ``autoshard.shard_inputs``)."""
     model = small_llama()
-    compiled = autoshard.compile(model, length_classes=classes)
+    compiled = autoshard.compile(model, length_classes=classes, inputs=inputs)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step(length: int, i: int) -> None:
-        compiled(**_batch(length, seed + i)).loss.backward()
+        batch = _batch(length, seed + i)
+        compiled(**(autoshard.shard_inputs(batch) if inputs == "sharded" else batch)).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -86,12 +99,13 @@ def _loop(lengths: list[int], seed: int, classes: bool) -> tuple[int, float, int
     return sum(compiled.autoshard_backend.compilations.values()), seconds, sum(lengths[1:])
 
 
-def _measure(low: int, high: int, steps: int) -> dict:
+def _measure(low: int, high: int, steps: int, inputs: str) -> dict:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(low)
     varying = [high] + [int(torch.randint(low, high + 1, (1,), generator=gen)) for _ in range(steps)]
-    return {"varying, per length": _loop(varying, 0, False), "varying, classes": _loop(varying, 0, True),
-            "fixed": _loop([high] * (steps + 1), 0, True)}
+    return {"varying, per length": _loop(varying, 0, False, inputs),
+            "varying, classes": _loop(varying, 0, True, inputs),
+            "fixed": _loop([high] * (steps + 1), 0, True, inputs)}
 
 
 def main() -> None:
@@ -99,18 +113,21 @@ def main() -> None:
     parser.add_argument("--ranges", default="2900-4096,12000-16384", help="comma-separated low-high token ranges")
     parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per loop (new lengths in 'varying')")
+    parser.add_argument("--inputs", default="replicated", choices=("replicated", "sharded"),
+                        help="the backend's inputs: whole rows on every rank, or each rank's part (shard_inputs)")
     args = parser.parse_args()
     rows = []
     for text in args.ranges.split(","):
         low, high = (int(x) for x in text.split("-"))
         for world in (int(w) for w in args.worlds.split(",")):
-            result = run_on_ranks(_measure, world, low, high, args.steps, timeout=3600)[0]
+            result = run_on_ranks(_measure, world, low, high, args.steps, args.inputs, timeout=3600)[0]
             per_token = {run: seconds / tokens for run, (_, seconds, tokens) in result.items()}
             for run, (compilations, seconds, tokens) in result.items():
                 rows.append([f"{low}-{high}", world, run, compilations, tokens, f"{seconds:.1f}",
                              f"{1e3 * per_token[run] * 1e3:.1f}",
                              f"{per_token[run] / per_token['fixed']:.2f}"])
-    print_table(f"{args.steps} training steps per loop, transformers Llama (4 layers, hidden 256), CPU gloo",
+    print_table(f"{args.steps} training steps per loop, transformers Llama (4 layers, hidden 256), CPU gloo, "
+                f"inputs={args.inputs}",
                 ["lengths", "P", "loop", "compilations", "tokens", "seconds", "ms / 1K tokens", "varying / fixed"],
                 rows)
 

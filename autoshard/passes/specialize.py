@@ -10,9 +10,11 @@ into its bool, as dynamo folds it in a static graph):
   symbolic`): arithmetic stays an expression, and every comparison that decides something records a guard. After
   the pipeline, :func:`materialize_sizes` turns the sizes written into the rank graph into nodes that compute them
   from its inputs, and the guards are the length class: :meth:`GenericGraph.admits` tells whether a later call is
-  in it. A guard is always sound -- the worst case is a class of one length.
+  in it. A guard is always sound -- the worst case is a class of one length. Inputs that arrive split
+  (``inputs="sharded"``) are made at their global shape, their length read from the int input dynamo passes it in
+  (each rank's own length there; the call passes the global one): the rank graph's local sizes are expressions of it.
 - :func:`specialize` folds every size into its integer, for one set of sizes (the fallback where a graph of
-  symbolic lengths is not supported: split inputs, values handed between graphs; and what the memory policy
+  symbolic lengths is not supported: values handed between graphs, another inner compiler; and what the memory policy
   plans at the call's sizes).
 """
 
@@ -142,6 +144,13 @@ class GenericGraph:
     fake_args: list
     """The inputs it was compiled with: fake tensors (of symbolic sizes where ``dims`` says), ``SymInt`` lengths;
     what the inner compiler traces the rank graph with, so its code serves the class too (its guards join these)."""
+    split_inputs: list[int]
+    """The inputs that arrive split (``inputs="sharded"``), at their global shape in :attr:`fake_args`; not in
+    :attr:`dims`: their symbols are read from the int inputs that pass their lengths, which a call passes global
+    (:meth:`values`, :meth:`admits`), the local lengths checked against the layout apart."""
+    rank_args: list | None = None
+    """What the rank graph is called with, as fake values, where that differs from :attr:`fake_args` (the split
+    inputs' local shards, of sizes computed from the global lengths); what the inner compiler traces it with."""
     _check: tuple[int, str | None] | None = None
 
     def values(self, args) -> dict[sympy.Symbol, int]:
@@ -158,11 +167,16 @@ class GenericGraph:
         code = self._check[1]
         return code is None or env.evaluate_guards_expression(code, [args[i] for i in self._inputs])
 
+    def at_hints(self, args) -> tuple[list, dict[int, tuple]]:
+        """(``args`` with every symbolic int at the call's value, the split inputs' global shapes there): what
+        :func:`specialize` takes to fold a call's sizes (for a decision taken at them)."""
+        ints = [hint_of(f) if isinstance(f, torch.SymInt) else a for a, f in zip(args, self.fake_args)]
+        return ints, {i: tuple(hint_of(s) for s in self.fake_args[i].shape) for i in self.split_inputs}
+
     def bound_above(self) -> None:
         """Limit the class to lengths up to the call's: a decision taken at the call's sizes that stays right for
         shorter ones (a memory policy: memory grows with the length) records this guard."""
-        for i, d, _ in self.dims:
-            size = self.fake_args[i].shape[d]
+        for size in [self.fake_args[i].shape[d] for i, d, _ in self.dims] + [self.fake_args[i] for i, _ in self.sizes]:
             if not size <= hint_of(size):  # records the guard; it holds at the hint
                 raise AssertionError("unreachable")
 
@@ -201,21 +215,28 @@ def _bounds_or_names(expr) -> bool:
     return all(side.is_Symbol or side.is_Integer for side in sides) and any(side.is_Symbol for side in sides)
 
 
-def generalize(gm: fx.GraphModule, args: list) -> GenericGraph:
+def generalize(gm: fx.GraphModule, args: list, split: dict | None = None) -> GenericGraph:
     """A copy of ``gm`` (dynamo's dynamic graph) for ``args`` whose dims that are symbolic in ``gm`` stay symbolic:
     each a fresh symbol of one ``ShapeEnv``, hinted with its size in ``args`` (an int input that is such a size is
-    the same symbol)."""
+    the same symbol). ``split``: dynamo's symbol -> global length, for the lengths of inputs that arrive split
+    (``inputs="sharded"``): every input with such a dim is made at its global shape, the symbol hinted with the
+    global length and read from the int input that passes it (each rank's own local length in ``args``; a call then
+    passes the global one, see :attr:`GenericGraph.split_inputs`)."""
+    split = split or {}
     generic = _copy(gm, args)
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     placeholders = [n for n in generic.graph.nodes if n.op == "placeholder"]
-    fake_args, symbols, dims, sizes = list(args), {}, [], []
+    fake_args, symbols, dims, sizes, split_inputs = list(args), {}, [], [], []
     for i, (node, arg) in enumerate(zip(placeholders, args)):
         value = value_of(node)
         if isinstance(arg, torch.Tensor):
             if any(isinstance(s, torch.SymInt) and (not s.node.expr.is_Symbol or a < 2)
                    for s, a in zip(value.shape, arg.shape)):  # 0 and 1 specialize; an expression has no symbol
                 raise NotImplementedError(f"input {i}'s symbolic sizes {tuple(arg.shape)}")
+            if any(isinstance(s, torch.SymInt) and s.node.expr in split for s in value.shape):
+                split_inputs.append(i)  # made at its global shape below, once the global lengths have symbols
+                continue
             dynamic = [DimDynamic.DYNAMIC if isinstance(s, torch.SymInt) else DimDynamic.STATIC for s in value.shape]
             fake_args[i] = mode.from_tensor(arg, source=ConstantSource(f"input{i}"),
                                             symbolic_context=StatelessSymbolicContext(dynamic_sizes=dynamic))
@@ -226,14 +247,22 @@ def generalize(gm: fx.GraphModule, args: list) -> GenericGraph:
     for i, (node, arg) in enumerate(zip(placeholders, args)):
         symbol = symbol_of(node)
         if symbol is not None and symbol not in symbols:  # a size passed alone (a graph after a break): its own
+            arg = split.get(symbol, arg)
             if arg < 2:
                 raise NotImplementedError(f"the size {node.name} = {arg}")
             symbols[symbol] = env.create_symintnode(env.create_symbol(arg, ConstantSource(f"input{i}")), hint=arg)
             sizes.append((i, symbols[symbol].node.expr))
         if symbol is not None:
             fake_args[i] = symbols[symbol]
+    for i in split_inputs:
+        value = value_of(placeholders[i])
+        if any(isinstance(s, torch.SymInt) and s.node.expr not in symbols for s in value.shape):
+            raise NotImplementedError(f"input {i} arrives split and its length is no input of the graph")
+        with mode:
+            fake_args[i] = torch.empty([symbols[s.node.expr] if isinstance(s, torch.SymInt) else s
+                                        for s in value.shape], dtype=args[i].dtype, device=args[i].device)
     _propagate(generic, mode, fake_args)
-    return GenericGraph(generic, env, mode, dims, sizes, gm, fake_args)
+    return GenericGraph(generic, env, mode, dims, sizes, gm, fake_args, split_inputs)
 
 
 def materialize_sizes(gm: fx.GraphModule) -> int:
@@ -263,7 +292,7 @@ def materialize_sizes(gm: fx.GraphModule) -> int:
         return 0
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
     with gm.graph.inserting_before(first):
-        nodes = gm.graph.materialize_symints(found)
+        nodes = _materialize(gm.graph, found)
     by_id = {id(v): n for v, n in zip(found, nodes)}
 
     def swap(value):
@@ -285,3 +314,28 @@ def materialize_sizes(gm: fx.GraphModule) -> int:
             node.args, node.kwargs = swap(node.args), swap(node.kwargs)
     gm.recompile()
     return len(found)
+
+
+def _materialize(graph: fx.Graph, values: list) -> list:
+    """``Graph.materialize_symints(values)``, with a ``Max`` or ``Min`` built from its materialized arguments:
+    torch's own interpreter fails on ``Max(1, (1023 - (-a*b)//2)//1024)`` (a chunk count of a product of two
+    symbolic sizes: its fake evaluation hands ``sym_max`` None)."""
+    plain = [v for v in values if type(v.node.expr).__name__ not in ("Max", "Min")]
+    made = dict(zip(map(id, plain), graph.materialize_symints(plain) if plain else []))
+    out = []
+    for v in values:
+        if id(v) in made:
+            out.append(made[id(v)])
+            continue
+        env, expr = v.node.shape_env, v.node.expr
+        values = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # older torch
+        args = [_materialize(graph, [env.create_symintnode(a, hint=int(a.xreplace(values)))])[0]
+                if a.free_symbols else int(a) for a in expr.args]
+        combine = torch.sym_max if type(expr).__name__ == "Max" else torch.sym_min
+        node = args[0]
+        for arg in args[1:]:
+            node = graph.call_function(combine, (node, arg))
+        node.meta["val"] = v
+        out.append(node)
+    return out
+

@@ -90,7 +90,10 @@ def test_sharded_inputs_and_outputs(layout):
 def _sharded_lengths_and_cache():
     """Global lengths whose local shard repeats on rank 0 but not on rank 1 (13 -> 7+6, 14 -> 7+7): each
     call must run the graph of its global length on both ranks; then new batch sizes (dynamo makes the batch
-    dim symbolic too, which is not the split one). The store keeps no key of old checks."""
+    dim symbolic too, which is not the split one). One length class serves every length of each of dynamo's two
+    graphs (its graph of a symbolic length, then of a symbolic batch too): the rank graph computes its layout
+    from the global length, which a call passes where dynamo passes the rank's own. The store keeps no key of old
+    checks."""
     model, ref, _, _ = _llama_and_batch(13)
     backend = autoshard.backend(inputs="sharded")
     compiled = torch.compile(model, backend=backend)
@@ -110,7 +113,8 @@ def test_sharded_inputs_of_new_global_lengths_stay_exact():
     for errors, kept, explained in results:
         assert max(errors) < 1e-12, errors
         assert len(kept) == 2  # one check's keys, one per rank: the last
-        assert "no length class: inputs='sharded'" in explained, explained  # compiled per length, and why
+        assert explained.startswith("compilations on this rank: 2 (1 new graph, 1 recompiled by dynamo)"), explained
+        assert "input_ids dim 1 (global) = labels dim 1 (global) in [4, " in explained, explained
 
 
 def _mis_split():
@@ -128,6 +132,19 @@ def test_sharded_inputs_split_unlike_the_layout_fail_on_every_rank():
     with pytest.raises(RankFailure) as info:
         run_on_ranks(_mis_split, 2, timeout=120)
     assert str(info.value).count("local lengths [7, 5]") == 2
+
+
+def _short_shard():
+    model, _, _, _ = _llama_and_batch(4)
+    compiled = torch.compile(model, backend=autoshard.backend(inputs="sharded"))
+    ids = torch.randint(0, 256, (2, 4))
+    compiled(**autoshard.shard_inputs({"input_ids": ids, "labels": ids}))  # 2, 1, 1 positions
+
+
+def test_sharded_inputs_of_fewer_than_two_positions_on_a_rank_fail_saying_why():
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_short_shard, 3, timeout=120)
+    assert str(info.value).count("every rank must hold at least 2 positions of the sequence") == 2, str(info.value)
 
 
 def _new_lengths():

@@ -29,17 +29,24 @@ chunks at 3 and 4 ranks) and 2 (below the world size at 3 and 4 ranks: a rank ho
 own: at a few tokens per rank the pieces' sizes decide branches."""
 
 
-def _train_at_lengths(lengths, classes: bool, inner: str = "eager", **options):
+def _train_at_lengths(lengths, classes: bool, inner: str = "eager", sharded: str | None = None, **options):
+    """Train at each of ``lengths`` against one process; ``sharded``: the inputs arrive split in that layout
+    (``inputs="sharded"``, ``autoshard.shard_inputs``)."""
     torch.manual_seed(0)
     model = LlamaLM().double()
     ref = copy.deepcopy(model)
+    if sharded:
+        options.update(inputs="sharded", layout=sharded)
     backend = autoshard.backend(length_classes=classes, inner=inner, **options)
     compiled = torch.compile(model, backend=backend)
     generator = torch.Generator().manual_seed(1)
     worst = 0.0
     for n in lengths:
         ids = torch.randint(0, 256, (2, n), generator=generator)
-        loss = compiled(ids, ids)[0]
+        if sharded:
+            loss = compiled(**autoshard.shard_inputs({"input_ids": ids, "labels": ids}, layout=sharded))[0]
+        else:
+            loss = compiled(ids, ids)[0]
         loss.backward()
         expected = ref(ids, ids)[0]
         expected.backward()
@@ -108,6 +115,28 @@ def test_length_classes_with_aot_eager():
                                                   timeout=600):
         assert worst < 1e-12, worst
         assert compilations == {"new graph": 1, "recompiled by dynamo": 1}, compilations
+
+
+SHARDED_LENGTHS = (40, 41, 37, 53, 64, 9, 45, 8)
+"""Lengths of inputs that arrive split: every rank holds at least 2 positions (at 3 and 4 ranks; a shard of 0 or 1
+is an error, dynamo compiles such a size as a constant: ``test_backend_options.py``), 9 and 8 at a few per rank."""
+
+
+@pytest.mark.parametrize("world, layout, inner", [(3, "contiguous", "aot_eager"),
+                                                  pytest.param(4, "zigzag", "eager", marks=pytest.mark.slow),
+                                                  pytest.param(2, "contiguous", "eager", marks=pytest.mark.slow)])
+def test_inputs_that_arrive_split_compile_once_per_length_class(world, layout, inner):
+    """``inputs="sharded"``: dynamo's graph (dynamic from the first call: ``shard_inputs`` marks the dim) is compiled
+    at the global length, symbolic, its inputs arriving as the layout splits it; a call passes the global length
+    (its local lengths exchanged, a few bytes, and checked against the layout), so a new length compiles nothing
+    unless a class ends (at a few tokens per rank)."""
+    for worst, compilations, strategies, explained in run_on_ranks(_train_at_lengths, world, SHARDED_LENGTHS, True,
+                                                                   inner, layout, timeout=600):
+        assert worst < 1e-12, worst
+        # 3 and 4 ranks: 9 and 8 tokens (2 or 3 per rank) compile the class of a few tokens per rank
+        assert compilations == {"new graph": 1} | ({"new sequence length": 1} if world > 2 else {}), explained
+        assert "serves input_ids dim 1 (global) in [" in explained, explained
+        assert strategies and not strategies & {"whole", "gathered-kv"}, strategies
 
 
 @pytest.mark.slow
