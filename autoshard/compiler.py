@@ -69,6 +69,7 @@ from .runtime.input_check import checking_inputs, replicated_inputs
 from .runtime.warn import warn
 from .runtime.attention.dispatch import last_dispatch
 from .runtime.layouts import SequenceLayout
+from .runtime.offload import eager_checkpoints
 from .runtime.split_tensor import SplitTensor
 from .runtime.groups import (GroupLike, check_sequence_mesh, default_store, sequence_group,
                              sequence_groups)
@@ -411,7 +412,10 @@ def _device_type(example_inputs: list) -> str:
 
 
 def _lower(gm: fx.GraphModule, example_inputs: list, inner) -> Callable:
+    """The rank graph ``gm`` compiled by the inner compiler ``inner``; ``"eager"``: run as it is, its checkpointed
+    regions through torch's plain checkpoint (:func:`~autoshard.runtime.offload.eager_checkpoints`)."""
     if inner == "eager":
+        eager_checkpoints(gm)
         return gm.forward
     if callable(inner):
         return inner(gm, example_inputs)

@@ -52,8 +52,11 @@ import contextlib
 import weakref
 
 import torch
+import torch.fx
+import torch.utils.checkpoint
 
-__all__ = ["offloaded_checkpoint", "HostCopy", "PlannedOffload", "planned_offload"]
+__all__ = ["offloaded_checkpoint", "checkpoint_eagerly", "eager_checkpoints", "HostCopy", "PlannedOffload",
+           "planned_offload"]
 
 _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 
@@ -281,12 +284,43 @@ def _hooks(call: _OffloadedCall):
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def offloaded_checkpoint(body, *args, prefetch: bool = True, **kwargs):
+def offloaded_checkpoint(body, *args, prefetch: bool = True, eagerly: bool = False, **kwargs):
     """``tag_activation_checkpoint(body, *args, **kwargs)`` with the region's inputs kept in host memory until
     backward; ``prefetch``: backward's first use of them prefetches the previous region's (see the module
-    docstring)."""
+    docstring); ``eagerly``: run as :func:`checkpoint_eagerly`."""
     global _last
     call = _OffloadedCall(_last() if _last is not None else None, prefetch)
     _last = weakref.ref(call)
     with _hooks(call):
-        return _CHECKPOINT(body, *args, **kwargs)
+        return (checkpoint_eagerly if eagerly else _CHECKPOINT)(body, *args, **kwargs)
+
+
+def checkpoint_eagerly(body, *args, **kwargs):
+    """``tag_activation_checkpoint(body, *args, **kwargs)`` in a rank graph that runs as it is (``inner="eager"``):
+    ``torch.utils.checkpoint.checkpoint``, non-reentrant, the RNG state restored for the recomputation. The op's own
+    eager path checkpoints through a selective-checkpoint dispatch mode that every op of the region passes through (so
+    that a compiler can tag them): beneath it a custom op's implementation runs below the autocast dispatch key,
+    autocast off, and the model's own code inside a recurrence op fails where it relies on autocast (transformers'
+    Mamba scan multiplies a bfloat16 by a float32 tensor); and it recomputes without restoring the RNG state (it sets
+    ``preserve_rng_state=False`` for tracing)."""
+    kwargs.pop("use_reentrant", None)
+    return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False, **kwargs)
+
+
+def eager_checkpoints(gm: torch.fx.GraphModule) -> int:
+    """Point every ``tag_activation_checkpoint`` call of ``gm`` and of its bodies at :func:`checkpoint_eagerly`, and
+    every :func:`offloaded_checkpoint` at its eager form; returns how many."""
+    changed = 0
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target is _CHECKPOINT:
+                node.target = checkpoint_eagerly
+            elif node.op == "call_function" and node.target is offloaded_checkpoint:
+                node.kwargs = {**node.kwargs, "eagerly": True}
+            else:
+                continue
+            changed += 1
+        module.recompile()
+    return changed

@@ -18,6 +18,7 @@ prompt continued in a second chunk starts that chunk's recurrences from the cach
 A new length every step compiles once more, for a length class that serves the later lengths.
 """
 
+import copy
 import functools
 
 import pytest
@@ -228,3 +229,36 @@ def test_a_continued_prompt_starts_its_recurrences_from_the_cached_state():
         assert r["error"] <= 1e-5, f"rank {rank}: logits differ by {r['error']}\n{r['explain']}"
         graphs = [line for line in r["explain"].splitlines() if line.startswith("graph")]
         assert len(graphs) == 2 and all("1 recurrence(s) passing their state" in line for line in graphs), r["explain"]
+
+
+def _checkpointed_under_autocast(name: str, seq: int) -> dict:
+    """One training step of ``name`` with transformers' gradient checkpointing under bfloat16 autocast, against one
+    process doing the same: the largest relative differences of the loss and of the gradients, and the fallbacks."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    make, kwargs = _build(name, seq)
+    model = make().train()
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = autoshard.compile(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = compiled(**kwargs).loss
+        expected = reference(**kwargs).loss
+    loss.backward()
+    expected.backward()
+    grads = [((p.grad - q.grad).norm() / q.grad.norm()).item() for p, q in zip(model.parameters(),
+                                                                           reference.parameters()) if q.grad is not None]
+    backend = compiled.autoshard_backend
+    return dict(loss=abs((loss - expected) / expected).item(), grads=max(grads),
+                fallbacks=[f for record in backend.compiled for f in record.report.fallbacks])
+
+
+@pytest.mark.slow
+def test_a_hybrid_trains_with_checkpointing_under_autocast():
+    """Jamba (a Mamba (1) layer: transformers' scan multiplies a bfloat16 by a float32 tensor, which only autocast
+    runs) with transformers' gradient checkpointing under bfloat16 autocast: the checkpointed regions run under the
+    caller's autocast (they failed in forward before). bfloat16 tolerances: the loss within 1e-3, each gradient's
+    norm-wise difference within 5e-2 of one process under the same autocast."""
+    for rank, r in enumerate(run_on_ranks(_checkpointed_under_autocast, 2, "jamba", 30, timeout=600)):
+        assert r["loss"] < 1e-3 and r["grads"] < 5e-2 and r["fallbacks"] == [], (rank, r)

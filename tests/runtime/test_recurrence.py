@@ -10,11 +10,13 @@ checked against an independent form of each rule, not against the chunked one tr
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoshard.runtime.groups import group_name
 from autoshard.runtime.layouts import SequenceLayout
+from autoshard.runtime.offload import eager_checkpoints
 from autoshard.runtime.recurrence import register_implementation, split_recurrence
 from autoshard.testing import run_on_ranks
 
@@ -185,3 +187,32 @@ def test_backward_recomputes_under_the_forwards_autocast():
                                                     None, "tests.mixing_dtypes", True)
     out.float().sum().backward()
     assert x.grad is not None and x.grad.dtype == torch.bfloat16 and torch.isfinite(x.grad.float()).all()
+
+
+def test_a_checkpointed_region_run_eagerly_keeps_the_callers_autocast():
+    """A rank graph's checkpointed region run as it is (``inner="eager"``) runs under the caller's autocast, as
+    Jamba trained with transformers' checkpointing under bfloat16 autocast needs: torch's own eager path of
+    ``tag_activation_checkpoint`` runs a custom op's implementation below the autocast dispatch key (the product
+    above fails there); :func:`eager_checkpoints` points the region at torch's plain checkpoint."""
+    (x, dt, B, C, z), (A, _, _), _, _ = _inputs("selective_scan", 5, False)
+    x = x.to(torch.bfloat16).requires_grad_()
+
+    class Body(torch.nn.Module):
+        def forward(self, x, dt, B, C, z, A):
+            return torch.ops.autoshard.selective_scan(x, dt, B, C, z, A, None, None, "tests.mixing_dtypes", True)[0]
+
+    root = torch.nn.Module()
+    root.body = fx.symbolic_trace(Body())
+    graph = fx.Graph()
+    inputs = [graph.placeholder(name) for name in ("x", "dt", "B", "C", "z", "A")]
+    graph.output(graph.call_function(torch.ops.higher_order.tag_activation_checkpoint,
+                                     (graph.get_attr("body"), *inputs), {"use_reentrant": False}))
+    region = fx.GraphModule(root, graph)
+    args = (x, dt.float(), B.float(), C.float(), z.float(), A.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="dtype|scalar type"):
+            region(*args)
+        assert eager_checkpoints(region) == 1
+        out = region(*args)
+    out.float().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
