@@ -297,12 +297,11 @@ def offloaded_checkpoint(body, *args, prefetch: bool = True, eagerly: bool = Fal
 
 def checkpoint_eagerly(body, *args, **kwargs):
     """``tag_activation_checkpoint(body, *args, **kwargs)`` in a rank graph that runs as it is (``inner="eager"``):
-    ``torch.utils.checkpoint.checkpoint``, non-reentrant, the RNG state restored for the recomputation. The op's own
-    eager path checkpoints through a selective-checkpoint dispatch mode that every op of the region passes through (so
-    that a compiler can tag them): beneath it a custom op's implementation runs below the autocast dispatch key,
-    autocast off, and the model's own code inside a recurrence op fails where it relies on autocast (transformers'
-    Mamba scan multiplies a bfloat16 by a float32 tensor); and it recomputes without restoring the RNG state (it sets
-    ``preserve_rng_state=False`` for tracing)."""
+    ``torch.utils.checkpoint.checkpoint``, non-reentrant. The op's own eager path checkpoints through a
+    selective-checkpoint dispatch mode that every op of the region passes through (so that a compiler can tag them):
+    beneath it a custom op's implementation runs below the autocast dispatch key, autocast off, and the model's own
+    code inside a recurrence op fails where it relies on autocast (transformers' Mamba scan multiplies a bfloat16 by
+    a float32 tensor). (Dropout inside a recomputed region draws the same mask either way: measured.)"""
     kwargs.pop("use_reentrant", None)
     return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False, **kwargs)
 
