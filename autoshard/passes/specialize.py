@@ -328,8 +328,8 @@ def _materialize(graph: fx.Graph, values: list) -> list:
             out.append(made[id(v)])
             continue
         env, expr = v.node.shape_env, v.node.expr
-        values = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # older torch
-        args = [_materialize(graph, [env.create_symintnode(a, hint=int(a.xreplace(values)))])[0]
+        hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # older torch
+        args = [_materialize(graph, [env.create_symintnode(a, hint=int(a.xreplace(hints)))])[0]
                 if a.free_symbols else int(a) for a in expr.args]
         combine = torch.sym_max if type(expr).__name__ == "Max" else torch.sym_min
         node = args[0]
