@@ -314,8 +314,8 @@ def _lengths(shape: AttentionShape, strategy: str, layout: str | None, world: in
     """The lengths one compilation of a graph of symbolic lengths serves for this attention, as the plan shows them
     (:attr:`AttentionDecision.lengths`; the cost model's :func:`~autoshard.strategy.length_class`, cut at the
     zigzag layout's two chunks per rank and, with a memory budget, at this length, as the backend bounds a class);
-    empty where the cost model did not choose its strategy (the strategy
-    option, an attention run whole or on gathered keys)."""
+    empty where the cost model did not choose its strategy (the strategy option, an attention run whole or on
+    gathered keys)."""
     if config.strategy != "auto" or strategy not in STRATEGIES:
         return {}
     decide = deciding(shape, world, topology, config, hybrid_possible=True)

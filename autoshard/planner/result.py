@@ -54,9 +54,9 @@ class AttentionDecision:
     positions: dict = field(default_factory=dict)
     """The position mask: ``causal``, ``window`` (``[left, right]`` or None) and ``chunk`` (0: none)."""
     lengths: dict = field(default_factory=dict)
-    """Its length class: the sequence lengths ``low`` to ``high`` (None: no end) over which the cost model keeps its strategy (one
-    compilation of a graph of symbolic lengths serves them), and the strategy just ``below`` and ``above`` (``""``:
-    none); empty where the cost model did not choose it."""
+    """Its length class: the sequence lengths ``low`` to ``high`` (None: no end) over which the cost model keeps its
+    strategy (one compilation of a graph of symbolic lengths serves them), and the strategy just ``below`` and
+    ``above`` (``""``: none); empty where the cost model did not choose it."""
 
 
 @dataclass
@@ -310,9 +310,8 @@ class Plan:
     def describe_length_class(self) -> str:
         """:meth:`length_class` as the plan's line."""
         c = self.length_class()
-        up = "any longer" if c["high"] is None else f"{c['high']:,}"
-        text = (f"length class: one compilation (a graph of symbolic lengths) serves S = {c['low']:,} to {up} "
-                f"tokens with these strategies")
+        lengths = f"{c['low']:,} tokens and longer" if c["high"] is None else f"{c['low']:,} to {c['high']:,} tokens"
+        text = f"length class: one compilation (a graph of symbolic lengths) serves S = {lengths} with these strategies"
         if c["low"] > 1:
             text += f"; shorter compiles another class ({c['below'] or 'no strategy fits'})"
         if c["high"] is not None:
