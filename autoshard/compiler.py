@@ -59,7 +59,7 @@ from .passes.static_cache import static_prefill_runner
 from .passes.ops import value_of
 from .passes.pipeline import DynamoGraph, GraphKind, compile_graph, graph_kind, source_name
 from .passes.report import CompileReport
-from .passes.specialize import GenericGraph, generalize, specialize, symbol_of
+from .passes.specialize import GenericGraph, generalize, specialize
 from .placements import Shard
 from .recognized import recognize_loaded, warn_if_traced_through
 from .records import CAUSES, Cause, GraphRecord, describe_record, dynamo_cause, warn_at_the_recompile_limit
@@ -348,7 +348,7 @@ class AutoshardBackend:
         placements, rank_args = {}, list(generic.fake_args)
         for i, d, _ in dims:
             whole = generic.fake_args[i]
-            shard = Shard(d, SequenceLayout.of(self.sharded_layout, whole.shape[d], pg.size()))
+            shard = self._arriving_shard(d, whole.shape[d])
             placements[placeholders[i].name] = shard
             with generic.mode:
                 rank_args[i] = torch.empty(shard.local_shape(whole.shape, pg.rank()), dtype=whole.dtype,
@@ -357,28 +357,27 @@ class AutoshardBackend:
         return placements
 
     def compile_for_sizes(self, gm: fx.GraphModule, args: list, dims: list | None = None,
-                          lengths: tuple | None = None) -> Callable:
+                          totals: dict | None = None) -> Callable:
         """Compile a dynamic graph for the sizes of ``args``. With ``inputs="sharded"``, ``dims`` are the
-        (input, dim, symbol) of the split sequence dims and ``lengths[r][k]`` rank ``r``'s local length of
-        the ``k``-th (see :func:`_split_lengths`): their global lengths are the sums over ranks, and the
-        global graph is compiled with those inputs arriving split."""
-        if lengths is None:
+        (input, dim, symbol) of the split sequence dims and ``totals`` each symbol's global length (``args`` pass it
+        where it is an int input: :meth:`~autoshard.dynamic_sizes.PerSizes.__call__`): the global graph is compiled
+        with those inputs arriving split."""
+        if not totals:
             return self.compile(specialize(gm, args), args)
-        pg = self._sequence_group()
-        totals = [sum(column) for column in zip(*lengths)]
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        global_of = {sym: n for (_, _, sym), n in zip(dims, totals)}
         shapes: dict[int, list] = {}
         sharded: dict[str, Any] = {}
-        for (i, d, sym), n in zip(dims, totals):
-            shape = shapes.setdefault(i, list(args[i].shape))
-            shape[d] = n
-            sharded[placeholders[i].name] = Shard(d, SequenceLayout.of(self.sharded_layout, n, pg.size()))
-        global_args = [global_of.get(symbol_of(p), a) if not isinstance(a, torch.Tensor) else a
-                       for p, a in zip(placeholders, args)]
-        static = specialize(gm, global_args, {i: tuple(s) for i, s in shapes.items()})
+        for i, d, sym in dims:
+            shapes.setdefault(i, list(args[i].shape))[d] = totals[sym]
+            sharded[placeholders[i].name] = self._arriving_shard(d, totals[sym])
+        static = specialize(gm, args, {i: tuple(s) for i, s in shapes.items()})
         global_inputs = [value_of(p) for p in static.graph.nodes if p.op == "placeholder"]
         return self.compile(static, args, sharded, global_inputs)
+
+    def _arriving_shard(self, dim: int, length) -> Shard:
+        """How an input split by ``autoshard.shard_inputs`` along ``dim`` arrives: the sharded layout of its global
+        ``length`` (an int, or a class's symbolic length)."""
+        return Shard(dim, SequenceLayout.of(self.sharded_layout, length, self._sequence_group().size()))
 
 
 _COMPILE_KIND: dict[str, Callable[[AutoshardBackend, GraphKind, DynamoGraph], Callable]] = {

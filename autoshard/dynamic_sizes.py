@@ -103,7 +103,7 @@ class PerSizes:
                 fn = found[1]
             else:
                 self._no_class(found)
-                fn = self.backend.compile_for_sizes(self.gm, list(args), self.split_dims, lengths)
+                fn = self.backend.compile_for_sizes(self.gm, list(args), self.split_dims, totals)
         if key not in self.cache:
             self.cache[key] = fn
             if len(self.cache) > SIZES_CACHED:

@@ -313,6 +313,7 @@ def eager_checkpoints(gm: torch.fx.GraphModule) -> int:
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
+        before = changed
         for node in module.graph.nodes:
             if node.op == "call_function" and node.target is _CHECKPOINT:
                 node.target = checkpoint_eagerly
@@ -321,5 +322,6 @@ def eager_checkpoints(gm: torch.fx.GraphModule) -> int:
             else:
                 continue
             changed += 1
-        module.recompile()
+        if changed > before:
+            module.recompile()
     return changed
