@@ -192,3 +192,12 @@ def test_generate_prefills_new_prompt_lengths_without_compiling():
         assert compiled[2:] == [compiled[1]] * (len(lengths) - 2), compiled
         assert compiled[1] <= 5 and "new sequence length" not in compilations, (compiled, compilations)
         assert not gathered, gathered[0]
+
+
+def test_inputs_that_arrive_split_without_length_classes_compile_per_length():
+    """``length_classes=False``: each set of global lengths compiles its own graph (the per-size path a class falls
+    back to), exact."""
+    for worst, compilations, _, _ in run_on_ranks(_train_at_lengths, 2, (40, 41, 37), False, "eager", "contiguous",
+                                                  timeout=600):
+        assert worst < 1e-12, worst
+        assert compilations == {"new graph": 1, "new sequence length": 2}, compilations
