@@ -34,6 +34,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import tempfile
 import time
@@ -201,6 +202,7 @@ class _Pool:
             proc.join(timeout=5)
         for conn in self.conns:
             conn.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
         if _pools.get(self.key) is self:
             del _pools[self.key]
 
