@@ -201,13 +201,21 @@ class AutoshardBackend:
         checked = replicated_inputs(example_inputs) if check else []
         names = [source_name(n) or n.name for n in gm.graph.nodes if n.op == "placeholder"]
         deferred = deferred_inputs_of(example_inputs)  # values an earlier graph left uncomputed: computed here
+        if generic is not None and deferred:
+            raise NotImplementedError("values handed on uncomputed by another graph")
         gm, example_inputs, global_inputs = inline_inputs(gm, example_inputs, deferred, global_inputs)
-        carried = split_inputs_of(example_inputs, pg.group_name)
-        placements, local = shard_inputs(gm, example_inputs, carried)
-        if carried:  # values an earlier graph returned split: they arrive split, the graph gets their shards
-            sharded_inputs = {**(sharded_inputs or {}), **placements}
-            global_inputs = global_inputs or example_inputs
-            example_inputs = local
+        if generic is None:
+            carried = split_inputs_of(example_inputs, pg.group_name)
+            placements, local = shard_inputs(gm, example_inputs, carried)
+            carried_names = set(placements)
+            if carried:  # values an earlier graph returned split: they arrive split, the graph gets their shards
+                sharded_inputs = {**(sharded_inputs or {}), **placements}
+                global_inputs = global_inputs or example_inputs
+                example_inputs = local
+        else:  # a class's carriers arrive in the layout of its symbolic lengths (compile_class placed them)
+            carried = generic.carried_inputs
+            placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            carried_names = {placeholders[i] for i in carried}
         index = next(_COMPILES)
         _check_same_graph(pg, index, gm, global_inputs or example_inputs,
                           same_values=self.config.inputs == "replicated")
@@ -215,13 +223,11 @@ class AutoshardBackend:
         config, policy = self._memory_policy(gm, policy_inputs, pg.size(), generic)
         if generic is None:
             compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group),
-                                     sharded_inputs=sharded_inputs, carried_inputs=set(placements) or None)
+                                     sharded_inputs=sharded_inputs, carried_inputs=carried_names or None)
         else:
-            if deferred or carried:
-                raise NotImplementedError("values handed over from another graph")
             with enable_python_dispatcher():
                 compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group),
-                                         sharded_inputs=sharded_inputs)
+                                         sharded_inputs=sharded_inputs, carried_inputs=carried_names or None)
             if compiled.deferred_outputs:
                 raise NotImplementedError("outputs handed on uncomputed")
         compiled.report.memory_policy = policy
@@ -319,8 +325,15 @@ class AutoshardBackend:
             generic = generalize(gm, args, totals)
             kind = graph_kind(DynamoGraph(gm=generic.gm, example_inputs=args), specialized=True)
             why = None if kind.name == "plain" else f"a graph of kind {kind.name}"
-            if totals:
-                placements = self._arriving_split(generic, dims)
+            arriving = [(i, d, self.sharded_layout) for i, d, _ in dims or ()]
+            for i in generic.carried_inputs:  # handed over split by another graph: in its layout's kind
+                carrier = args[i]
+                if carrier.group_name != pg.group_name or not isinstance(carrier.layout_rule, SequenceLayout) \
+                        or not isinstance(carrier.seq_layout.rule, tuple):
+                    raise NotImplementedError(f"input {i} arrives split in a layout of its own ({carrier!r})")
+                arriving.append((i, carrier.seq_dim, carrier.seq_layout.kind))
+            if arriving:
+                placements = self._arriving_split(generic, arriving)
         except Exception as e:  # noqa: BLE001 -- any failure falls back to a graph for these sizes
             logger.debug("autoshard: no length class", exc_info=True)
             why = f"{type(e).__name__}: {e}"
@@ -339,20 +352,20 @@ class AutoshardBackend:
             return why or "not supported on another rank"
         return generic, run
 
-    def _arriving_split(self, generic: GenericGraph, dims: list) -> dict[str, Shard]:
-        """The placements of a generic graph's inputs that arrive split (``inputs="sharded"``; ``dims``: their
-        (input, dim, symbol)): the sharded layout of their symbolic global length. Sets the graph's
-        :attr:`~GenericGraph.rank_args`: this rank's shards, of the sizes the layout computes."""
+    def _arriving_split(self, generic: GenericGraph, arriving: list[tuple[int, int, str]]) -> dict[str, Shard]:
+        """The placements of a generic graph's inputs that arrive split (``arriving``: their (input, dim, layout
+        kind): ``inputs="sharded"``, or a carrier from another graph): that layout of their symbolic global length.
+        Sets the graph's :attr:`~GenericGraph.rank_args`: this rank's shards, of the sizes the layout computes."""
         pg = self._sequence_group()
         placeholders = [n for n in generic.gm.graph.nodes if n.op == "placeholder"]
         placements, rank_args = {}, list(generic.fake_args)
-        for i, d, _ in dims:
+        for i, d, kind in arriving:
             whole = generic.fake_args[i]
-            shard = self._arriving_shard(d, whole.shape[d])
+            shard = Shard(d, SequenceLayout.of(kind, whole.shape[d], pg.size()))
             placements[placeholders[i].name] = shard
             with generic.mode:
                 rank_args[i] = torch.empty(shard.local_shape(whole.shape, pg.rank()), dtype=whole.dtype,
-                                           device=whole.device)
+                                           device=whole.device).requires_grad_(whole.requires_grad)
         generic.rank_args = rank_args
         return placements
 

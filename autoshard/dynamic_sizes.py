@@ -221,7 +221,7 @@ def placing_per_call(run: Callable, wrapper: Callable, placements: dict[int, Sha
     def run_placed(*args):
         out = wrapped(tuple(generic.values(args).items()))(*args)
         for i, dim in symbolic.items():  # of the class's length: the next graph dynamo traces takes any length
-            torch._dynamo.maybe_mark_dynamic(out[i], dim)
+            out[i].mark_any_length()
         return out
 
     return run_placed

@@ -13,6 +13,8 @@ into its bool, as dynamo folds it in a static graph):
   in it. A guard is always sound -- the worst case is a class of one length. Inputs that arrive split
   (``inputs="sharded"``) are made at their global shape, their length read from the int input dynamo passes it in
   (each rank's own length there; the call passes the global one): the rank graph's local sizes are expressions of it.
+  Values another graph hands on split (``SplitTensor`` carriers) are made at their global shape too, their length
+  dynamo's symbol (a call passes the carrier, whose sizes are the global ones).
 - :func:`specialize` folds every size into its integer, for one set of sizes (the fallback where a graph of
   symbolic lengths is not supported: values handed between graphs, another inner compiler; and what the memory policy
   plans at the call's sizes).
@@ -31,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from ..runtime.split_tensor import SplitTensor
 from .graph import eliminate_dead_code, keep_real_values
 from .ops import as_size, hint_of, value_of
 from .regions import REGIONS, inline_regions
@@ -148,6 +151,9 @@ class GenericGraph:
     """The inputs that arrive split (``inputs="sharded"``), at their global shape in :attr:`fake_args`; not in
     :attr:`dims`: their symbols are read from the int inputs that pass their lengths, which a call passes global
     (:meth:`values`, :meth:`admits`), the local lengths checked against the layout apart."""
+    carried_inputs: list[int]
+    """The inputs that arrive as a ``SplitTensor`` from another graph, at their global shape in :attr:`fake_args` (a
+    call passes the carrier: its sizes are the global ones, in :attr:`dims`)."""
     rank_args: list | None = None
     """What the rank graph is called with, as fake values, where that differs from :attr:`fake_args` (the split
     inputs' local shards, of sizes computed from the global lengths); what the inner compiler traces it with."""
@@ -171,7 +177,8 @@ class GenericGraph:
         """(``args`` with every symbolic int at the call's value, the split inputs' global shapes there): what
         :func:`specialize` takes to fold a call's sizes (for a decision taken at them)."""
         ints = [hint_of(f) if isinstance(f, torch.SymInt) else a for a, f in zip(args, self.fake_args)]
-        return ints, {i: tuple(hint_of(s) for s in self.fake_args[i].shape) for i in self.split_inputs}
+        return ints, {i: tuple(hint_of(s) for s in self.fake_args[i].shape)
+                      for i in self.split_inputs + self.carried_inputs}
 
     def bound_above(self) -> None:
         """Limit the class to lengths up to the call's: a decision taken at the call's sizes that stays right for
@@ -227,10 +234,24 @@ def generalize(gm: fx.GraphModule, args: list, split: dict | None = None) -> Gen
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     placeholders = [n for n in generic.graph.nodes if n.op == "placeholder"]
-    fake_args, symbols, dims, sizes, split_inputs = list(args), {}, [], [], []
+    fake_args, symbols, dims, sizes, split_inputs, carried = list(args), {}, [], [], [], []
     for i, (node, arg) in enumerate(zip(placeholders, args)):
         value = value_of(node)
-        if isinstance(arg, torch.Tensor):
+        if isinstance(arg, SplitTensor):  # a carrier: its global value, placed split by the compile
+            carried.append(i)
+            shape = []
+            for d, (before, size) in enumerate(zip(value.shape, arg.shape)):
+                if isinstance(before, torch.SymInt):
+                    if size < 2:  # 0 and 1 specialize
+                        raise NotImplementedError(f"input {i}'s symbolic sizes {tuple(arg.shape)}")
+                    if before.node.expr not in symbols:
+                        symbols[before.node.expr] = env.create_symintnode(env.create_symbol(
+                            size, ConstantSource(f"input{i}_{d}"), dynamic_dim=DimDynamic.DYNAMIC), hint=size)
+                    dims.append((i, d, symbols[before.node.expr].node.expr))
+                shape.append(symbols[before.node.expr] if isinstance(before, torch.SymInt) else size)
+            with mode:
+                fake_args[i] = torch.empty(shape, dtype=arg.dtype, device=arg.device).requires_grad_(arg.requires_grad)
+        elif isinstance(arg, torch.Tensor):
             if any(isinstance(s, torch.SymInt) and (not s.node.expr.is_Symbol or a < 2)
                    for s, a in zip(value.shape, arg.shape)):  # 0 and 1 specialize; an expression has no symbol
                 raise NotImplementedError(f"input {i}'s symbolic sizes {tuple(arg.shape)}")
@@ -262,7 +283,7 @@ def generalize(gm: fx.GraphModule, args: list, split: dict | None = None) -> Gen
             fake_args[i] = torch.empty([symbols[s.node.expr] if isinstance(s, torch.SymInt) else s
                                         for s in value.shape], dtype=args[i].dtype, device=args[i].device)
     _propagate(generic, mode, fake_args)
-    return GenericGraph(generic, env, mode, dims, sizes, gm, fake_args, split_inputs)
+    return GenericGraph(generic, env, mode, dims, sizes, gm, fake_args, split_inputs, carried)
 
 
 def materialize_sizes(gm: fx.GraphModule) -> int:

@@ -145,6 +145,16 @@ class SequenceLayout:
             return self
         return _decode_cached(tuple(hint_of(c) for c in code))
 
+    @functools.cached_property
+    def rule(self) -> tuple[str, int] | "SequenceLayout":
+        """What places the positions at every length: ``(kind, world_size)`` where this is the built-in ``kind``'s
+        layout of its length (a graph compiled for a class of lengths takes it at any of them), else the layout
+        itself."""
+        if self.kind in LAYOUTS and not _symbolic(self.length) and self == SequenceLayout.of(self.kind, self.length,
+                                                                                              self.world_size):
+            return self.kind, self.world_size
+        return self
+
     # ------------------------------------------------------------------ queries
     def local_intervals(self, rank: int) -> tuple[Interval, ...]:
         """The global position ranges rank ``rank`` holds, in local order."""

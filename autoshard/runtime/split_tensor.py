@@ -12,7 +12,8 @@ A ``SplitTensor`` has the *global* shape, dtype and device of the value and hold
 name. So:
 
 * dynamo traces the next graph with the global shape, exactly as without the split (it flattens the
-  subclass through ``__tensor_flatten__``, and guards on its layout);
+  subclass through ``__tensor_flatten__``, and guards on its layout; on the layout's kind alone where a length
+  class returned the carrier, :attr:`SplitTensor.any_length`: the next graph then serves any length too);
 * the backend sees a split input (the example value is a ``SplitTensor``): the placeholder is seeded as a
   sequence, its placement is the carrier's, and the compiled graph is called with ``local`` -- no gather,
   no re-slicing. Inner compilers (eager, aot_eager, inductor) only ever see plain local tensors;
@@ -99,10 +100,11 @@ def _cache_write(cache: SplitTensor, dim: int, index, source) -> SplitTensor:
     return cache
 
 
-def _placing(rule: SequenceLayout | CacheLayout):
+def _placing(rule: SequenceLayout | CacheLayout | tuple[str, int]):
     """What a compiled graph depends on of a carrier's rule (:meth:`SplitTensor.__metadata_guard__`): of a cache's, its
     world size (a decode graph reads the rule at each call); of a layout, all of it (its shards' lengths follow from
-    it, and dynamo guards them on every rank alike only so)."""
+    it, and dynamo guards them on every rank alike only so: it does not guard a carrier's global size); of a
+    carrier of any length, the layout's kind and world size."""
     return ("cache", rule.world_size) if isinstance(rule, CacheLayout) else rule
 
 
@@ -122,6 +124,10 @@ class SplitTensor(Carrier):
     """Of a cache that keeps a window: the position (under ``layout_rule``) of its first entry, the positions before
     it dropped. It changes every step, so it is not part of what dynamo guards (the flatten context): it travels
     with the carrier object, read by the decode step that takes it (:mod:`autoshard.passes.decode`)."""
+    any_length: bool = False
+    """Whether the graph that takes it compiles for any length of its layout's kind (a length class returned it and
+    marked its dim dynamic): dynamo then guards the layout's kind and world size (the flatten context), not its
+    length, and the graph it traces computes the layout from the symbolic length."""
 
     own_ops = {torch.ops.aten.view.default: _whole_view, torch.ops.aten._unsafe_view.default: _whole_view,
                torch.ops.aten.index_copy_.default: _cache_write}
@@ -152,7 +158,8 @@ class SplitTensor(Carrier):
         return rule.at(self.cache_start + int(self.shape[self.seq_dim]), self.cache_start)
 
     def __tensor_flatten__(self):
-        return ["local"], (self.seq_dim, self.layout_rule, self.group_name)
+        return ["local"], (self.seq_dim, self.layout_rule.rule if self.any_length else self.layout_rule,
+                           self.group_name)
 
     @classmethod
     def __metadata_guard__(cls, compiled, given) -> bool:
@@ -163,8 +170,14 @@ class SplitTensor(Carrier):
 
     @staticmethod
     def __tensor_unflatten__(inner, context, outer_size, outer_stride):
-        dim, layout, group_name = context
-        return SplitTensor(inner["local"], dim, layout, group_name, outer_size)
+        dim, rule, group_name = context
+        if isinstance(rule, tuple):  # a carrier of any length: its layout of the (symbolic) global length
+            kind, world_size = rule
+            out = SplitTensor(inner["local"], dim, SequenceLayout.of(kind, outer_size[dim], world_size), group_name,
+                              outer_size)
+            out.any_length = True
+            return out
+        return SplitTensor(inner["local"], dim, rule, group_name, outer_size)
 
     def __repr__(self) -> str:
         kind = self.layout_rule.kind if isinstance(self.layout_rule, SequenceLayout) else "cache"
@@ -180,8 +193,28 @@ class SplitTensor(Carrier):
             SplitTensor._warned = warned
 
     def aliased(self) -> SplitTensor:
-        return SplitTensor(torch.ops.aten.alias.default(self.local), self.seq_dim, self.layout_rule, self.group_name,
-                           self.shape, self.cache_start)
+        out = SplitTensor(torch.ops.aten.alias.default(self.local), self.seq_dim, self.layout_rule, self.group_name,
+                          self.shape, self.cache_start)
+        if self.any_length:  # FSDP2's hooks hand the next graph this view
+            out.any_length = True
+            out._mark_dynamic()
+        return out
+
+    def mark_any_length(self) -> None:
+        """Make this carrier one the next graph may take at any length (:attr:`any_length`; a length class returns
+        it): its global and local lengths dynamic on every rank, whether or not a rank's own shard length changed
+        (the ranks' graphs stay alike). Not where a rank holds fewer than 2 positions (dynamo compiles a size of 0
+        or 1 as a constant, so that rank's graph would differ: such a carrier keeps its length), nor a KV cache's
+        (its rule serves every length already)."""
+        if not isinstance(self.layout_rule, SequenceLayout) or min(self.seq_layout.local_lengths) < 2:
+            return
+        self.any_length = True
+        self._mark_dynamic()
+
+    def _mark_dynamic(self) -> None:
+        if not is_fake_or_meta(self.local):  # a view made while dynamo traces is no graph's input
+            torch._dynamo.maybe_mark_dynamic(self, self.seq_dim)
+            torch._dynamo.maybe_mark_dynamic(self.local, self.seq_dim)
 
     def materialize(self) -> torch.Tensor:
         """The whole value, gathered over the group (no autograd: called under dispatch)."""

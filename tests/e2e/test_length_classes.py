@@ -29,16 +29,28 @@ chunks at 3 and 4 ranks) and 2 (below the world size at 3 and 4 ranks: a rank ho
 own: at a few tokens per rank the pieces' sizes decide branches."""
 
 
-def _train_at_lengths(lengths, classes: bool, inner: str = "eager", sharded: str | None = None, **options):
+def _train_at_lengths(lengths, classes: bool, inner: str = "eager", sharded: str | None = None,
+                      per_block: str | None = None, **options):
     """Train at each of ``lengths`` against one process; ``sharded``: the inputs arrive split in that layout
-    (``inputs="sharded"``, ``autoshard.shard_inputs``)."""
+    (``inputs="sharded"``, ``autoshard.shard_inputs``); ``per_block``: every block compiled alone, the rest run
+    eagerly (torchtitan's per-block compile), ``"fsdp"``: and FSDP2 over the ranks per block (as torchtitan
+    applies them)."""
+    from torch.distributed.fsdp import fully_shard
+
     torch.manual_seed(0)
     model = LlamaLM().double()
     ref = copy.deepcopy(model)
     if sharded:
         options.update(inputs="sharded", layout=sharded)
-    backend = autoshard.backend(length_classes=classes, inner=inner, **options)
-    compiled = torch.compile(model, backend=backend)
+    backend = autoshard.backend(length_classes=classes, inner=inner, grad_sync=per_block != "fsdp", **options)
+    if per_block:
+        for block in model.blocks:
+            block.compile(backend=backend)
+            if per_block == "fsdp":
+                fully_shard(block)
+        if per_block == "fsdp":
+            fully_shard(model)
+    compiled = model if per_block else torch.compile(model, backend=backend)
     generator = torch.Generator().manual_seed(1)
     worst = 0.0
     for n in lengths:
@@ -51,7 +63,8 @@ def _train_at_lengths(lengths, classes: bool, inner: str = "eager", sharded: str
         expected = ref(ids, ids)[0]
         expected.backward()
         worst = max(worst, (loss - expected).abs().item(),
-                    *((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+                    *((getattr(p.grad, "full_tensor", lambda g=p.grad: g)() - q.grad).abs().max().item()
+                      for p, q in zip(model.parameters(), ref.parameters())))
         model.zero_grad()
         ref.zero_grad()
     strategies = {a["strategy"] for record in backend.compiled for a in record.report.attention}
@@ -68,6 +81,28 @@ def test_one_compilation_per_length_class(world, recompute):
         assert worst < 1e-12, worst
         assert "; serves input_ids dim 1 in [" in explained, explained  # what explain() says of a class
         assert compilations == {"new graph": 1, "recompiled by dynamo": 1, "new sequence length": 2}, compilations
+        assert strategies and not strategies & {"whole", "gathered-kv"}, strategies
+
+
+@pytest.mark.parametrize("world, inner, per_block, compiled", [
+    (3, "eager", "compiled", {"new graph": 1, "recompiled by dynamo": 5, "new sequence length": 2}),
+    (2, "eager", "fsdp", {"new graph": 1, "recompiled by dynamo": 4, "new sequence length": 1}),
+    pytest.param(2, "aot_eager", "compiled", {"new graph": 1, "recompiled by dynamo": 4, "new sequence length": 1},
+                 marks=pytest.mark.slow)])
+def test_blocks_compiled_alone_hand_on_values_of_any_length(world, inner, per_block, compiled):
+    """Every block compiled alone (graph breaks and FSDP2's per-layer graphs cut a model the same way): the first
+    block takes whole inputs, the next ones the previous block's output still split (a ``SplitTensor``). What a
+    length class returns split is of any length (dynamo guards its layout's kind and world size, not its length,
+    and both its global and local lengths are dynamic on every rank), so the blocks that take it compile once per
+    class too: 8 lengths, 2 graphs (whole inputs, carried ones) of 4 compilations each at 3 ranks: dynamo's first
+    static graph, the class of the long lengths, and the two short ones (4 and 2: a rank holds fewer than 2
+    positions, so their carriers keep their length). Under FSDP2 per block (torchtitan's recipe) the same: its
+    hooks hand each block a view of the carrier. At 2 ranks 4 is in the long class, 2 is not."""
+    for worst, compilations, strategies, explained in run_on_ranks(_train_at_lengths, world, LENGTHS, True, inner,
+                                                                   None, per_block, timeout=600):
+        assert worst < 1e-12, worst
+        assert compilations == compiled, explained
+        assert re.search(r"SplitTensor'>\); serves x dim 1 = cos dim 0 = sin dim 0 in \[\d+, ", explained), explained
         assert strategies and not strategies & {"whole", "gathered-kv"}, strategies
 
 
