@@ -31,6 +31,7 @@ import torch.fx as fx
 
 from .passes.deferred import DeferredOutput, inline_deferred
 from .passes.lazy import LazyOutput
+from .passes.ops import value_of
 from .placements import Shard
 from .runtime.deferred import DeferredTensor, Recipe, defer
 from .runtime.kv_cache import CacheLayout
@@ -38,8 +39,8 @@ from .runtime.lazy_linear import lazy_linear
 from .runtime.redistribute import grad_scale, grad_sync
 from .runtime.split_tensor import SplitTensor, local_of, wrap
 
-__all__ = ["DeferredInput", "deferred_inputs_of", "split_inputs_of", "inline_inputs", "shard_inputs",
-           "unwrap_inputs", "wrap_outputs", "carrying", "lazy_head"]
+__all__ = ["DeferredInput", "deferred_inputs_of", "traced_deferred_inputs", "split_inputs_of", "inline_inputs",
+           "shard_inputs", "unwrap_inputs", "wrap_outputs", "carrying", "lazy_head"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,18 @@ def deferred_inputs_of(inputs: Sequence) -> dict[int, DeferredInput]:
     """The deferred inputs among example inputs (``DeferredTensor``): position -> what the compile needs of it."""
     return {i: DeferredInput(x.recipe, list(x.recipe_inputs), list(x.recipe_inputs))
             for i, x in enumerate(inputs) if isinstance(x, DeferredTensor)}
+
+
+def traced_deferred_inputs(gm: fx.GraphModule, inputs: list) -> tuple[fx.GraphModule, list]:
+    """A graph of symbolic sizes dynamo traced with deferred inputs (``DeferredTensor`` in ``inputs``), with their
+    recipes inlined as dynamo traced them (the recipe's inputs of the symbolic sizes dynamo gave the carrier's inner
+    tensors), and ``inputs`` flattened to match (:func:`unwrap_inputs` flattens each call's alike): a graph whose
+    sizes the length classes can generalize. Unchanged without deferred inputs."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    deferred = {i: DeferredInput(x.recipe, list(value_of(placeholders[i]).recipe_inputs), list(x.recipe_inputs))
+                for i, x in enumerate(inputs) if isinstance(x, DeferredTensor)}
+    gm, _, flat = inline_inputs(gm, inputs, deferred, inputs)
+    return gm, flat
 
 
 def split_inputs_of(inputs: Sequence, group_name: str) -> dict[int, tuple[Shard, torch.Tensor]]:
@@ -121,7 +134,7 @@ def wrap_outputs(out: Sequence, args: Sequence, *, split: dict[int, Shard], defe
                 return _split_cache(o, split[i], group_name)
             return wrap(o, split[i].dim, split[i].layout, group_name)
         if i in deferred:
-            return defer(deferred[i].recipe, [args[j] for j in deferred[i].inputs])
+            return defer(deferred[i].recipe, deferred[i].reads(args), deferred[i].shape)
         return o
 
     return type(out)(leaving(i, o) for i, o in enumerate(out))

@@ -228,8 +228,6 @@ class AutoshardBackend:
             with enable_python_dispatcher():
                 compiled = compile_graph(gm, config=config, groups=sequence_groups(self.group),
                                          sharded_inputs=sharded_inputs, carried_inputs=carried_names or None)
-            if compiled.deferred_outputs:
-                raise NotImplementedError("outputs handed on uncomputed")
         compiled.report.memory_policy = policy
         self._record(GraphRecord(compiled.report, compiled.gathered_output_shapes, bool(compiled.families.families)),
                      example_inputs)
@@ -242,8 +240,8 @@ class AutoshardBackend:
             wrapper = functools.partial(carrying, flatten=bool(deferred), split_inputs=set(carried),
                                         deferred_outputs=compiled.deferred_outputs, lazy_outputs=lazy,
                                         group_name=pg.group_name, cache_outputs=set(compiled.cache_outputs or ()))
-            if generic is not None and compiled.carried_outputs:
-                run = placing_per_call(run, wrapper, compiled.carried_outputs, generic)
+            if generic is not None and (compiled.carried_outputs or compiled.deferred_outputs):
+                run = placing_per_call(run, wrapper, compiled.carried_outputs, compiled.deferred_outputs, generic)
             else:
                 run = wrapper(run, split_outputs=compiled.carried_outputs)
         if checked:

@@ -10,6 +10,12 @@ inputs the ranks' local lengths differ, so on every call they all-gather their l
 other sizes (a few bytes, counted as ``"metadata"``), key the cache on all ranks' lengths and pass the graph the
 global length where dynamo passes the rank's own; a rank whose shard is not the one the layout gives it, or whose
 other sizes differ, makes every rank raise.
+
+Values an earlier graph hands on: a ``DeferredTensor`` input's recipe is inlined into the graph once, as dynamo
+traced its inner tensors (of symbolic sizes), and each call is flattened to the recipe's inputs alike, so the
+classes see plain inputs; a ``SplitTensor`` input's local length, which dynamo lifts as an input of its own where a
+checkpointed region passes every size it holds, is replaced by the carrier's global length in every call (it differs
+per rank by design, and no node reads it).
 """
 
 from __future__ import annotations
@@ -24,12 +30,17 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from .boundary import traced_deferred_inputs, unwrap_inputs
+from .passes.deferred import DeferredOutput
+from .passes.ops import value_of
 from .passes.pipeline import input_name
 from .passes.specialize import GenericGraph, size_key, symbol_of, symbolic_dims
 from .placements import Shard
 from .records import Cause
 from .runtime.collectives import gather_facts
+from .runtime.deferred import DeferredTensor
 from .runtime.layouts import SequenceLayout
+from .runtime.split_tensor import SplitTensor
 from .runtime.symbolic import evaluate, is_symbolic
 
 __all__ = ["SIZES_CACHED", "CLASS_TRIES", "PerSizes", "NO_SHARDED_INPUT", "short_shard", "on_every_rank",
@@ -49,7 +60,11 @@ class PerSizes:
 
     def __init__(self, backend: Any, gm: fx.GraphModule, example_inputs: list):
         """``backend``: the :class:`~autoshard.compiler.AutoshardBackend` that compiles for it (not imported here:
-        the compiler imports this module)."""
+        the compiler imports this module). Values an earlier graph left uncomputed (``DeferredTensor``) are
+        inlined first, and each call flattened alike: their recipes' inputs are inputs like any other (dynamo
+        guards the recipes themselves)."""
+        self.flatten = any(isinstance(x, DeferredTensor) for x in example_inputs)
+        gm, example_inputs = traced_deferred_inputs(gm, example_inputs)
         self.backend, self.gm = backend, gm
         self.cache: OrderedDict[tuple, Callable] = OrderedDict()
         self.classes: list[tuple[GenericGraph, Callable]] = []
@@ -73,6 +88,11 @@ class PerSizes:
         split = {sym for _, _, sym in self.split_dims}
         self.length_args = {i for i, symbol in enumerate(self.symbols) if symbol in split}
         """Inputs that are a split length themselves: a call passes the global length there."""
+        self.local_lengths = _local_lengths(gm, example_inputs, self.symbols)
+        """Inputs that are the local length of a carrier another graph handed on split (a checkpointed region
+        lifts every size its inputs hold): input -> the carrier's (input, dim). Different on every rank by design,
+        and read by no node (the carrier's global size stands for it), so a call passes the global length there:
+        the same on every rank, for the checks that the ranks' inputs and graphs agree."""
         dims = symbolic_dims(gm)
         for i, symbol in enumerate(self.symbols):  # a size input named as the input dim it is the size of
             j, d = next(((j, d) for j, d, sym in dims if sym == symbol), (None, None))
@@ -80,6 +100,11 @@ class PerSizes:
                 self.names[i] = f"{self.names[j]} dim {d}" + (" (global)" if i in self.length_args else "")
 
     def __call__(self, *args):
+        if self.flatten:
+            args = unwrap_inputs(args, flatten=True, split=())[0]
+        if self.local_lengths:
+            args = tuple(args[self.local_lengths[i][0]].size(self.local_lengths[i][1]) if i in self.local_lengths
+                         else a for i, a in enumerate(args))
         lengths = self._split_lengths(args) if self.split_dims else None
         key = (size_key(args), lengths)
         fn = self.cache.get(key)
@@ -206,25 +231,46 @@ def on_every_rank(ok: bool, pg: dist.ProcessGroup) -> bool:
     return ok if pg.size() == 1 else all(row[0] for row in gather_facts([int(ok)], pg))
 
 
-def placing_per_call(run: Callable, wrapper: Callable, placements: dict[int, Shard], generic: GenericGraph) -> Callable:
-    """``run`` (a rank graph of symbolic lengths) wrapped by ``wrapper`` with the outputs it returns split placed for
-    each call's lengths: one wrapper per set of lengths."""
+def placing_per_call(run: Callable, wrapper: Callable, placements: dict[int, Shard],
+                     deferred: dict[int, DeferredOutput], generic: GenericGraph) -> Callable:
+    """``run`` (a rank graph of symbolic lengths) wrapped by ``wrapper`` with the outputs it returns split placed,
+    and those it leaves uncomputed shaped, for each call's lengths: one wrapper per set of lengths. What leaves of
+    the class's length is marked so that the next graph dynamo traces takes it at any length."""
     @functools.lru_cache(maxsize=SIZES_CACHED)
     def wrapped(key: tuple) -> Callable:
         values = dict(key)
         return wrapper(run, split_outputs={i: dataclasses.replace(p, layout=p.layout.evaluated(values),
                                                                   factors=tuple(evaluate(f, values) for f in p.factors))
-                                           for i, p in placements.items()})
+                                           for i, p in placements.items()},
+                       deferred_outputs={i: d.evaluated(values) for i, d in deferred.items()})
 
-    symbolic = {i: p.dim for i, p in placements.items() if is_symbolic(p.layout.length)}
+    def varying(shape) -> list[int]:
+        return [d for d, size in enumerate(shape) if is_symbolic(size)]
+
+    marks = {i: () for i, p in placements.items() if is_symbolic(p.layout.length)}
+    marks |= {i: (varying(d.shape), [varying(generic.fake_args[j].shape) for j in d.inputs]
+                  + ([list(range(1, 1 + len(d.anchor)))] if d.anchor is not None else []))
+              for i, d in deferred.items() if varying(d.shape)}
 
     def run_placed(*args):
         out = wrapped(tuple(generic.values(args).items()))(*args)
-        for i, dim in symbolic.items():  # of the class's length: the next graph dynamo traces takes any length
-            out[i].mark_any_length()
+        for i, marked in marks.items():
+            out[i].mark_any_length(*marked)
         return out
 
     return run_placed
+
+
+def _local_lengths(gm: fx.GraphModule, example_inputs: list, symbols: list) -> dict[int, tuple[int, int]]:
+    """The inputs of ``gm`` that are a ``SplitTensor`` input's local length (``symbols``: each input's symbol, where
+    it is a size): input -> (the carrier's input, its split dim)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    local = {}
+    for i, x in enumerate(example_inputs):
+        size = value_of(placeholders[i]).local.shape[x.seq_dim] if isinstance(x, SplitTensor) else None
+        if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+            local[size.node.expr] = (i, x.seq_dim)
+    return {i: local[symbol] for i, symbol in enumerate(symbols) if symbol in local}
 
 
 def split_dims_of(gm: fx.GraphModule, example_inputs: list) -> list[tuple[int, int, Any]]:

@@ -3,6 +3,7 @@ every step, against the same loop at one length (a table, no assertions).
 
     python benchmarks/lengths.py                     # 2900-4096 and 12000-16384 tokens, P = 2 and 4 (long)
     python benchmarks/lengths.py --ranges 2900-4096 --worlds 2 --steps 6     # quicker
+    python benchmarks/lengths.py --ranges 2900-4096 --worlds 2 --fsdp        # the README's FSDP2 recipe
 
 Model: transformers ``LlamaForCausalLM`` from a config (vocab 8000, 4 layers, hidden 256, 8 heads / 2 kv heads,
 float32, random weights), ``autoshard.compile(model)`` on P gloo ranks (one thread each), one row per step packed
@@ -47,6 +48,19 @@ Measured (2 shared CPU cores, torch 2.13 CPU; ``--ranges 2900-4096 --worlds 2,4`
       2900-4096  4     varying, classes             1   40928     19.3           471.0             1.04
       2900-4096  4                fixed             1   49152     22.2           450.9             1.00
 
+``--fsdp`` (the README's training recipe: transformers' checkpointing, FSDP2 per decoder layer and root, so the model
+runs as 7 graphs, the rotary tables and the mask handed to the layer graphs uncomputed; ``--ranges 2900-4096 --worlds
+2``; before this recipe's classes the per-length loop is what every loop did, and past 8 lengths dynamo's recompile
+limit left layer frames uncompiled)::
+
+        lengths  P                 loop  compilations  tokens  seconds  ms / 1K tokens  varying / fixed
+      2900-4096  2  varying, per length            73   40928     45.1          1102.9             0.94
+      2900-4096  2     varying, classes             4   40928     44.0          1074.5             0.92
+      2900-4096  2                fixed             0   49152     57.5          1169.7             1.00
+
+(The fixed loop runs at the range's top length, where attention costs more per token; a loop after the first reuses
+the graphs dynamo kept: 0 and 4 compilations there, 7 graphs twice each in a fresh process.)
+
 At 12000-16384 tokens a compilation is small beside a step (both varying loops within noise of each other): what
 remains of ``varying / fixed`` there is not compiling, and shows with and without classes (suspected: the CPU
 allocator's new buffer sizes at every new length; not profiled).
@@ -75,12 +89,20 @@ def _batch(length: int, seed: int) -> dict:
     return packed_row(length, (200, 900), 8000, torch.Generator().manual_seed(seed))
 
 
-def _loop(lengths: list[int], seed: int, classes: bool, inputs: str) -> tuple[int, float, int]:
+def _loop(lengths: list[int], seed: int, classes: bool, inputs: str, fsdp: bool) -> tuple[int, float, int]:
     """(compilations, the warm-up's included; seconds and tokens of the steps after the first, a warm-up) at
     ``lengths``; ``classes``: the backend's ``length_classes``; ``inputs``: its ``inputs`` (``"sharded"``: each
-    rank passes its part of the row, ``autoshard.shard_inputs``)."""
+    rank passes its part of the row, ``autoshard.shard_inputs``); ``fsdp``: the README's recipe (transformers'
+    checkpointing, FSDP2 on every decoder layer and the root)."""
+    from torch.distributed.fsdp import fully_shard
+
     model = small_llama()
-    compiled = autoshard.compile(model, length_classes=classes, inputs=inputs)
+    if fsdp:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    compiled = autoshard.compile(model, length_classes=classes, inputs=inputs, grad_sync=not fsdp)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step(length: int, i: int) -> None:
@@ -99,13 +121,13 @@ def _loop(lengths: list[int], seed: int, classes: bool, inputs: str) -> tuple[in
     return sum(compiled.autoshard_backend.compilations.values()), seconds, sum(lengths[1:])
 
 
-def _measure(low: int, high: int, steps: int, inputs: str) -> dict:
+def _measure(low: int, high: int, steps: int, inputs: str, fsdp: bool) -> dict:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(low)
     varying = [high] + [int(torch.randint(low, high + 1, (1,), generator=gen)) for _ in range(steps)]
-    return {"varying, per length": _loop(varying, 0, False, inputs),
-            "varying, classes": _loop(varying, 0, True, inputs),
-            "fixed": _loop([high] * (steps + 1), 0, True, inputs)}
+    return {"varying, per length": _loop(varying, 0, False, inputs, fsdp),
+            "varying, classes": _loop(varying, 0, True, inputs, fsdp),
+            "fixed": _loop([high] * (steps + 1), 0, True, inputs, fsdp)}
 
 
 def main() -> None:
@@ -115,19 +137,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="timed steps per loop (new lengths in 'varying')")
     parser.add_argument("--inputs", default="replicated", choices=("replicated", "sharded"),
                         help="the backend's inputs: whole rows on every rank, or each rank's part (shard_inputs)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="the README's recipe: transformers' checkpointing, FSDP2 per decoder layer and root")
     args = parser.parse_args()
     rows = []
     for text in args.ranges.split(","):
         low, high = (int(x) for x in text.split("-"))
         for world in (int(w) for w in args.worlds.split(",")):
-            result = run_on_ranks(_measure, world, low, high, args.steps, args.inputs, timeout=3600)[0]
+            result = run_on_ranks(_measure, world, low, high, args.steps, args.inputs, args.fsdp, timeout=3600)[0]
             per_token = {run: seconds / tokens for run, (_, seconds, tokens) in result.items()}
             for run, (compilations, seconds, tokens) in result.items():
                 rows.append([f"{low}-{high}", world, run, compilations, tokens, f"{seconds:.1f}",
                              f"{1e3 * per_token[run] * 1e3:.1f}",
                              f"{per_token[run] / per_token['fixed']:.2f}"])
     print_table(f"{args.steps} training steps per loop, transformers Llama (4 layers, hidden 256), CPU gloo, "
-                f"inputs={args.inputs}",
+                f"inputs={args.inputs}" + (", FSDP2 + checkpointing" if args.fsdp else ""),
                 ["lengths", "P", "loop", "compilations", "tokens", "seconds", "ms / 1K tokens", "varying / fixed"],
                 rows)
 

@@ -11,6 +11,12 @@ docstring says why a recipe and not a classified mask):
   becomes the recipe's inputs (the backend passes the carrier's inner tensors in its place) and the recipe's
   nodes, so the passes after it read the mask's structure as in a whole-model compile.
 
+In a graph compiled for a length class (symbolic lengths, :mod:`.specialize`) a recipe's sizes are expressions of
+the lengths: they become nodes computing them from what the recipe reads -- its inputs' shapes, and an *anchor*
+(an empty ``(0, *lengths)`` tensor, :attr:`DeferredOutput.anchor`) for a length no input holds (``arange(S)``) --
+so its code is the same at every length, and the graphs taking it see one recipe (dynamo guards it) of inputs
+whose sizes vary: they compile once per class too.
+
 An output is deferred when (every condition is a reason the recomputation could differ, or cost more):
 
 * it needs no gradient, and neither does anything it is computed from (a recipe has no autograd history);
@@ -29,15 +35,17 @@ above, and ``mask_mod``'s own inputs (positions, segment ids) are as small as wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
 
 from ..runtime.deferred import Recipe
+from ..runtime.symbolic import evaluate, hint_of, is_symbolic
 from .graph import eliminate_dead_code, fake_mode_of, has_side_effects, new_node, reachable, unused_impure
 from .ops import canonical, is_tensor_node, numel, shape_of, value_of
+from .specialize import hinted, materialize_sizes, symints_in
 
 __all__ = ["DeferredOutput", "defer_outputs", "inline_deferred", "DEFER_RATIO"]
 
@@ -58,6 +66,24 @@ class DeferredOutput:
     """How it is computed."""
     inputs: tuple[int, ...]
     """The graph inputs (placeholder positions) the recipe reads, in the recipe's placeholder order."""
+    shape: tuple
+    """The value's shape: ints, or ``SymInt`` expressions of the lengths in a graph compiled for a length class
+    (:meth:`evaluated` at a call's lengths)."""
+    anchor: tuple | None = None
+    """Where the recipe also reads an *anchor*, its last input: an empty ``(0, *anchor)`` tensor whose sizes are
+    the lengths no input's shape holds (RoPE's ``arange(S)`` reads no tensor: a recipe of a length class reads
+    ``S`` from its anchor's dim 1, so its code serves every length). ``()`` for a recipe that reads nothing; None
+    without an anchor."""
+
+    def reads(self, args) -> list[torch.Tensor]:
+        """What the recipe reads in a call of the graph with ``args``: those inputs, then the anchor."""
+        anchor = [] if self.anchor is None else [torch.empty((0, *self.anchor), device=self.recipe.device)]
+        return [args[j] for j in self.inputs] + anchor
+
+    def evaluated(self, values: dict) -> DeferredOutput:
+        """This output at a call's lengths (``values``: symbol -> int)."""
+        return replace(self, shape=tuple(evaluate(s, values) for s in self.shape),
+                       anchor=None if self.anchor is None else tuple(evaluate(s, values) for s in self.anchor))
 
 
 def _name(node: fx.Node) -> str:
@@ -102,22 +128,43 @@ def _worth_deferring(nodes: list[fx.Node], output: fx.Node) -> bool:
 
 
 def _recipe_of(nodes: list[fx.Node], output: fx.Node, placeholders: list[fx.Node]) -> DeferredOutput:
-    """The recipe computing ``output`` from ``nodes`` (:func:`_recipe_nodes`)."""
+    """The recipe computing ``output`` from ``nodes`` (:func:`_recipe_nodes`). In a graph of symbolic lengths its
+    sizes are computed from what it reads (:func:`~.specialize.materialize_sizes`): the shapes of its inputs, and
+    an anchor for the lengths none of them holds (:attr:`DeferredOutput.anchor`)."""
     inputs = [n for n in nodes if n.op == "placeholder"]
+    value = value_of(output)
+    lengths = _lengths_read(nodes, value, inputs)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta["val"] = value_of(node)
+    anchor = None
+    if lengths or not inputs:  # the carrier needs an inner tensor, and the lengths a shape that holds them
+        anchor = tuple(lengths)
+        graph.placeholder("anchor").meta["val"] = value.new_empty((0, *anchor))
     for node in nodes:
-        if node.op == "placeholder":
-            env[node] = graph.placeholder(node.name)
-        else:
+        if node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda n: env[n])
-            env[node].meta = {"stack_trace": node.meta.get("stack_trace")} if node.meta.get("stack_trace") else {}
-    if not inputs:
-        graph.placeholder("anchor")  # the carrier needs an inner tensor: an empty one stands in
     graph.output(env[output])
-    value = value_of(output)
-    recipe = Recipe(fx.GraphModule(torch.nn.Module(), graph), value.shape, value.dtype, value.device)
-    return DeferredOutput(recipe, tuple(placeholders.index(n) for n in inputs))
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    materialize_sizes(module)
+    for node in graph.nodes:  # the recipe keeps no example value (the graph inlining it computes its own)
+        trace = node.meta.get("stack_trace")
+        node.meta = {"stack_trace": trace} if trace else {}
+    recipe = Recipe(module, tuple(hint_of(s) for s in value.shape), value.dtype, value.device)
+    return DeferredOutput(recipe, tuple(placeholders.index(n) for n in inputs), shape_of(output), anchor)
+
+
+def _lengths_read(nodes: list[fx.Node], value: torch.Tensor, inputs: list[fx.Node]) -> list[torch.SymInt]:
+    """The symbolic lengths a recipe's nodes and value use that no input's shape holds as a dim of its own (a
+    length class's RoPE: ``arange(S)``), each once, in the order first used."""
+    held = {s.node.expr for n in inputs for s in value_of(n).shape if is_symbolic(s) and s.node.expr.is_Symbol}
+    found: dict = {}
+    for size in symints_in([(n.args, n.kwargs) for n in nodes] + [tuple(value.shape)]):
+        for symbol in sorted(size.node.expr.free_symbols - held, key=str) if is_symbolic(size) else ():
+            found.setdefault(symbol, hinted(size.node.shape_env, symbol))
+    return list(found.values())
 
 
 def defer_outputs(gm: fx.GraphModule, excluded: set[str]) -> dict[int, DeferredOutput]:

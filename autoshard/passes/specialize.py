@@ -39,7 +39,7 @@ from .ops import as_size, hint_of, value_of
 from .regions import REGIONS, inline_regions
 
 __all__ = ["is_dynamic", "specialize", "size_key", "symbolic_dims", "symbol_of", "GenericGraph", "generalize",
-           "materialize_sizes"]
+           "materialize_sizes", "symints_in", "hinted"]
 
 
 def _symbolic(v) -> bool:
@@ -291,24 +291,11 @@ def materialize_sizes(gm: fx.GraphModule) -> int:
     graph's inputs (``Graph.materialize_symints``), so the graph runs for every length of its class; returns how
     many. Runs before checkpointed regions are cut out (they then take the sizes as inputs); raises when a body cut
     out before holds one (its inputs need not carry the symbol)."""
-    def symints(value, out):
-        if isinstance(value, torch.SymInt):
-            out.append(value)
-        elif isinstance(value, (tuple, list)):
-            for v in value:
-                symints(v, out)
-        elif isinstance(value, slice):
-            symints((value.start, value.stop, value.step), out)
-        elif isinstance(value, dict):
-            for v in value.values():
-                symints(v, out)
-        return out
-
     for name, sub in gm.named_modules():
-        if sub is not gm and isinstance(sub, fx.GraphModule) and any(symints((n.args, n.kwargs), [])
+        if sub is not gm and isinstance(sub, fx.GraphModule) and any(symints_in((n.args, n.kwargs))
                                                                       for n in sub.graph.nodes):
             raise NotImplementedError(f"a symbolic size inside the checkpointed body {name}")
-    found = [v for n in gm.graph.nodes for v in symints((n.args, n.kwargs), [])]
+    found = [v for n in gm.graph.nodes for v in symints_in((n.args, n.kwargs))]
     if not found:
         return 0
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
@@ -337,6 +324,23 @@ def materialize_sizes(gm: fx.GraphModule) -> int:
     return len(found)
 
 
+def symints_in(value) -> list[torch.SymInt]:
+    """Every ``SymInt`` in ``value`` (a node's arguments: nested tuples, lists, slices and dicts), in order."""
+    if isinstance(value, torch.SymInt):
+        return [value]
+    if isinstance(value, slice):
+        value = (value.start, value.stop, value.step)
+    if isinstance(value, dict):
+        value = list(value.values())
+    return [v for item in value for v in symints_in(item)] if isinstance(value, (tuple, list)) else []
+
+
+def hinted(env: ShapeEnv, expr) -> torch.SymInt:
+    """A ``SymInt`` of the expression ``expr`` of ``env``'s symbols, hinted with its value in the call compiled."""
+    hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # older torch
+    return env.create_symintnode(expr, hint=int(expr.xreplace(hints)))
+
+
 def _materialize(graph: fx.Graph, values: list) -> list:
     """``Graph.materialize_symints(values)``, with a ``Max`` or ``Min`` built from its materialized arguments:
     torch's own interpreter fails on ``Max(1, (1023 - (-a*b)//2)//1024)`` (a chunk count of a product of two
@@ -349,9 +353,7 @@ def _materialize(graph: fx.Graph, values: list) -> list:
             out.append(made[id(v)])
             continue
         env, expr = v.node.shape_env, v.node.expr
-        hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # older torch
-        args = [_materialize(graph, [env.create_symintnode(a, hint=int(a.xreplace(hints)))])[0]
-                if a.free_symbols else int(a) for a in expr.args]
+        args = [_materialize(graph, [hinted(env, a)])[0] if a.free_symbols else int(a) for a in expr.args]
         combine = torch.sym_max if type(expr).__name__ == "Max" else torch.sym_min
         node = args[0]
         for arg in args[1:]:

@@ -147,6 +147,6 @@ def inline_deferred_inputs(gm: fx.GraphModule, example_inputs: list, sources: li
     (:func:`~autoshard.boundary.inline_inputs`, as the run does)."""
     taken = {i: deferred[src] for i, src in enumerate(sources) if src in deferred}
     return inline_inputs(gm, example_inputs, {
-        i: DeferredInput(out.recipe, [inputs[j] for j in out.inputs] or [torch.empty(0)],
-                         [origins[j] for j in out.inputs] or [None])
+        i: DeferredInput(out.recipe, out.reads(inputs),
+                         [origins[j] for j in out.inputs] + [None] * (out.anchor is not None))
         for i, (out, inputs, origins) in taken.items()}, sources)

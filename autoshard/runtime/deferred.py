@@ -27,11 +27,16 @@ Which outputs are deferred (:func:`autoshard.passes.deferred.defer_outputs`): va
 computed by pure, deterministic ops from inputs that need none, whose largest value is many times their inputs
 (a mask of ``S x S`` from ``S`` positions; RoPE's ``[S, D]`` cos and sin from ``S`` positions, which each layer
 then computes for its own tokens only).
+
+A graph compiled for a length class hands on recipes whose code computes their sizes from what they read
+(:mod:`autoshard.passes.deferred`): the same recipe at every length, a carrier of the call's shape
+(:meth:`DeferredTensor.mark_any_length` marks its lengths dynamic, so the next graph dynamo traces takes any).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -44,18 +49,21 @@ __all__ = ["Recipe", "DeferredTensor", "defer"]
 class Recipe:
     """How a deferred value is computed: ``graph_module(*inputs)`` (see the module docstring). Two recipes are
     equal when their code and constants are (dynamo guards a graph on its deferred inputs' recipes: a new packing
-    of the same shapes is the same recipe, so nothing recompiles)."""
+    of the same shapes is the same recipe, so nothing recompiles; the shapes are guarded apart, as the carrier's
+    and its inputs' sizes, so a recipe whose code computes its sizes from its inputs -- a length class's --
+    serves every length)."""
 
     def __init__(self, graph_module: fx.GraphModule, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.graph_module = graph_module
         """Placeholders: the inputs, in order; output: the value."""
         self.shape, self.dtype, self.device = tuple(int(s) for s in shape), dtype, torch.device(device)
+        """The value's shape where it was made (a carrier of another length has its own), dtype and device."""
         digest = hashlib.sha256(graph_module.code.encode())
         for name, buffer in sorted(graph_module.named_buffers()):
             digest.update(name.encode() + buffer.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        digest.update(repr((self.shape, self.dtype, self.device)).encode())
+        digest.update(repr((self.dtype, self.device)).encode())
         self.key = digest.hexdigest()[:24]
-        """A digest of the code, its constants and the value's shape, dtype and device."""
+        """A digest of the code, its constants and the value's dtype and device."""
 
     @property
     def inputs(self) -> int:
@@ -103,7 +111,7 @@ class DeferredTensor(Carrier):
     recipe: Recipe
     """How the value is computed."""
     recipe_inputs: tuple[torch.Tensor, ...]
-    """What the recipe reads (at least one: a recipe without inputs reads an empty anchor tensor)."""
+    """What the recipe reads (at least one: a recipe that reads no input reads an empty anchor tensor)."""
 
     own_ops = {torch.ops.aten._to_copy.default: _cast}
     in_place_error = ("autoshard: {op} changes in place a value a compiled graph left uncomputed (a DeferredTensor, "
@@ -130,6 +138,16 @@ class DeferredTensor(Carrier):
     def aliased(self) -> DeferredTensor:
         return self  # no gradient ever flows through it
 
+    def mark_any_length(self, dims: Sequence[int], input_dims: Sequence[Sequence[int]]) -> None:
+        """Make this carrier one the next graph may take at any length (a length class returns it: its recipe
+        computes its sizes from its inputs' shapes): its own ``dims`` and each recipe input's ``input_dims``
+        dynamic."""
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(self, d)
+        for x, dims_of_x in zip(self.recipe_inputs, input_dims):
+            for d in dims_of_x:
+                torch._dynamo.maybe_mark_dynamic(x, d)
+
     def materialize(self) -> torch.Tensor:
         """The value, computed (a plain tensor)."""
         if not any(is_fake_or_meta(x) for x in self.recipe_inputs):
@@ -141,8 +159,7 @@ class DeferredTensor(Carrier):
         return self.recipe(*self.recipe_inputs)
 
 
-def defer(recipe: Recipe, inputs: list[torch.Tensor]) -> DeferredTensor:
+def defer(recipe: Recipe, inputs: list[torch.Tensor], shape: tuple[int, ...] | None = None) -> DeferredTensor:
     """The deferred value of ``recipe`` on ``inputs`` (copies: the value must not change when the caller later
-    changes its inputs in place); a recipe without inputs reads an empty anchor tensor."""
-    held = [x.detach().clone() for x in inputs] or [torch.empty(0, device=recipe.device)]
-    return DeferredTensor(recipe, held)
+    changes its inputs in place), of ``shape`` (None: the recipe's)."""
+    return DeferredTensor(recipe, [x.detach().clone() for x in inputs], shape)

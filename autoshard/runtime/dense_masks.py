@@ -101,7 +101,8 @@ class DenseMaskStructure:
     @functools.cached_property
     def carrier(self) -> DeferredTensor:
         """The mask as the recipe of this structure and its ``O(S)`` data (made once)."""
-        return defer(self.recipe(), [t for t in (self.documents, self.keys) if t is not None])
+        return defer(self.recipe(), [t for t in (self.documents, self.keys) if t is not None]
+                     or [torch.empty(0, device=self.device)])  # the anchor: the carrier needs an inner tensor
 
 
 @functools.lru_cache(maxsize=64)  # one per kind of structure, not one per mask object (one per step)
