@@ -23,30 +23,37 @@ one loop to the next, so a loop after the first may start with the dynamic graph
 seconds, milliseconds per 1K tokens, and ``varying / fixed`` of the time per token -- the price of a new length.
 Issue 37's goal: at most 3 compilations for 12 lengths, ``varying / fixed`` <= 1.10.
 
-Measured (2 shared CPU cores, torch 2.13 CPU; ``--ranges 2900-4096 --worlds 2,4`` and ``--ranges 12000-16384
---worlds 2``, separate runs; machine noise is +-15%)::
+Measured (2 shared CPU cores, torch 2.13 CPU; ``--ranges 2900-4096 --worlds 2,4``, ``--ranges 12000-16384 --worlds
+2`` and ``--worlds 4``, separate runs of 8310ca7 on a quiet machine; noise is +-15% on a busy one, where the same
+runs measured 1.16 at 2900-4096 on 4 ranks and 1.20 at 12000-16384 on 2)::
 
         lengths  P                 loop  compilations  tokens  seconds  ms / 1K tokens  varying / fixed
-      2900-4096  2  varying, per length            13   40928     21.0           512.3             1.49
-      2900-4096  2     varying, classes             1   40928     14.5           354.9             1.03
-      2900-4096  2                fixed             1   49152     16.9           344.7             1.00
-      2900-4096  4  varying, per length            13   40928     39.8           972.7             2.19
-      2900-4096  4     varying, classes             1   40928     21.2           517.6             1.16
-      2900-4096  4                fixed             1   49152     23.0           467.0             1.00
-    12000-16384  2  varying, per length            13  178702     68.8           384.8             1.23
-    12000-16384  2     varying, classes             1  178702     66.9           374.5             1.20
-    12000-16384  2                fixed             1  196608     61.6           313.3             1.00
+      2900-4096  2  varying, per length            13   40928     13.0           318.1             1.49
+      2900-4096  2     varying, classes             1   40928      9.0           219.2             1.03
+      2900-4096  2                fixed             1   49152     10.5           213.6             1.00
+      2900-4096  4  varying, per length            13   40928     21.8           533.7             1.79
+      2900-4096  4     varying, classes             1   40928     13.2           322.5             1.08
+      2900-4096  4                fixed             1   49152     14.6           297.4             1.00
+    12000-16384  2  varying, per length            13  178702     37.6           210.4             1.14
+    12000-16384  2     varying, classes             1  178702     33.3           186.2             1.01
+    12000-16384  2                fixed             1  196608     36.4           185.3             1.00
+    12000-16384  4  varying, per length            13  178702     47.2           264.3             1.18
+    12000-16384  4     varying, classes             1  178702     39.2           219.3             0.98
+    12000-16384  4                fixed             1  196608     43.9           223.3             1.00
 
-``--inputs sharded`` (each rank passes its part of the row, ``autoshard.shard_inputs``; the same machine, ``--ranges
-2900-4096 --worlds 2,4``)::
+(The same loop on one process without autoshard, causal rows, ``12000-16384``: varying / fixed 0.90 -- a varying
+row is shorter on average, and attention costs more per token the longer the row.)
+
+``--inputs sharded`` (each rank passes its part of the row, ``autoshard.shard_inputs``; the same machine and commit,
+``--ranges 2900-4096 --worlds 2,4``)::
 
         lengths  P                 loop  compilations  tokens  seconds  ms / 1K tokens  varying / fixed
-      2900-4096  2  varying, per length            13   40928     21.2           518.8             1.37
-      2900-4096  2     varying, classes             1   40928     17.5           427.0             1.12
-      2900-4096  2                fixed             1   49152     18.7           379.6             1.00
-      2900-4096  4  varying, per length            13   40928     31.0           757.4             1.68
-      2900-4096  4     varying, classes             1   40928     19.3           471.0             1.04
-      2900-4096  4                fixed             1   49152     22.2           450.9             1.00
+      2900-4096  2  varying, per length            13   40928     11.8           288.3             1.37
+      2900-4096  2     varying, classes             1   40928      8.8           215.9             1.03
+      2900-4096  2                fixed             1   49152     10.3           209.7             1.00
+      2900-4096  4  varying, per length            13   40928     18.9           462.8             1.56
+      2900-4096  4     varying, classes             1   40928     13.4           327.5             1.10
+      2900-4096  4                fixed             1   49152     14.6           297.6             1.00
 
 ``--fsdp`` (the README's training recipe: transformers' checkpointing, FSDP2 per decoder layer and root, so the model
 runs as 7 graphs, the rotary tables and the mask handed to the layer graphs uncomputed; ``--ranges 2900-4096 --worlds
@@ -61,9 +68,6 @@ limit left layer frames uncompiled)::
 (The fixed loop runs at the range's top length, where attention costs more per token; a loop after the first reuses
 the graphs dynamo kept: 0 and 4 compilations there, 7 graphs twice each in a fresh process.)
 
-At 12000-16384 tokens a compilation is small beside a step (both varying loops within noise of each other): what
-remains of ``varying / fixed`` there is not compiling, and shows with and without classes (suspected: the CPU
-allocator's new buffer sizes at every new length; not profiled).
 """
 
 from __future__ import annotations
