@@ -101,7 +101,7 @@ class AutoshardBackend:
         """Cause kind (:data:`CAUSES`) -> graphs this backend compiled on this rank for it (all of them)."""
         self._cause = Cause("new graph")
         """Why the next graph this backend compiles is compiled (then ``new variant`` until set again)."""
-        self._guard_failures_seen = [0]
+        self._guard_failures_seen: dict = {}
         self._warned_whole_cache = False
         trace_checkpointed_layers()
         recognize_loaded()

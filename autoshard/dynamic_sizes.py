@@ -63,6 +63,9 @@ class PerSizes:
         the compiler imports this module). Values an earlier graph left uncomputed (``DeferredTensor``) are
         inlined first, and each call flattened alike: their recipes' inputs are inputs like any other (dynamo
         guards the recipes themselves)."""
+        self.cause = backend._cause
+        """Why dynamo handed the backend this graph: the cause of its first compilation, at its first call (after
+        dynamo may have handed over other graphs, with their own causes)."""
         self.flatten = any(isinstance(x, DeferredTensor) for x in example_inputs)
         gm, example_inputs = traced_deferred_inputs(gm, example_inputs)
         self.backend, self.gm = backend, gm
@@ -118,8 +121,7 @@ class PerSizes:
         if fn is None and self.classes:
             fn = self._class_of(args)
         if fn is None:
-            if self.last_args is not None:
-                self.backend._cause = self._cause_of(key)
+            self.backend._cause = self._cause_of(key) if self.last_args is not None else self.cause
             self.compiled_keys.add(key)
             found = self.no_class or self.backend.compile_class(self.gm, list(args), self.names, self.split_dims,
                                                                 totals)

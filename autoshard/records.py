@@ -45,13 +45,16 @@ class Cause:
         return self.kind + (f" ({self.detail})" if self.detail else "")
 
 
-def dynamo_cause(seen: list[int]) -> Cause:
-    """The cause of dynamo handing over a graph: the newest guard failure dynamo reported since the last call
-    (``seen[0]`` counts the reasons read before), else a new graph."""
-    reasons = [r for failures in list(torch._dynamo.utils.guard_failures.values()) for r in failures]
-    fresh, seen[0] = reasons[seen[0]:], len(reasons)
-    if fresh:
-        return Cause("recompiled by dynamo", " ".join(str(fresh[-1]).split())[:200])
+def dynamo_cause(seen: dict) -> Cause:
+    """The cause of dynamo handing over a graph: the newest guard failure dynamo reported since the last call, else a
+    new graph. dynamo keeps the failures per code object; ``seen`` counts each one's read before (a frame that fails
+    again appends to its own list, wherever that list is among the others)."""
+    fresh = None
+    for code, failures in list(torch._dynamo.utils.guard_failures.items()):
+        if len(failures) > seen.get(code, 0):
+            fresh, seen[code] = failures[-1], len(failures)
+    if fresh is not None:
+        return Cause("recompiled by dynamo", " ".join(str(fresh).split())[:200])
     return Cause("new graph")
 
 
