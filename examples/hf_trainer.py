@@ -155,6 +155,7 @@ def ranks(args) -> None:
     if torch.distributed.get_rank() == 0:
         Path(root, "results.json").write_text(json.dumps(results))
     del t, resumed  # the trainers hold the process group: let destroy_process_group join its threads now
+    torch._dynamo.reset()  # and so do the compiled graphs dynamo keeps (their backend holds its groups)
     gc.collect()
     torch.distributed.destroy_process_group()
 

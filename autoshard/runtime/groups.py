@@ -24,13 +24,15 @@ torch keeps another one once the first custom op call imports ``torch._dynamo`` 
 its functions at import. So, when the process exits (an ``atexit`` hook, which runs before the interpreter
 shuts down), :func:`_release_groups` destroys the groups a job left initialized (with a warning: call
 ``destroy_process_group`` at the end of the job) and drops the group references held in those default
-arguments, so every group and its threads end while Python still runs.
+arguments and by the compiled graphs dynamo keeps (each holds its backend, and a backend its groups), so every
+group and its threads end while Python still runs.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import sys
 import types
 import warnings
@@ -246,19 +248,24 @@ def metadata_device(group: GroupLike) -> torch.device:
 
 def _release_groups() -> None:
     """At exit: destroy the process groups a job left initialized, then drop the references to destroyed groups
-    that ``torch.distributed.nn.functional`` holds in default arguments, so every gloo group is destroyed (its
-    threads joined) before the interpreter shuts down (see the module docstring)."""
+    that dynamo's cache of compiled graphs (their backends) and ``torch.distributed.nn.functional``'s default
+    arguments hold, so every gloo group is destroyed (its threads joined) before the interpreter shuts down (see
+    the module docstring)."""
     if not dist.is_available():
         return
     forgotten = dist.is_initialized()
     if forgotten:
         dist.destroy_process_group()
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:  # its cache keeps every compiled graph's backend, and a backend its groups
+        dynamo.reset()
     functional = sys.modules.get("torch.distributed.nn.functional")
     if functional is not None:
         for fn in vars(functional).values():
             defaults = fn.__defaults__ if isinstance(fn, types.FunctionType) else None
             if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
                 fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+    gc.collect()  # the groups no reference holds any more end now, their threads joined while Python runs
     if forgotten:
         warnings.warn("autoshard: the process exited with torch.distributed still initialized; its process groups "
                       "were destroyed at exit. Call torch.distributed.destroy_process_group() at the end of the job.",
