@@ -491,7 +491,9 @@ def _check_same_graph(pg: dist.ProcessGroup, index: int, gm: fx.GraphModule, exa
         raise RuntimeError(
             "autoshard: ranks reached different graphs or input shapes for compiled graph "
             f"#{index} (ranks grouped by what they compiled: {groups(0)}); every rank must "
-            "pass inputs of the same shapes and take the same code path")
+            "pass inputs of the same shapes and take the same code path" + ("" if same_values else (
+                "; inputs='sharded' serves a model dynamo compiles as one graph (a graph after a graph break or "
+                "FSDP2's per-layer cut takes this rank's shards unmarked: not supported yet; pass whole inputs)")))
     if len({p[1] for p in prints}) > 1:
         raise RuntimeError(
             f"autoshard: ranks passed different input values or parameters to compiled graph #{index} (ranks "

@@ -210,8 +210,9 @@ class PerSizes:
 
 NO_SHARDED_INPUT = (
     "autoshard: inputs='sharded' expects the inputs that carry the sequence to come from autoshard.shard_inputs(...), "
-    "which marks their sequence dim dynamic; this graph has no such input. Pass whole inputs with "
-    "inputs='replicated' (the default).")
+    "which marks their sequence dim dynamic; this graph has no such input. inputs='sharded' serves a model dynamo "
+    "compiles as one graph; a graph after a graph break or FSDP2's per-layer cut is not supported with it yet. Pass "
+    "whole inputs with inputs='replicated' (the default).")
 
 
 def short_shard(example_inputs: list) -> str:
