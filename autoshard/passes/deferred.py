@@ -195,7 +195,8 @@ def inline_deferred(gm: fx.GraphModule, deferred: dict[int, Recipe], inputs: dic
     """A copy of ``gm`` (dynamo keeps reading its own graph's placeholders) with the recipe of every deferred input
     put back: placeholder ``i`` (by position) becomes the recipe's inputs, whose example values ``inputs[i]``
     gives (real or fake tensors), and the recipe's nodes, with example values computed under the graph's fake
-    mode (see the module docstring)."""
+    mode (see the module docstring); a size the recipe computes from its inputs' shapes is a constant where they
+    are static."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     copied = fx.GraphModule(gm, graph)
@@ -218,9 +219,14 @@ def inline_deferred(gm: fx.GraphModule, deferred: dict[int, Recipe], inputs: dic
             else:
                 with graph.inserting_before(body_at):
                     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-                    env[node] = new_node(graph, node.target, args, kwargs, op=node.op)
+                    made = new_node(graph, node.target, args, kwargs, op=node.op)
+                if type(made.meta["example_value"]) is int:  # a length class's recipe reads a size: in a graph of
+                    graph.erase_node(made)  # static sizes it is the constant, as dynamo writes sizes there
+                    env[node] = made.meta["example_value"]
+                    continue
+                env[node] = made
                 if node.meta.get("stack_trace"):
-                    env[node].meta["stack_trace"] = node.meta["stack_trace"]
+                    made.meta["stack_trace"] = node.meta["stack_trace"]
         graph.erase_node(old)
     gm.recompile()
     return gm

@@ -4,8 +4,9 @@ class), at every length with one recipe."""
 
 import pytest
 import torch
+import torch.fx as fx
 
-from autoshard.passes.deferred import defer_outputs
+from autoshard.passes.deferred import defer_outputs, inline_deferred
 from autoshard.passes.specialize import generalize
 from autoshard.runtime.deferred import defer
 
@@ -81,3 +82,18 @@ def test_a_length_class_recipe_computes_every_length(n):
         carrier = defer(at_call.recipe, at_call.reads(call), at_call.shape)
         assert tuple(carrier.shape) == tuple(want[i].shape)
         assert torch.equal(carrier.materialize(), want[i])
+
+
+def test_a_class_recipe_taken_where_sizes_are_static_reads_them_as_constants():
+    """A graph compiled for one set of sizes (a class could not be compiled, or dynamo traced it static) that takes
+    a class's carrier: the recipe's sizes become constants, as dynamo writes sizes in a static graph."""
+    gm, args = _graph(41, dynamic=True)
+    cos = defer_outputs(generalize(gm, args).gm, excluded=set())[0]
+    graph = fx.Graph()
+    table = graph.placeholder("cos")
+    table.meta["example_value"] = torch.empty(37, 16, dtype=torch.float64)
+    graph.output(graph.call_function(torch.mul, (table, 2)))
+    anchor = torch.empty(0, 37)
+    taker = inline_deferred(fx.GraphModule(torch.nn.Module(), graph), {0: cos.recipe}, {0: [anchor]})
+    assert not any("sym_size" in str(n.target) for n in taker.graph.nodes), taker.code
+    assert torch.equal(taker(anchor), 2 * _tables(*_inputs(37))[0])
