@@ -20,6 +20,9 @@ every rank of a dp group passes the same sequences, and autoshard splits them ov
   ``num_items_in_batch = global targets / dp`` so that FSDP2's average over the groups is that mean, however
   unevenly the targets fall on the groups.
 * Mixed precision: ``torch.autocast`` in bf16 on GPUs (``--autocast on`` forces it on CPU too).
+* ``--vary-lengths``: a new sequence length every step (padding-free batches): each graph compiles twice, dynamo's
+  first static graph and its length class, and no later length compiles; the compilations are printed at the end
+  (with ``--check`` the run fails if one was for a new sequence length).
 * Printed at the first step: how every graph's attention runs (``autoshard.explain``), with a warning when one is
   not distributed (``--check`` fails then). Per step: the loss (with ``--check``, one-process training of the same
   model on the same global batch beside it, and the run fails if they differ by more than ``--tolerance``),
@@ -46,6 +49,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=2, help="data-parallel groups; sp = world size / dp")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=253)
+    p.add_argument("--vary-lengths", action="store_true",
+                   help="a new sequence length every step, up to --seq-len (padding-free batches): compiled once per "
+                        "length class, the compilations printed at the end")
     p.add_argument("--batch-per-dp", type=int, default=1, help="sequences per dp group per step")
     p.add_argument("--docs-per-seq", type=int, default=3)
     p.add_argument("--hidden", type=int, default=64)
@@ -76,12 +82,14 @@ def packed_batch(args, step: int, device):
     per sequence, positions restarting at each document, each document's first token not a target."""
     gen = torch.Generator().manual_seed(1000 + step)
     rows = args.dp * args.batch_per_dp
-    ids = torch.randint(0, args.vocab, (rows, args.seq_len), generator=gen)
+    length = args.seq_len - int(torch.randint(0, args.seq_len // 4, (1,), generator=gen)) if args.vary_lengths \
+        else args.seq_len
+    ids = torch.randint(0, args.vocab, (rows, length), generator=gen)
     positions = torch.empty_like(ids)
     labels = ids.clone()
     for r in range(rows):
-        cuts = torch.randperm(args.seq_len - 1, generator=gen)[:args.docs_per_seq - 1].add(1).sort().values.tolist()
-        for start, stop in zip([0, *cuts], [*cuts, args.seq_len]):
+        cuts = torch.randperm(length - 1, generator=gen)[:args.docs_per_seq - 1].add(1).sort().values.tolist()
+        for start, stop in zip([0, *cuts], [*cuts, length]):
             positions[r, start:stop] = torch.arange(stop - start)
             labels[r, start] = -100
     return ids.to(device), positions.to(device), labels.to(device)
@@ -154,7 +162,8 @@ def main(args) -> None:
         total = loss.detach().clone()
         dist.all_reduce(total, group=mesh["dp"].get_group())
         total /= args.dp  # the mean over the global batch's targets
-        line = (f"step {step}: loss {total.item():.6f}  tokens/s {ids[mine].numel() / seconds:,.0f} per dp group  "
+        line = (f"step {step}: {ids.shape[1]} tokens, loss {total.item():.6f}  "
+                f"tokens/s {ids[mine].numel() / seconds:,.0f} per dp group  "
                 f"peak {peak_memory(device) / 2**20:,.0f} MiB (rank {rank})")
         if reference is not None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
@@ -167,6 +176,11 @@ def main(args) -> None:
             line += f"  one process {ref_loss.item():.6f} (relative difference {difference:.1e})"
         if rank == 0:
             print(line, flush=True)
+    if rank == 0 and args.vary_lengths:
+        print(autoshard.explain(compiled).splitlines()[0], flush=True)  # the compilations and their causes
+    if args.check and args.vary_lengths and compiled.autoshard_backend.compilations["new sequence length"]:
+        raise SystemExit(f"rank {rank}: a compilation per sequence length: "
+                         f"{dict(compiled.autoshard_backend.compilations)}")
     if args.check and worst > args.tolerance:
         raise SystemExit(f"rank {rank}: the loss differs from one-process training by {worst:.1e} (relative)")
     if rank == 0 and args.check:

@@ -1,7 +1,7 @@
 """Every runnable example completes with the one command its docstring gives (``python examples/X.py``,
 which spawns its own ranks); each checks its results against one process and fails when they differ.
-``train.py`` runs two steps of its training loop on 4 ranks, (dp=2, sp=2), with ``--check``: its losses
-must equal one-process training's. The demo (``llama.py``, what ``./dev demo`` runs) prints no warning."""
+``train.py`` runs four steps of its training loop on 4 ranks, (dp=2, sp=2), each at a new sequence length, with
+``--check``: its losses must equal one-process training's, and no length may compile anew. The demo (``llama.py``, what ``./dev demo`` runs) prints no warning."""
 
 import subprocess
 import sys
@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ALSO_IN_E2E = ("hf_llama.py", "annotations.py", "layouts.py", "reference_models.py", "attention_demo.py",
-               "train.py --steps 2 --check")
+               "train.py --steps 4 --check --vary-lengths")
 EXAMPLES = ["llama.py", *(pytest.param(name, marks=pytest.mark.slow) for name in ALSO_IN_E2E)]
 """The default suite runs the demo; the examples whose code the e2e tests run too (transformers models, annotations,
 layouts, the reference models, the runtime attention, FSDP2 training on a (dp, sp) mesh) are marked slow."""
