@@ -265,12 +265,15 @@ def placing_per_call(run: Callable, wrapper: Callable, placements: dict[int, Sha
 
 
 def _local_lengths(gm: fx.GraphModule, example_inputs: list, symbols: list) -> dict[int, tuple[int, int]]:
-    """The inputs of ``gm`` that are a ``SplitTensor`` input's local length (``symbols``: each input's symbol, where
-    it is a size): input -> (the carrier's input, its split dim)."""
+    """The inputs of ``gm`` that are the local length of a ``SplitTensor`` input split by a layout (``symbols``: each
+    input's symbol, where it is a size): input -> (the carrier's input, its split dim). The graph computes on the
+    carrier's global value, so no node reads them; a KV cache's carrier is not one of them (its local length is left
+    to the checks)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     local = {}
     for i, x in enumerate(example_inputs):
-        size = value_of(placeholders[i]).local.shape[x.seq_dim] if isinstance(x, SplitTensor) else None
+        split = isinstance(x, SplitTensor) and isinstance(x.layout_rule, SequenceLayout)
+        size = value_of(placeholders[i]).local.shape[x.seq_dim] if split else None
         if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
             local[size.node.expr] = (i, x.seq_dim)
     return {i: local[symbol] for i, symbol in enumerate(symbols) if symbol in local}
