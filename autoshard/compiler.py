@@ -201,8 +201,6 @@ class AutoshardBackend:
         checked = replicated_inputs(example_inputs) if check else []
         names = [source_name(n) or n.name for n in gm.graph.nodes if n.op == "placeholder"]
         deferred = deferred_inputs_of(example_inputs)  # values an earlier graph left uncomputed: computed here
-        if generic is not None and deferred:
-            raise NotImplementedError("values handed on uncomputed by another graph")
         gm, example_inputs, global_inputs = inline_inputs(gm, example_inputs, deferred, global_inputs)
         if generic is None:
             carried = split_inputs_of(example_inputs, pg.group_name)

@@ -110,7 +110,7 @@ def _packed_transformers_llama(lengths, classes=True, fsdp=False):
     """Train transformers' Llama on packed rows of ``lengths``; ``fsdp``: the README's recipe -- transformers'
     checkpointing, FSDP2 on every decoder layer and the root, the whole model compiled (FSDP2's hooks cut it into a
     graph per layer; the rotary tables and the document mask reach them uncomputed). Returns the worst difference
-    from one process, the compilations after the second length and at the end, and the strategies."""
+    from one process, the compilation counts after the second length and at the end, and the strategies."""
     import transformers
     from torch.distributed.fsdp import fully_shard
 
@@ -166,11 +166,11 @@ def test_fsdp2_recipe_compiles_nothing_after_the_second_length():
     -- and nothing after the second length; exact at every step. (A carrier's local length, which a checkpointed
     region lifts as an input of its own, differs on every rank: it once failed the ranks' agreement checks.)"""
     lengths = (120, 97, 131, 88, 150, 103)
-    for worst, second, last, strategies in run_on_ranks(_packed_transformers_llama, 2, lengths, True, True,
-                                                        timeout=600):
+    for worst, after_two_lengths, at_end, strategies in run_on_ranks(_packed_transformers_llama, 2, lengths, True,
+                                                                     True, timeout=600):
         assert worst < 1e-5, worst
-        assert last == second, (second, last)
-        assert set(last) == {"new graph", "recompiled by dynamo"}, last
+        assert at_end == after_two_lengths, (after_two_lengths, at_end)  # compilation counts, not times
+        assert set(at_end) == {"new graph", "recompiled by dynamo"}, at_end
         assert strategies and not strategies & {"whole", "gathered-kv"}, strategies
 
 
