@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from .. import annotations as _annotations  # noqa: F401 -- defines the markers' ops
 from ..runtime.symbolic import as_size, hint_of, size_key
+from ..runtime import grid_conv as _grid_conv  # noqa: F401 -- defines autoshard::grid_conv
 from ..runtime import recurrence as _recurrence  # noqa: F401 -- defines the recurrence ops
 from ..runtime import sequence_ops as _sequence_ops  # noqa: F401 -- defines autoshard::check_band
 
@@ -357,6 +358,13 @@ def _bind_arange(*args, **kwargs):
 def _bind_conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     return {"input": input, "weight": weight, "bias": bias, "stride": stride, "padding": padding,
             "dilation": dilation, "groups": groups}
+
+
+@register_canonical("conv", functions=[torch.ops.autoshard.grid_conv.default])
+def _bind_grid_conv(input, weight, bias, height, width, padding, dilation, groups):
+    """A 2-d convolution over tokens that are a ``height x width`` grid (:mod:`~autoshard.runtime.grid_conv`)."""
+    return {"input": input, "weight": weight, "bias": bias, "stride": 1, "padding": padding, "dilation": dilation,
+            "groups": groups, "grid": (height, width)}
 
 
 # --- losses

@@ -26,6 +26,7 @@ The passes (:data:`PASSES`), in one ordered list, each with a name:
 ``capture``        attention calls become ``captured_attention`` with a structured mask (:mod:`.capture`)
 ``defer``          masks and other cheap large outputs are handed on uncomputed (:mod:`.deferred`)
 ``decompose``      composites (``diff``) become ops that have rules (:mod:`.normalize`)
+``grid``           a block's tokens convolved as an image stay one sequence dim (:mod:`.grid`)
 ``chunking``       the LM head and its cross-entropy become one chunked op (:mod:`.chunking`)
 ``lazy``           a returned LM head's logits are computed when first read; a returned KV cache is found
                    (:mod:`.lazy`)
@@ -80,6 +81,7 @@ from .decode import decode_graph
 from .deferred import DeferredOutput, defer_outputs
 from .dense_masks import dense_mask_inputs
 from .functionalize import functionalize
+from .grid import flatten_grids
 from .infer import Families, LinkContext, find_families
 from .lazy import LazyOutput, kv_cache_outputs, lazy_outputs
 from .normalize import canonicalize, decompose
@@ -197,6 +199,10 @@ def _decompose(state: PipelineState) -> dict[str, int]:
     return {"nodes_added": len(state.gm.graph.nodes) - before}
 
 
+def _grid(state: PipelineState) -> dict[str, int]:
+    return flatten_grids(state.gm)
+
+
 def _chunking(state: PipelineState) -> dict[str, int]:
     return chunk_losses(state.gm, state.config.chunk_loss)
 
@@ -289,6 +295,7 @@ PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[Pi
     ("capture", _capture, _graph_code),
     ("defer", _defer, _graph_code),
     ("decompose", _decompose, _graph_code),
+    ("grid", _grid, _graph_code),
     ("chunking", _chunking, _graph_code),
     ("lazy", _lazy, _graph_code),
     ("recompute", _recompute, _graph_code),

@@ -10,8 +10,13 @@
   over the split output of an attention layer (one model, a branch per case; a strided output is a family of
   its own, the stride-2 one feeds attention again): its output and its parameters' gradients exact; contiguous
   layouts at P=2, zigzag ones at P=4 (two windows per rank).
-* unsupported: a 2-d convolution over the split sequence (a branch of the same model) gathers it and says so
-  (a fallback).
+* unsupported: a 2-d convolution over ``[B, 1, S, D]`` (a branch of the same model) mixes the split sequence with
+  another dim: it gathers it and says so (a fallback).
+* tokens convolved as an image inside a block (a ``5 x 7`` grid of 35 tokens, so a rank's tokens end inside a row):
+  Sana's Mix-FFN (``unflatten(1, (H, W)).permute``, 1 x 1, 3 x 3 depth-wise, a chunked gate, 1 x 1, ``flatten``)
+  and SegFormer's ``DWConv`` (``transpose(1, 2).view(B, C, H, W)``, a dilated 5 x 3 kernel) between attention
+  layers: nothing gathered, each 2-d convolution fetching the rows around a rank's tokens (a halo forward and
+  back), the 1 x 1 ones none.
 
 float64, 1e-9 relative. One launch per world size (P=2 and P=4).
 """
@@ -29,6 +34,7 @@ from autoshard.testing.equivalence import compare_with_one_process
 
 FEATURES, HIDDEN, HEADS, FRAMES = 16, 32, 4, 123
 RULE_LENGTH = 37
+GRID = (5, 7)
 RULE_CASES = [(stride, padding) for stride in (1, 2, 3) for padding in (0, 1, 2)]
 GRID_LAYOUT = {2: "contiguous", 4: "zigzag"}
 """The rule cases' layout by world size: at P=4 every rank holds two intervals, so reads two windows."""
@@ -88,6 +94,25 @@ class ConvGrid(nn.Module):
         return (*outs, self.dilated(h), self.conv2d(tokens.unsqueeze(1)))
 
 
+class MixFFN(nn.Module):
+    """Attention, Sana's Mix-FFN, SegFormer's depth-wise convolution, attention: the tokens a ``GRID`` image."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Layer(8), Layer(8)
+        self.inverted, self.point = nn.Conv2d(8, 32, 1), nn.Conv2d(16, 8, 1, bias=False)
+        self.depth = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.dw = nn.Conv2d(8, 8, (5, 3), padding=(4, 1), dilation=(2, 1), groups=8)
+
+    def forward(self, x):
+        h = self.first(x)
+        b, _, c = h.shape
+        image, gate = self.depth(F.silu(self.inverted(h.unflatten(1, GRID).permute(0, 3, 1, 2)))).chunk(2, dim=1)
+        h = h + self.point(image * F.silu(gate)).flatten(2, 3).permute(0, 2, 1)
+        h = h + self.dw(h.transpose(1, 2).view(b, c, *GRID)).flatten(2).transpose(1, 2)
+        return self.second(h)
+
+
 def _summary(r) -> dict:
     return {"error": r.max_error(), "summary": r.summary(), "fallbacks": r.fallbacks, "attention": r.attention,
             "squares": [v for rep in r.compiled_reports for v in rep.square_values],
@@ -100,7 +125,8 @@ def _run(world: int) -> dict:
     rank = dist.get_rank()
     results = {}
     cases = {"encoder": (AudioEncoder, (2, FEATURES, FRAMES), {"strategy": "ring"}),
-             "grid": (ConvGrid, (2, RULE_LENGTH, 8), {"layout": GRID_LAYOUT[world]})}
+             "grid": (ConvGrid, (2, RULE_LENGTH, 8), {"layout": GRID_LAYOUT[world]}),
+             "mixffn": (MixFFN, (2, GRID[0] * GRID[1], 8), {"layout": GRID_LAYOUT[world]})}
     for name, (model, shape, options) in cases.items():
         torch._dynamo.reset()
         with comm_counter() as sent:  # outputs gathered in the graph: every byte the comparison moves is booked
@@ -109,7 +135,8 @@ def _run(world: int) -> dict:
         results[name] = _summary(r) | {
             "outputs": r.outputs, "grads": r.grads, "measured": sent.payload_bytes_sent,
             "booked": sum(c.bytes_by_rank[rank] for rep in r.compiled_reports for c in rep.comms),
-            "halos": [c.phase for rep in r.compiled_reports for c in rep.comms if c.kind == "halo_exchange"]}
+            "halos": [c.phase for rep in r.compiled_reports for c in rep.comms if c.kind == "halo_exchange"],
+            "transitions": r.transitions}
     return results
 
 
@@ -159,3 +186,16 @@ def test_unsupported_convolution_is_a_fallback(world):
         errors = [output] + [e for n, e in r["grads"].items() if n.startswith("conv2d.")]
         assert len(errors) == 3 and max(errors) <= 1e-9, f"{where}: {r['summary']}"
         assert len(r["fallbacks"]) == 1 and "2-d convolution" in r["fallbacks"][0], f"{where}: {r['fallbacks']}"
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_tokens_convolved_as_an_image_stay_split(world):
+    for rank, results in enumerate(_results(world)):
+        r = results["mixffn"]
+        where = f"Mix-FFN and DWConv on a {GRID} grid, P={world} ({GRID_LAYOUT[world]}) rank {rank}"
+        assert r["error"] <= 1e-9, f"{where}: {r['summary']}"
+        assert r["fallbacks"] == [] and r["squares"] == [], f"{where}: {r['fallbacks']} {r['squares']}"
+        gathers = [t for t in r["transitions"] if t.startswith("all_gather")]
+        assert gathers == ["all_gather add_3 S(1)->R"], f"{where}: {gathers}"  # the output, gathered to compare
+        assert sorted(r["halos"]) == ["backward", "backward", "forward", "forward"], f"{where}: {r['halos']}"
+        assert r["booked"] == r["measured"], f"{where}: booked {r['booked']} bytes, measured {r['measured']}"
