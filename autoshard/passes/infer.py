@@ -107,6 +107,9 @@ class LinkContext:
         """Nodes inside ``autoshard.token_local`` regions."""
         self.attention_lengths: set = set()
         """The query lengths of the graph's attention calls (a view that merges dims into one starts a sequence)."""
+        self.joined_lengths: set = set()
+        """The lengths of the parts of a joint sequence an attention's queries are concatenated from (a view that
+        merges dims into one of them starts a sequence too)."""
         self._linked: set[tuple[fx.Node, int]] = set()  # (node, dim) pairs some edge already uses
 
     def factorization(self, node: fx.Node) -> list[list[int]]:

@@ -9,7 +9,9 @@ Tiny configs with random weights, token counts the world size does not divide. W
 * Wan, CogVideoX, LTX, PixArt, Sana: patchify (``conv3d``/``conv2d`` then ``flatten``) starts the token
   sequence; Wan's rotary embedding writes ``out[..., 0::2] = ...`` into ``empty_like`` and CogVideoX its
   positions through ``joint.data[:, text:].copy_(...)`` (both functionalized); cross-attention to the text,
-  which stays whole on every rank, runs on each rank's queries with no traffic.
+  which stays whole on every rank, runs on each rank's queries with no traffic. SD3 patchifies its image tokens
+  before they join the text. Sana's Mix-FFN convolves the tokens as an image (``unflatten(1, (H, W))``, a 3 x 3
+  depth-wise ``conv2d``): each rank convolves its own tokens with the rows around them from its neighbours.
 
 A pipeline as a user runs it: ``WanPipeline`` (a tiny VAE and transformer, prompt embeddings given, classifier-free
 guidance, 30 denoising steps, float64) with ``pipe.transformer = torch.compile(pipe.transformer, backend=...)``
@@ -119,6 +121,11 @@ def build(name: str):
 TOLERANCE = {"wan": 1e-6, "sana": 1e-6}
 GATHERED_KV = {"hunyuanvideo": 1}
 """Attentions that keep a dense mask and gather their (text) keys, per model (see the module docstring)."""
+GATHERS = {"flux": 0, "ltx": 0, "qwenimage": 4, "hunyuanvideo": 6}
+"""All-gathers in a model's graph, per model; the others' one is the output, unpatchified once at the end (the
+tokens are never gathered inside the blocks). Flux and LTX return the tokens, split. QwenImage: the rows of its
+rotary tables the image positions read (the text's positions are a slice of the same table, so the table's rows
+follow the text's split): a few rows each. HunyuanVideo: its token refiner's (see above) and the output."""
 
 
 def _run(names):
@@ -128,7 +135,8 @@ def _run(names):
         torch.manual_seed(0)
         make, kwargs = build(name)
         r = compare_with_one_process(make, lambda: (), kwargs=dict(kwargs, return_dict=False), dtype=torch.float64)
-        out.append((name, r.max_error(), r.summary(), r.fallbacks, [a["strategy"] for a in r.attention]))
+        gathers = [t for t in r.transitions if t.startswith("all_gather")]
+        out.append((name, r.max_error(), r.summary(), r.fallbacks, [a["strategy"] for a in r.attention], gathers))
     return out
 
 
@@ -214,12 +222,13 @@ def _results(world: int, slow: bool) -> dict:
                                         for w, n in CASES], ids=[f"P{w}-{n}" for w, n in CASES])
 def test_diffusers_transformer_matches_one_process(world, name):
     for rank, (results, _) in _results(world, name in SLOW or world == 4).items():
-        _, err, summary, fallbacks, strategies = results[name]
+        _, err, summary, fallbacks, strategies, gathers = results[name]
         where = f"{name} P={world} rank {rank}"
         assert err <= TOLERANCE.get(name, 1e-12), f"{where}: {summary}"
         assert fallbacks == [] or (name in GATHERED_KV and len(fallbacks) == 2), f"{where}: {fallbacks}"
         assert strategies and "whole" not in strategies, f"{where}: {strategies}"
         assert strategies.count("gathered-kv") == GATHERED_KV.get(name, 0), f"{where}: {strategies}"
+        assert len(gathers) == GATHERS.get(name, 1), f"{where}: {gathers}"
 
 
 def test_a_wan_pipeline_samples_as_one_process_with_one_compilation():

@@ -56,6 +56,7 @@ def link_graph(gm: fx.GraphModule) -> LinkContext:
     ctx.token_local = token_local_nodes(gm)
     ctx.attention_lengths = {size_key(shape_of(op["q"])[2]) for op in map(op_of, gm.graph.nodes)
                              if op is not None and op.name == "attention"}
+    ctx.joined_lengths = _joined_lengths(gm, ctx.attention_lengths)
     for node in gm.graph.nodes:
         op = op_of(node)
         rule = RULES.get(op.name) if op is not None else None
@@ -72,3 +73,16 @@ def link_graph(gm: fx.GraphModule) -> LinkContext:
             link_broadcast(ctx, node, [n for n in producer.all_input_nodes if is_tensor_node(n)],
                            set_factors=RULES.get(getattr(op_of(producer), "name", None)) is None)
     return ctx
+
+
+
+def _joined_lengths(gm: fx.GraphModule, attention_lengths: set) -> set:
+    """The lengths of the parts a joint sequence is concatenated from: SD3's ``cat([image, text])`` of an
+    attention's length along the tokens, whose image tokens come from a patchify of their own."""
+    lengths = set()
+    for op in map(op_of, gm.graph.nodes):
+        if op is not None and op.name == "cat" and all(is_tensor_node(t) for t in op["tensors"]):
+            dim = op["dim"] % len(shape_of(op["tensors"][0]))
+            if size_key(sum(shape_of(t)[dim] for t in op["tensors"])) in attention_lengths:
+                lengths.update(size_key(shape_of(t)[dim]) for t in op["tensors"])
+    return lengths

@@ -79,16 +79,18 @@ def _with_starts(node, dim_map: DimMap) -> DimMap:
     return tuple(NewDim(shape_of(node)[d]) if d in starts else spec for d, spec in enumerate(dim_map))
 
 
-def _starting_sequences(dim_map: DimMap, in_factors, attention_lengths) -> tuple[int, ...]:
+def _starting_sequences(dim_map: DimMap, in_factors, attention_lengths, joined_lengths) -> tuple[int, ...]:
     """The output dims where a view starts a sequence: it merges several dims into the length of an attention's
-    queries, none of them an attention's length itself -- a DiT's patchify (``conv3d(...).flatten(2)``: frames x
-    height x width patches become the tokens). The tokens are then a sequence of their own, split from here on;
+    queries or of a part they are concatenated from (``joined_lengths``), none of them an attention's length
+    itself -- a DiT's patchify (``conv3d(...).flatten(2)``: frames x height x width patches become the tokens;
+    SD3's image tokens before they join the text). The tokens are then a sequence of their own, split from here on;
     the patch grid before is whole on every rank. A merge that keeps an attention's sequence as one of its
     factors (``[B, S] -> [B*S]``) is followed factor by factor instead."""
     starts = []
     for d, spec in enumerate(dim_map):
         sizes = [size for size, _ in pieces(spec, in_factors) if size != 1]
-        if (isinstance(spec, Factors) and len(sizes) > 1 and size_key(math.prod(sizes)) in attention_lengths
+        if (isinstance(spec, Factors) and len(sizes) > 1
+                and size_key(math.prod(sizes)) in attention_lengths | joined_lengths
                 and not attention_lengths.intersection(map(size_key, sizes))):
             starts.append(d)
     return tuple(starts)
@@ -207,7 +209,7 @@ def link_shape_op(ctx, node, op):
     in_factors = ctx.factorization(src)
     if op.name == "view":  # decided here, from the plain map, so that linking the graph again decides the same
         plain = reshape_map(in_factors, shape_of(node))
-        node.meta[SEQUENCE_STARTS] = _starting_sequences(plain, in_factors, ctx.attention_lengths)
+        node.meta[SEQUENCE_STARTS] = _starting_sequences(plain, in_factors, ctx.attention_lengths, ctx.joined_lengths)
         dim_map = _with_starts(node, plain)
     else:
         dim_map = SHAPE_OPS[op.name].dim_map(node, op, ctx.factorization)
