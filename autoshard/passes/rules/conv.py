@@ -96,7 +96,7 @@ def _along_grid(op) -> _Along:
     is linked to input cell ``i``. Positions ``[a, b)`` are computed from whole rows: rows ``a // W`` to the one
     holding ``b - 1`` with ``padding`` rows around them (rows outside the grid are the zeros of the window), as a
     ``conv2d`` padded along the row only, then cut to ``[a, b)``."""
-    height, width = op["grid"]
+    width = op["grid"][1]
     (pad_rows, pad_cols), dilation = op["padding"], op["dilation"]
 
     def window(a, b):
