@@ -487,6 +487,17 @@ def _capture_flex(gm: fx.GraphModule, node: fx.Node) -> fx.Node | str:
     return new
 
 
+def _pinned_rows(graph: fx.Graph, out: fx.Node, data: MaskData, values: fx.Node) -> fx.Node:
+    """``out`` with the rows where ``data.query_mask`` is False set to key ``data.pinned_key``'s value: the rows
+    that see that key alone (softmax over one score is exactly 1, so SDPA's output there is the value itself, and
+    its gradient goes to that value alone)."""
+    rank = len(shape_of(out))
+    index = (slice(None),) + (None,) * (rank - 3) + (slice(None), None)
+    rows = new_node(graph, operator.getitem, (data.query_mask, index))
+    value = new_node(graph, torch.narrow, (values, -2, data.pinned_key, 1))
+    return new_node(graph, torch.where, (rows, out, value))
+
+
 def capture_attention(gm: fx.GraphModule, missed: list[Fallback] | None = None) -> list[tuple[fx.Node, str | None]]:
     """Replace every attention of ``gm`` by ``captured_attention``; returns (node, reason the mask stayed dense).
     Attention-like patterns that could not be captured are appended to ``missed`` as fallbacks: they run whole."""
@@ -518,6 +529,7 @@ def capture_attention(gm: fx.GraphModule, missed: list[Fallback] | None = None) 
             causal = False
         else:
             continue
+        values = v  # with as many heads as the queries: what a row that sees one key alone returns
         k, v = _unrepeat(k), _unrepeat(v)
         q_len, k_len, batch = shape_of(q)[-2], shape_of(k)[-2], shape_of(q)[0]
         key = (mask, causal, size_key(q_len), size_key(k_len))
@@ -550,7 +562,11 @@ def capture_attention(gm: fx.GraphModule, missed: list[Fallback] | None = None) 
             new.meta["stack_trace"] = node.meta["stack_trace"]
         if why_dense is not None:
             new.meta[DENSE_MASK] = why_dense
-        node.replace_all_uses_with(new)
+        result = new
+        if data.query_mask is not None:
+            with graph.inserting_before(node):
+                result = _pinned_rows(graph, new, data, values)
+        node.replace_all_uses_with(result)
         graph.erase_node(node)
         captured.append((new, why_dense.reason if why_dense is not None else None))
     eliminate_dead_code(graph, keep)

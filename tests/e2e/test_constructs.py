@@ -20,6 +20,10 @@
   bucketing with ``log``, ``where``, ``min``), in an encoder layer and a causal decoder layer: the bucket
   computation is emitted again on the vector of every distance, the table looked up there (a ``[H, 2S - 1]``
   bias, not S x S) and carried to the distributed op; the table's gradient is the sum of the ranks' shares;
+* ``pinned_key`` -- HunyuanVideo's token refiner: ``m[q] & m[k]`` of a padding mask ``m`` (``view(B, 1, 1,
+  S).repeat(1, 1, S, 1)`` and its transpose), then ``mask[:, :, :, 0] = True`` (a ``cat`` once functionalized), so a
+  padding query sees key 0 alone: read as a key mask with key 0 joined, and a ``where`` giving those rows key 0's
+  value; rows padded at the end and at the start (key 0 itself padding), every row in the loss;
 * ``scan_vmap`` -- a state-space model with no attention (an ``associative_scan`` layer, a ``torch.vmap``
   layer): it runs whole, with the warning, and gives the one-process results (the ``_vmap_*_nesting``
   calls dynamo emits, unused values, stay in the graph).
@@ -354,6 +358,44 @@ def scan_lm():
     return StackLM([ScanBlock(), VmapBlock()])
 
 
+class PinnedKeyAttention(nn.Module):
+    """Bidirectional attention under HunyuanVideo's refiner mask (built by :class:`RefinerLM`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, mask):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+        return x + self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, -1))
+
+
+class RefinerLM(nn.Module):
+    """HunyuanVideo's ``HunyuanVideoIndividualTokenRefiner`` mask over a padded batch, as it writes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB)
+        self.layers = nn.ModuleList(PinnedKeyAttention() for _ in range(LAYERS))
+
+    def forward(self, ids, labels, padding):
+        b, s = ids.shape
+        rows = padding.bool().view(b, 1, 1, s).repeat(1, 1, s, 1)
+        mask = (rows & rows.transpose(2, 3)).bool()
+        mask[:, :, :, 0] = True
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return F.cross_entropy(self.head(x).view(-1, VOCAB), labels.view(-1))
+
+
+def _padded_tokens():
+    padding = torch.ones(2, SEQ, dtype=torch.long)
+    padding[0, 41:], padding[1, :5] = 0, 0  # the end of one row, the start (key 0 too) of the other
+    return *_tokens(), padding
+
+
 def _tokens(seq=SEQ):
     ids = torch.randint(4, VOCAB, (2, seq))
     return ids, ids.clone()
@@ -375,6 +417,7 @@ CASES = {  # name: (model, inputs, strategy; None: no attention)
     "relative_bias": (relative_lm, _tokens, "ring"),
     "alibi_checkpointed": (checkpointed(alibi_lm), _tokens, "zigzag"),
     "latent_checkpointed": (checkpointed(latent_lm), _tokens, "ulysses"),
+    "pinned_key": (RefinerLM, _padded_tokens, "ring"),
     "scan_vmap": (scan_lm, functools.partial(_tokens, 13), None),  # short: dynamo traces the scan slowly
 }
 WORLDS = (2, pytest.param(4, marks=pytest.mark.slow))
@@ -420,8 +463,8 @@ def test_construct_matches_one_process(name, world):
             continue
         attention, layers = r["attention"], 3 if name.startswith("alibi") else LAYERS
         assert len(attention) == layers and all(a["strategy"] == strategy for a in attention), f"{where}: {attention}"
-        assert [a["causal"] for a in attention] == ([False, True] if name == "relative_bias" else [True] * layers), \
-            f"{where}: {attention}"
+        causal = {"relative_bias": [False, True], "pinned_key": [False] * layers}.get(name, [True] * layers)
+        assert [a["causal"] for a in attention] == causal, f"{where}: {attention}"
         if name.startswith("alibi"):  # every form: the slopes carried to the distributed op
             assert all(a["alibi"] for a in attention), f"{where}: {attention}"
         if name == "relative_bias":  # the learned table tabulated per distance, its gradient summed over ranks

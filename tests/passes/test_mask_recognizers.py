@@ -36,7 +36,7 @@ def _spec(*terms) -> MaskSpec:
 
 def test_the_table_is_tried_in_order():
     assert [match.__name__ for match in recognizers.RECOGNIZERS] == [
-        "always", "never", "per_head", "band", "chunks", "key_mask", "segments", "over_queries", "positions"]
+        "always", "never", "per_head", "pinned_key", "band", "chunks", "key_mask", "segments", "over_queries", "positions"]
 
 
 @pytest.mark.parametrize("term, change", [
@@ -51,8 +51,10 @@ def test_the_table_is_tried_in_order():
     (sympy.Eq(DOCUMENTS(B, K), DOCUMENTS(B, Q)), MaskChange(segments=(DOCUMENTS(B, Q),))),
     (sympy.Le(DOCUMENTS(B, K), DOCUMENTS(B, Q)), MaskChange(position_terms=(sympy.Le(DOCUMENTS(B, K),
                                                                                      DOCUMENTS(B, Q)),))),
+    (sympy.Or(sympy.Lt(K, 1), sympy.And(sympy.Ne(KEEP(B, K), 0), sympy.Ne(KEEP(B, Q), 0))),  # HunyuanVideo's refiner
+     MaskChange(key_terms=(sympy.Or(sympy.Lt(K, 1), sympy.Ne(KEEP(B, K), 0)),), pinned=((0, sympy.Ne(KEEP(B, Q), 0)),))),
 ], ids=["true", "causal", "window", "distance", "chunk", "shifted_chunk", "key_mask", "segments", "segments_flipped",
-        "positions"])
+        "positions", "pinned_key"])
 def test_a_term_is_read_by_its_recognizer(term, change):
     assert recognize(term) == change
 
@@ -62,7 +64,8 @@ def test_a_term_is_read_by_its_recognizer(term, change):
     (sympy.Le(K, Q + H), "a mask that differs per head"),
     (sympy.Gt(Q, 3), "a mask over queries (rows with no visible key)"),
     (sympy.Or(sympy.Le(K, Q), sympy.Eq(KEEP(B, K), 0)), "that is not a conjunction of comparisons"),
-], ids=["false", "per_head", "over_queries", "disjunction"])
+    (sympy.Or(sympy.Eq(K, 2), sympy.Le(K, Q)), "pins key 2 beside a term of the query and the key"),
+], ids=["false", "per_head", "over_queries", "disjunction", "pinned_beside_a_band"])
 def test_a_term_that_is_no_structure_says_why(term, reason):
     with pytest.raises(masks.Unstructurable, match=reason.replace("(", r"\(").replace(")", r"\)")):
         recognize(term)

@@ -43,7 +43,8 @@ from ..ops import value_of
 from .emit import emit_guards, materialize, materialize_slopes, tabulate
 from .interpret import (B, H, K, MASKING_FILL, Q, SCORE, SWAMPING_FILL, Abstract, Evaluator, Unstructurable,
                         broadcast_to, dim_symbol, empty_rows_of, evaluate_mod)
-from .recognizers import MaskChange, alibi_slope, recognize, relative_table, resolve_positions, score_terms
+from .recognizers import (MaskChange, alibi_slope, pinned_position, recognize, relative_table, resolve_positions,
+                          score_terms)
 
 __all__ = ["MaskData", "structure_mask", "structure_mask_mod", "Unstructurable", "empty_rows_of", "MASKING_FILL",
            "SWAMPING_FILL"]
@@ -63,6 +64,11 @@ class MaskData:
     position_bias: fx.Node | None = None
     """[H, q_len + k_len - 1]: a relative-position table, every visible score gets ``position_bias[h, k - q + q_len -
     1]`` (T5's learned buckets; see :func:`structure_mask`)."""
+    query_mask: fx.Node | None = None
+    """[B, S_q] bool: rows where it is False see key :attr:`pinned_key` alone, so their output is that key's value
+    (the attention runs on the other rows' mask, and a ``where`` after it takes the value)."""
+    pinned_key: int = 0
+    """With :attr:`query_mask`: the key every row sees."""
     empty_rows: str = "zero"
     """What a query row that sees no key gets: ``"zero"`` (boolean masks, as SDPA), ``"uniform"`` (an
     additive mask filled with ~finfo.min: every score rounds to the fill, so softmax is uniform over all
@@ -152,6 +158,7 @@ def _structure(graph: fx.Graph, attention: fx.Node, evaluator: Evaluator, terms:
         found = found & recognize(term)
     found, runs = resolve_positions(found, leaves)
     spec = found.mask_spec()
+    pinned = _pinned(found)
 
     with graph.inserting_before(attention):
         if found.key_terms:
@@ -160,6 +167,23 @@ def _structure(graph: fx.Graph, attention: fx.Node, evaluator: Evaluator, terms:
             raise Unstructurable("several segment-id tensors")
         if found.segments:
             segment_ids = materialize(graph, found.segments[0], Q, batch, q_len, leaves, None)
+        query_mask = (materialize(graph, sympy.And(*pinned[1]), Q, batch, q_len, leaves, torch.bool)
+                      if pinned is not None else None)
         emit_guards(graph, evaluator.bands, runs)  # the mask relies on the values read: guard them
     return spec, MaskData(key_mask=key_mask, segment_ids=segment_ids, alibi_slopes=alibi_slopes,
-                          position_bias=position_bias, empty_rows=empty_rows)
+                          position_bias=position_bias, query_mask=query_mask,
+                          pinned_key=pinned[0] if pinned is not None else 0, empty_rows=empty_rows)
+
+
+def _pinned(found: MaskChange) -> tuple[int, list] | None:
+    """``(c, row terms)`` of a mask whose rows where the terms fail see key ``c`` alone; None without such terms.
+    Their output is key ``c``'s value only when nothing else hides key ``c`` from them: every other term is a key
+    mask joined with the pinned key, there are no bounds, chunks or segments."""
+    if not found.pinned:
+        return None
+    keys = {c for c, _ in found.pinned}
+    plain = MaskChange(key_terms=found.key_terms, pinned=found.pinned)
+    if len(keys) != 1 or found != plain or not all(
+            isinstance(t, sympy.Or) and any(pinned_position(d) in keys for d in t.args) for t in found.key_terms):
+        raise Unstructurable("rows that see one key alone, beside other terms that may hide it")
+    return keys.pop(), [term for _, term in found.pinned]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
+from sympy.core.function import AppliedUndef
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ...runtime.sequence_ops import Band, constant_band
@@ -168,6 +169,10 @@ class Evaluator:
             return _reindex(self(op["input"]), {p: dim_symbol(d) for d, p in enumerate(perm)}, shape)
         if name == "getitem":
             return self._index(node, op, shape)
+        if name == "cat" and all(isinstance(t, fx.Node) for t in op["tensors"]):
+            return self._cat(node, op["tensors"], op["dim"] % len(shape), shape)
+        if name in ("repeat", "repeat_interleave"):
+            return self._repeat(node, op, shape)
         if target in ("triu", "tril") and len(shape) >= 2:
             return self._triangle(node, target, shape)
         if name == "pointwise":
@@ -218,6 +223,51 @@ class Evaluator:
         if fn in unary and len(vals) == 1:
             return Abstract(unary[fn](vals[0].expr), shape)
         return self.leaf(node)
+
+    def _cat(self, node: fx.Node, tensors: list[fx.Node], dim: int, shape) -> Abstract:
+        """A boolean concatenation along ``dim``: each part where the index falls in its range (HunyuanVideo's
+        ``mask[:, :, :, 0] = True``, functionalized: ``cat([full(True), mask[..., 1:]], -1)``). Each part reads
+        the tensors it is made of at the concatenation's own index, so that they can be read over its whole range
+        (a leaf read shifted, as a part cut from one tensor and placed at another offset, is a leaf itself)."""
+        parts, start, index = [], 0, dim_symbol(dim)
+        for t in tensors:
+            v, size = self(t), shape_of(t)[dim]
+            if v.fill is not None or value_of(t).dtype != torch.bool:
+                return self.leaf(node)
+            part = _reindex(broadcast_to(v, shape[:dim] + (size,) + shape[dim + 1:]), {dim: index - start}, shape)
+            if not self._reads_whole(part.expr, index, shape[dim]):
+                return self.leaf(node)
+            inside = [index >= start] if start else []
+            inside += [index < start + size] if start + size != shape[dim] else []
+            parts.append(sympy.And(*inside, part.expr))
+            start += size
+        return Abstract(sympy.Or(*parts), shape)
+
+    def _reads_whole(self, expr, index, length) -> bool:
+        """Whether every leaf ``expr`` reads along ``index`` is read at ``index`` itself, on a dim of ``length``."""
+        for call in sympy.sympify(expr).atoms(AppliedUndef):
+            leaf = shape_of(self.leaves[str(call.func)])
+            for arg, size in zip(call.args, leaf):
+                if index in arg.free_symbols and (arg != index or size != length):
+                    return False
+        return True
+
+    def _repeat(self, node, op, shape) -> Abstract:
+        """``repeat`` reads each dim modulo its size, ``repeat_interleave`` by an int floor-divides its dim."""
+        src = self(op["input"])
+        if op.name == "repeat":
+            sizes = shape_of(op["input"])
+            lead = len(shape) - len(sizes)
+            mapping = {d: sympy.Integer(0) if size == 1 else dim_symbol(lead + d) if shape[lead + d] == size
+                       else sympy.Mod(dim_symbol(lead + d), size) for d, size in enumerate(sizes)}
+            return _reindex(src, mapping, shape)
+        repeats, dim = op["repeats"], op["dim"]
+        if not isinstance(repeats, int) or dim is None:
+            return self.leaf(node)
+        dim %= len(shape)
+        mapping = {d: dim_symbol(d) for d in range(len(shape))}
+        mapping[dim] = sympy.floor(dim_symbol(dim) / repeats)
+        return _reindex(src, mapping, shape)
 
     def _triangle(self, node, which: str, shape) -> Abstract:
         """``triu`` / ``tril`` of a constant: a bool band, or an additive mask of a very negative fill."""

@@ -7,6 +7,8 @@ says what it changes (a :class:`MaskChange`) or raises :class:`~.interpret.Unstr
 ``always``         ``True``: nothing;
 ``never``          ``False``: every key hidden (raises);
 ``per_head``       a term in ``h`` (raises: the structured kinds are the same for every head);
+``pinned_key``     ``k == c | X``: key ``c`` visible to every row; ``X``'s conjuncts without ``q`` are key masks with key
+                   ``c`` joined, those without ``k`` say which rows see key ``c`` alone;
 ``band``           only ``q`` and ``k``, linear, or a distance ``|k - q|`` bounded above (a bidirectional sliding
                    window: ModernBERT, EmbeddingGemma): bounds on ``k - q``, which become ``causal`` and ``window``;
 ``chunks``         ``floor((q + o) / C) == floor((k + o) / C)`` with ``o`` a multiple of ``C`` (``q // C == kv // C``:
@@ -45,7 +47,8 @@ from ...runtime.attention.masks import MaskSpec
 from ..ops import canonical, is_tensor_node, shape_of, value_of
 from .interpret import H, K, Q, SCORE, Unstructurable
 
-__all__ = ["MaskChange", "RECOGNIZERS", "recognizer", "recognize", "resolve_positions", "relative_table",
+__all__ = ["MaskChange", "RECOGNIZERS", "recognizer", "recognize", "pinned_position", "resolve_positions",
+           "relative_table",
            "alibi_slope", "score_terms"]
 
 
@@ -68,6 +71,8 @@ class MaskChange:
     """``f`` of every term ``f(b, q) == f(b, k)``: segment ids."""
     position_terms: tuple = ()
     """Comparisons of a position tensor at the key and at the query (:func:`resolve_positions`)."""
+    pinned: tuple = ()
+    """``(c, f)`` of every term ``k == c | f(b, q)``: rows where ``f`` is false see key ``c`` alone."""
 
     def __and__(self, other: MaskChange) -> MaskChange:
         """Both changes: the bounds intersected, the chunk sizes the same (else :class:`Unstructurable`)."""
@@ -75,7 +80,7 @@ class MaskChange:
             raise Unstructurable(f"two chunk sizes, {self.chunk} and {other.chunk}")
         return MaskChange(max(self.lo, other.lo), min(self.hi, other.hi), other.chunk or self.chunk,
                           self.key_terms + other.key_terms, self.segments + other.segments,
-                          self.position_terms + other.position_terms)
+                          self.position_terms + other.position_terms, self.pinned + other.pinned)
 
     def mask_spec(self) -> MaskSpec:
         """The position mask: the bounds on ``k - q`` as ``causal`` and ``window`` (they must let the diagonal
@@ -129,6 +134,43 @@ def per_head(term) -> MaskChange | None:
     """A term in ``h``: not a structured kind."""
     if H in term.free_symbols:
         raise Unstructurable("a mask that differs per head")
+    return None
+
+
+@recognizer
+def pinned_key(term) -> MaskChange | None:
+    """``k == c | X``, one key always visible (HunyuanVideo's token refiner: ``m[q] & m[k]`` with ``mask[..., 0] =
+    True``, so a padding query attends to key 0 alone): each conjunct of ``X`` without ``q`` joins the pinned key
+    into a key mask, each without ``k`` says which rows see key ``c`` alone (:attr:`MaskChange.pinned`)."""
+    if not isinstance(term, sympy.Or):
+        return None
+    pins = [(d, c) for d in term.args for c in [pinned_position(d)] if c is not None]
+    if not pins:
+        return None
+    pin, c = pins[0]
+    rest = sympy.Or(*(d for d in term.args if d is not pin))
+    found = MaskChange()
+    for part in sympy.And.make_args(rest):
+        if Q not in part.free_symbols:
+            found = found & MaskChange(key_terms=(sympy.Or(pin, part),))
+        elif K not in part.free_symbols:
+            found = found & MaskChange(pinned=((c, part),))
+        else:
+            raise Unstructurable(f"a mask term {term} that pins key {c} beside a term of the query and the key")
+    return found
+
+
+def pinned_position(term) -> int | None:
+    """``c`` when ``term`` holds for key ``c`` alone (``k == c``, ``k < 1``, ``k <= 0``), else None."""
+    if term.free_symbols != {K}:
+        return None
+    if isinstance(term, sympy.Eq) and K in (term.lhs, term.rhs):
+        other = term.rhs if term.lhs == K else term.lhs
+        return int(other) if other.is_Integer else None
+    if isinstance(term, sympy.StrictLessThan) and term.lhs == K and term.rhs == 1:
+        return 0
+    if isinstance(term, sympy.LessThan) and term.lhs == K and term.rhs == 0:
+        return 0
     return None
 
 
