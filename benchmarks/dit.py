@@ -9,8 +9,25 @@ sampling step (forward under ``torch.no_grad``, the timestep a value). Columns, 
 * ``autoshard``: ``torch.compile(transformer, backend=autoshard.backend())`` on P ranks, inputs and outputs whole
   (as a pipeline passes them), the split inferred;
 * ``diffusers ulysses`` / ``ring``: ``transformer.enable_parallelism(config=ContextParallelConfig(...))``, the
-  hand-written ``_cp_plan`` of the model; where it does not run the row says why (diffusers 0.42 places each rank
-  on ``rank % torch.accelerator.device_count()``: it needs an accelerator, so on a CPU-only machine it stops there).
+  hand-written ``_cp_plan`` of the model, on the same gloo ranks; where it does not run the row says why (it splits
+  only sequences that P divides: Wan's 8192 is 3 x 42 x 65 = 8190 patches). In brackets, the attention backend.
+
+diffusers 0.42 does not run its context parallelism on a CPU; two shims let it, neither changing what it computes:
+
+* ``enable_parallelism`` places each rank on ``rank % torch.accelerator.device_count()``
+  (``ModelMixin._resolve_parallel_config``), a ZeroDivisionError without an accelerator. The count is 1 for that
+  call: the mesh is built on the ``cpu`` device type as before, and the device recorded is read by nothing in
+  context parallelism.
+* Ring attention merges the chunks by their log-sum-exp. ``native`` (Ulysses' backend here, and the one-process
+  run's) refuses to return it; the other backends with context parallelism (flash, sage, cuDNN, NPU) need a GPU or
+  an NPU. Ring runs ``_native_flash``, whose ``aten::_scaled_dot_product_flash_attention`` has no CPU kernel: it is
+  given torch's CPU flash-attention kernel, ``_scaled_dot_product_flash_attention_for_cpu``, the one
+  ``F.scaled_dot_product_attention`` runs for ``native`` on these float32 inputs (same output, bit for bit).
+  ``_native_flash`` declares bfloat16/float16, its CUDA kernel's types; diffusers checks that only under
+  ``DIFFUSERS_ATTN_CHECKS=1``.
+
+diffusers returns its last all-gather still in flight; the step waits for it, as a pipeline's scheduler would (else the
+output a rank sends back is not yet gathered: 2.5 off).
 
 Every distributed output is checked against the one-process output (max abs difference, float32). Seconds are
 the fastest of ``--repeat`` steps after a warm-up step (compilation excluded); memory is the peak resident bytes
@@ -20,15 +37,65 @@ not the absolute seconds.
 
     python benchmarks/dit.py                      # Wan 3 x 32 x 32 = 3072 tokens and Flux 48 x 64 = 3072, P=2
     python benchmarks/dit.py --model wan --tokens 8192 --world 2 4
+
+Measured (this machine, 2 shared CPU cores, 2026-12-07, torch 2.13 CPU, diffusers 0.42.1, ``python
+benchmarks/dit.py --tokens 3072 8192 --world 2 4 --repeat 3``, the machine otherwise idle; the error cells
+shortened)::
+
+    wan:
+    tokens  P                           run  seconds  x one  peak MiB  x one                            max |out - one|
+    ------  -  ----------------------------  -------  -----  --------  -----  -----------------------------------------
+      3072  1                   one process    0.255   1.00        19   1.00                                          -
+      3072  2  autoshard (allgather, local)    0.173   0.68         9   0.47                                    0.0e+00
+      3072  2              ulysses (native)    0.168   0.66        10   0.56                                    0.0e+00
+      3072  2          ring (_native_flash)    0.172   0.67        16   0.85                                    7.2e-07
+      3072  4    autoshard (local, ulysses)    0.221   0.86         4   0.23                                    0.0e+00
+      3072  4              ulysses (native)    0.215   0.84         6   0.35                                    0.0e+00
+      3072  4          ring (_native_flash)    0.291   1.14        12   0.65                                    8.3e-07
+      8192  1                   one process    1.427   1.00        50   1.00                                          -
+      8192  2  autoshard (allgather, local)    0.828   0.58        23   0.46                                    0.0e+00
+      8192  2              ulysses (native)    0.846   0.59        28   0.56                                    0.0e+00
+      8192  2          ring (_native_flash)    0.867   0.61        41   0.81                                    8.3e-07
+      8192  4    autoshard (local, ulysses)    0.935   0.65        11   0.22                                    0.0e+00
+      8192  4                       ulysses        -      -         -      -  AssertionError: ...divisible by mesh size
+      8192  4                          ring        -      -         -      -  AssertionError: ...divisible by mesh size
+
+    flux:
+    tokens  P                    run  seconds  x one  peak MiB  x one  max |out - one|
+    ------  -  ---------------------  -------  -----  --------  -----  ---------------
+      3072  1            one process    0.262   1.00        24   1.00                -
+      3072  2  autoshard (allgather)    0.210   0.80        12   0.50          0.0e+00
+      3072  2       ulysses (native)    0.161   0.61        13   0.52          9.5e-07
+      3072  2   ring (_native_flash)    0.177   0.68        19   0.80          8.3e-07
+      3072  4    autoshard (ulysses)    0.211   0.81         6   0.24          0.0e+00
+      3072  4       ulysses (native)    0.194   0.74         6   0.27          9.5e-07
+      3072  4   ring (_native_flash)    0.238   0.91        13   0.55          7.2e-07
+      8192  1            one process    1.308   1.00        63   1.00                -
+      8192  2  autoshard (allgather)    0.850   0.65        30   0.48          0.0e+00
+      8192  2       ulysses (native)    0.770   0.59        33   0.53          7.2e-07
+      8192  2   ring (_native_flash)    0.778   0.59        49   0.78          7.2e-07
+      8192  4    autoshard (ulysses)    0.861   0.66        15   0.24          0.0e+00
+      8192  4       ulysses (native)    0.853   0.65        17   0.26          8.3e-07
+      8192  4   ring (_native_flash)    0.954   0.73        33   0.53          8.3e-07
+
+The peak memory is steady from run to run; the seconds are not (other quiet runs moved single cells by up to 45%):
+at these sizes the three ways take about the same time. Per rank, autoshard holds the least (0.46-0.50 of one
+process at P=2, 0.22-0.24 at P=4), diffusers' Ulysses a little more, diffusers' ring the most (0.78-0.85 at P=2,
+0.53-0.65 at P=4): it all-gathers every rank's keys and values at once (``rotate_method="allgather"``, the only one
+diffusers 0.42 has). Every output matches one process: autoshard's bit for bit, Wan's Ulysses too; Flux's Ulysses
+and the rings to under 1e-6 (the order of a sum: Flux's text tokens are split with the image tokens, and the ring
+merges its chunks' softmaxes).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import wait_tensor
 
 import autoshard
 from autoshard.testing import run_on_ranks
@@ -37,6 +104,19 @@ from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
 from _common import print_table
 
 HEADS, HEAD_DIM, TEXT = 4, 32, 64
+
+
+def _flash_on_cpu(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    """``aten::_scaled_dot_product_flash_attention`` on CPU: torch's CPU flash kernel, output and log-sum-exp; the
+    variable-length, random-state and debug outputs empty (no dropout, whole sequences)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
+                                                                          scale=scale)
+    none = query.new_empty(0)
+    return out, lse, none, none, query.shape[2], key.shape[2], none, none, none
+
+
+_CPU_FLASH = torch.library.Library("aten", "IMPL")  # the op had no CPU kernel: no other run calls it
+_CPU_FLASH.impl("_scaled_dot_product_flash_attention", _flash_on_cpu, "CPU")
 
 
 def _grid(tokens: int, model: str) -> tuple[int, int, int]:
@@ -84,8 +164,14 @@ def _prepared(model: str, tokens: int, mode: str):
     elif mode in ("ulysses", "ring"):
         from diffusers import ContextParallelConfig
 
-        net.enable_parallelism(config=ContextParallelConfig(**{f"{mode}_degree": dist.get_world_size()}))
-    return (lambda: net(**kwargs)[0]), ran
+        attention = "_native_flash" if mode == "ring" else "native"  # ring needs each chunk's log-sum-exp
+        net.set_attention_backend(attention)
+        ran = lambda: attention  # noqa: E731
+        with mock.patch.object(torch.accelerator, "device_count", return_value=1):  # rank % 1: the CPU
+            net.enable_parallelism(config=ContextParallelConfig(**{f"{mode}_degree": dist.get_world_size()}))
+    # diffusers returns its final all-gather still in flight (an AsyncCollectiveTensor): the step waits for it, as the
+    # scheduler reading the output would (a no-op on a plain tensor)
+    return (lambda: wait_tensor(net(**kwargs)[0])), ran
 
 
 def _step(model: str, tokens: int, mode: str, repeat: int) -> dict:
