@@ -1,7 +1,8 @@
 """Unmodified diffusers transformers (image and video DiTs) under the one-liner: outputs and every parameter
 gradient equal the uncompiled one-process run (float64), every attention distributed, 0 fallbacks.
 
-Tiny configs with random weights, token counts the world size does not divide. What each model exercises:
+Tiny configs with random weights, token counts neither world size divides (attention lengths 15 to 69). What each
+model exercises:
 
 * Flux, QwenImage, SD3, HunyuanVideo: a joint ``[text; image]`` sequence, concatenated and split back
   (``split_with_sizes`` or slices along the sequence): each part keeps the positions of the joint layout it
@@ -66,34 +67,34 @@ def build(name: str):
     if name == "qwenimage":
         cfg = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
                    num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(4, 6, 6))
-        mask = torch.ones(1, 5, dtype=torch.long)
-        kw = dict(hidden_states=r(1, 15, 16), encoder_hidden_states=r(1, 5, 16), encoder_hidden_states_mask=mask,
+        mask = torch.ones(1, 6, dtype=torch.long)
+        kw = dict(hidden_states=r(1, 15, 16), encoder_hidden_states=r(1, 6, 16), encoder_hidden_states_mask=mask,
                   timestep=torch.tensor([0.5], dtype=torch.float64), img_shapes=[(1, 3, 5)])
         return (lambda: D.QwenImageTransformer2DModel(**cfg)), kw
     if name == "sd3":
         cfg = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
                    num_attention_heads=2, joint_attention_dim=8, caption_projection_dim=16, pooled_projection_dim=8,
                    out_channels=4, pos_embed_max_size=16)
-        kw = dict(hidden_states=r(1, 4, 6, 10), encoder_hidden_states=r(1, 5, 8), pooled_projections=r(1, 8),
+        kw = dict(hidden_states=r(1, 4, 6, 10), encoder_hidden_states=r(1, 6, 8), pooled_projections=r(1, 8),
                   timestep=torch.tensor([3]))
         return (lambda: D.SD3Transformer2DModel(**cfg)), kw
     if name == "hunyuanvideo":  # the last two text tokens are padding; 3 x 3 x 7 patches
         cfg = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1,
                    num_single_layers=1, num_refiner_layers=1, mlp_ratio=2, patch_size=1, patch_size_t=1,
                    text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 2, 4))
-        mask = torch.tensor([[1, 1, 1, 0, 0]])
-        kw = dict(hidden_states=r(1, 4, 3, 3, 7), timestep=torch.tensor([3]), encoder_hidden_states=r(1, 5, 16),
+        mask = torch.tensor([[1, 1, 1, 1, 0, 0]])
+        kw = dict(hidden_states=r(1, 4, 3, 3, 7), timestep=torch.tensor([3]), encoder_hidden_states=r(1, 6, 16),
                   encoder_attention_mask=mask, pooled_projections=r(1, 8),
                   guidance=torch.tensor([3.0], dtype=torch.float64))
         return (lambda: D.HunyuanVideoTransformer3DModel(**cfg)), kw
     if name == "wan":  # 3 x 3 x 5 patches
         kw = dict(hidden_states=r(1, 4, 3, 6, 10), timestep=torch.tensor([3]), encoder_hidden_states=r(1, 5, 16))
         return (lambda: D.WanTransformer3DModel(**WAN, in_channels=4, out_channels=4)), kw
-    if name == "cogvideox":  # 5 text tokens + 3 x 3 x 5 patches
+    if name == "cogvideox":  # 6 text tokens + 3 x 3 x 5 patches
         cfg = dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=8,
                    text_embed_dim=8, num_layers=1, sample_width=8, sample_height=8, sample_frames=9, patch_size=2,
-                   temporal_compression_ratio=4, max_text_seq_length=5)
-        kw = dict(hidden_states=r(1, 3, 4, 6, 10), encoder_hidden_states=r(1, 5, 8), timestep=torch.tensor([3]))
+                   temporal_compression_ratio=4, max_text_seq_length=6)
+        kw = dict(hidden_states=r(1, 3, 4, 6, 10), encoder_hidden_states=r(1, 6, 8), timestep=torch.tensor([3]))
         return (lambda: D.CogVideoXTransformer3DModel(**cfg)), kw
     if name == "ltx":  # text padding on the cross-attention's keys
         cfg = dict(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2,
@@ -113,12 +114,15 @@ def build(name: str):
         cfg = dict(patch_size=1, in_channels=4, out_channels=4, num_layers=1, num_attention_heads=2,
                    attention_head_dim=8, num_cross_attention_heads=2, cross_attention_head_dim=8,
                    cross_attention_dim=16, caption_channels=16, sample_size=8)
-        kw = dict(hidden_states=r(1, 4, 6, 10), encoder_hidden_states=r(1, 5, 16), timestep=torch.tensor([3]))
+        kw = dict(hidden_states=r(1, 4, 7, 9), encoder_hidden_states=r(1, 5, 16), timestep=torch.tensor([3]))
         return (lambda: D.SanaTransformer2DModel(**cfg)), kw
     raise ValueError(name)
 
 
 TOLERANCE = {"wan": 1e-6, "sana": 1e-6}
+TRAINED = {"wan": 1e-6, "sana": 2e-6}
+"""The parameters after three AdamW steps: Sana's float32 norms' last bits, through Adam's normalization, reach
+1.1e-6."""
 GATHERS = {"flux": 0, "ltx": 0, "qwenimage": 4, "hunyuanvideo": 2}
 """All-gathers in a model's graph, per model; the others' one is the output, unpatchified once at the end (the
 tokens are never gathered inside the blocks). Flux and LTX return the tokens, split. QwenImage: the rows of its
@@ -302,5 +306,5 @@ def test_flow_matching_training_with_fsdp2_and_recomputed_layers():
     for name, strategies in (("flux", ["allgather"]), ("wan", ["allgather", "local"]), ("sana", ["local"])):
         for rank, (worst, ran, recomputed, halos) in enumerate(run_on_ranks(_train, 2, name, timeout=900)):
             where = f"{name} P=2 rank {rank}: {ran}, {recomputed} recomputed layers, {halos} halo exchanges"
-            assert worst <= TOLERANCE.get(name, 1e-10), f"{where}: parameters off by {worst:.2e}"
+            assert worst <= TRAINED.get(name, 1e-10), f"{where}: parameters off by {worst:.2e}"
             assert ran == strategies and recomputed > 0 and (halos > 0) == (name == "sana"), where
