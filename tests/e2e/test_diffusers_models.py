@@ -18,7 +18,8 @@ A pipeline as a user runs it: ``WanPipeline`` (a tiny VAE and transformer, promp
 guidance, 30 denoising steps, float64) with ``pipe.transformer = torch.compile(pipe.transformer, backend=...)``
 returns one process's latents, with one compilation for every step (the timestep is a value, not a shape). The
 transformer at five latent shapes (frames, height and width changing): two compilations, the second a length class
-of symbolic frames, height and width.
+of symbolic frames, height and width. A ``SanaPipeline`` at 3 ranks (slow tier): its Mix-FFN convolves tokens a
+rank holds part rows of, one compilation, one process's latents.
 
 Training (slow tier): three AdamW steps of a flow-matching loss (``mse(model(x_t, t), noise - x0)``) on Flux,
 Wan and Sana, FSDP2 over both ranks (every block and the root) with autoshard's recomputed layers, equal one-process
@@ -173,6 +174,52 @@ def _pipeline_run() -> dict:
     strategies = sorted({a["strategy"] for g in backend.compiled for a in g.report.attention})
     return {"error": error, "compilations": sum(backend.compilations.values()), "strategies": strategies,
             "shape": tuple(got.shape)}
+
+
+def _sana_pipeline(backend=None):
+    """A ``SanaPipeline`` with a tiny DC-AE and transformer (prompt embeddings given), 20 steps with guidance, on a
+    16 x 32 latent: 512 tokens, so 3 ranks' tokens end inside rows of the Mix-FFN's image. Returns (latents,
+    compilations, halo exchanges of the transformer's graphs)."""
+    D = diffusers
+    torch.manual_seed(0)
+    transformer = D.SanaTransformer2DModel(patch_size=1, in_channels=4, out_channels=4, num_layers=2,
+                                           num_attention_heads=2, attention_head_dim=8, num_cross_attention_heads=2,
+                                           cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=16,
+                                           sample_size=8)
+    vae = D.AutoencoderDC(in_channels=3, latent_channels=4, attention_head_dim=4, encoder_block_out_channels=(8, 8),
+                          decoder_block_out_channels=(8, 8), encoder_layers_per_block=(1, 1),
+                          decoder_layers_per_block=(1, 1), encoder_qkv_multiscales=((), ()),
+                          decoder_qkv_multiscales=((), ()), scaling_factor=0.41)
+    pipe = D.SanaPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
+                          scheduler=D.FlowMatchEulerDiscreteScheduler(shift=3.0)).to(torch.float64)
+    if backend is not None:
+        pipe.transformer = torch.compile(pipe.transformer, backend=backend)
+    g = torch.Generator().manual_seed(1)
+    text, negative = (torch.randn(1, 5, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(1, 5, dtype=torch.long)
+    latents = pipe(prompt_embeds=text, prompt_attention_mask=mask, negative_prompt=None,
+                   negative_prompt_embeds=negative, negative_prompt_attention_mask=mask, height=32, width=64,
+                   num_inference_steps=20, guidance_scale=4.5, generator=torch.Generator().manual_seed(2),
+                   output_type="latent", return_dict=False, use_resolution_binning=False)[0]
+    compiled = backend.compiled if backend is not None else []
+    return latents, sum(backend.compilations.values()) if backend is not None else 0, sum(
+        c.kind == "halo_exchange" for graph in compiled for c in graph.report.comms)
+
+
+def _sana_pipeline_run() -> tuple:
+    torch._dynamo.reset()
+    expected, _, _ = _sana_pipeline()
+    got, compilations, halos = _sana_pipeline(autoshard.backend(outputs="gathered"))
+    return ((got - expected).abs().max() / expected.abs().max()).item(), compilations, halos
+
+
+@pytest.mark.slow
+def test_a_sana_pipeline_samples_as_one_process_with_its_mix_ffn_split():
+    """SanaPipeline at 3 ranks, as a user runs it: one process's latents (Sana's float32 norms: 1e-6), one
+    compilation for the 40 transformer calls, the Mix-FFN's 3 x 3 convolution exchanging halos in every layer."""
+    for rank, (error, compilations, halos) in enumerate(run_on_ranks(_sana_pipeline_run, 3, timeout=900)):
+        where = f"SanaPipeline P=3 rank {rank}: error {error:.1e}, {compilations} compilations, {halos} halos"
+        assert error <= 1e-6 and compilations == 1 and halos == 2, where
 
 
 DEFAULT = ["flux", "wan"]
