@@ -158,7 +158,7 @@ def _structure(graph: fx.Graph, attention: fx.Node, evaluator: Evaluator, terms:
         found = found & recognize(term)
     found, runs = resolve_positions(found, leaves)
     spec = found.mask_spec()
-    pinned = _pinned(found)
+    pinned = _pinned(found, k_len)
 
     with graph.inserting_before(attention):
         if found.key_terms:
@@ -175,14 +175,17 @@ def _structure(graph: fx.Graph, attention: fx.Node, evaluator: Evaluator, terms:
                           pinned_key=pinned[0] if pinned is not None else 0, empty_rows=empty_rows)
 
 
-def _pinned(found: MaskChange) -> tuple[int, list] | None:
+def _pinned(found: MaskChange, k_len: int) -> tuple[int, list] | None:
     """``(c, row terms)`` of a mask whose rows where the terms fail see key ``c`` alone; None without such terms.
     Their output is key ``c``'s value only when nothing else hides key ``c`` from them: every other term is a key
-    mask joined with the pinned key, there are no bounds, chunks or segments."""
+    mask joined with the pinned key, there are no bounds, chunks or segments; and key ``c`` exists (key 0 at any
+    length, another one below a static key length)."""
     if not found.pinned:
         return None
     keys = {c for c, _ in found.pinned}
     plain = MaskChange(key_terms=found.key_terms, pinned=found.pinned)
+    if any(c != 0 and not (isinstance(k_len, int) and c < k_len) for c in keys):
+        raise Unstructurable(f"rows that see key {keys} alone, of {k_len} keys")
     if len(keys) != 1 or found != plain or not all(
             isinstance(t, sympy.Or) and any(pinned_position(d) in keys for d in t.args) for t in found.key_terms):
         raise Unstructurable("rows that see one key alone, beside other terms that may hide it")

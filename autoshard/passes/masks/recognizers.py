@@ -48,8 +48,7 @@ from ..ops import canonical, is_tensor_node, shape_of, value_of
 from .interpret import H, K, Q, SCORE, Unstructurable
 
 __all__ = ["MaskChange", "RECOGNIZERS", "recognizer", "recognize", "pinned_position", "resolve_positions",
-           "relative_table",
-           "alibi_slope", "score_terms"]
+           "relative_table", "alibi_slope", "score_terms"]
 
 
 @dataclass(frozen=True)
