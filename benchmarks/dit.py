@@ -37,6 +37,7 @@ not the absolute seconds.
 
     python benchmarks/dit.py                      # Wan 3 x 32 x 32 = 3072 tokens and Flux 48 x 64 = 3072, P=2
     python benchmarks/dit.py --model wan --tokens 8192 --world 2 4
+    python benchmarks/dit.py --model flux --strategies auto ulysses allgather   # autoshard's strategies side by side
 
 Measured (this machine, 2 shared CPU cores, 2026-12-07, torch 2.13 CPU, diffusers 0.42.1, ``python
 benchmarks/dit.py --tokens 3072 8192 --world 2 4 --repeat 3``, the machine otherwise idle; the error cells
@@ -78,8 +79,24 @@ shortened)::
       8192  4       ulysses (native)    0.853   0.65        17   0.26          8.3e-07
       8192  4   ring (_native_flash)    0.954   0.73        33   0.53          8.3e-07
 
-The peak memory is steady from run to run; the seconds are not (other quiet runs moved single cells by up to 45%):
-at these sizes the three ways take about the same time. Per rank, autoshard holds the least (0.46-0.50 of one
+Flux at P=2 again, autoshard's all-gather (the cost model's choice) and Ulysses side by side (``--model flux --tokens
+3072 8192 --world 2 --strategies auto ulysses --repeat 3``, the machine otherwise idle)::
+
+    tokens  P                    run  seconds  x one  peak MiB  x one  max |out - one|
+      3072  1            one process    0.267   1.00        24   1.00                -
+      3072  2  autoshard (allgather)    0.160   0.60        12   0.50          0.0e+00
+      3072  2    autoshard (ulysses)    0.164   0.61        12   0.51          0.0e+00
+      3072  2       ulysses (native)    0.158   0.59        13   0.53          9.5e-07
+      3072  2   ring (_native_flash)    0.159   0.59        19   0.81          8.3e-07
+      8192  1            one process    1.343   1.00        63   1.00                -
+      8192  2  autoshard (allgather)    0.742   0.55        30   0.48          0.0e+00
+      8192  2    autoshard (ulysses)    0.745   0.55        32   0.51          0.0e+00
+      8192  2       ulysses (native)    0.749   0.56        33   0.53          7.2e-07
+      8192  2   ring (_native_flash)    0.953   0.71        49   0.78          7.2e-07
+
+The peak memory is steady from run to run; the seconds are not (other quiet runs moved single cells by up to 45%, as
+Flux's P=2 cells between the two tables): at these sizes the three ways take about the same time, and autoshard's
+strategy makes no difference on these CPU ranks. Per rank, autoshard holds the least (0.46-0.50 of one
 process at P=2, 0.22-0.24 at P=4), diffusers' Ulysses a little more, diffusers' ring the most (0.78-0.85 at P=2,
 0.53-0.65 at P=4): it all-gathers every rank's keys and values at once (``rotate_method="allgather"``, the only one
 diffusers 0.42 has). Every output matches one process: autoshard's bit for bit, Wan's Ulysses too; Flux's Ulysses
@@ -157,8 +174,9 @@ def _prepared(model: str, tokens: int, mode: str):
     """A function running one denoising step of ``mode`` on this rank, and one naming how its attention ran."""
     net, kwargs = _build(model, tokens)
     ran = lambda: mode  # noqa: E731
-    if mode == "autoshard":
-        backend = autoshard.backend(outputs="gathered")
+    if mode.startswith("autoshard"):  # "autoshard:<strategy>", "auto" being the cost model's choice
+        strategy = mode.split(":")[1]
+        backend = autoshard.backend(outputs="gathered", **({} if strategy == "auto" else {"strategy": strategy}))
         net = torch.compile(net, backend=backend)
         ran = lambda: ", ".join(sorted({a["strategy"] for g in backend.compiled for a in g.report.attention}))  # noqa
     elif mode in ("ulysses", "ring"):
@@ -200,6 +218,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[3072])
     parser.add_argument("--world", type=int, nargs="+", default=[2])
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--strategies", nargs="+", default=["auto"],
+                        help="autoshard rows: 'auto' (the cost model's choice) and/or strategies to force")
     args = parser.parse_args()
     models = ["wan", "flux"] if args.model == "both" else [args.model]
     for model in models:
@@ -210,16 +230,16 @@ def main() -> None:
             rows.append([tokens, 1, "one process", f"{whole['seconds']:.3f}", "1.00",
                          f"{whole['peak'] / 2**20:.0f}", "1.00", "-"])
             for world in args.world:
-                for mode in ("autoshard", "ulysses", "ring"):
+                for mode in [f"autoshard:{strategy}" for strategy in args.strategies] + ["ulysses", "ring"]:
                     results = run_on_ranks(_step, world, model, tokens, mode, args.repeat, timeout=3600,
                                            env=LOW_MMAP_THRESHOLD_ENV)
                     if "error" in results[0]:
-                        rows.append([tokens, world, mode, "-", "-", "-", "-", results[0]["error"]])
+                        rows.append([tokens, world, mode.split(":")[0], "-", "-", "-", "-", results[0]["error"]])
                         continue
                     seconds = max(r["seconds"] for r in results)
                     peak = max(r["peak"] for r in results)
                     diff = max((r["out"] - whole["out"]).abs().max().item() for r in results)
-                    rows.append([tokens, world, f"{mode} ({results[0]['attention']})", f"{seconds:.3f}",
+                    rows.append([tokens, world, f"{mode.split(':')[0]} ({results[0]['attention']})", f"{seconds:.3f}",
                                  f"{seconds / whole['seconds']:.2f}",
                                  f"{peak / 2**20:.0f}", f"{peak / whole['peak']:.2f}", f"{diff:.1e}"])
         print_table(f"{model}: one denoising step (forward, no grad), per rank: slowest rank's fastest of "
