@@ -99,18 +99,18 @@ class MixFFN(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.first, self.second = Layer(8), Layer(8)
+        self.attend_in, self.attend_out = Layer(8), Layer(8)
         self.inverted, self.point = nn.Conv2d(8, 32, 1), nn.Conv2d(16, 8, 1, bias=False)
         self.depth = nn.Conv2d(32, 32, 3, padding=1, groups=32)
         self.dw = nn.Conv2d(8, 8, (5, 3), padding=(4, 1), dilation=(2, 1), groups=8)
 
     def forward(self, x):
-        h = self.first(x)
+        h = self.attend_in(x)
         b, _, c = h.shape
         image, gate = self.depth(F.silu(self.inverted(h.unflatten(1, GRID).permute(0, 3, 1, 2)))).chunk(2, dim=1)
         h = h + self.point(image * F.silu(gate)).flatten(2, 3).permute(0, 2, 1)
         h = h + self.dw(h.transpose(1, 2).view(b, c, *GRID)).flatten(2).transpose(1, 2)
-        return self.second(h)
+        return self.attend_out(h)
 
 
 def _summary(r) -> dict:

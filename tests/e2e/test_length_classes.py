@@ -110,7 +110,7 @@ def _packed_transformers_llama(lengths, classes=True, fsdp=False):
     """Train transformers' Llama on packed rows of ``lengths``; ``fsdp``: the README's recipe -- transformers'
     checkpointing, FSDP2 on every decoder layer and the root, the whole model compiled (FSDP2's hooks cut it into a
     graph per layer; the rotary tables and the document mask reach them uncomputed). Returns the worst difference
-    from one process, the compilation counts after the second length and at the end, and the strategies."""
+    from one process, the compilation counts after two lengths and at the end, and the strategies."""
     import transformers
     from torch.distributed.fsdp import fully_shard
 

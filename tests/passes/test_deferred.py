@@ -45,7 +45,7 @@ def _graph(n: int, dynamic: bool):
         return gm.forward
 
     ids, positions, weight = _inputs(n)
-    if dynamic:  # the sequence dims, as dynamo makes them after a second length
+    if dynamic:  # the sequence dims, as dynamo makes them once a new length is seen
         torch._dynamo.mark_dynamic(ids, 1)
         torch._dynamo.mark_dynamic(positions, 1)
     torch._dynamo.reset()
