@@ -37,13 +37,13 @@ import torch.fx as fx
 from .graph import eliminate_dead_code, fake_mode_of, new_node, unused_impure
 from .normalize import canonicalize
 from .ops import is_tensor_node, op_of, permutation, shape_of, size_key, value_of
+from .rules import attention_lengths
 
 __all__ = ["flatten_grids"]
 
 def flatten_grids(gm: fx.GraphModule) -> dict[str, int]:
     """Rewrite every grid region of ``gm`` (see the module docstring); returns how many."""
-    lengths = {size_key(shape_of(op["q"])[2]) for op in map(op_of, gm.graph.nodes)
-               if op is not None and op.name == "attention"}
+    lengths = attention_lengths(gm)
     keep = unused_impure(gm.graph)
     done: set[fx.Node] = set()
     count = 0
@@ -131,14 +131,18 @@ def _keeps_grid(op, dim: int, shape) -> bool:
     ``dilation * (kernel - 1) / 2`` on both, weight and bias not grids themselves."""
     if op["weight"] is None or len(shape_of(op["weight"])) != 4 or dim != len(shape) - 2:
         return False
-    pair = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (v, v)  # noqa: E731
-    kernel, dilation = shape_of(op["weight"])[-2:], pair(op["dilation"])
+    kernel, dilation = shape_of(op["weight"])[-2:], _pair(op["dilation"])
     padding = op["padding"]
     if padding == "same":
         padding = tuple(d * (k - 1) // 2 for d, k in zip(dilation, kernel))
-    padding = pair(padding)
-    return (pair(op["stride"]) == (1, 1) and all(isinstance(v, int) for v in padding + dilation)
+    padding = _pair(padding)
+    return (_pair(op["stride"]) == (1, 1) and all(isinstance(v, int) for v in padding + dilation)
             and all(2 * p == d * (k - 1) for p, d, k in zip(padding, dilation, kernel)))
+
+
+def _pair(value) -> tuple:
+    """A convolution's per-dim argument (an int for both dims, or a pair) as a pair."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
 
 
 def _follow_elementwise(node: fx.Node, grid: dict[fx.Node, int], height, width) -> int | None:
@@ -198,8 +202,7 @@ def _flat_twin(graph: fx.Graph, node: fx.Node, grid: dict[fx.Node, int], flat: d
             weight = new_node(graph, torch.flatten, (weight, 2))
             return new_node(graph, torch.conv1d, (flat[op["input"]], weight, op["bias"], 1, 0, 1, op["groups"]),
                             example_value=example)
-        pair = lambda v: list(v) if isinstance(v, (tuple, list)) else [v, v]  # noqa: E731
-        dilation = pair(op["dilation"])
+        dilation = list(_pair(op["dilation"]))
         padding = [d * (k - 1) // 2 for d, k in zip(dilation, kernel)]
         return new_node(graph, torch.ops.autoshard.grid_conv.default,
                         (flat[op["input"]], weight, op["bias"], height, width, padding, dilation, op["groups"]),

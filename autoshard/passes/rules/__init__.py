@@ -46,7 +46,7 @@ from . import (attention, conv, embedding, factories, joins, loss, markers, matm
 from .pointwise import link_broadcast
 from .registry import RULES
 
-__all__ = ["RULES", "link_graph"]
+__all__ = ["RULES", "attention_lengths", "link_graph"]
 
 
 def link_graph(gm: fx.GraphModule) -> LinkContext:
@@ -54,8 +54,7 @@ def link_graph(gm: fx.GraphModule) -> LinkContext:
     inside token-local regions link like elementwise ops."""
     ctx = LinkContext()
     ctx.token_local = token_local_nodes(gm)
-    ctx.attention_lengths = {size_key(shape_of(op["q"])[2]) for op in map(op_of, gm.graph.nodes)
-                             if op is not None and op.name == "attention"}
+    ctx.attention_lengths = attention_lengths(gm)
     ctx.joined_lengths = _joined_lengths(gm, ctx.attention_lengths)
     for node in gm.graph.nodes:
         op = op_of(node)
@@ -74,6 +73,11 @@ def link_graph(gm: fx.GraphModule) -> LinkContext:
                            set_factors=RULES.get(getattr(op_of(producer), "name", None)) is None)
     return ctx
 
+
+def attention_lengths(gm: fx.GraphModule) -> set:
+    """The query lengths of the graph's attention calls (``size_key`` of each)."""
+    return {size_key(shape_of(op["q"])[2]) for op in map(op_of, gm.graph.nodes)
+            if op is not None and op.name == "attention"}
 
 
 def _joined_lengths(gm: fx.GraphModule, attention_lengths: set) -> set:
