@@ -68,6 +68,7 @@ from .policy import device_budget, host_budget, memory_policy_for
 from .runtime.input_check import checking_inputs, replicated_inputs
 from .runtime.warn import warn
 from .runtime.attention.dispatch import last_dispatch
+from .runtime.attention.visible_keys import last_fetch
 from .runtime.layouts import SequenceLayout
 from .runtime.offload import eager_checkpoints
 from .runtime.split_tensor import SplitTensor
@@ -530,7 +531,7 @@ def backend(group: GroupLike = None, config: BackendConfig | None = None, **over
 def explain(compiled_by: AutoshardBackend | Any = None) -> str:
     """What a backend did to the graphs it compiled on this rank (the last ``RECORDS_KEPT``), oldest first:
     attention strategies, fallbacks, the memory levers and the memory policy's choice; after a run with packed
-    documents, the attention work per rank of the latest call and its imbalance. ``compiled_by``: the
+    documents, the attention work per rank of the latest call and its imbalance, and the key rows every rank fetched. ``compiled_by``: the
     backend ``autoshard.backend(...)`` returned, or a model :func:`compile` returned; None: the one
     ``torch.compile(model, backend="autoshard")`` uses. Each report in full is ``backend.compiled[i].report``."""
     source = getattr(compiled_by, "autoshard_backend", compiled_by) if compiled_by is not None else autoshard_backend
@@ -543,9 +544,11 @@ def explain(compiled_by: AutoshardBackend | Any = None) -> str:
     counts = ", ".join(f"{source.compilations[kind]} {kind}" for kind in CAUSES if source.compilations[kind])
     lines = [f"compilations on this rank: {sum(source.compilations.values())} ({counts})"]
     lines += [line for i, record in enumerate(source.compiled) for line in describe_record(i, record)]
-    documents = last_dispatch()
+    documents, fetched = last_dispatch(), last_fetch()
     if documents is not None:
         lines.append(f"packed documents, latest attention: {documents.summary()}")
+    if fetched is not None:
+        lines.append(f"packed documents, latest all-gather attention: {fetched.summary()}")
     return "\n".join(lines)
 
 

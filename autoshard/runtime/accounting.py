@@ -42,7 +42,7 @@ class CallStats:
     """Bytes this rank received in those calls."""
 
 
-_UNPLANNED = ("metadata", "dispatch")
+_UNPLANNED = ("metadata", "dispatch", "key_fetch")
 """Collective kinds whose bytes no plan predicts."""
 
 
@@ -68,8 +68,9 @@ class CommCounter:
     @property
     def payload_bytes_sent(self) -> int:
         """Bytes sent by the collectives a plan predicts: all, less the ``"metadata"`` the ranks exchange to check
-        each other (lengths, flags) and the ``"dispatch"`` of packed documents' queries, whose bytes depend on where
-        the documents fall (:attr:`dispatch_bytes_sent`)."""
+        each other (lengths, flags), the ``"dispatch"`` of packed documents' queries and the ``"key_fetch"`` of their
+        visible keys, whose bytes depend on where the documents fall (:attr:`dispatch_bytes_sent`,
+        :attr:`key_fetch_bytes_sent`)."""
         return sum(s.bytes_sent for kind, s in self.calls.items() if kind not in _UNPLANNED)
 
     @property
@@ -77,6 +78,13 @@ class CommCounter:
         """Bytes sent moving packed documents' queries to the ranks that balance the attention work (and their
         results back): data-dependent, zero when the documents fall evenly."""
         stats = self.calls.get("dispatch")
+        return stats.bytes_sent if stats else 0
+
+    @property
+    def key_fetch_bytes_sent(self) -> int:
+        """Bytes sent fetching packed documents' visible keys for the all-gather strategy (and their gradients
+        back): data-dependent, zero when every document sits whole on the rank that computes it."""
+        stats = self.calls.get("key_fetch")
         return stats.bytes_sent if stats else 0
 
     def summary(self) -> str:

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 import autoshard
+from autoshard.runtime import SequenceLayout, comm_counter
 from autoshard.runtime.attention import attention_flops
+from autoshard.runtime.attention.dispatch import balance
+from autoshard.runtime.attention.masks import MaskSpec
+from autoshard.runtime.attention.visible_keys import key_fetch
+from autoshard.runtime.layouts import split_sizes
 from autoshard.testing import run_on_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -82,3 +87,111 @@ def test_packed_llama_work_is_the_documents_and_balanced():
     plan = autoshard.plan(_model(), kwargs=_inputs(), world_size=4)  # the plan knows each rank's work, exactly
     assert [w * HEADS * 14 * HEAD_DIM for w in plan.documents["work"]] == work, (plan.documents, work)
     assert plan.documents["laid_out_imbalance"] > 1.2 and "packed documents (" in str(plan)
+
+
+# ---------------------------------------------------------------------------- visible keys, a new batch each step
+
+ROW = 385
+"""Tokens of a row in the batches below (no world size divides it)."""
+LAYERS, KV_HEADS = 2, 2
+
+
+def _batch(kind: str, world: int) -> list[int]:
+    """Document lengths of one row of ``ROW`` tokens."""
+    if kind == "aligned":  # short documents, each whole inside one chunk of the zigzag layout: no key moves
+        return [n for chunk in split_sizes(ROW, 2 * world) for n in (chunk // 2, chunk - chunk // 2)]
+    if kind == "long-tail":
+        gen = torch.Generator().manual_seed(world)
+        out = [190]
+        while sum(out) < ROW:
+            out.append(int(torch.empty(1).log_normal_(2.5, 0.8, generator=gen).clamp(2, 60)))
+        out[-1] -= sum(out) - ROW
+        return out
+    return {"long": [150, ROW - 150], "spanning": [ROW], "padding": [100, 120, ROW - 220]}[kind]
+
+
+BATCHES = ("aligned", "long-tail", "long", "spanning")
+
+
+def _batch_inputs(kind: str, world: int) -> dict:
+    ids = torch.randint(0, 256, (1, ROW), generator=torch.Generator().manual_seed(len(kind)))
+    positions = torch.cat([torch.arange(n) for n in _batch(kind, world)])[None]
+    inputs = dict(input_ids=ids, labels=ids.clone(), position_ids=positions, use_cache=False)
+    if kind == "padding":  # documents, then padding the attention mask hides and the loss ignores
+        inputs["labels"][:, -20:] = -100
+        inputs["attention_mask"] = torch.ones_like(ids)
+        inputs["attention_mask"][:, -20:] = 0
+    return inputs
+
+
+def _small_llama():
+    cfg = transformers.LlamaConfig(hidden_size=HEADS * HEAD_DIM, intermediate_size=64, num_hidden_layers=LAYERS,
+                                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=256,
+                                   max_position_embeddings=ROW)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).double().train()
+
+
+def _batch_step(model, inputs: dict, run=None) -> tuple[torch.Tensor, dict]:
+    loss = (model if run is None else run)(**inputs).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _rank_batches(world: int, kinds: tuple[str, ...]) -> dict:
+    model = _small_llama()
+    compiled = autoshard.compile(model)
+    out = {}
+    for kind in kinds:
+        with comm_counter() as comm:
+            loss, grads = _batch_step(model, _batch_inputs(kind, world), compiled)
+        out[kind] = dict(loss=loss, grads=grads, key_fetch=comm.key_fetch_bytes_sent,
+                         gathered=comm.calls["all_gather"].bytes_sent if "all_gather" in comm.calls else 0,
+                         compilations=sum(compiled.autoshard_backend.compilations.values()),
+                         explain=autoshard.explain(compiled))
+    attention = [a for r in compiled.autoshard_backend.compiled for a in r.report.attention]
+    out["attention"] = [(a["strategy"], a["layout"]) for a in attention]
+    return out
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
+def test_each_batch_fetches_only_its_documents_keys(world):
+    """A compiled Llama trained on a new packing every step: loss and gradients equal one process's (float64) for
+    short documents each whole on a rank, a long-tail mix, long documents, one document over every rank and
+    documents with padding; the four packings of one shape compile once; the bytes fetching keys are exactly those
+    of the rows the documents make visible (:func:`~autoshard.runtime.attention.visible_keys.key_fetch`): none for
+    the short documents, none (all-gathered instead) for the document over every rank."""
+    kinds = BATCHES + ("padding",)
+    results = run_on_ranks(_rank_batches, world, world, kinds, timeout=600)
+    assert all(s == ("allgather", "zigzag") for s in results[0]["attention"][:LAYERS]), results[0]["attention"]
+    layout, spec = SequenceLayout.zigzag(ROW, world), MaskSpec.of(True)
+    row = KV_HEADS * HEAD_DIM * 8  # bytes of one key row (batch 1, float64)
+    for kind in kinds:
+        loss, grads = _batch_step(_small_llama(), _batch_inputs(kind, world))
+        ids = torch.repeat_interleave(torch.arange(len(_batch(kind, world))), torch.tensor(_batch(kind, world)))[None]
+        fetch = key_fetch(layout, ids, spec, balance(layout, ids, spec))
+        for rank, result in enumerate(results):
+            got = result[kind]
+            assert abs(got["loss"] - loss) <= TOLERANCE * abs(loss), (kind, rank, got["loss"], loss)
+            for name, grad in grads.items():
+                error = ((got["grads"][name] - grad).abs().max() / grad.abs().max()).item()
+                assert error <= TOLERANCE, (kind, rank, name, error)
+            if kind == "padding":
+                continue
+            sent, back = fetch.sent_sizes(rank), fetch.received_sizes(rank)
+            rows_sent, rows_back = sum(sent) - sent[rank], sum(back) - back[rank]
+            expected = LAYERS * row * (2 * 2 * rows_sent + 2 * rows_back) if fetch.worth_it else 0
+            assert got["key_fetch"] == expected, (kind, rank, got["key_fetch"], expected)
+        if kind == "aligned":
+            assert fetch.rows == (0,) * world and all(r[kind]["key_fetch"] == 0 for r in results)
+            kv_gather = LAYERS * 2 * (world - 1) * layout.max_local_length * row  # one all-gather of K and V
+            assert all(r[kind]["gathered"] < kv_gather / 4 for r in results), [r[kind]["gathered"] for r in results]
+        if kind == "spanning":
+            assert not fetch.worth_it
+        if kind == "long-tail":
+            assert fetch.worth_it and max(fetch.rows) > 0, fetch.rows
+    assert [results[0][k]["compilations"] for k in BATCHES] == [1] * len(BATCHES), results[0]
+    assert "key rows fetched per rank" in results[0]["long-tail"]["explain"]

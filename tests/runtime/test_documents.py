@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 
 from autoshard.runtime import SequenceLayout, attention, comm_counter
+from autoshard.runtime.layouts import split_sizes
 from autoshard.runtime.attention import attention_flops
 from autoshard.runtime.attention.dispatch import balance
 from autoshard.runtime.attention.masks import MaskSpec
+from autoshard.runtime.attention.visible_keys import key_fetch
 from autoshard.testing import run_on_ranks
 
 TOLERANCE = 1e-10
@@ -33,6 +35,8 @@ PATTERNS = {
     "padding": lambda s, w: [7, 11] * s,  # documents, and a key mask (left padding, holes)
     "window": lambda s, w: [s // 3, s // 2, s],  # documents under a sliding window
     "uneven": lambda s, w: [s - 6 * w] + [1] * (6 * w),  # one long document, then crumbs: the dispatch moves queries
+    "aligned": lambda s, w: [n for share in split_sizes(s, w) for n in (share // 2, share - share // 2)],  # whole on
+    # their rank of the contiguous layout: no key moves
 }
 
 
@@ -44,7 +48,7 @@ def _strategies(world: int) -> list[tuple[str, str]]:
 
 def _cases(world: int) -> list[dict]:
     length = 64 * world + 3 if world == 4 else 16 * world + 1
-    return [dict(strategy=s, layout=lay, pattern=p, length=length, seed=n)
+    return [dict(strategy=s, layout=lay, pattern=p, length=length, seed=n, world=world)
             for n, ((s, lay), p) in enumerate((sl, p) for sl in _strategies(world) for p in PATTERNS
                                                if p != "uneven" or world == 4)]
 
@@ -52,13 +56,15 @@ def _cases(world: int) -> list[dict]:
 def _segments(case: dict) -> torch.Tensor:
     S = case["length"]
     lengths, total = [], 0
-    for n in PATTERNS[case["pattern"]](S, 4):
+    for n in PATTERNS[case["pattern"]](S, case["world"]):
         n = min(n, S - total)
         if n <= 0:
             break
         lengths.append(n)
         total += n
     ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    if case["pattern"] == "aligned":
+        return torch.stack([ids, ids + 100])  # batch 2, the same documents
     return torch.stack([ids, ids.flip(0).neg()])  # batch 2: the second row's documents fall elsewhere
 
 
@@ -120,7 +126,8 @@ def _run_case(case: dict, mesh) -> dict:
                         seq_len=case["length"], causal=spec.causal, window=spec.window_arg)
         out.backward(dout[:, :, pos])
     return dict(pos=pos, out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad, flops=flops.total,
-                dispatch=comm.dispatch_bytes_sent)
+                dispatch=comm.dispatch_bytes_sent, key_fetch=comm.key_fetch_bytes_sent,
+                gathered=comm.calls["all_gather"].bytes_sent if "all_gather" in comm.calls else 0)
 
 
 def _run(cases: list[dict]) -> list[dict]:
@@ -165,3 +172,33 @@ def test_the_dispatch_moves_queries_only_when_the_documents_fall_unevenly(runs):
     if world == 4:
         assert any(balance(SequenceLayout.of(c["layout"], c["length"], 4), _segments(c), _spec(c)).moves
                    for c in cases if c["pattern"] == "uneven")
+
+
+def test_the_all_gather_fetches_only_the_keys_its_queries_see(runs):
+    """With packed documents the all-gather strategy fetches, per rank, only the key rows visible to the queries it
+    computes (:mod:`~autoshard.runtime.attention.visible_keys`): the bytes counted are exactly those rows' K and V
+    (forward, again in the backward) and their dK, dV back (float64); documents that sit whole on their ranks send
+    no key, and only the segment ids (and a key mask) are all-gathered."""
+    world, cases, results = runs
+    row = 2 * KV_HEADS * HEAD_DIM * 8  # bytes of one key row of the batch: 2 rows x kv heads x head dim, float64
+    fetched = 0
+    for n, case in enumerate(cases):
+        if case["strategy"] != "allgather":
+            continue
+        layout, ids, spec = SequenceLayout.of(case["layout"], case["length"], world), _segments(case), _spec(case)
+        fetch = key_fetch(layout, ids, spec, balance(layout, ids, spec))
+        for rank in range(world):
+            sent = results[rank][n]["key_fetch"]
+            if not fetch.worth_it:
+                assert sent == 0, (case, rank, sent)
+                continue
+            rows_sent = sum(fetch.sent_sizes(rank)) - fetch.sent_sizes(rank)[rank]
+            rows_back = sum(fetch.received_sizes(rank)) - fetch.received_sizes(rank)[rank]
+            assert sent == row * (2 * 2 * rows_sent + 2 * rows_back), (case, rank, sent, rows_sent, rows_back)
+            ids_bytes = 2 * layout.max_local_length * 8 * (world - 1) * 2  # int64 ids (padded), forward and backward
+            assert results[rank][n]["gathered"] <= ids_bytes * (2 if case["pattern"] == "padding" else 1), case
+            fetched += sent
+        if case["pattern"] == "aligned" and case["layout"] == "contiguous":
+            assert fetch.worth_it and fetch.rows == (0,) * world, fetch.rows
+            assert all(results[rank][n]["key_fetch"] == 0 for rank in range(world)), case
+    assert fetched > 0

@@ -18,12 +18,15 @@ Cost: the gathers are exposed (before the compute) but few; the rank holds the w
 Packed documents (segment ids): the ranks' work then depends on where the documents fall, so the queries are
 dispatched by work (:mod:`.dispatch`): chunks of the most loaded ranks' queries are computed by the least loaded,
 their rows sent there and their results back by all-to-alls counted as ``"dispatch"`` (data-dependent bytes, none
-when the batch is balanced as laid out).
+when the batch is balanced as laid out); and every rank fetches only the keys its queries see (:mod:`.visible_keys`,
+counted as ``"key_fetch"``: none for documents that sit whole on the rank computing them) instead of all of them,
+unless the documents are so long that the all-gather moves about as much.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -37,32 +40,67 @@ from .blocks import HeadSegment, Piece, attend, attend_backward, empty_result, p
 from .call import Call
 from . import dispatch
 from .dispatch import Chunk, Dispatch, balance, global_ids
+from .visible_keys import KeyFetch, key_fetch
 from .formulas import B, D, Dv, Hkv, M, P, S, Sizes, a, e
 from .local import compute_dtype, row_delta
 
 __all__ = ["allgather_attention", "allgather_bytes"]
 
 
-def _gather(k, v, key_mask, segment_ids, call: Call):
-    """Every rank's K, V and key-side masks, concatenated in rank order (one all-gather each)."""
+def _gather(call: Call, *tensors):
+    """Every rank's ``tensors`` (K, V: sequence dim 2; masks, ids: dim 1), concatenated in rank order (one
+    all-gather each; None stays None)."""
     pg, sizes = call.pg, list(call.layout.local_lengths)
-    return [None if t is None else all_gather_impl(t, 2 if t.dim() == 4 else 1, sizes, pg)
-            for t in (k, v, key_mask, segment_ids)]
+    return [None if t is None else all_gather_impl(t, 2 if t.dim() == 4 else 1, sizes, pg) for t in tensors]
+
+
+@dataclass
+class _Keys:
+    """The keys this rank attends to: all-gathered, or with packed documents only the visible ones fetched."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    key_mask: torch.Tensor | None
+    segment_ids: torch.Tensor | None
+    pieces: tuple[Piece, ...]
+    """Where every key row sits in the global sequence."""
+    dispatch: Dispatch | None
+    """With packed documents: which rank computes which chunk of queries."""
+    fetch: KeyFetch | None
+    """With packed documents whose visible keys are fetched (:mod:`.visible_keys`): which rows came from where."""
+
+
+def _keys(k, v, key_mask, segment_ids, call: Call) -> _Keys:
+    layout, rank = call.layout, call.pg.rank()
+    (all_segments,) = _gather(call, segment_ids)
+    plan = _dispatch(all_segments, call)
+    ids = None if all_segments is None or layout.world_size == 1 else global_ids(all_segments, layout)
+    fetch = None if ids is None else key_fetch(layout, ids, call.spec, plan)
+    if fetch is None or not fetch.worth_it:
+        all_k, all_v, all_keys_mask = _gather(call, k, v, key_mask)
+        return _Keys(all_k, all_v, all_keys_mask, all_segments, pieces(layout, range(layout.world_size)), plan, None)
+    rows, send, receive = fetch.sent_rows(rank, k.device), fetch.sent_sizes(rank), fetch.received_sizes(rank)
+    fetched = [torch.cat([t, exchange_impl(t.index_select(2, rows), 2, send, receive, call.pg, kind="key_fetch")], 2)
+               for t in (k, v)]
+    positions = fetch.positions(rank, k.device)
+    if key_mask is not None:  # a few bits a key: gathered whole, read at the rows held
+        (all_keys_mask,) = _gather(call, key_mask)
+        key_mask = global_ids(all_keys_mask, layout)[:, positions]
+    return _Keys(*fetched, key_mask, ids[:, positions], fetch.pieces(rank), plan, fetch)
 
 
 def _forward(q, k, v, key_mask, segment_ids, call: Call):
-    all_k, all_v, all_keys_mask, all_segments = _gather(k, v, key_mask, segment_ids, call)
-    layout, rank = call.layout, call.pg.rank()
+    keys = _keys(k, v, key_mask, segment_ids, call)
+    layout, rank, plan = call.layout, call.pg.rank(), keys.dispatch
     out, lse = empty_result(q, v)
-    options = _attend_options(q, k, all_keys_mask, all_segments, call)
-    plan = _dispatch(all_segments, call)
-    attend(out, lse, q, all_k, all_v, plan.kept(rank) if plan else pieces(layout, [rank]),
-           pieces(layout, range(layout.world_size)), seg_q=segment_ids, **options)
+    options = _attend_options(q, k, keys, call)
+    attend(out, lse, q, keys.k, keys.v, plan.kept(rank) if plan else pieces(layout, [rank]), keys.pieces,
+           seg_q=segment_ids, **options)
     if plan is not None and plan.moves:  # the queries this rank computes for others, and their results back
         incoming, q_in = _incoming(plan, call, q)
         out_in, lse_in = empty_result(q_in, v)
-        attend(out_in, lse_in, q_in, all_k, all_v, _pieces(incoming), pieces(layout, range(layout.world_size)),
-               seg_q=plan.ids_of(incoming), **options)
+        attend(out_in, lse_in, q_in, keys.k, keys.v, _pieces(incoming), keys.pieces, seg_q=plan.ids_of(incoming),
+               **options)
         for t, result in zip((out, lse), _returned(plan, call, out_in, lse_in)):
             for chunk, rows in result:
                 t[:, :, chunk.rows] = rows
@@ -70,32 +108,42 @@ def _forward(q, k, v, key_mask, segment_ids, call: Call):
 
 
 def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
-    all_k, all_v, all_keys_mask, all_segments = _gather(k, v, key_mask, segment_ids, call)
-    layout, rank = call.layout, call.pg.rank()
+    keys = _keys(k, v, key_mask, segment_ids, call)
+    layout, rank, plan = call.layout, call.pg.rank(), keys.dispatch
     ct = compute_dtype(q.dtype)
     dq = q.new_zeros(q.shape, dtype=ct)
-    dk, dv = all_k.new_zeros(all_k.shape, dtype=ct), all_v.new_zeros(all_v.shape, dtype=ct)
-    options = _attend_options(q, k, all_keys_mask, all_segments, call)
-    plan = _dispatch(all_segments, call)
-    attend_backward(dq, dk, dv, dout, q, all_k, all_v, out, lse, row_delta(dout, out),
-                    plan.kept(rank) if plan else pieces(layout, [rank]), pieces(layout, range(layout.world_size)),
-                    seg_q=segment_ids, **options)
+    dk, dv = keys.k.new_zeros(keys.k.shape, dtype=ct), keys.v.new_zeros(keys.v.shape, dtype=ct)
+    options = _attend_options(q, k, keys, call)
+    attend_backward(dq, dk, dv, dout, q, keys.k, keys.v, out, lse, row_delta(dout, out),
+                    plan.kept(rank) if plan else pieces(layout, [rank]), keys.pieces, seg_q=segment_ids, **options)
     if plan is not None and plan.moves:
         incoming, q_in, dout_in, out_in, lse_in = _incoming(plan, call, q, dout, out, lse)
         dq_in = q_in.new_zeros(q_in.shape, dtype=ct)
-        attend_backward(dq_in, dk, dv, dout_in, q_in, all_k, all_v, out_in, lse_in, row_delta(dout_in, out_in),
-                        _pieces(incoming), pieces(layout, range(layout.world_size)),
-                        seg_q=plan.ids_of(incoming), **options)
+        attend_backward(dq_in, dk, dv, dout_in, q_in, keys.k, keys.v, out_in, lse_in, row_delta(dout_in, out_in),
+                        _pieces(incoming), keys.pieces, seg_q=plan.ids_of(incoming), **options)
         (result,) = _returned(plan, call, dq_in)
         for chunk, rows in result:
             dq[:, :, chunk.rows] += rows
-    del all_k, all_v
-    sizes = list(layout.local_lengths)
-    return dq, reduce_scatter_impl(dk, 2, sizes, call.pg), reduce_scatter_impl(dv, 2, sizes, call.pg)
+    fetch = keys.fetch
+    del keys
+    if fetch is None:
+        sizes = list(layout.local_lengths)
+        return dq, reduce_scatter_impl(dk, 2, sizes, call.pg), reduce_scatter_impl(dv, 2, sizes, call.pg)
+    return dq, *(_returned_keys(fetch, call, t) for t in (dk, dv))
 
 
-def _attend_options(q, k, all_keys_mask, all_segments, call: Call) -> dict:
-    return dict(heads=HeadSegment.all(q.size(1), k.size(1)), key_mask=all_keys_mask, seg_k=all_segments,
+def _returned_keys(fetch: KeyFetch, call: Call, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of this rank's own keys: its own rows of ``grad`` plus those of the rows other ranks fetched,
+    sent back by the inverse all-to-all."""
+    rank = call.pg.rank()
+    own = grad[:, :, :call.layout.local_length(rank)]
+    back = exchange_impl(grad[:, :, own.size(2):], 2, fetch.received_sizes(rank), fetch.sent_sizes(rank), call.pg,
+                         kind="key_fetch")
+    return own.index_add(2, fetch.sent_rows(rank, grad.device), back)
+
+
+def _attend_options(q, k, keys: _Keys, call: Call) -> dict:
+    return dict(heads=HeadSegment.all(q.size(1), k.size(1)), key_mask=keys.key_mask, seg_k=keys.segment_ids,
                 scoring=call.scoring)
 
 

@@ -22,7 +22,7 @@ import torch
 from .masks import MaskSpec
 
 __all__ = ["DocumentBlock", "DocumentGroup", "document_groups", "fragmented", "tile_ranges", "visible_pairs", "range_work",
-           "MIN_ROWS"]
+           "row_runs", "runs_by_id", "MIN_ROWS"]
 
 MIN_ROWS = 16
 """Below this many query rows per rectangle on average, a block is computed tile by tile rather than by document."""
@@ -62,7 +62,7 @@ def _runs(ids: torch.Tensor) -> list[tuple[int, int, int]]:
     return list(zip(values.tolist(), starts, ends))
 
 
-def _by_id(runs: list[tuple[int, int, int]]) -> dict[int, list[tuple[int, int]]]:
+def runs_by_id(runs: list[tuple[int, int, int]]) -> dict[int, list[tuple[int, int]]]:
     """The ``(start, end)`` of the runs of every id."""
     by_id: dict[int, list[tuple[int, int]]] = {}
     for value, lo, hi in runs:
@@ -82,8 +82,8 @@ def document_groups(segment_ids: tuple[torch.Tensor, torch.Tensor]) -> list[Docu
     seg_q, seg_k = segment_ids
     batch = seg_q.size(0)
     if batch == 1 or (bool((seg_q == seg_q[:1]).all()) and bool((seg_k == seg_k[:1]).all())):
-        return [DocumentGroup(slice(None), _blocks(_runs(seg_q[0]), _by_id(_runs(seg_k[0]))))]
-    return [DocumentGroup(slice(b, b + 1), _blocks(_runs(seg_q[b]), _by_id(_runs(seg_k[b])))) for b in range(batch)]
+        return [DocumentGroup(slice(None), _blocks(_runs(seg_q[0]), runs_by_id(_runs(seg_k[0]))))]
+    return [DocumentGroup(slice(b, b + 1), _blocks(_runs(seg_q[b]), runs_by_id(_runs(seg_k[b])))) for b in range(batch)]
 
 
 def fragmented(groups: list[DocumentGroup], q_len: int) -> bool:
@@ -120,13 +120,20 @@ def tile_ranges(ids: torch.Tensor, tile: int) -> list[tuple[int, int]]:
     return list(zip(low.tolist(), high.tolist()))
 
 
+def row_runs(ids: torch.Tensor) -> list[tuple[slice, list[tuple[int, int, int]]]]:
+    """The runs ``(id, start, end)`` of the ids ``[B, S]`` per group of batch rows with equal ids: one group (every
+    row) when all rows are equal, else one per row."""
+    if ids.size(0) == 1 or bool((ids == ids[:1]).all()):
+        return [(slice(None), _runs(ids[0]))]
+    return [(slice(b, b + 1), _runs(ids[b])) for b in range(ids.size(0))]
+
+
 def range_work(spec: MaskSpec, ids: torch.Tensor, ranges: list[tuple[int, int]]) -> list[int]:
     """The visible pairs of the queries at global positions ``[start, end)`` of every range against every key of the
     sequence, under ``spec`` and the documents of ``ids`` (``[B, S]``, in global order), summed over batch rows."""
     batch, length = ids.shape
-    same = batch == 1 or bool((ids == ids[:1]).all())
-    rows = [(slice(None), _runs(ids[0]))] if same else [(slice(b, b + 1), _runs(ids[b])) for b in range(batch)]
-    by_id = [_by_id(runs) for _, runs in rows]
+    rows = row_runs(ids)
+    by_id = [runs_by_id(runs) for _, runs in rows]
     work = []
     for start, end in ranges:
         groups = [DocumentGroup(at, _blocks([(value, max(lo, start) - start, min(hi, end) - start)
