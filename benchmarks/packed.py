@@ -2,6 +2,7 @@
 
     python benchmarks/packed.py                 # S = 16384, P = 2 (a few minutes)
     python benchmarks/packed.py --length 4096   # quicker
+    python benchmarks/packed.py --mix long-tail --length 32768   # keys fetched by visibility, P = 2 and 4
 
 Model: transformers ``LlamaForCausalLM`` from a config (vocab 8000, 4 layers, hidden 256, 8 heads / 2 kv heads,
 float32, random weights), one row of S tokens packed with documents of log-normal lengths (mean about 1K tokens,
@@ -20,6 +21,17 @@ FLOPs of the step summed over ranks over the documents' own causal work (``sum/i
 ranks (:func:`~autoshard.runtime.attention.flops.attention_flops`), bytes the dispatch sent per rank, peak extra
 resident memory of rank 0.
 
+``--mix long-tail`` measures the all-gather's keys fetched by visibility (:mod:`~autoshard.runtime.attention.
+visible_keys`) instead: rows of ``--length`` tokens, each one document of 8K to 16K tokens (or a quarter of the row,
+if shorter) among log-normal ones (median about 500 tokens, 16 to 4096), a new row every step (the same rows for
+every run). Runs, interleaved: ``one process`` (``autoshard.compile`` on one rank: only the documents' rectangles
+computed), then at P = 2 and 4 ``all-gather + dispatch`` (every key all-gathered, queries dispatched by work; as
+before, ``visible_keys.FETCH = False``) and ``visible keys`` (the default). Columns: the step (slowest rank, the
+fastest of the rounds' mean over the rows), its ratio to the all-gather's, bytes attention's collectives sent per
+step (K/V, ids and masks gathered or fetched, dK/dV returned, queries dispatched; busiest rank, mean over the rows)
+and their ratio, bytes every collective sent (with the parameters' gradients summed over the ranks), the attention
+work's max/mean over ranks, compilations.
+
 A second table prices the dispatch alone for P = 4 (``--length`` tokens, the same documents' distribution, five
 batches): the ranks' work as laid out (contiguous, zigzag) and after it, from
 :func:`~autoshard.runtime.attention.dispatch.balance` (no model run).
@@ -36,9 +48,10 @@ import torch.distributed as dist
 import autoshard
 from autoshard.runtime import SequenceLayout, comm_counter
 from autoshard.runtime.attention import attention_flops
-from autoshard.runtime.attention import dispatch, local
+from autoshard.runtime.attention import dispatch, local, visible_keys
 from autoshard.runtime.attention.masks import MaskSpec
 from autoshard.testing import run_on_ranks
+from autoshard.testing.data import long_tail, positions_of
 from autoshard.testing.memory import LOW_MMAP_THRESHOLD_ENV, peak_memory
 
 try:
@@ -105,6 +118,65 @@ def _measure(length: int, repeat: int) -> dict:
     return out
 
 
+FETCH_RUNS = {"all-gather + dispatch": False, "visible keys": True}
+"""Run -> ``visible_keys.FETCH``."""
+ROWS = 3
+"""Rows (packings) of the long-tail mix, one per step."""
+
+
+def _long_tail_inputs(length: int, row: int) -> dict:
+    ids = torch.randint(0, 8000, (1, length), generator=torch.Generator().manual_seed(row))
+    return dict(input_ids=ids, labels=ids, position_ids=positions_of(long_tail(length, row)), use_cache=False)
+
+
+ATTENTION_KINDS = ("all_gather", "reduce_scatter", "key_fetch", "dispatch")
+"""The collectives attention makes in this model (the rest: the parameters' gradients summed, the loss's)."""
+
+
+def _measure_fetch(length: int, repeat: int) -> dict:
+    """Per run: (mean step seconds, mean bytes attention sent per step, attention FLOPs of the rows, compilations,
+    mean bytes sent per step)."""
+    runs = FETCH_RUNS if dist.get_world_size() > 1 else {"one process": True}
+    models = {run: autoshard.compile(small_llama()) for run in runs}
+    for run, model in models.items():
+        visible_keys.FETCH = runs[run]
+        model(**_long_tail_inputs(length, 0)).loss.backward()  # compiles
+        model.zero_grad(set_to_none=True)
+    out: dict[str, tuple] = {}
+    for _ in range(repeat):
+        for run, model in models.items():
+            visible_keys.FETCH = runs[run]
+            seconds = sent = total = work = 0
+            for row in range(1, ROWS + 1):
+                dist.barrier()
+                with attention_flops() as flops, comm_counter() as comm:
+                    start = time.perf_counter()
+                    model(**_long_tail_inputs(length, row)).loss.backward()
+                    seconds += time.perf_counter() - start
+                model.zero_grad(set_to_none=True)
+                sent += sum(comm.calls[kind].bytes_sent for kind in ATTENTION_KINDS if kind in comm.calls)
+                total, work = total + comm.bytes_sent, work + flops.total
+            measured = (seconds / ROWS, sent / ROWS, work, sum(model.autoshard_backend.compilations.values()),
+                        total / ROWS)
+            out[run] = min(out.get(run, measured), measured)
+    return out
+
+
+def _fetch_table(length: int, repeat: int) -> list[list]:
+    one = run_on_ranks(_measure_fetch, 1, length, repeat, timeout=3600, env=LOW_MMAP_THRESHOLD_ENV)[0]["one process"]
+    rows = [["one process", "", f"{one[0]:.2f} s", "", "", "", "", "", one[3]]]
+    for world in (2, 4):
+        ranks = run_on_ranks(_measure_fetch, world, length, repeat, timeout=3600, env=LOW_MMAP_THRESHOLD_ENV)
+        base = max(r["all-gather + dispatch"][0] for r in ranks), max(r["all-gather + dispatch"][1] for r in ranks)
+        for run in FETCH_RUNS:
+            step, sent = max(r[run][0] for r in ranks), max(r[run][1] for r in ranks)
+            work = [r[run][2] for r in ranks]
+            rows.append([run, world, f"{step:.2f} s", f"{step / base[0]:.2f}", f"{sent / 2**20:,.1f} MiB",
+                         f"{sent / base[1]:.2f}", f"{max(r[run][4] for r in ranks) / 2**20:,.1f} MiB",
+                         f"{max(work) / (sum(work) / world):.2f}", max(r[run][3] for r in ranks)])
+    return rows
+
+
 def _work_table(length: int) -> list[list]:
     rows = []
     spec = MaskSpec.of(True)
@@ -125,7 +197,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds; the fastest counts")
+    parser.add_argument("--mix", choices=("log-normal", "long-tail"), default="log-normal",
+                        help="long-tail: the keys fetched by visibility against the all-gather, P = 2 and 4")
     args = parser.parse_args()
+    if args.mix == "long-tail":
+        lengths_seen = [long_tail(args.length, row) for row in range(1, ROWS + 1)]
+        print_table(f"transformers Llama (vocab 8000, 4 layers, hidden 256, 8/2 heads, fp32), rows of {args.length} "
+                    f"tokens of the long-tail mix ({', '.join(f'{len(d)} documents, longest {max(d)}' for d in lengths_seen)}), "
+                    f"forward + backward, a new row each step",
+                    ["run", "P", "step", "vs all-gather", "attention bytes/step", "vs all-gather", "all bytes/step",
+                     "work max/mean", "compilations"], _fetch_table(args.length, args.repeat))
+        return
     docs = lengths(args.length, 0)
     ideal = sum(n * (n + 1) // 2 for n in docs) * HEADS * 14 * HEAD_DIM * 4  # 4 layers, forward 4D + backward 10D
     ranks = run_on_ranks(_measure, 2, args.length, args.repeat, timeout=3600, env=LOW_MMAP_THRESHOLD_ENV)

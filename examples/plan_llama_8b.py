@@ -6,6 +6,7 @@
     python -m autoshard plan examples/plan_llama_8b.py:train --world-size 8 --seq-len 6291456 \\
         --memory-budget 80 --host-budget 240 --dp-shard 8 --optimizer adamw --no-grad-sync
     python -m autoshard plan examples/plan_llama_8b.py:prompt --world-size 8 --seq-len 1048576 --decode
+    python -m autoshard plan examples/plan_llama_8b.py:packed --world-size 8 --seq-len 131072 --hardware h100
 
 32 layers, hidden 4096, 32 query heads and 8 key/value heads, SwiGLU 14336, vocabulary 128256, RoPE theta
 500000, bfloat16, the model transformers builds from that config, unmodified. Nothing is allocated: the model
@@ -21,6 +22,8 @@ and the token ids live on the meta device.
   transformers turns it off itself under gradient checkpointing), the logits returned lazily;
 * ``prompt``: serving, ``model(input_ids=ids)`` in eval mode: with ``--decode`` the plan of a decode step after
   that prompt (the KV cache split along the sequence);
+* ``packed``: ``train`` on a row of packed documents of a long-tailed mix, their ``position_ids`` concrete: the
+  plan counts each rank's attention work and the keys each rank fetches (``packed documents`` in its text);
 * ``loss_only``: a training step that keeps only ``.loss`` inside the compiled code: the logits are dead in
   the graph, so no ``[tokens, vocab]`` value exists at all (with lazy logits, ``factory`` plans the same).
 """
@@ -28,6 +31,8 @@ and the token ids live on the meta device.
 import torch
 import torch.nn as nn
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from autoshard.testing.data import long_tail, positions_of
 
 CONFIG = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
               num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, attn_implementation="sdpa")
@@ -58,6 +63,14 @@ def factory(seq_len: int):
 def train(seq_len: int):
     ids = torch.randint(0, CONFIG["vocab_size"], (1, seq_len), device="meta")
     return _model(seq_len), (), dict(input_ids=ids, labels=ids, use_cache=False)
+
+
+def packed(seq_len: int):
+    """``train`` on one row packed with long-tailed documents (one of 8K to 16K tokens among log-normal ones, median
+    about 500: :func:`autoshard.testing.data.long_tail`), their concrete ``position_ids`` on the CPU so the plan reads
+    the documents: each rank's attention work and the keys it fetches."""
+    model, args, kwargs = train(seq_len)
+    return model, args, dict(kwargs, position_ids=positions_of(long_tail(seq_len, 1)))
 
 
 def loss_only(seq_len: int):

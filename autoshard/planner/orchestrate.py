@@ -20,7 +20,8 @@ computed) and :func:`plan_graphs` plans its graph calls in order, each in named 
 Then the graphs' peaks add up into the step's, with the FSDP2 and optimizer terms, and the step is priced on the
 hardware profile, by layer (:mod:`autoshard.planner.fsdp`, :mod:`autoshard.step_time`). With packed documents in
 concrete ``position_ids``, :func:`plan` counts each rank's attention work as the strategy dispatches it
-(:func:`_documents`) and scales the step's attention time to it.
+(:func:`_documents`) and scales the step's attention time to it; with the all-gather strategy, the keys each rank
+fetches (:mod:`autoshard.runtime.attention.visible_keys`) and the attention traffic that saves.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..policy import memory_policy_for
 from ..runtime.attention.base import STRATEGIES, AttentionShape, attention_seconds
 from ..runtime.attention.dispatch import balance
 from ..runtime.attention.masks import MaskSpec
+from ..runtime.attention.visible_keys import key_fetch
 from ..runtime.groups import SequenceGroups
 from ..runtime.input_check import check_bytes, replicated_inputs
 from ..runtime.layouts import SequenceLayout, split_sizes
@@ -107,6 +109,10 @@ def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict |
     if result.documents and result.step_time is not None:
         ratio = _documents_ratio(result, config.topology or HardwareProfile())
         result.step_time = result.step_time.attention_scaled(ratio)
+        if result.documents.get("keys_fetched"):
+            before = result.step_time.seconds
+            result.step_time = _keys_fetched(result)
+            result.documents["fetch_saved_s"] = before - result.step_time.seconds
     return result
 
 
@@ -372,6 +378,28 @@ def _documents(result: Plan, position_ids) -> dict:
     else:
         work = dispatched.owner_work
     mean = sum(work) / len(work)
-    return {"documents": int(ids[:, -1].sum()), "work": list(work), "laid_out": list(dispatched.owner_work),
-            "imbalance": max(work) / mean if mean else 1.0,
-            "laid_out_imbalance": max(dispatched.owner_work) / (sum(dispatched.owner_work) / len(work)) if mean else 1.0}
+    out = {"documents": int(ids[:, -1].sum()), "work": list(work), "laid_out": list(dispatched.owner_work),
+           "imbalance": max(work) / mean if mean else 1.0,
+           "laid_out_imbalance": max(dispatched.owner_work) / (sum(dispatched.owner_work) / len(work)) if mean else 1.0}
+    if decided.strategy == "allgather":
+        fetch = key_fetch(layout, ids, spec, dispatched)
+        out.update(key_rows=list(fetch.rows), gathered_rows=(layout.world_size - 1) * layout.max_local_length,
+                   keys_fetched=fetch.worth_it)
+    return out
+
+
+def _keys_fetched(result: Plan):
+    """The step time with the all-gather's K/V traffic cut to the visible keys' (the busiest rank's fetched rows over
+    the rows an all-gather brings, :mod:`autoshard.runtime.attention.visible_keys`), at every attention call that
+    reads the documents."""
+    d = result.documents
+    share = max(d["key_rows"]) / d["gathered_rows"]
+    calls = [a for a in result.attention if "segment_ids" in a.mask.split(", ") and a.strategy == "allgather"]
+    comm = exposed = forward = 0.0
+    for call in calls:
+        cost = next(c for c in call.costs if c["strategy"] == call.strategy)
+        comm += cost["comm_s"] * (1 - share)
+        exposed += cost["exposed_comm_s"] * (1 - share)
+        sent = cost["bytes_forward"] + cost["bytes_backward"]
+        forward += cost["bytes_forward"] / sent * cost["exposed_comm_s"] * (1 - share) if sent else 0.0
+    return result.step_time.attention_comm_less(comm, exposed, forward)

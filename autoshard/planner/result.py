@@ -185,7 +185,10 @@ class Plan:
     """Packed documents, when the inputs planned hold them (``position_ids`` restarting at 0, concrete values) and an
     attention reads segment ids: ``work`` (visible pairs per rank of one attention call as it will run),
     ``laid_out`` (the same as the layout places the queries), ``imbalance`` (max / mean of ``work``) and
-    ``documents`` (how many, over the batch)."""
+    ``documents`` (how many, over the batch); with the all-gather strategy, ``key_rows`` (the key rows every rank
+    fetches, :mod:`autoshard.runtime.attention.visible_keys`), ``gathered_rows`` (what an all-gather brings each) and
+    ``keys_fetched`` (whether they are fetched: the step time counts the traffic that saves, ``fetch_saved_s`` of it
+    exposed)."""
     step_time: StepTime | None = None
     """The step's predicted time on the plan's hardware (:mod:`autoshard.step_time`), by layer."""
     input_checks: dict[str, int] = field(default_factory=dict)
@@ -258,6 +261,12 @@ class Plan:
             lines.append(f"  packed documents ({d['documents']}, from position_ids): attention work per rank (visible "
                          f"pairs of one call) {', '.join(f'{w:,}' for w in d['work'])}: max/mean "
                          f"{d['imbalance']:.2f} ({d['laid_out_imbalance']:.2f} as laid out)")
+            if "key_rows" in d:
+                lines.append(f"  keys of the documents: every rank fetches the rows its queries see, "
+                             f"{', '.join(f'{n:,}' for n in d['key_rows'])} of the {d['gathered_rows']:,} an all-gather "
+                             f"brings ({max(d['key_rows']) / d['gathered_rows']:.2f} at the busiest rank): "
+                             + (f"fetched, {d['fetch_saved_s'] * 1e3:,.1f} ms of exposed communication less per step "
+                                f"than all-gathering them" if d["keys_fetched"] else "all-gathered, as many would move"))
         if self.input_checks:
             lines.append(f"  replicated inputs checked on every call of {len(self.input_checks)} graph(s): "
                          f"{sum(self.input_checks.values()):,} B sent per rank per step (metadata; "

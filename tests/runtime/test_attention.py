@@ -331,6 +331,8 @@ def test_bytes_sent_equal_the_exact_bytes_and_the_formulas(runs):
     for n, case in enumerate(cases):
         if case["head_chunks"] > 1:  # a collective per head group (masks travel with each): the formulas count one
             continue
+        if case["strategy"] == "allgather" and case["mask"] == "segments+causal":
+            continue  # packed documents: the keys are fetched by visibility (test_documents counts those bytes)
         for direction in ("forward", "backward"):
             column = "fwd_bytes" if direction == "forward" else "bwd_bytes"
             measured = [0] * world

@@ -201,7 +201,9 @@ def _returned(plan: Dispatch, call: Call, *results: torch.Tensor):
 
 def allgather_bytes(backward: bool = False) -> sympy.Expr:
     """``allgather``: all-gather of K, V (and masks), ``(P - 1)`` padded shards; the backward gathers them again
-    and reduce-scatters dK, dV (``a`` bytes per element)."""
+    and reduce-scatters dK, dV (``a`` bytes per element). With packed documents this is the most the keys cost:
+    only the visible ones are fetched (:mod:`.visible_keys`, data-dependent bytes the plan counts from a batch's
+    ``position_ids``)."""
     per_token = Hkv * (D + Dv) * e + M + (Hkv * (D + Dv) * a if backward else 0)
     return (P - 1) * sympy.ceiling(S / P) * B * per_token
 
