@@ -7,6 +7,10 @@ step. Asserts: loss and every gradient equal one process's (float64); the attent
 causal work (before: the work of one causal sequence of 4096, 9.67x theirs); and max/mean over ranks <= 1.10 (as laid out,
 the zigzag layout leaves the rank holding the long documents' tails with ~1.4x the mean). ``explain()`` reports the
 work per rank, and the plan of the same batch predicts every rank's work exactly.
+
+Then a two-layer Llama trained on a new packing every step (:func:`test_each_batch_fetches_only_its_documents_keys`,
+3 ranks; 2 and 4 in the slow tier): exact, one compilation, and the bytes the all-gather strategy sends fetching the
+visible keys exactly those of the rows the documents make visible.
 """
 
 import pytest

@@ -2,12 +2,13 @@
 
 Every strategy (ring, zigzag ring, all-gather on both layouts with its dispatch of queries by work, Ulysses, the
 2-D hybrid at 4 ranks) x document patterns: documents shorter than a rank's share, one document spanning every
-rank, documents with padding (a key mask), documents under a sliding window, and, at 4 ranks, a row whose documents
-fall so unevenly that the all-gather moves queries. Each rank returns its output shard, the gradients of its
+rank, documents with padding (a key mask), documents under a sliding window, documents each whole on one rank of the
+contiguous layout, and, at 4 ranks, a row whose documents fall so unevenly that the all-gather moves queries. Each rank returns its output shard, the gradients of its
 q, k, v shards and the attention FLOPs it counted; the parent compares them with dense float64 attention over the
 whole sequence (the documents as a dense mask) and asserts that the FLOPs summed over ranks are exactly those of
 the pairs the position mask and the documents let through (the FLOP counter counts what is computed: rectangles of
-documents, never the pairs between them; a key mask skips no work). Lengths the world size does not divide; one launch per world size.
+documents, never the pairs between them; a key mask skips no work), and that the all-gather strategy sends exactly
+the key rows the documents make visible (none for documents whole on their rank). Lengths the world size does not divide; one launch per world size.
 """
 
 from __future__ import annotations

@@ -136,10 +136,13 @@ def _returned_keys(fetch: KeyFetch, call: Call, grad: torch.Tensor) -> torch.Ten
     """The gradient of this rank's own keys: its own rows of ``grad`` plus those of the rows other ranks fetched,
     sent back by the inverse all-to-all."""
     rank = call.pg.rank()
-    own = grad[:, :, :call.layout.local_length(rank)]
-    back = exchange_impl(grad[:, :, own.size(2):], 2, fetch.received_sizes(rank), fetch.sent_sizes(rank), call.pg,
-                         kind="key_fetch")
-    return own.index_add(2, fetch.sent_rows(rank, grad.device), back)
+    own = grad[:, :, :call.layout.local_length(rank)].clone()
+    sizes = fetch.sent_sizes(rank)
+    back = exchange_impl(grad[:, :, own.size(2):], 2, fetch.received_sizes(rank), sizes, call.pg, kind="key_fetch")
+    # One receiver's rows at a time: none repeats within one, so the sums are in a fixed order (no atomics).
+    for rows, grads in zip(torch.split(fetch.sent_rows(rank, grad.device), sizes), torch.split(back, sizes, 2)):
+        own.index_add_(2, rows, grads)
+    return own
 
 
 def _attend_options(q, k, keys: _Keys, call: Call) -> dict:
