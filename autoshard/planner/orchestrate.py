@@ -43,7 +43,8 @@ from ..hardware import hardware as resolve_hardware
 from ..passes.capture import DENSE_MASK
 from ..passes.pipeline import compile_graph
 from ..policy import memory_policy_for
-from ..runtime.attention.base import STRATEGIES, AttentionShape, attention_seconds
+from ..runtime.attention.base import STRATEGIES, AttentionShape, attention_seconds, bytes_sent_by_rank
+from ..runtime.attention.formulas import Sizes
 from ..runtime.attention.dispatch import balance
 from ..runtime.attention.masks import MaskSpec
 from ..runtime.attention.visible_keys import key_fetch
@@ -110,6 +111,7 @@ def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict |
         ratio = _documents_ratio(result, config.topology or HardwareProfile())
         result.step_time = result.step_time.attention_scaled(ratio)
         if result.documents.get("keys_fetched"):
+            _fetched_traffic(result, (kwargs or {}).get("position_ids"))
             before = result.step_time.seconds
             result.step_time = _keys_fetched(result)
             result.documents["fetch_saved_s"] = before - result.step_time.seconds
@@ -363,12 +365,11 @@ def _documents(result: Plan, position_ids) -> dict:
     if (decided is None or not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
             or position_ids.is_meta or isinstance(position_ids, FakeTensor) or decided.layout == "-"):
         return {}
-    ids = (position_ids == 0).long().cumsum(1)
-    ids = ids.expand(decided.shape["B"], -1) if ids.size(0) == 1 else ids
+    ids = _segment_ids(position_ids, decided.shape["B"])
     layout = SequenceLayout.of(decided.layout, ids.size(1), result.world_size)
     if ids.size(1) != decided.shape["S"] or layout.world_size != result.world_size:
         return {}
-    spec = MaskSpec.of(decided.positions["causal"], decided.positions["window"], decided.positions["chunk"])
+    spec = _spec(decided)
     dispatched = balance(layout, ids, spec)
     heads = decided.shape["H"]
     if decided.strategy == "allgather":
@@ -386,6 +387,43 @@ def _documents(result: Plan, position_ids) -> dict:
         out.update(key_rows=list(fetch.rows), gathered_rows=(layout.world_size - 1) * layout.max_local_length,
                    keys_fetched=fetch.worth_it)
     return out
+
+
+def _segment_ids(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
+    """The documents' segment ids ``[batch, S]`` of ``position_ids`` restarting at 0 (transformers' packing)."""
+    ids = (position_ids == 0).long().cumsum(1)
+    return ids.expand(batch, -1) if ids.size(0) == 1 else ids
+
+
+def _spec(decided: AttentionDecision) -> MaskSpec:
+    return MaskSpec.of(decided.positions["causal"], decided.positions["window"], decided.positions["chunk"])
+
+
+def _fetched_traffic(result: Plan, position_ids: torch.Tensor) -> None:
+    """The traffic of the attentions that read the documents as the all-gather strategy sends it when it fetches
+    their visible keys: the masks still all-gathered, the K and V rows fetched (backward: again, and their gradients
+    back), exactly, every rank's (:meth:`~autoshard.runtime.attention.visible_keys.KeyFetch.bytes_by_rank`)."""
+    decided = {a.node: a for a in result.attention if "segment_ids" in a.mask.split(", ") and a.strategy == "allgather"}
+    for n, c in enumerate(result.collectives):
+        a = decided.get(c.node)
+        if a is None or c.kind != "allgather":
+            continue
+        shape = a.shape
+        layout = SequenceLayout.of(a.layout, shape["S"], result.world_size)
+        ids, spec = _segment_ids(position_ids, shape["B"]), _spec(a)
+        fetch = key_fetch(layout, ids, spec, balance(layout, ids, spec))
+        sizes = dict(B=shape["B"], H=shape["H"], Hkv=shape["Hkv"], D=shape["D"], Dv=shape["Dv"],
+                     dtype=getattr(torch, shape["dtype"]))
+        recomputed = c.reason.startswith("recomputed")  # a checkpointed forward run again in the backward
+        direction = "forward" if recomputed else c.phase
+        keys = bytes_sent_by_rank("allgather", direction, layout.local_lengths, **sizes)  # K, V and no mask
+        size = Sizes.of(**sizes)
+        row = size.B * size.Hkv * (size.D + size.Dv)
+        fetched = fetch.bytes_by_rank(row * size.e, row * size.a, direction == "backward")
+        by_rank = [total - k + f for total, k, f in zip(c.bytes_by_rank, keys, fetched)]
+        result.collectives[n] = dataclasses.replace(
+            c, bytes_by_rank=by_rank, bytes_per_rank=by_rank[result.rank], formula=None,
+            reason=c.reason if recomputed else "packed documents' visible keys fetched")
 
 
 def _keys_fetched(result: Plan):

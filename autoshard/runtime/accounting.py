@@ -42,7 +42,7 @@ class CallStats:
     """Bytes this rank received in those calls."""
 
 
-_UNPLANNED = ("metadata", "dispatch", "key_fetch")
+_UNPLANNED = ("metadata", "dispatch")
 """Collective kinds whose bytes no plan predicts."""
 
 
@@ -68,9 +68,9 @@ class CommCounter:
     @property
     def payload_bytes_sent(self) -> int:
         """Bytes sent by the collectives a plan predicts: all, less the ``"metadata"`` the ranks exchange to check
-        each other (lengths, flags), the ``"dispatch"`` of packed documents' queries and the ``"key_fetch"`` of their
-        visible keys, whose bytes depend on where the documents fall (:attr:`dispatch_bytes_sent`,
-        :attr:`key_fetch_bytes_sent`)."""
+        each other (lengths, flags) and the ``"dispatch"`` of packed documents' queries, whose bytes depend on where
+        the documents fall (:attr:`dispatch_bytes_sent`). The ``"key_fetch"`` of their visible keys depends on them
+        too, but a plan that reads the batch's ``position_ids`` counts it."""
         return sum(s.bytes_sent for kind, s in self.calls.items() if kind not in _UNPLANNED)
 
     @property

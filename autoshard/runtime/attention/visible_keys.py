@@ -127,6 +127,15 @@ class KeyFetch:
         parts = [torch.arange(p.start, p.start + p.length, device=device) for p in self.pieces(rank)]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
 
+    def bytes_by_rank(self, row: int, gradient_row: int, backward: bool) -> list[int]:
+        """Bytes every rank sends fetching: its rows others fetch (``row`` bytes each: K and V of the batch), and
+        ``backward`` the same again plus the gradients of the rows it fetched (``gradient_row`` bytes each)."""
+        world = self.layout.world_size
+        sent = [sum(self.sent_sizes(r)) * row for r in range(world)]
+        if backward:
+            sent = [n + sum(self.received_sizes(r)) * gradient_row for r, n in enumerate(sent)]
+        return sent
+
     def summary(self) -> str:
         """The rows every rank fetched, against what the all-gather brings each."""
         gathered = (self.layout.world_size - 1) * self.layout.max_local_length
