@@ -189,17 +189,18 @@ class SequenceLayout:
     def owner(self, position: int) -> int:
         """The rank that holds global ``position``."""
         idx = bisect.bisect_right(self._starts, position) - 1
-        if idx < 0 or position >= self._sorted[idx][1]:
+        if idx < 0 or position >= self.spans[idx][1]:
             raise IndexError(f"position {position} outside [0, {self.length})")
-        return self._sorted[idx][2]
+        return self.spans[idx][2]
 
     @functools.cached_property
-    def _sorted(self) -> list[tuple[int, int, int]]:
+    def spans(self) -> list[tuple[int, int, int]]:
+        """``(start, end, rank)`` of every rank's intervals, in global order."""
         return sorted((s, e, r) for r, ivs in enumerate(self.intervals) for s, e in ivs)
 
     @functools.cached_property
     def _starts(self) -> list[int]:
-        return [s for s, _, _ in self._sorted]
+        return [s for s, _, _ in self.spans]
 
     # ------------------------------------------------------------------ custom-op transport
     def encode(self) -> list[int]:
@@ -280,7 +281,7 @@ def _derive(root: SequenceLayout, offset: int, length: int) -> SequenceLayout:
     per_rank: list[list[Interval]] = [[] for _ in range(root.world_size)]
     # Positions i with i + offset < 0 go to the owner of root position 0; beyond the end, to the owner
     # of the last one; inside, each root interval maps back by -offset.
-    for s, e, r in root._sorted:
+    for s, e, r in root.spans:
         s2, e2 = max(s - offset, 0), min(e - offset, length)
         if s == 0:
             s2 = 0

@@ -66,7 +66,7 @@ class KeyFetch:
         """``[receiver][sender]``: ``(global start, length, sender's local row)`` of every run piece, in global
         order: each fetched run cut where the layout's shards change owner."""
         layout = self.layout
-        spans = layout._sorted  # (start, end, owner) of every shard interval, in global order
+        spans = layout.spans
         local_start, seen = {}, [0] * layout.world_size
         for rank in range(layout.world_size):
             for start, end in layout.local_intervals(rank):
