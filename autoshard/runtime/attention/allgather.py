@@ -73,8 +73,8 @@ class _Keys:
 def _keys(k, v, key_mask, segment_ids, call: Call) -> _Keys:
     layout, rank = call.layout, call.pg.rank()
     (all_segments,) = _gather(call, segment_ids)
-    plan = _dispatch(all_segments, call)
     ids = None if all_segments is None or layout.world_size == 1 else global_ids(all_segments, layout)
+    plan = None if ids is None or not dispatch.BALANCE else balance(layout, ids, call.spec)
     fetch = None if ids is None else key_fetch(layout, ids, call.spec, plan)
     if fetch is None or not fetch.worth_it:
         all_k, all_v, all_keys_mask = _gather(call, k, v, key_mask)
@@ -151,13 +151,6 @@ def _attend_options(q, k, keys: _Keys, call: Call) -> dict:
 
 
 # ---------------------------------------------------------------------------- packed documents: balanced queries
-
-
-def _dispatch(all_segments, call: Call) -> Dispatch | None:
-    """With packed documents, which rank computes which chunk of queries (:mod:`.dispatch`); None without them."""
-    if all_segments is None or call.layout.world_size == 1 or not dispatch.BALANCE:
-        return None
-    return balance(call.layout, global_ids(all_segments, call.layout), call.spec)
 
 
 def _pieces(chunks: list[Chunk]) -> tuple[Piece, ...]:
