@@ -134,19 +134,19 @@ class StepTime:
                                    backward_s=self.backward_s + change * 2.5 / 3.5, layers=layers,
                                    tokens_per_second=self.tokens_per_second * self.seconds / seconds)
 
-    def attention_comm_less(self, comm: float, exposed: float, forward: float) -> "StepTime":
-        """The same step with ``comm`` seconds less attention communication, ``exposed`` of them exposed
-        (``forward`` of those in the forward), spread over the layers by their attention time: what fetching packed
-        documents' visible keys saves over the all-gather, known once the plan has read them."""
+    def attention_comm_added(self, seconds: float, forward: float) -> "StepTime":
+        """The same step with ``seconds`` more exposed attention communication (``forward`` of them in the forward;
+        negative: less), spread over the layers by their attention time: what packed documents' traffic makes of
+        the all-gather's, known once the plan has read them."""
         total = sum(row.attention_s for row in self.layers)
-        layers = [dataclasses.replace(row, comm_s=row.comm_s - comm * row.attention_s / total,
-                                      exposed_s=row.exposed_s - exposed * row.attention_s / total)
+        layers = [dataclasses.replace(row, comm_s=row.comm_s + seconds * row.attention_s / total,
+                                      exposed_s=row.exposed_s + seconds * row.attention_s / total)
                   for row in self.layers] if total else self.layers
-        seconds = self.seconds - exposed
-        return dataclasses.replace(self, seconds=seconds, forward_s=self.forward_s - forward,
-                                   backward_s=self.backward_s - (exposed - forward), layers=layers,
-                                   comm_s=self.comm_s - comm, exposed_comm_s=self.exposed_comm_s - exposed,
-                                   tokens_per_second=self.tokens_per_second * self.seconds / seconds)
+        step = self.seconds + seconds
+        return dataclasses.replace(self, seconds=step, forward_s=self.forward_s + forward,
+                                   backward_s=self.backward_s + seconds - forward, layers=layers,
+                                   comm_s=self.comm_s + seconds, exposed_comm_s=self.exposed_comm_s + seconds,
+                                   tokens_per_second=self.tokens_per_second * self.seconds / step)
 
     def describe(self) -> str:
         """One line: the time, its split and the throughput."""

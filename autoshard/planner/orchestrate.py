@@ -110,11 +110,8 @@ def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict |
     if result.documents and result.step_time is not None:
         ratio = _documents_ratio(result, config.topology or HardwareProfile())
         result.step_time = result.step_time.attention_scaled(ratio)
-        if result.documents.get("keys_fetched"):
-            _fetched_traffic(result, (kwargs or {}).get("position_ids"))
-            before = result.step_time.seconds
-            result.step_time = _keys_fetched(result)
-            result.documents["fetch_saved_s"] = before - result.step_time.seconds
+        if "key_rows" in result.documents:
+            _documents_traffic(result, (kwargs or {}).get("position_ids"), config.topology or HardwareProfile())
     return result
 
 
@@ -399,11 +396,16 @@ def _spec(decided: AttentionDecision) -> MaskSpec:
     return MaskSpec.of(decided.positions["causal"], decided.positions["window"], decided.positions["chunk"])
 
 
-def _fetched_traffic(result: Plan, position_ids: torch.Tensor) -> None:
-    """The traffic of the attentions that read the documents as the all-gather strategy sends it when it fetches
-    their visible keys: the masks still all-gathered, the K and V rows fetched (backward: again, and their gradients
-    back), exactly, every rank's (:meth:`~autoshard.runtime.attention.visible_keys.KeyFetch.bytes_by_rank`)."""
+def _documents_traffic(result: Plan, position_ids: torch.Tensor, topology: HardwareProfile) -> None:
+    """The traffic of the all-gather attentions that read the documents, as they send it for this batch, exactly,
+    every rank's: the masks all-gathered; the keys fetched by visibility
+    (:meth:`~autoshard.runtime.attention.visible_keys.KeyFetch.bytes_by_rank`: K and V rows, backward again and their
+    gradients back) or all-gathered when too many would move; the dispatched queries and their results
+    (:meth:`~autoshard.runtime.attention.dispatch.Dispatch.bytes_by_rank`). The step time takes the change of the
+    busiest rank's bytes over the link as exposed communication (the dispatch runs before the compute it feeds)."""
     decided = {a.node: a for a in result.attention if "segment_ids" in a.mask.split(", ") and a.strategy == "allgather"}
+    change = {"keys": 0.0, "dispatch": 0.0}
+    forward = 0.0
     for n, c in enumerate(result.collectives):
         a = decided.get(c.node)
         if a is None or c.kind != "allgather":
@@ -411,33 +413,32 @@ def _fetched_traffic(result: Plan, position_ids: torch.Tensor) -> None:
         shape = a.shape
         layout = SequenceLayout.of(a.layout, shape["S"], result.world_size)
         ids, spec = _segment_ids(position_ids, shape["B"]), _spec(a)
-        fetch = key_fetch(layout, ids, spec, balance(layout, ids, spec))
+        dispatched = balance(layout, ids, spec)
+        fetch = key_fetch(layout, ids, spec, dispatched)
+        recomputed = c.reason.startswith("recomputed")  # a checkpointed forward run again in the backward
+        backward = c.phase == "backward" and not recomputed
         sizes = dict(B=shape["B"], H=shape["H"], Hkv=shape["Hkv"], D=shape["D"], Dv=shape["Dv"],
                      dtype=getattr(torch, shape["dtype"]))
-        recomputed = c.reason.startswith("recomputed")  # a checkpointed forward run again in the backward
-        direction = "forward" if recomputed else c.phase
-        keys = bytes_sent_by_rank("allgather", direction, layout.local_lengths, **sizes)  # K, V and no mask
         size = Sizes.of(**sizes)
-        row = size.B * size.Hkv * (size.D + size.Dv)
-        fetched = fetch.bytes_by_rank(row * size.e, row * size.a, direction == "backward")
-        by_rank = [total - k + f for total, k, f in zip(c.bytes_by_rank, keys, fetched)]
+        by_rank = list(c.bytes_by_rank)
+        if fetch.worth_it:  # the K/V all-gather (and reduce-scatter) replaced by the fetch
+            keys = bytes_sent_by_rank("allgather", "backward" if backward else "forward", layout.local_lengths,
+                                      **sizes)  # K, V and no mask
+            row = size.B * size.Hkv * (size.D + size.Dv)
+            fetched = fetch.bytes_by_rank(row * size.e, row * size.a, backward)
+            by_rank = [t - k + f for t, k, f in zip(by_rank, keys, fetched)]
+        change["keys"] += (max(by_rank) - max(c.bytes_by_rank)) / topology.bandwidth(result.world_size)
+        heads = size.B * size.H
+        query_row = heads * ((size.D + 2 * size.Dv) * size.e + size.a) if backward else heads * size.D * size.e
+        moved = dispatched.bytes_by_rank(query_row, heads * (size.Dv + 1) * size.a, backward, heads * size.D * size.a)
+        with_moves = [t + d for t, d in zip(by_rank, moved)]
+        change["dispatch"] += (max(with_moves) - max(by_rank)) / topology.bandwidth(result.world_size)
+        forward += 0.0 if c.phase == "backward" else (max(with_moves) - max(c.bytes_by_rank)) / topology.bandwidth(
+            result.world_size)
+        by_rank = with_moves
         result.collectives[n] = dataclasses.replace(
             c, bytes_by_rank=by_rank, bytes_per_rank=by_rank[result.rank], formula=None,
-            reason=c.reason if recomputed else "packed documents' visible keys fetched")
-
-
-def _keys_fetched(result: Plan):
-    """The step time with the all-gather's K/V traffic cut to the visible keys' (the busiest rank's fetched rows over
-    the rows an all-gather brings, :mod:`autoshard.runtime.attention.visible_keys`), at every attention call that
-    reads the documents."""
-    d = result.documents
-    share = max(d["key_rows"]) / d["gathered_rows"]
-    calls = [a for a in result.attention if "segment_ids" in a.mask.split(", ") and a.strategy == "allgather"]
-    comm = exposed = forward = 0.0
-    for call in calls:
-        cost = next(c for c in call.costs if c["strategy"] == call.strategy)
-        comm += cost["comm_s"] * (1 - share)
-        exposed += cost["exposed_comm_s"] * (1 - share)
-        sent = cost["bytes_forward"] + cost["bytes_backward"]
-        forward += cost["bytes_forward"] / sent * cost["exposed_comm_s"] * (1 - share) if sent else 0.0
-    return result.step_time.attention_comm_less(comm, exposed, forward)
+            reason=c.reason if recomputed else "packed documents: keys fetched, queries dispatched, for this batch")
+    if result.step_time is not None:
+        result.step_time = result.step_time.attention_comm_added(sum(change.values()), forward)
+    result.documents.update(keys_s=change["keys"], dispatch_s=change["dispatch"])

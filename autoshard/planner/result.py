@@ -187,8 +187,9 @@ class Plan:
     ``laid_out`` (the same as the layout places the queries), ``imbalance`` (max / mean of ``work``) and
     ``documents`` (how many, over the batch); with the all-gather strategy, ``key_rows`` (the key rows every rank
     fetches, :mod:`autoshard.runtime.attention.visible_keys`), ``gathered_rows`` (what an all-gather brings each) and
-    ``keys_fetched`` (whether they are fetched: the step time counts the traffic that saves, ``fetch_saved_s`` of it
-    exposed)."""
+    ``keys_fetched`` (whether they are fetched), ``keys_s`` and ``dispatch_s`` (the exposed seconds per step the keys
+    fetched and the queries dispatched add to all-gathering every key, negative when they save: the step time counts
+    them, the collectives their bytes)."""
     step_time: StepTime | None = None
     """The step's predicted time on the plan's hardware (:mod:`autoshard.step_time`), by layer."""
     input_checks: dict[str, int] = field(default_factory=dict)
@@ -265,8 +266,9 @@ class Plan:
                 lines.append(f"  keys of the documents: every rank fetches the rows its queries see, "
                              f"{', '.join(f'{n:,}' for n in d['key_rows'])} of the {d['gathered_rows']:,} an all-gather "
                              f"brings ({max(d['key_rows']) / d['gathered_rows']:.2f} at the busiest rank): "
-                             + (f"fetched, {d['fetch_saved_s'] * 1e3:,.1f} ms of exposed communication less per step "
-                                f"than all-gathering them" if d["keys_fetched"] else "all-gathered, as many would move"))
+                             + (f"fetched, {d['keys_s'] * 1e3:+,.1f} ms of exposed communication per step against "
+                                f"all-gathering every key" if d["keys_fetched"] else "all-gathered, as many would move")
+                             + f"; the dispatched queries {d['dispatch_s'] * 1e3:+,.1f} ms")
         if self.input_checks:
             lines.append(f"  replicated inputs checked on every call of {len(self.input_checks)} graph(s): "
                          f"{sum(self.input_checks.values()):,} B sent per rank per step (metadata; "

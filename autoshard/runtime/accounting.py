@@ -42,7 +42,7 @@ class CallStats:
     """Bytes this rank received in those calls."""
 
 
-_UNPLANNED = ("metadata", "dispatch")
+_UNPLANNED = ("metadata",)
 """Collective kinds whose bytes no plan predicts."""
 
 
@@ -68,9 +68,8 @@ class CommCounter:
     @property
     def payload_bytes_sent(self) -> int:
         """Bytes sent by the collectives a plan predicts: all, less the ``"metadata"`` the ranks exchange to check
-        each other (lengths, flags) and the ``"dispatch"`` of packed documents' queries, whose bytes depend on where
-        the documents fall (:attr:`dispatch_bytes_sent`). The ``"key_fetch"`` of their visible keys depends on them
-        too, but a plan that reads the batch's ``position_ids`` counts it."""
+        each other (lengths, flags). Packed documents' ``"dispatch"`` of queries and ``"key_fetch"`` of visible keys
+        depend on where the documents fall: a plan counts them when it reads the batch's ``position_ids``."""
         return sum(s.bytes_sent for kind, s in self.calls.items() if kind not in _UNPLANNED)
 
     @property

@@ -108,6 +108,16 @@ class Dispatch:
                 out[chunk.owner].append(chunk)
         return out
 
+    def bytes_by_rank(self, query_row: int, result_row: int, backward: bool, gradient_row: int = 0) -> list[int]:
+        """Bytes every rank sends moving chunks: forward its chunks' queries (``query_row`` bytes a position) and
+        the results of the chunks it computed for others (``result_row``: out and lse); backward its chunks'
+        ``query_row`` bytes (q, dout, out and lse) and the others' gradients (``gradient_row``: dq)."""
+        world = self.layout.world_size
+        out_rows = [sum(c.length for chunks in self.sent(r, world) for c in chunks) for r in range(world)]
+        in_rows = [sum(c.length for chunks in self.received(r, world) for c in chunks) for r in range(world)]
+        back = gradient_row if backward else result_row
+        return [n * query_row + m * back for n, m in zip(out_rows, in_rows)]
+
     def imbalance(self) -> float:
         """max / mean of the ranks' work under this dispatch."""
         return _imbalance(self.work)
