@@ -20,8 +20,9 @@ computed) and :func:`plan_graphs` plans its graph calls in order, each in named 
 Then the graphs' peaks add up into the step's, with the FSDP2 and optimizer terms, and the step is priced on the
 hardware profile, by layer (:mod:`autoshard.planner.fsdp`, :mod:`autoshard.step_time`). With packed documents in
 concrete ``position_ids``, :func:`plan` counts each rank's attention work as the strategy dispatches it
-(:func:`_documents`) and scales the step's attention time to it; with the all-gather strategy, the keys each rank
-fetches (:mod:`autoshard.runtime.attention.visible_keys`) and the attention traffic that saves.
+(:func:`_documents`) and scales the step's attention time to it; with the all-gather strategy, it counts what the
+attention sends for that batch (:func:`_documents_traffic`: the keys each rank fetches,
+:mod:`autoshard.runtime.attention.visible_keys`, and the queries the dispatch moves) and prices its change.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def plan(model: torch.nn.Module, args: tuple | torch.Tensor = (), kwargs: dict |
     if result.documents and result.step_time is not None:
         ratio = _documents_ratio(result, config.topology or HardwareProfile())
         result.step_time = result.step_time.attention_scaled(ratio)
-        if "key_rows" in result.documents:
-            _documents_traffic(result, (kwargs or {}).get("position_ids"), config.topology or HardwareProfile())
+    if "key_rows" in result.documents:
+        _documents_traffic(result, (kwargs or {}).get("position_ids"), config.topology or HardwareProfile())
     return result
 
 
@@ -438,7 +439,7 @@ def _documents_traffic(result: Plan, position_ids: torch.Tensor, topology: Hardw
         by_rank = with_moves
         result.collectives[n] = dataclasses.replace(
             c, bytes_by_rank=by_rank, bytes_per_rank=by_rank[result.rank], formula=None,
-            reason=c.reason if recomputed else "packed documents: keys fetched, queries dispatched, for this batch")
+            reason=c.reason if recomputed else "packed documents' keys and dispatched queries, for this batch")
     if result.step_time is not None:
         result.step_time = result.step_time.attention_comm_added(sum(change.values()), forward)
     result.documents.update(keys_s=change["keys"], dispatch_s=change["dispatch"])
