@@ -431,7 +431,7 @@ def _documents_traffic(result: Plan, position_ids: torch.Tensor, topology: Hardw
         change["keys"] += (max(by_rank) - max(c.bytes_by_rank)) / topology.bandwidth(result.world_size)
         heads = size.B * size.H
         query_row = heads * ((size.D + 2 * size.Dv) * size.e + size.a) if backward else heads * size.D * size.e
-        moved = dispatched.bytes_by_rank(query_row, heads * (size.Dv + 1) * size.a, backward, heads * size.D * size.a)
+        moved = dispatched.bytes_by_rank(query_row, heads * (size.Dv + 1) * size.a, backward, heads * size.D * size.e)
         with_moves = [t + d for t, d in zip(by_rank, moved)]
         change["dispatch"] += (max(with_moves) - max(by_rank)) / topology.bandwidth(result.world_size)
         forward += 0.0 if c.phase == "backward" else (max(with_moves) - max(c.bytes_by_rank)) / topology.bandwidth(

@@ -121,7 +121,8 @@ def _backward(dout, q, k, v, out, lse, key_mask, segment_ids, call: Call):
         dq_in = q_in.new_zeros(q_in.shape, dtype=ct)
         attend_backward(dq_in, dk, dv, dout_in, q_in, keys.k, keys.v, out_in, lse_in, row_delta(dout_in, out_in),
                         _pieces(incoming), keys.pieces, seg_q=plan.ids_of(incoming), **options)
-        (result,) = _returned(plan, call, dq_in)
+        # Each moved row's dq has no other term and the op returns dq in q's dtype: sent in it, nothing changes.
+        (result,) = _returned(plan, call, dq_in.to(q.dtype))
         for chunk, rows in result:
             dq[:, :, chunk.rows] += rows
     fetch = keys.fetch
