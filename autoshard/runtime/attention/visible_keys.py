@@ -107,9 +107,8 @@ class KeyFetch:
 
     def sent_rows(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The local rows of ``rank``'s shard it sends, receiver after receiver (the all-to-all's order)."""
-        rows = [torch.arange(local, local + n, device=device)
-                for receiver in range(self.layout.world_size) for _, n, local in self._by_sender[receiver][rank]]
-        return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long, device=device)
+        return _indices([(local, n) for receiver in range(self.layout.world_size)
+                         for _, n, local in self._by_sender[receiver][rank]], device)
 
     def pieces(self, rank: int) -> tuple[Piece, ...]:
         """The pieces of ``rank``'s keys: its own shard, then the fetched rows in the order the all-to-all
@@ -124,8 +123,7 @@ class KeyFetch:
 
     def positions(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The global position of every key row of ``rank`` (its :meth:`pieces`, in order)."""
-        parts = [torch.arange(p.start, p.start + p.length, device=device) for p in self.pieces(rank)]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
+        return _indices([(p.start, p.length) for p in self.pieces(rank)], device)
 
     def bytes_by_rank(self, row: int, gradient_row: int, backward: bool) -> list[int]:
         """Bytes every rank sends fetching: its rows others fetch (``row`` bytes each: K and V of the batch), and
@@ -143,6 +141,12 @@ class KeyFetch:
             f" (the busiest rank needs > {FETCH_SHARE:.0%} of them)" if FETCH else ""))
         return (f"key rows fetched per rank {', '.join(f'{n:,}' for n in self.rows)} of {gathered:,} an all-gather "
                 f"brings: {choice}")
+
+
+def _indices(runs: list[tuple[int, int]], device) -> torch.Tensor:
+    """The indices of the runs ``(start, length)``, concatenated: built on the host, one copy to ``device``."""
+    parts = [torch.arange(start, start + n) for start, n in runs]
+    return (torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)).to(device)
 
 
 def _key_window(spec: MaskSpec, start: int, end: int, length: int) -> Interval:
