@@ -72,6 +72,8 @@ class Comm:
     formula: sympy.Expr | None = None
     """Bytes a rank sends, in the planner's symbols."""
     reason: str = ""
+    region: int | None = None
+    """The checkpointed region whose recomputation in backward sends it again (None: not a recomputation's)."""
 
 
 def max_local_formula(layout: SequenceLayout, length) -> sympy.Expr:
@@ -273,8 +275,8 @@ def derive_comms(graph: fx.Graph, book: CommBook, rank: int) -> dict[int, int]:
             else:
                 _traffic(call.node.target)(book, call)
         if region is not None:
-            again = [dataclasses.replace(c, phase="backward", reason="recomputed (activation checkpointing)")
-                     for c in book.comms[start:] if c.phase == "forward"]
+            again = [dataclasses.replace(c, phase="backward", reason="recomputed (activation checkpointing)",
+                                         region=region) for c in book.comms[start:] if c.phase == "forward"]
             book.comms.extend(again)
             recomputed[region] = recomputed.get(region, 0) + sum(c.bytes_by_rank[rank] for c in again)
     for call in last:

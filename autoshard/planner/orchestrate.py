@@ -271,7 +271,8 @@ def _count(result: Plan, report, prefix: str, rank: int) -> None:
     """Add what one run of a graph sends, and its fallbacks, to ``result``."""
     for c in report.comms:
         result.collectives.append(Collective(c.kind, "sequence", prefix + c.node, c.phase, c.bytes_by_rank[rank],
-                                             list(c.bytes_by_rank), c.formula, c.reason))
+                                             list(c.bytes_by_rank), c.formula, c.reason,
+                                             "" if c.region is None else f"{prefix}region{c.region}"))
     result.fallbacks += [PlanFallback(prefix + f.node, f.op, f.reason) for f in report.fallbacks]
     for i, sent in report.recomputed.items():
         key = f"{prefix}region{i}"
@@ -416,7 +417,7 @@ def _documents_traffic(result: Plan, position_ids: torch.Tensor, topology: Hardw
         ids, spec = _segment_ids(position_ids, shape["B"]), _spec(a)
         dispatched = balance(layout, ids, spec)
         fetch = key_fetch(layout, ids, spec, dispatched)
-        recomputed = c.reason.startswith("recomputed")  # a checkpointed forward run again in the backward
+        recomputed = bool(c.region)  # a checkpointed forward run again in the backward
         backward = c.phase == "backward" and not recomputed
         sizes = dict(B=shape["B"], H=shape["H"], Hkv=shape["Hkv"], D=shape["D"], Dv=shape["Dv"],
                      dtype=getattr(torch, shape["dtype"]))
@@ -437,6 +438,8 @@ def _documents_traffic(result: Plan, position_ids: torch.Tensor, topology: Hardw
         forward += 0.0 if c.phase == "backward" else (max(with_moves) - max(c.bytes_by_rank)) / topology.bandwidth(
             result.world_size)
         by_rank = with_moves
+        if recomputed:
+            result.recomputed[c.region] += by_rank[result.rank] - c.bytes_by_rank[result.rank]
         result.collectives[n] = dataclasses.replace(
             c, bytes_by_rank=by_rank, bytes_per_rank=by_rank[result.rank], formula=None,
             reason=c.reason if recomputed else "packed documents' keys and dispatched queries, for this batch")

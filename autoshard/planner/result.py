@@ -73,6 +73,9 @@ class Collective:
     formula: Any
     """Bytes per rank as a sympy expression of S, P, B, H, Hkv, D (None where only the count is exact)."""
     reason: str = ""
+    region: str = ""
+    """The checkpointed region (``g<i>.region<j>``, a key of :attr:`Plan.recomputed`) whose recomputation in backward
+    sends it again; empty for the rest."""
 
 
 @dataclass(kw_only=True)

@@ -125,7 +125,9 @@ def _fsdp(kind: str) -> dict:
         meta.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         plan = autoshard.plan(meta, kwargs=kwargs, world_size=dist.get_world_size(), dp_shard=dist.get_world_size(),
                               rank=dist.get_rank(), per_layer_graphs=True, grad_sync=False)
-        planned = ([(str(a.strategy), str(a.mask)) for a in plan.attention], int(plan.bytes_sent()))
+        again = sum(c.bytes_per_rank for c in plan.collectives if c.region)  # what recomputed regions send again
+        planned = ([(str(a.strategy), str(a.mask)) for a in plan.attention], int(plan.bytes_sent()),
+                   again == sum(plan.recomputed.values()) > 0)
     ref_loss = reference(**kwargs).loss
     ref_loss.backward()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("sp",))
@@ -452,12 +454,13 @@ def test_the_backend_sets_the_checkpoint_flag_before_dynamo_traces(world):
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_meta_plan_of_the_fsdp2_recipe_is_the_run(world):
     """The plan of the FSDP2 recipe, built on the meta device, has the run's attention (strategy and mask of every
-    layer graph) and the bytes the run sent, exactly."""
+    layer graph) and the bytes the run sent, exactly (the documents' keys fetched and queries dispatched for the
+    batch's ``position_ids`` included, in the checkpointed layers' recomputation too)."""
     for result in _results(world):
         r = result["fsdp_checkpointed_packed"]
-        (planned, planned_bytes), (ran, sent) = r["planned"], r["ran"]
+        (planned, planned_bytes, recomputed), (ran, sent) = r["planned"], r["ran"]
         assert set(planned) == set(ran) == {("allgather", "causal, segment_ids")} and len(planned) == 2, r
-        assert planned_bytes == sent, r
+        assert planned_bytes == sent and recomputed, r
 
 
 def test_unreadable_mask_is_gathered_warned_once_and_planned():
