@@ -351,7 +351,9 @@ def test_flow_matching_training_with_fsdp2_and_recomputed_layers():
     """Flux, Wan and Sana (its Mix-FFN's convolutions fetching the rows around each rank's tokens, forward and
     backward)."""
     for name, strategies in (("flux", ["allgather"]), ("wan", ["allgather", "local"]), ("sana", ["local"])):
-        for rank, (worst, ran, recomputed, halos) in enumerate(run_on_ranks(_train, 2, name, timeout=900)):
-            where = f"{name} P=2 rank {rank}: {ran}, {recomputed} recomputed layers, {halos} halo exchanges"
+        for rank, (worst, run_strategies, recomputed_layers, halos) in enumerate(run_on_ranks(_train, 2, name,
+                                                                                                timeout=900)):
+            where = (f"{name} P=2 rank {rank}: {run_strategies}, {recomputed_layers} recomputed layers, {halos} halo "
+                     f"exchanges")
             assert worst <= TRAINED.get(name, 1e-10), f"{where}: parameters off by {worst:.2e}"
-            assert ran == strategies and recomputed > 0 and (halos > 0) == (name == "sana"), where
+            assert run_strategies == strategies and recomputed_layers > 0 and (halos > 0) == (name == "sana"), where

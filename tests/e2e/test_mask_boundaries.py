@@ -125,9 +125,9 @@ def _fsdp(kind: str) -> dict:
         meta.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         plan = autoshard.plan(meta, kwargs=kwargs, world_size=dist.get_world_size(), dp_shard=dist.get_world_size(),
                               rank=dist.get_rank(), per_layer_graphs=True, grad_sync=False)
-        again = sum(c.bytes_per_rank for c in plan.collectives if c.region)  # what recomputed regions send again
+        region_bytes = sum(c.bytes_per_rank for c in plan.collectives if c.region)  # recomputed regions' collectives
         planned = ([(str(a.strategy), str(a.mask)) for a in plan.attention], int(plan.bytes_sent()),
-                   again == sum(plan.recomputed.values()) > 0)
+                   region_bytes == sum(plan.recomputed.values()) > 0)
     ref_loss = reference(**kwargs).loss
     ref_loss.backward()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("sp",))
@@ -458,9 +458,9 @@ def test_meta_plan_of_the_fsdp2_recipe_is_the_run(world):
     batch's ``position_ids`` included, in the checkpointed layers' recomputation too)."""
     for result in _results(world):
         r = result["fsdp_checkpointed_packed"]
-        (planned, planned_bytes, recomputed), (ran, sent) = r["planned"], r["ran"]
-        assert set(planned) == set(ran) == {("allgather", "causal, segment_ids")} and len(planned) == 2, r
-        assert planned_bytes == sent and recomputed, r
+        (planned, planned_bytes, region_bytes_agree), (run_attention, run_bytes) = r["planned"], r["ran"]
+        assert set(planned) == set(run_attention) == {("allgather", "causal, segment_ids")} and len(planned) == 2, r
+        assert planned_bytes == run_bytes and region_bytes_agree, r
 
 
 def test_unreadable_mask_is_gathered_warned_once_and_planned():

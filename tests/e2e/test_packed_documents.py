@@ -57,17 +57,11 @@ def _inputs() -> dict:
     return dict(input_ids=ids, labels=ids.clone(), position_ids=positions, use_cache=False)
 
 
-def _step(model, run=None) -> tuple[torch.Tensor, dict]:
-    loss = (model if run is None else run)(**_inputs()).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
 def _rank() -> dict:
     model = _model()
     compiled = autoshard.compile(model)
     with attention_flops() as flops:
-        loss, grads = _step(model, compiled)
+        loss, grads = _loss_and_grads(model, _inputs(), compiled)
     attention = [a for r in compiled.autoshard_backend.compiled for a in r.report.attention]
     return dict(loss=loss, grads=grads, flops=flops.total, strategies=[a["strategy"] for a in attention],
                 explain=autoshard.explain(compiled))
@@ -75,7 +69,7 @@ def _rank() -> dict:
 
 def test_packed_llama_work_is_the_documents_and_balanced():
     results = run_on_ranks(_rank, 4, timeout=600)
-    loss, grads = _step(_model())
+    loss, grads = _loss_and_grads(_model(), _inputs())
     for r in results:
         assert abs(r["loss"] - loss) <= TOLERANCE * abs(loss), (r["loss"], loss)
         for name, grad in grads.items():
@@ -137,7 +131,7 @@ def _small_llama():
     return transformers.LlamaForCausalLM(cfg).double().train()
 
 
-def _batch_step(model, inputs: dict, run=None) -> tuple[torch.Tensor, dict]:
+def _loss_and_grads(model, inputs: dict, run=None) -> tuple[torch.Tensor, dict]:
     loss = (model if run is None else run)(**inputs).loss
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -151,7 +145,7 @@ def _rank_batches(world: int, kinds: tuple[str, ...]) -> dict:
     out = {}
     for kind in kinds:
         with comm_counter() as comm:
-            loss, grads = _batch_step(model, _batch_inputs(kind, world), compiled)
+            loss, grads = _loss_and_grads(model, _batch_inputs(kind, world), compiled)
         out[kind] = dict(loss=loss, grads=grads, key_fetch=comm.key_fetch_bytes_sent,
                          gathered=comm.calls["all_gather"].bytes_sent if "all_gather" in comm.calls else 0,
                          compilations=sum(compiled.autoshard_backend.compilations.values()),
@@ -174,7 +168,7 @@ def test_each_batch_fetches_only_its_documents_keys(world):
     layout, spec = SequenceLayout.zigzag(ROW, world), MaskSpec.of(True)
     row = KV_HEADS * HEAD_DIM * 8  # bytes of one key row (batch 1, float64)
     for kind in kinds:
-        loss, grads = _batch_step(_small_llama(), _batch_inputs(kind, world))
+        loss, grads = _loss_and_grads(_small_llama(), _batch_inputs(kind, world))
         ids = torch.repeat_interleave(torch.arange(len(_batch(kind, world))), torch.tensor(_batch(kind, world)))[None]
         fetch = key_fetch(layout, ids, spec, balance(layout, ids, spec))
         for rank, result in enumerate(results):
@@ -185,9 +179,9 @@ def test_each_batch_fetches_only_its_documents_keys(world):
                 assert error <= TOLERANCE, (kind, rank, name, error)
             if kind == "padding":
                 continue
-            sent, back = fetch.sent_sizes(rank), fetch.received_sizes(rank)
-            rows_sent, rows_back = sum(sent) - sent[rank], sum(back) - back[rank]
-            expected = LAYERS * row * (2 * 2 * rows_sent + 2 * rows_back) if fetch.worth_it else 0
+            to_others, from_others = fetch.sent_sizes(rank), fetch.received_sizes(rank)
+            rows_sent, rows_received = sum(to_others) - to_others[rank], sum(from_others) - from_others[rank]
+            expected = LAYERS * row * (2 * 2 * rows_sent + 2 * rows_received) if fetch.worth_it else 0
             assert got["key_fetch"] == expected, (kind, rank, got["key_fetch"], expected)
         if kind == "aligned":
             assert fetch.rows == (0,) * world and all(r[kind]["key_fetch"] == 0 for r in results)

@@ -182,24 +182,25 @@ def test_the_all_gather_fetches_only_the_keys_its_queries_see(runs):
     no key, and only the segment ids (and a key mask) are all-gathered."""
     world, cases, results = runs
     row = 2 * KV_HEADS * HEAD_DIM * 8  # bytes of one key row of the batch: 2 rows x kv heads x head dim, float64
-    fetched = 0
+    key_bytes_total = 0
     for n, case in enumerate(cases):
         if case["strategy"] != "allgather":
             continue
         layout, ids, spec = SequenceLayout.of(case["layout"], case["length"], world), _segments(case), _spec(case)
         fetch = key_fetch(layout, ids, spec, balance(layout, ids, spec))
         for rank in range(world):
-            sent = results[rank][n]["key_fetch"]
+            key_bytes = results[rank][n]["key_fetch"]
             if not fetch.worth_it:
-                assert sent == 0, (case, rank, sent)
+                assert key_bytes == 0, (case, rank, key_bytes)
                 continue
             rows_sent = sum(fetch.sent_sizes(rank)) - fetch.sent_sizes(rank)[rank]
-            rows_back = sum(fetch.received_sizes(rank)) - fetch.received_sizes(rank)[rank]
-            assert sent == row * (2 * 2 * rows_sent + 2 * rows_back), (case, rank, sent, rows_sent, rows_back)
+            rows_received = sum(fetch.received_sizes(rank)) - fetch.received_sizes(rank)[rank]
+            assert key_bytes == row * (2 * 2 * rows_sent + 2 * rows_received), (case, rank, key_bytes, rows_sent,
+                                                                                rows_received)
             ids_bytes = 2 * layout.max_local_length * 8 * (world - 1) * 2  # int64 ids (padded), forward and backward
             assert results[rank][n]["gathered"] <= ids_bytes * (2 if case["pattern"] == "padding" else 1), case
-            fetched += sent
+            key_bytes_total += key_bytes
         if case["pattern"] == "aligned" and case["layout"] == "contiguous":
             assert fetch.worth_it and fetch.rows == (0,) * world, fetch.rows
             assert all(results[rank][n]["key_fetch"] == 0 for rank in range(world)), case
-    assert fetched > 0
+    assert key_bytes_total > 0
