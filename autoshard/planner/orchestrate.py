@@ -408,15 +408,19 @@ def _documents_traffic(result: Plan, position_ids: torch.Tensor, topology: Hardw
     decided = {a.node: a for a in result.attention if "segment_ids" in a.mask.split(", ") and a.strategy == "allgather"}
     change = {"keys": 0.0, "dispatch": 0.0}
     forward = 0.0
+    placed: dict[tuple, tuple] = {}  # (layout, batch, spec) -> (dispatch, fetch): every layer reads the same documents
     for n, c in enumerate(result.collectives):
         a = decided.get(c.node)
         if a is None or c.kind != "allgather":
             continue
         shape = a.shape
-        layout = SequenceLayout.of(a.layout, shape["S"], result.world_size)
-        ids, spec = _segment_ids(position_ids, shape["B"]), _spec(a)
-        dispatched = balance(layout, ids, spec)
-        fetch = key_fetch(layout, ids, spec, dispatched)
+        layout, spec = SequenceLayout.of(a.layout, shape["S"], result.world_size), _spec(a)
+        key = (layout, shape["B"], spec)
+        if key not in placed:
+            ids = _segment_ids(position_ids, shape["B"])
+            dispatched = balance(layout, ids, spec)
+            placed[key] = dispatched, key_fetch(layout, ids, spec, dispatched)
+        dispatched, fetch = placed[key]
         recomputed = bool(c.region)  # a checkpointed forward run again in the backward
         backward = c.phase == "backward" and not recomputed
         sizes = dict(B=shape["B"], H=shape["H"], Hkv=shape["Hkv"], D=shape["D"], Dv=shape["Dv"],

@@ -107,23 +107,38 @@ class KeyFetch:
 
     def sent_rows(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The local rows of ``rank``'s shard it sends, receiver after receiver (the all-to-all's order)."""
-        return _indices([(local, n) for receiver in range(self.layout.world_size)
-                         for _, n, local in self._by_sender[receiver][rank]], device)
+        return self._sent_rows[rank].to(device)
 
     def pieces(self, rank: int) -> tuple[Piece, ...]:
         """The pieces of ``rank``'s keys: its own shard, then the fetched rows in the order the all-to-all
         delivers them (sender after sender, each sender's in global order)."""
-        own = pieces(self.layout, [rank])
-        local, fetched = self.layout.local_length(rank), []
-        for sender in self._by_sender[rank]:
-            for start, n, _ in sender:
-                fetched.append(Piece(local, start, n))
-                local += n
-        return own + tuple(fetched)
+        return self._pieces[rank]
 
     def positions(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The global position of every key row of ``rank`` (its :meth:`pieces`, in order)."""
-        return _indices([(p.start, p.length) for p in self.pieces(rank)], device)
+        return self._positions[rank].to(device)
+
+    @functools.cached_property
+    def _sent_rows(self) -> tuple[torch.Tensor, ...]:
+        world = self.layout.world_size
+        return tuple(_indices([(local, n) for receiver in range(world) for _, n, local in self._by_sender[receiver][r]])
+                     for r in range(world))
+
+    @functools.cached_property
+    def _pieces(self) -> tuple[tuple[Piece, ...], ...]:
+        out = []
+        for rank, senders in enumerate(self._by_sender):
+            local, fetched = self.layout.local_length(rank), []
+            for sender in senders:
+                for start, n, _ in sender:
+                    fetched.append(Piece(local, start, n))
+                    local += n
+            out.append(pieces(self.layout, [rank]) + tuple(fetched))
+        return tuple(out)
+
+    @functools.cached_property
+    def _positions(self) -> tuple[torch.Tensor, ...]:
+        return tuple(_indices([(p.start, p.length) for p in rank_pieces]) for rank_pieces in self._pieces)
 
     def bytes_by_rank(self, row: int, gradient_row: int, backward: bool) -> list[int]:
         """Bytes every rank sends fetching: its rows others fetch (``row`` bytes each: K and V of the batch), and
@@ -143,10 +158,11 @@ class KeyFetch:
                 f"brings: {choice}")
 
 
-def _indices(runs: list[tuple[int, int]], device) -> torch.Tensor:
-    """The indices of the runs ``(start, length)``, concatenated: built on the host, one copy to ``device``."""
+def _indices(runs: list[tuple[int, int]]) -> torch.Tensor:
+    """The indices of the runs ``(start, length)``, concatenated, on the host (a call copies them to its device once;
+    every attention of a step reuses them)."""
     parts = [torch.arange(start, start + n) for start, n in runs]
-    return (torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)).to(device)
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
 def _key_window(spec: MaskSpec, start: int, end: int, length: int) -> Interval:
