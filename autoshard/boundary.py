@@ -132,7 +132,7 @@ def wrap_outputs(out: Sequence, args: Sequence, *, split: dict[int, Shard], defe
         if i in split:
             if i in caches and not o.requires_grad:
                 return _split_cache(o, split[i], group_name)
-            return wrap(o, split[i].dim, split[i].layout, group_name)
+            return wrap(o, split[i].dim, split[i].layout.as_placed(), group_name)
         if i in deferred:
             return defer(deferred[i].recipe, deferred[i].reads(args), deferred[i].shape)
         return o

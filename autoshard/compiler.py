@@ -35,6 +35,7 @@ How every call of a dynamic graph is served, and how the ranks agree on it: :mod
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -69,6 +70,8 @@ from .runtime.input_check import checking_inputs, replicated_inputs
 from .runtime.warn import warn
 from .runtime.attention.dispatch import last_dispatch
 from .runtime.attention.visible_keys import last_fetch
+from .runtime.attention.api import OpConfig
+from .runtime.placement import PLACEABLE_OPS, Documents, last_placement, placing_documents
 from .runtime.layouts import SequenceLayout
 from .runtime.offload import eager_checkpoints
 from .runtime.split_tensor import SplitTensor
@@ -232,6 +235,9 @@ class AutoshardBackend:
                      example_inputs)
         traced = example_inputs if generic is None else generic.rank_args or generic.fake_args
         run = _lower(compiled.graph_module, traced, self.config.inner_for(_device_type(example_inputs)))
+        placed = self._placing(compiled, names, generic is None and not deferred and not carried)
+        if placed is not None:
+            run, placing = placed[0](run), placed[1]
         if deferred or carried or compiled.carried_outputs or compiled.deferred_outputs or compiled.lazy_outputs:
             lazy = {i: functools.partial(lazy_head, spec=spec, group_name=pg.group_name,
                                          summed=self.config.grad_sync, world=pg.size(), host=config.offload)
@@ -243,9 +249,22 @@ class AutoshardBackend:
                 run = placing_per_call(run, wrapper, compiled.carried_outputs, compiled.deferred_outputs, generic)
             else:
                 run = wrapper(run, split_outputs=compiled.carried_outputs)
+        if placed is not None:
+            run = placing(run)
         if checked:
             run = checking_inputs(run, checked, [names[i] for i in checked], pg.group_name, index)
         return run
+
+    def _placing(self, compiled, names: list[str], eligible: bool) -> tuple[Callable, Callable] | None:
+        """Where the graph's packed documents may be placed by their lengths (:mod:`autoshard.runtime.placement`):
+        its replicated ``position_ids`` input and a graph whose layouts every op reads as intervals, taking nothing
+        split or deferred from another graph and handing nothing deferred on (its split outputs, lazy logits included,
+        leave in the placed layout). Returns ``(inner, outer)`` wrappers, or None."""
+        position = next((i for i, name in enumerate(names) if "position_ids" in name), None)
+        if not eligible or position is None or self.config.inputs != "replicated" or compiled.deferred_outputs:
+            return None
+        documents = _placeable(compiled)
+        return None if documents is None else placing_documents(documents, position)
 
     def _memory_policy(self, gm: fx.GraphModule, example_inputs: list, world: int,
                        generic: GenericGraph | None = None) -> tuple[BackendConfig, Any]:
@@ -405,6 +424,32 @@ _WARNED_ATTENTION: set[tuple[str, str]] = set()
 """(user line, reason) of the attentions warned about as not distributed (once each per process)."""
 
 
+def _placeable(compiled) -> Documents | None:
+    """The documents a compiled graph's calls may place (:mod:`~autoshard.runtime.placement`), or None where the
+    graph must run as compiled: an ``autoshard`` op outside :data:`~autoshard.runtime.placement.PLACEABLE_OPS`, an
+    attention that does not all-gather, attentions of different layouts, masks or shapes, or none that reads segment
+    ids."""
+    found = set()
+    for node in compiled.graph_module.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", None) != "autoshard":
+            continue
+        name = node.target._opname
+        if name not in PLACEABLE_OPS:
+            return None
+        if name == "attention":
+            config = OpConfig(*node.args[-len(dataclasses.fields(OpConfig)):])
+            if config.strategy != "allgather":
+                return None
+            if node.args[4] is not None:  # segment ids: the documents
+                found.add((SequenceLayout.decode(config.layout), config.mask))
+    shapes = {tuple(tuple(value_of(t).shape[1::2]) for t in node.args[:3]) for node in compiled.strategies}
+    if len(found) != 1 or len(shapes) != 1:
+        return None
+    (root, spec), ((heads, head_dim), (kv_heads, _), (_, value_dim)) = found.pop(), shapes.pop()
+    return Documents(root, spec, key_row=kv_heads * (head_dim + value_dim), query_row=heads * head_dim,
+                     result_row=heads * (value_dim + 1)) if root.world_size > 1 else None
+
+
 def _warn_undistributed(report: CompileReport) -> None:
     """Warn once per place and reason about an attention that runs on gathered keys or whole (the plan and
     :func:`explain` say it too)."""
@@ -544,7 +589,9 @@ def explain(compiled_by: AutoshardBackend | Any = None) -> str:
     counts = ", ".join(f"{source.compilations[kind]} {kind}" for kind in CAUSES if source.compilations[kind])
     lines = [f"compilations on this rank: {sum(source.compilations.values())} ({counts})"]
     lines += [line for i, record in enumerate(source.compiled) for line in describe_record(i, record)]
-    documents, fetched = last_dispatch(), last_fetch()
+    documents, fetched, placed = last_dispatch(), last_fetch(), last_placement()
+    if placed is not None:
+        lines.append(f"packed documents, latest placement: {placed.summary()}")
     if documents is not None:
         lines.append(f"packed documents, latest attention: {documents.summary()}")
     if fetched is not None:

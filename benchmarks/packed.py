@@ -26,7 +26,9 @@ visible_keys`) instead: rows of ``--length`` tokens, each one document of 8K to 
 if shorter) among log-normal ones (median about 500 tokens, 16 to 4096), a new row every step (the same rows for
 every run). Runs, interleaved: ``one process`` (``autoshard.compile`` on one rank: only the documents' rectangles
 computed), then at P = 2 and 4 ``all-gather + dispatch`` (every key all-gathered, queries dispatched by work; as
-before, ``visible_keys.FETCH = False``) and ``visible keys`` (the default). Columns: the step (slowest rank, the
+before, ``visible_keys.FETCH = False``), ``visible keys`` (each rank fetches the keys its queries see, over the
+compiled zigzag layout: ``placement.PLACE = False``) and ``placed`` (the default: the documents placed by their
+lengths, :mod:`~autoshard.runtime.placement`). Columns: the step (slowest rank, the
 fastest of the rounds' mean over the rows), its ratio to the all-gather's, bytes attention's collectives sent per
 step (K/V, ids and masks gathered or fetched, dK/dV returned, queries dispatched; busiest rank, mean over the rows)
 and their ratio, bytes every collective sent (with the parameters' gradients summed over the ranks), the attention
@@ -48,6 +50,7 @@ import torch.distributed as dist
 import autoshard
 from autoshard.runtime import SequenceLayout, comm_counter
 from autoshard.runtime.attention import attention_flops
+from autoshard.runtime import placement
 from autoshard.runtime.attention import dispatch, local, visible_keys
 from autoshard.runtime.attention.masks import MaskSpec
 from autoshard.testing import run_on_ranks
@@ -118,8 +121,8 @@ def _measure(length: int, repeat: int) -> dict:
     return out
 
 
-FETCH_RUNS = {"all-gather + dispatch": False, "visible keys": True}
-"""Run -> ``visible_keys.FETCH``."""
+FETCH_RUNS = {"all-gather + dispatch": (False, False), "visible keys": (True, False), "placed": (True, True)}
+"""Run -> (``visible_keys.FETCH``, ``placement.PLACE``)."""
 ROWS = 3
 """Rows (packings) of the long-tail mix, one per step."""
 
@@ -136,16 +139,16 @@ ATTENTION_KINDS = ("all_gather", "reduce_scatter", "key_fetch", "dispatch")
 def _measure_fetch(length: int, repeat: int) -> dict:
     """Per run: (mean step seconds, mean bytes attention sent per step, attention FLOPs of the rows, compilations,
     mean bytes sent per step)."""
-    runs = FETCH_RUNS if dist.get_world_size() > 1 else {"one process": True}
+    runs = FETCH_RUNS if dist.get_world_size() > 1 else {"one process": (True, True)}
     models = {run: autoshard.compile(small_llama()) for run in runs}
     for run, model in models.items():
-        visible_keys.FETCH = runs[run]
+        visible_keys.FETCH, placement.PLACE = runs[run]
         model(**_long_tail_inputs(length, 0)).loss.backward()  # compiles
         model.zero_grad(set_to_none=True)
     out: dict[str, tuple] = {}
     for _ in range(repeat):
         for run, model in models.items():
-            visible_keys.FETCH = runs[run]
+            visible_keys.FETCH, placement.PLACE = runs[run]
             seconds = sent = total = work = 0
             for row in range(1, ROWS + 1):
                 dist.barrier()

@@ -49,6 +49,8 @@ from ..runtime.attention.formulas import Sizes
 from ..runtime.attention.dispatch import balance
 from ..runtime.attention.masks import MaskSpec
 from ..runtime.attention.visible_keys import key_fetch
+from ..runtime import placement as document_placement
+from ..runtime.placement import Documents, Placement
 from ..runtime.groups import SequenceGroups
 from ..runtime.input_check import check_bytes, replicated_inputs
 from ..runtime.layouts import SequenceLayout, split_sizes
@@ -365,10 +367,9 @@ def _documents(result: Plan, position_ids) -> dict:
             or position_ids.is_meta or isinstance(position_ids, FakeTensor) or decided.layout == "-"):
         return {}
     ids = _segment_ids(position_ids, decided.shape["B"])
-    layout = SequenceLayout.of(decided.layout, ids.size(1), result.world_size)
-    if ids.size(1) != decided.shape["S"] or layout.world_size != result.world_size:
+    if ids.size(1) != decided.shape["S"]:
         return {}
-    spec = _spec(decided)
+    layout, spec = _placed(result, decided, ids), _spec(decided)
     dispatched = balance(layout, ids, spec)
     heads = decided.shape["H"]
     if decided.strategy == "allgather":
@@ -384,8 +385,24 @@ def _documents(result: Plan, position_ids) -> dict:
     if decided.strategy == "allgather":
         fetch = key_fetch(layout, ids, spec, dispatched)
         out.update(key_rows=list(fetch.rows), gathered_rows=(layout.world_size - 1) * layout.max_local_length,
-                   keys_fetched=fetch.worth_it)
+                   keys_fetched=fetch.worth_it, placed=layout.kind == "derived",
+                   tokens=list(layout.local_lengths))
     return out
+
+
+def _placed(result: Plan, decided: AttentionDecision, ids: torch.Tensor) -> SequenceLayout:
+    """The layout the run gives the documents ``ids`` of the attention ``decided``: placed by their lengths
+    (:mod:`~autoshard.runtime.placement`) where every attention that reads them all-gathers over one layout and the
+    batch is one row, else the compiled one."""
+    root = SequenceLayout.of(decided.layout, ids.size(1), result.world_size)
+    readers = {(a.strategy, a.layout) for a in result.attention if "segment_ids" in a.mask.split(", ")}
+    if not document_placement.PLACE or readers != {("allgather", decided.layout)} or ids.size(0) != 1:
+        return root
+    shape = decided.shape
+    placement = Placement.of(Documents(root, _spec(decided), key_row=shape["Hkv"] * (shape["D"] + shape["Dv"]),
+                                       query_row=shape["H"] * shape["D"], result_row=shape["H"] * (shape["Dv"] + 1)),
+                             ids)
+    return root if placement is None else placement.layout
 
 
 def _segment_ids(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
@@ -414,10 +431,10 @@ def _documents_traffic(result: Plan, position_ids: torch.Tensor, topology: Hardw
         if a is None or c.kind != "allgather":
             continue
         shape = a.shape
-        layout, spec = SequenceLayout.of(a.layout, shape["S"], result.world_size), _spec(a)
+        ids = _segment_ids(position_ids, shape["B"])
+        layout, spec = _placed(result, a, ids), _spec(a)
         key = (layout, shape["B"], spec)
         if key not in placed:
-            ids = _segment_ids(position_ids, shape["B"])
             dispatched = balance(layout, ids, spec)
             placed[key] = dispatched, key_fetch(layout, ids, spec, dispatched)
         dispatched, fetch = placed[key]

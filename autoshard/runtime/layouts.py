@@ -22,11 +22,20 @@ belong to the rank that holds the nearest root position. ``SequenceLayout.derive
 
 Layouts are immutable and hashable; ``encode()`` flattens one into a list of ints so custom ops can
 carry it through the dispatcher, and ``SequenceLayout.decode`` restores it (cached).
+
+**Placed layouts.** A compiled graph's layouts are constants of its ops. A data placement
+(:mod:`autoshard.runtime.placement`: packed documents placed by their lengths) swaps, for one call, a static layout
+for another of the same local lengths: :func:`placing` names the swaps, and while it holds ``decode`` returns the
+swapped layout, so every op reads its tokens where the placement put them without a new compilation (the shapes
+are those it was compiled for). A layout another was derived from carries its derivations to the swap:
+:func:`derived_from` lists, for a root, every layout compiled so far by :meth:`SequenceLayout.derive` from it (labels
+shifted by one, a token prepended) and how, so the placement swaps each for the same derivation of its own root.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -35,7 +44,7 @@ import torch
 
 from .symbolic import evaluate, hint_of, is_symbolic as _symbolic
 
-__all__ = ["SequenceLayout", "LAYOUTS", "split_sizes"]
+__all__ = ["SequenceLayout", "LAYOUTS", "split_sizes", "placing", "derived_from"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -127,8 +136,12 @@ class SequenceLayout:
         offset, length = _size(offset), _size(length)
         if offset == 0 and length == self.length:
             return self
-        symbolic = _symbolic(offset) or _symbolic(length) or _symbolic(self.length)
-        return (_derive if symbolic else _derive_cached)(self, offset, length)
+        if _symbolic(offset) or _symbolic(length) or _symbolic(self.length):
+            return _derive(self, offset, length)
+        derived = _derive_cached(self, offset, length)
+        if not _placed and derived != self:  # compiled layouts only, not a placement's
+            _DERIVATIONS.setdefault(self, {})[(offset, length)] = derived
+        return derived
 
     def evaluated(self, values: dict) -> "SequenceLayout":
         """This layout for one call of a graph compiled for every length: its symbolic positions evaluated at
@@ -216,10 +229,49 @@ class SequenceLayout:
     def decode(code: Sequence[int]) -> "SequenceLayout":
         """Inverse of :meth:`encode`."""
         code = tuple(_size(c) for c in code)
-        return (_decode if any(map(_symbolic, code)) else _decode_cached)(code)
+        layout = (_decode if any(map(_symbolic, code)) else _decode_cached)(code)
+        return _placed.get(layout, layout) if _placed else layout
+
+    def as_placed(self) -> "SequenceLayout":
+        """This layout as the current call places it (:func:`placing`), else itself."""
+        return _placed.get(self, self)
 
     def __repr__(self) -> str:
         return f"SequenceLayout({self.kind}, length={self.length}, world_size={self.world_size})"
+
+
+# ---------------------------------------------------------------------- placed layouts
+
+_placed: dict[SequenceLayout, SequenceLayout] = {}
+"""The swaps of the current call's placement (:func:`placing`): compiled layout -> the one it reads."""
+
+_DERIVATIONS: dict[SequenceLayout, dict[tuple[int, int], SequenceLayout]] = {}
+"""Layout -> ``(offset, length)`` -> the layout :meth:`SequenceLayout.derive` built from it (integer lengths)."""
+
+
+@contextlib.contextmanager
+def placing(swaps: dict[SequenceLayout, SequenceLayout]):
+    """While it holds, ``SequenceLayout.decode`` of a layout in ``swaps`` returns its swap (every one of the same
+    local lengths); the previous swaps are restored after."""
+    global _placed
+    before, _placed = _placed, swaps
+    try:
+        yield
+    finally:
+        _placed = before
+
+
+def derived_from(root: SequenceLayout) -> list[tuple[SequenceLayout, tuple[tuple[int, int], ...]]]:
+    """Every layout derived from ``root`` so far, directly or through others, with the ``(offset, length)`` steps
+    that derive it, nearest first."""
+    out, frontier = [], [(root, ())]
+    while frontier:
+        parent, steps = frontier.pop(0)
+        for step, child in _DERIVATIONS.get(parent, {}).items():
+            if child != root and all(child != seen for seen, _ in out):
+                out.append((child, steps + (step,)))
+                frontier.append((child, steps + (step,)))
+    return out
 
 
 # ---------------------------------------------------------------------- helpers

@@ -4,8 +4,9 @@ One row of 4096 tokens packed with a dozen documents of log-normal lengths (tens
 ``position_ids`` restarting at each), ``autoshard.compile`` with the default strategy choice, 4 ranks, one training
 step. Asserts: loss and every gradient equal one process's (float64); the attention FLOPs every rank counted
 (:func:`~autoshard.runtime.attention.flops.attention_flops`, forward and backward) sum to exactly the documents' own
-causal work (before: the work of one causal sequence of 4096, 9.67x theirs); and max/mean over ranks <= 1.10 (as laid out,
-the zigzag layout leaves the rank holding the long documents' tails with ~1.4x the mean). ``explain()`` reports the
+causal work (before: the work of one causal sequence of 4096, 9.67x theirs); and max/mean over ranks <= 1.10 (the
+zigzag layout would leave the rank holding the long documents' tails with ~1.4x the mean; the documents placed by
+their lengths, :mod:`~autoshard.runtime.placement`, leave 1.19 before the dispatch). ``explain()`` reports the
 work per rank, and the plan of the same batch predicts every rank's work exactly.
 
 Then a two-layer Llama trained on a new packing every step (:func:`test_each_batch_fetches_only_its_documents_keys`,
@@ -23,6 +24,7 @@ from autoshard.runtime.attention.dispatch import balance
 from autoshard.runtime.attention.masks import MaskSpec
 from autoshard.runtime.attention.visible_keys import key_fetch
 from autoshard.runtime.layouts import split_sizes
+from autoshard.runtime.placement import Documents, Placement
 from autoshard.testing import run_on_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -84,7 +86,7 @@ def test_packed_llama_work_is_the_documents_and_balanced():
     assert "attention work per rank" in results[0]["explain"], results[0]["explain"]
     plan = autoshard.plan(_model(), kwargs=_inputs(), world_size=4)  # the plan knows each rank's work, exactly
     assert [w * HEADS * 14 * HEAD_DIM for w in plan.documents["work"]] == work, (plan.documents, work)
-    assert plan.documents["laid_out_imbalance"] > 1.2 and "packed documents (" in str(plan)
+    assert plan.documents["placed"] and "packed documents (" in str(plan)  # placed by length, as the run did
 
 
 # ---------------------------------------------------------------------------- visible keys, a new batch each step
@@ -165,11 +167,15 @@ def test_each_batch_fetches_only_its_documents_keys(world):
     kinds = BATCHES + ("padding",)
     results = run_on_ranks(_rank_batches, world, world, kinds, timeout=600)
     assert all(s == ("allgather", "zigzag") for s in results[0]["attention"][:LAYERS]), results[0]["attention"]
-    layout, spec = SequenceLayout.zigzag(ROW, world), MaskSpec.of(True)
+    root, spec = SequenceLayout.zigzag(ROW, world), MaskSpec.of(True)
+    documents = Documents(root, spec, key_row=KV_HEADS * 2 * HEAD_DIM, query_row=HEADS * HEAD_DIM,
+                          result_row=HEADS * (HEAD_DIM + 1))
     row = KV_HEADS * HEAD_DIM * 8  # bytes of one key row (batch 1, float64)
     for kind in kinds:
         loss, grads = _loss_and_grads(_small_llama(), _batch_inputs(kind, world))
         ids = torch.repeat_interleave(torch.arange(len(_batch(kind, world))), torch.tensor(_batch(kind, world)))[None]
+        placement = Placement.of(documents, ids)
+        layout = root if placement is None else placement.layout
         fetch = key_fetch(layout, ids, spec, balance(layout, ids, spec))
         for rank, result in enumerate(results):
             got = result[kind]

@@ -1,0 +1,283 @@
+"""Packed documents placed by their lengths: short documents whole on one rank, long ones split over several.
+
+The compiled layout (zigzag or contiguous) cuts a packed row by position, whatever its documents: a short document
+that straddles a cut fetches keys from its neighbour, and a long one lands wherever the row put it, so the ranks
+holding its tail carry most of the attention work and the dispatch moves their queries (and the keys those need)
+to the others. :func:`document_layout` places the row by its documents instead, for every call from the
+``position_ids`` it is given (each restart begins a document, the rule transformers uses), identically on every
+rank (integer arithmetic on the replicated ids, no agreement collective):
+
+* a document whose attention work exceeds a rank's share, or whose tokens exceed a rank's, is split over the
+  fewest ranks that carry it (those with the most room left), zigzag inside that group (its ``2k`` chunks, member
+  ``j`` holding chunks ``j`` and ``2k - 1 - j``), so each member does the same share of its causal work;
+* every other document goes whole to the rank with the least work that has room for it; one that fits nowhere
+  fills the ranks with room left (the only documents cut).
+
+Every rank keeps exactly as many tokens as the compiled layout gives it, so the compiled graph's shapes hold and a
+new placement never compiles again: :func:`~autoshard.runtime.layouts.placing` makes every op of the call read the
+placed layout where it was compiled with the static one (:class:`Placement`). The layouts derived from the static
+one (labels shifted by one, a token prepended) are swapped for the same derivation of the placed one; the first and
+the last position keep their rank, so those keep their local lengths too (a placement that would change one is not
+used: the call runs on the static layout, as before).
+
+A graph is placed only where every op that reads a layout reads it as intervals, whatever they are
+(:data:`PLACEABLE_OPS`), its attention all-gathers (the strategy whose keys follow the documents), it takes no
+input split by an earlier graph and leaves no lazy or deferred output (those keep a layout past the call); any
+other graph runs its compiled layout, as before (``autoshard.compiler._placeable``). Outputs leave split in the placed layout (a
+``SplitTensor`` holding it, read back in the caller's order) or whole in the caller's order.
+
+Backward: the ops' gradients read their layouts again when autograd runs them, after the call returned. The call's
+outputs pass through :class:`_Placed`, an identity whose backward, which autograd runs before any gradient of the
+call, restores the call's placement until that backward pass ends (a callback of the autograd engine), so the
+backward (and any forward a checkpoint recomputes) reads the layout its forward read.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .attention.dispatch import balance
+from .attention.masks import MaskSpec
+from .attention.visible_keys import key_fetch
+from .layouts import SequenceLayout, derived_from, placing, split_sizes
+
+__all__ = ["Placement", "Documents", "document_layout", "placing_documents", "last_placement", "PLACE", "PLACEABLE_OPS"]
+
+PLACE = True
+"""Place packed documents by their lengths (False: every call runs its compiled layout; for benchmarks)."""
+
+PLACEABLE_OPS = frozenset({
+    "seq_shard", "seq_unshard", "seq_reduce_scatter", "seq_unshard_for_local_use",  # pieces of the intervals
+    "seq_realign",  # moves between any two layouts
+    "seq_cumsum",  # per-interval totals, summed in global order
+    "seq_local_index", "seq_arg_extreme", "sequence_draw",  # global positions of the local rows
+    "attention",  # the all-gather strategy only (``autoshard.compiler._placeable``): keys, dispatch and masks by position
+    "check_runs", "check_band",  # checks of values, not of a layout
+})
+"""The ``autoshard`` ops a placed graph may hold: each reads its layout as intervals, whatever they are."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One call's placement: the static layout it replaces, the placed one, and the swaps every op reads."""
+
+    root: SequenceLayout
+    """The compiled layout of the packed row."""
+    layout: SequenceLayout
+    """Where the documents go."""
+    swaps: dict = field(compare=False, repr=False)
+    """Compiled layout -> placed layout: ``root`` and every layout derived from it."""
+    ids: torch.Tensor = field(compare=False, repr=False)
+    """The documents (``[1, S]`` segment ids) it was computed from."""
+
+    @staticmethod
+    def of(documents: "Documents", ids: torch.Tensor) -> "Placement | None":
+        """The placement of the documents ``ids`` over the ranks of ``documents.root``, or None where it would send
+        more than the compiled layout for this batch (:meth:`Documents.cost`), or would change a compiled layout's
+        local lengths: the call then runs the compiled layout. The latest is reused for the same ids (every graph
+        call of a step)."""
+        global _last
+        root = documents.root
+        if _last is not None and _last.root == root and torch.equal(_last.ids, ids):
+            return _last if _last.swaps else None
+        layout = document_layout(root, ids)
+        swaps = {root: layout} if layout is not None else {}
+        for derived, steps in derived_from(root) if swaps else ():
+            placed = layout
+            for offset, length in steps:
+                placed = _derive(placed, offset, length)
+            if placed.local_lengths != derived.local_lengths or swaps.get(derived, placed) != placed:
+                swaps = {}
+                break
+            swaps[derived] = placed
+        if swaps and documents.cost(layout, ids) >= documents.cost(root, ids):
+            swaps = {}
+        _last = Placement(root, layout, swaps, ids)
+        return _last if swaps else None
+
+    def summary(self) -> str:
+        """Tokens and documents per rank, for ``explain()``."""
+        if not self.swaps:
+            return ("compiled layout kept (placing the documents by length would send more, or change a layout's "
+                    "local lengths)")
+        runs = _documents(self.ids)
+        whole = [sum(1 for s, e in runs if any(a <= s and e <= b for a, b in self.layout.local_intervals(r)))
+                 for r in range(self.layout.world_size)]
+        split = sum(1 for s, e in runs if not any(a <= s and e <= b for a, b, _ in self.layout.spans))
+        return (f"documents placed by length: {len(runs)} documents, {split} split over ranks; whole documents per "
+                f"rank {', '.join(map(str, whole))}; tokens per rank {', '.join(map(str, self.layout.local_lengths))}")
+
+
+@dataclass(frozen=True)
+class Documents:
+    """What a compiled graph's placement needs: the layout its documents' attention was compiled for, its mask,
+    and the elements per position its attention moves."""
+
+    root: SequenceLayout
+    spec: MaskSpec
+    key_row: int
+    """Elements of one position's K and V."""
+    query_row: int
+    """Elements of one position's queries."""
+    result_row: int
+    """Elements of one position's output and log-sum-exp."""
+
+    def cost(self, layout: SequenceLayout, ids: torch.Tensor) -> int:
+        """Elements the busiest rank sends in the forward of one attention over ``layout``: the keys it fetches
+        for others and the queries it dispatches and results it returns (the backward sends in proportion)."""
+        dispatched = balance(layout, ids, self.spec)
+        fetch = key_fetch(layout, ids, self.spec, dispatched)
+        keys = (fetch.bytes_by_rank(self.key_row, 0, False) if fetch.worth_it else
+                [(layout.world_size - 1) * n * self.key_row for n in layout.local_lengths])
+        moved = dispatched.bytes_by_rank(self.query_row, self.result_row, False)
+        return max(k + m for k, m in zip(keys, moved))
+
+
+def _derive(layout: SequenceLayout, offset: int, length: int) -> SequenceLayout:
+    with placing({}):  # a placement's derived layouts are not compiled ones
+        return layout.derive(offset, length)
+
+
+_last: Placement | None = None
+
+
+def last_placement() -> Placement | None:
+    """The placement considered for the latest call with documents to place on this process (what ``explain()``
+    reports; its ``swaps`` empty where the call kept its compiled layout), or None."""
+    return _last
+
+
+def _documents(ids: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, end)`` of every run of equal ids in row 0."""
+    row = ids[0]
+    cuts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
+    bounds = [0] + cuts + [row.numel()]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _work(length: int) -> int:
+    return length * (length + 1) // 2
+
+
+def document_layout(root: SequenceLayout, ids: torch.Tensor) -> SequenceLayout | None:
+    """The documents ``ids`` (``[1, S]`` segment ids, global order) placed over ``root``'s ranks, every rank holding
+    as many tokens as in ``root`` and the first and last position on their ``root`` rank; None where the documents
+    do not allow that (the call keeps ``root``)."""
+    world = root.world_size
+    docs = _documents(ids)
+    room = list(root.local_lengths)
+    share, total = max(room), sum(_work(e - s) for s, e in docs)
+    ends = {0: root.owner(0), root.length - 1: root.owner(root.length - 1)}
+    load = [0] * world
+    held: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+
+    def take(rank: int, start: int, end: int, work: int) -> None:
+        held[rank].append((start, end))
+        room[rank] -= end - start
+        load[rank] += work
+
+    def pins(start: int, end: int) -> list[int]:
+        return list(dict.fromkeys(rank for pos, rank in ends.items() if start <= pos < end))
+
+    def parts(start: int, end: int) -> int:
+        return min(world, max(-(-(end - start) // share), -(-_work(end - start) * world // total)))
+
+    short = sorted((d for d in docs if parts(*d) == 1), key=lambda d: (not pins(*d), d[0] - d[1], d[0]))
+    long = sorted((d for d in docs if parts(*d) > 1), key=lambda d: (d[0] - d[1], d[0]))
+    for start, end in [d for d in short if pins(*d)]:  # the first and last documents, on their ranks
+        rank = pins(start, end)
+        if len(rank) > 1 or room[rank[0]] < end - start:
+            return None
+        take(rank[0], start, end, _work(end - start))
+    for start, end in long:  # zigzag over the ranks with the most room
+        k, pinned = parts(start, end), pins(start, end)
+        if len(pinned) > 1:
+            return None  # chunks 0 and 2k-1 both pinned: one member holds both, only where root does too
+        bounds = [start]
+        for n in split_sizes(end - start, 2 * k):
+            bounds.append(bounds[-1] + n)
+        group = (pinned + sorted((r for r in range(world) if r not in pinned), key=lambda r: (-room[r], load[r], r)))
+        for j, rank in enumerate(group[:k]):
+            for c in (j, 2 * k - 1 - j):
+                take(rank, bounds[c], bounds[c + 1], _work(bounds[c + 1] - start) - _work(bounds[c] - start))
+    for start, end in [d for d in short if not pins(*d)]:  # whole where there is room, least work first
+        fits = [r for r in range(world) if room[r] >= end - start]
+        if fits:
+            take(min(fits, key=lambda r: (load[r], r)), start, end, _work(end - start))
+            continue
+        for rank in sorted(range(world), key=lambda r: (-room[r], r)):  # fits nowhere: cut over the room left
+            n = min(room[rank], end - start)
+            if n:
+                take(rank, start, start + n, _work(n))
+                start += n
+    if any(room):
+        return None
+    return SequenceLayout.from_intervals(root.length, held)
+
+
+class _Placed(torch.autograd.Function):
+    """Identity on a call's outputs; its backward (autograd runs it before any gradient of the call) restores the
+    call's placement until the backward pass ends."""
+
+    @staticmethod
+    def forward(ctx, placement, *outputs):
+        ctx.placement = placement
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from . import layouts
+
+        layouts._placed = ctx.placement.swaps
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(setattr, layouts, "_placed", {}))
+        return (None, *grads)
+
+
+def placing_documents(documents: Documents, position_index: int) -> tuple[Callable, Callable]:
+    """Two wrappers that place the packed documents of a compiled rank graph's ``position_index``-th input by
+    their lengths (:func:`document_layout`) in every call where that is possible: the call, and its backward, read
+    the placed layouts. ``inner(run)``: the graph as the inner compiler returned it, its outputs passing through
+    :class:`_Placed`; ``outer(run)``: around the wrappers that take and hand on carriers, so that what leaves split
+    leaves in the placed layout."""
+    current: list[Placement | None] = [None]
+
+    def inner(run: Callable) -> Callable:
+        return functools.partial(marked, run)
+
+    def marked(run, *args):
+        placement = current[0]
+        out = run(*args)
+        if placement is None:
+            return out
+        flat = list(out) if isinstance(out, (tuple, list)) else [out]
+        grads = [i for i, o in enumerate(flat) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if grads and torch.is_grad_enabled():
+            for i, o in zip(grads, _Placed.apply(placement, *(flat[i] for i in grads))):
+                flat[i] = o
+        return type(out)(flat) if isinstance(out, (tuple, list)) else flat[0]
+
+    def outer(wrapped: Callable) -> Callable:
+        def call(*args):
+            positions = args[position_index]
+            placement = None
+            if PLACE and isinstance(positions, torch.Tensor) and positions.shape == (1, documents.root.length):
+                placement = Placement.of(documents, _segments(positions))
+            current[0] = placement
+            if placement is None:
+                return wrapped(*args)
+            with placing(placement.swaps):
+                return wrapped(*args)
+        return call
+
+    return inner, outer
+
+
+def _segments(positions: torch.Tensor) -> torch.Tensor:
+    """Segment ids of ``position_ids``: a new document wherever a position is not its predecessor's plus one."""
+    restart = torch.ones_like(positions, dtype=torch.long)
+    restart[:, 1:] = (positions[:, 1:] != positions[:, :-1] + 1).long()
+    return restart.cumsum(1).cpu()
