@@ -22,6 +22,7 @@ recipe reads; the graph's outputs by their position in its output tuple.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Callable
@@ -36,7 +37,8 @@ from .placements import Shard
 from .runtime.deferred import DeferredTensor, Recipe, defer
 from .runtime.kv_cache import CacheLayout
 from .runtime.lazy_linear import lazy_linear
-from .runtime.redistribute import grad_scale, grad_sync
+from .runtime.layouts import current_swaps, placing
+from .runtime.redistribute import grad_scale, grad_sync, seq_realign
 from .runtime.split_tensor import SplitTensor, local_of, wrap
 
 __all__ = ["DeferredInput", "deferred_inputs_of", "traced_deferred_inputs", "split_inputs_of", "inline_inputs",
@@ -132,7 +134,7 @@ def wrap_outputs(out: Sequence, args: Sequence, *, split: dict[int, Shard], defe
         if i in split:
             if i in caches and not o.requires_grad:
                 return _split_cache(o, split[i], group_name)
-            return wrap(o, split[i].dim, split[i].layout.as_placed(), group_name)
+            return wrap(o, split[i].dim, split[i].layout, group_name, current_swaps())
         if i in deferred:
             return defer(deferred[i].recipe, deferred[i].reads(args), deferred[i].shape)
         return o
@@ -152,14 +154,36 @@ def _split_cache(local: torch.Tensor, shard: Shard, group_name: str) -> SplitTen
 
 def carrying(fn: Callable, *, flatten: bool, split_inputs: Collection[int], split_outputs: dict[int, Shard],
              deferred_outputs: dict[int, DeferredOutput], lazy_outputs: dict[int, Callable],
-             group_name: str, cache_outputs: Collection[int] = ()) -> Callable:
+             group_name: str, cache_outputs: Collection[int] = (), any_placement: bool = False) -> Callable:
     """``fn`` (a compiled per-rank graph) called on what its carrier inputs hold (:func:`unwrap_inputs`), its
-    outputs wrapped as they leave (:func:`wrap_outputs`)."""
+    outputs wrapped as they leave (:func:`wrap_outputs`). Split inputs an earlier graph computed under a placement
+    (:attr:`~autoshard.runtime.split_tensor.SplitTensor.placed`) run the graph under it where it reads any layout
+    (``any_placement``: :mod:`~autoshard.runtime.placement`), else arrive realigned to the layout it was compiled
+    for."""
     def run(*args):
         flat, local = unwrap_inputs(args, flatten=flatten, split=split_inputs)
-        return wrap_outputs(fn(*local), flat, split=split_outputs, deferred=deferred_outputs, lazy=lazy_outputs,
-                            group_name=group_name, caches=cache_outputs)
+        local, swaps = _placed_inputs(flat, local, split_inputs, any_placement, group_name)
+        with placing(swaps) if swaps else contextlib.nullcontext():
+            return wrap_outputs(fn(*local), flat, split=split_outputs, deferred=deferred_outputs, lazy=lazy_outputs,
+                                group_name=group_name, caches=cache_outputs)
     return run
+
+
+def _placed_inputs(flat: Sequence, local: list, split: Collection[int], any_placement: bool,
+                   group_name: str) -> tuple[list, dict]:
+    """The shards a graph runs on and the placement it runs under: that of its split inputs where one placement
+    computed them (:attr:`~autoshard.runtime.split_tensor.SplitTensor.placed`) and the graph reads any layout
+    (``any_placement``), every other split input realigned to it; else none, every placed input realigned to the
+    layout it was compiled for."""
+    placements = [flat[i].placed for i in split if flat[i].placed]
+    swaps = placements[0] if placements and any_placement and all(p is placements[0] for p in placements) else {}
+    out = list(local)
+    for i in split:
+        carrier = flat[i]
+        rows, wanted = carrier.rows_layout, swaps.get(carrier.seq_layout, carrier.seq_layout)
+        if rows != wanted:
+            out[i] = seq_realign(local[i], carrier.seq_dim, rows, wanted, group_name)
+    return out, swaps
 
 
 def lazy_head(h: torch.Tensor, args: Sequence, *, spec: LazyOutput, group_name: str, summed: bool, world: int,

@@ -51,7 +51,7 @@ import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 
 from .boundary import (carrying, deferred_inputs_of, inline_inputs, lazy_head, shard_inputs,
-                       split_inputs_of)
+                       split_inputs_of, unwrap_inputs)
 from .config import BackendConfig, resolve_config, trace_checkpointed_layers
 from .dynamic_sizes import NO_SHARDED_INPUT, PerSizes, on_every_rank, placing_per_call, short_shard
 from .passes.decode import cache_written_in_place, decode_runner
@@ -71,7 +71,7 @@ from .runtime.warn import warn
 from .runtime.attention.dispatch import last_dispatch
 from .runtime.attention.visible_keys import last_fetch
 from .runtime.attention.api import OpConfig
-from .runtime.placement import PLACEABLE_OPS, Documents, last_placement, placing_documents
+from .runtime.placement import PLACEABLE_OPS, Documents, last_placement, marked, placing_documents
 from .runtime.layouts import SequenceLayout
 from .runtime.offload import eager_checkpoints
 from .runtime.split_tensor import SplitTensor
@@ -106,6 +106,9 @@ class AutoshardBackend:
         self._cause = Cause("new graph")
         """Why the next graph this backend compiles is compiled (then ``new variant`` until set again)."""
         self._guard_failures_seen: dict = {}
+        self._documents: dict[SequenceLayout, Documents] = {}
+        """Compiled layout -> the packed documents of the graphs compiled for it that read any layout: what a graph
+        that takes ``position_ids`` prices their placement with (:mod:`autoshard.runtime.placement`)."""
         self._warned_whole_cache = False
         trace_checkpointed_layers()
         recognize_loaded()
@@ -235,36 +238,46 @@ class AutoshardBackend:
                      example_inputs)
         traced = example_inputs if generic is None else generic.rank_args or generic.fake_args
         run = _lower(compiled.graph_module, traced, self.config.inner_for(_device_type(example_inputs)))
-        placed = self._placing(compiled, names, generic is None and not deferred and not carried)
-        if placed is not None:
-            run, placing = placed[0](run), placed[1]
+        any_placement = generic is None and _reads_any_layout(compiled.graph_module)  # a class's: not yet
+        flat_names = [source_name(n) or n.name for n in gm.graph.nodes if n.op == "placeholder"]  # deferred inlined
+        placed = self._placing(compiled, flat_names, bool(deferred), generic is None and not carried, any_placement)
+        if placed is not None or (carried and any_placement):
+            run = marked(run)
         if deferred or carried or compiled.carried_outputs or compiled.deferred_outputs or compiled.lazy_outputs:
             lazy = {i: functools.partial(lazy_head, spec=spec, group_name=pg.group_name,
                                          summed=self.config.grad_sync, world=pg.size(), host=config.offload)
                     for i, spec in compiled.lazy_outputs.items()}
             wrapper = functools.partial(carrying, flatten=bool(deferred), split_inputs=set(carried),
                                         deferred_outputs=compiled.deferred_outputs, lazy_outputs=lazy,
-                                        group_name=pg.group_name, cache_outputs=set(compiled.cache_outputs or ()))
+                                        group_name=pg.group_name, cache_outputs=set(compiled.cache_outputs or ()),
+                                        any_placement=any_placement)
             if generic is not None and (compiled.carried_outputs or compiled.deferred_outputs):
                 run = placing_per_call(run, wrapper, compiled.carried_outputs, compiled.deferred_outputs, generic)
             else:
                 run = wrapper(run, split_outputs=compiled.carried_outputs)
         if placed is not None:
-            run = placing(run)
+            run = placing_documents(run, *placed)
         if checked:
             run = checking_inputs(run, checked, [names[i] for i in checked], pg.group_name, index)
         return run
 
-    def _placing(self, compiled, names: list[str], eligible: bool) -> tuple[Callable, Callable] | None:
-        """Where the graph's packed documents may be placed by their lengths (:mod:`autoshard.runtime.placement`):
-        its replicated ``position_ids`` input and a graph whose layouts every op reads as intervals, taking nothing
-        split or deferred from another graph and handing nothing deferred on (its split outputs, lazy logits included,
-        leave in the placed layout). Returns ``(inner, outer)`` wrappers, or None."""
+    def _placing(self, compiled, names: list[str], flatten: bool, eligible: bool,
+                 any_placement: bool) -> tuple[Callable, Callable] | None:
+        """Where a graph's calls place packed documents by their lengths (:mod:`autoshard.runtime.placement`): the
+        documents of its layout as known at the call, and its ``position_ids`` from the call's arguments (``names``:
+        of its inputs with every deferred one replaced by what its recipe reads, ``flatten``: there are such); or
+        None. The graph reads any layout (``any_placement``) and takes ``position_ids`` replicated and nothing split
+        from another graph (``eligible``); what it hands on carries the placement. The documents are those of its
+        own attentions, or of a later graph's compiled for its layout (placed from the call after that compiled)."""
+        documents = _documents_of(compiled) if any_placement else None
+        if documents is not None:
+            self._documents.setdefault(documents.root, documents)
         position = next((i for i, name in enumerate(names) if "position_ids" in name), None)
-        if not eligible or position is None or self.config.inputs != "replicated" or compiled.deferred_outputs:
+        if not eligible or not any_placement or position is None or self.config.inputs != "replicated":
             return None
-        documents = _placeable(compiled)
-        return None if documents is None else placing_documents(documents, position)
+        roots = _layouts_read(compiled.graph_module)
+        return ((lambda: next((self._documents[r] for r in roots if r in self._documents), None)),
+                lambda args: unwrap_inputs(args, flatten=flatten, split=())[0][position])
 
     def _memory_policy(self, gm: fx.GraphModule, example_inputs: list, world: int,
                        generic: GenericGraph | None = None) -> tuple[BackendConfig, Any]:
@@ -424,24 +437,43 @@ _WARNED_ATTENTION: set[tuple[str, str]] = set()
 """(user line, reason) of the attentions warned about as not distributed (once each per process)."""
 
 
-def _placeable(compiled) -> Documents | None:
-    """The documents a compiled graph's calls may place (:mod:`~autoshard.runtime.placement`), or None where the
-    graph must run as compiled: an ``autoshard`` op outside :data:`~autoshard.runtime.placement.PLACEABLE_OPS`, an
-    attention that does not all-gather, attentions of different layouts, masks or shapes, or none that reads segment
-    ids."""
-    found = set()
-    for node in compiled.graph_module.graph.nodes:
+def _reads_any_layout(gm: fx.GraphModule) -> bool:
+    """Whether every ``autoshard`` op of a rank graph reads its layout as intervals, whatever they are
+    (:data:`~autoshard.runtime.placement.PLACEABLE_OPS`, attention only by all-gather): the graph may run under a
+    placement."""
+    for node in gm.graph.nodes:
         if node.op != "call_function" or getattr(node.target, "namespace", None) != "autoshard":
             continue
-        name = node.target._opname
-        if name not in PLACEABLE_OPS:
-            return None
-        if name == "attention":
-            config = OpConfig(*node.args[-len(dataclasses.fields(OpConfig)):])
-            if config.strategy != "allgather":
-                return None
-            if node.args[4] is not None:  # segment ids: the documents
-                found.add((SequenceLayout.decode(config.layout), config.mask))
+        if node.target._opname not in PLACEABLE_OPS:
+            return False
+        if node.target._opname == "attention" and _attention_config(node).strategy != "allgather":
+            return False
+    return True
+
+
+def _layouts_read(gm: fx.GraphModule) -> set[SequenceLayout]:
+    """The layouts the ``autoshard`` ops of a rank graph read (their ``list[int]`` arguments of layout type)."""
+    out = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", None) != "autoshard":
+            continue
+        for argument, value in zip(node.target._schema.arguments, node.args):
+            if argument.name in ("layout", "src", "dst") and isinstance(value, (list, tuple)):
+                out.add(SequenceLayout.decode(value))
+    return out
+
+
+def _attention_config(node: fx.Node) -> OpConfig:
+    return OpConfig(*node.args[-len(dataclasses.fields(OpConfig)):])
+
+
+def _documents_of(compiled) -> Documents | None:
+    """The packed documents of a compiled graph (:class:`~autoshard.runtime.placement.Documents`): its attentions
+    that read segment ids, of one layout, mask and shape; None where there are none, or several."""
+    found = {(SequenceLayout.decode(_attention_config(node).layout), _attention_config(node).mask)
+             for node in compiled.graph_module.graph.nodes
+             if node.op == "call_function" and node.target is torch.ops.autoshard.attention.default
+             and node.args[4] is not None}  # segment ids: the documents
     shapes = {tuple(tuple(value_of(t).shape[1::2]) for t in node.args[:3]) for node in compiled.strategies}
     if len(found) != 1 or len(shapes) != 1:
         return None

@@ -192,7 +192,9 @@ class Plan:
     fetches, :mod:`autoshard.runtime.attention.visible_keys`), ``gathered_rows`` (what an all-gather brings each) and
     ``keys_fetched`` (whether they are fetched), ``keys_s`` and ``dispatch_s`` (the exposed seconds per step the keys
     fetched and the queries dispatched add to all-gathering every key, negative when they save: the step time counts
-    them, the collectives their bytes)."""
+    them, the collectives their bytes), ``placed`` (whether the run places the documents by their lengths,
+    :mod:`autoshard.runtime.placement`: every number above is then of the placed layout) and ``tokens`` (tokens per
+    rank)."""
     step_time: StepTime | None = None
     """The step's predicted time on the plan's hardware (:mod:`autoshard.step_time`), by layer."""
     input_checks: dict[str, int] = field(default_factory=dict)
@@ -265,6 +267,9 @@ class Plan:
             lines.append(f"  packed documents ({d['documents']}, from position_ids): attention work per rank (visible "
                          f"pairs of one call) {', '.join(f'{w:,}' for w in d['work'])}: max/mean "
                          f"{d['imbalance']:.2f} ({d['laid_out_imbalance']:.2f} as laid out)")
+            if d.get("placed"):
+                lines.append("  documents placed by length (short ones whole on a rank, long ones zigzag over a "
+                             "group; the compiled layout's tokens per rank)")
             if "key_rows" in d:
                 lines.append(f"  keys of the documents: every rank fetches the rows its queries see, "
                              f"{', '.join(f'{n:,}' for n in d['key_rows'])} of the {d['gathered_rows']:,} an all-gather "

@@ -44,7 +44,7 @@ import torch
 
 from .symbolic import evaluate, hint_of, is_symbolic as _symbolic
 
-__all__ = ["SequenceLayout", "LAYOUTS", "split_sizes", "placing", "derived_from"]
+__all__ = ["SequenceLayout", "LAYOUTS", "split_sizes", "placing", "current_swaps", "derived_from", "derivation_of"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -141,6 +141,7 @@ class SequenceLayout:
         derived = _derive_cached(self, offset, length)
         if not _placed and derived != self:  # compiled layouts only, not a placement's
             _DERIVATIONS.setdefault(self, {})[(offset, length)] = derived
+            _DERIVED_FROM.setdefault(derived, (self, (offset, length)))
         return derived
 
     def evaluated(self, values: dict) -> "SequenceLayout":
@@ -232,9 +233,6 @@ class SequenceLayout:
         layout = (_decode if any(map(_symbolic, code)) else _decode_cached)(code)
         return _placed.get(layout, layout) if _placed else layout
 
-    def as_placed(self) -> "SequenceLayout":
-        """This layout as the current call places it (:func:`placing`), else itself."""
-        return _placed.get(self, self)
 
     def __repr__(self) -> str:
         return f"SequenceLayout({self.kind}, length={self.length}, world_size={self.world_size})"
@@ -242,23 +240,36 @@ class SequenceLayout:
 
 # ---------------------------------------------------------------------- placed layouts
 
-_placed: dict[SequenceLayout, SequenceLayout] = {}
+_placed = {}
 """The swaps of the current call's placement (:func:`placing`): compiled layout -> the one it reads."""
 
 _DERIVATIONS: dict[SequenceLayout, dict[tuple[int, int], SequenceLayout]] = {}
 """Layout -> ``(offset, length)`` -> the layout :meth:`SequenceLayout.derive` built from it (integer lengths)."""
+_DERIVED_FROM: dict[SequenceLayout, tuple[SequenceLayout, tuple[int, int]]] = {}
+"""The inverse: derived layout -> the first layout and ``(offset, length)`` it was derived from."""
 
 
 @contextlib.contextmanager
-def placing(swaps: dict[SequenceLayout, SequenceLayout]):
-    """While it holds, ``SequenceLayout.decode`` of a layout in ``swaps`` returns its swap (every one of the same
-    local lengths); the previous swaps are restored after."""
+def placing(swaps):
+    """While it holds, ``SequenceLayout.decode`` of a layout returns ``swaps.get(layout, layout)`` (every swap of the
+    same local lengths); the previous swaps are restored after."""
     global _placed
     before, _placed = _placed, swaps
     try:
         yield
     finally:
         _placed = before
+
+
+def current_swaps():
+    """The swaps of the placement in effect (:func:`placing`; empty outside one)."""
+    return _placed
+
+
+def derivation_of(layout: SequenceLayout) -> tuple[SequenceLayout, tuple[int, int]] | None:
+    """The layout ``layout`` was compiled as derived from, and the ``(offset, length)`` of that derivation; None for
+    one not derived."""
+    return _DERIVED_FROM.get(layout)
 
 
 def derived_from(root: SequenceLayout) -> list[tuple[SequenceLayout, tuple[tuple[int, int], ...]]]:

@@ -43,9 +43,9 @@ import torch
 from .attention.dispatch import balance
 from .attention.masks import MaskSpec
 from .attention.visible_keys import key_fetch
-from .layouts import SequenceLayout, derived_from, placing, split_sizes
+from .layouts import SequenceLayout, current_swaps, derivation_of, derived_from, placing, split_sizes
 
-__all__ = ["Placement", "Documents", "document_layout", "placing_documents", "last_placement", "PLACE", "PLACEABLE_OPS"]
+__all__ = ["Placement", "Documents", "document_layout", "placing_documents", "marked", "last_placement", "PLACE", "PLACEABLE_OPS"]
 
 PLACE = True
 """Place packed documents by their lengths (False: every call runs its compiled layout; for benchmarks)."""
@@ -77,23 +77,20 @@ class Placement:
     @staticmethod
     def of(documents: "Documents", ids: torch.Tensor) -> "Placement | None":
         """The placement of the documents ``ids`` over the ranks of ``documents.root``, or None where it would send
-        more than the compiled layout for this batch (:meth:`Documents.cost`), or would change a compiled layout's
-        local lengths: the call then runs the compiled layout. The latest is reused for the same ids (every graph
-        call of a step)."""
+        more than the compiled layout for this batch (:meth:`Documents.cost`), or would change the local lengths of a
+        layout compiled as derived from it: the call then runs the compiled layout. The latest is reused for the
+        same ids (every graph call of a step)."""
         global _last
         root = documents.root
         if _last is not None and _last.root == root and torch.equal(_last.ids, ids):
             return _last if _last.swaps else None
         layout = document_layout(root, ids)
-        swaps = {root: layout} if layout is not None else {}
-        for derived, steps in derived_from(root) if swaps else ():
-            placed = layout
-            for offset, length in steps:
-                placed = _derive(placed, offset, length)
-            if placed.local_lengths != derived.local_lengths or swaps.get(derived, placed) != placed:
-                swaps = {}
-                break
-            swaps[derived] = placed
+        swaps = _Swaps(root, layout) if layout is not None else {}
+        try:
+            for derived, _ in derived_from(root) if swaps else ():
+                swaps.get(derived)
+        except ValueError:
+            swaps = {}
         if swaps and documents.cost(layout, ids) >= documents.cost(root, ids):
             swaps = {}
         _last = Placement(root, layout, swaps, ids)
@@ -110,6 +107,30 @@ class Placement:
         split = sum(1 for s, e in runs if not any(a <= s and e <= b for a, b, _ in self.layout.spans))
         return (f"documents placed by length: {len(runs)} documents, {split} split over ranks; whole documents per "
                 f"rank {', '.join(map(str, whole))}; tokens per rank {', '.join(map(str, self.layout.local_lengths))}")
+
+
+class _Swaps(dict):
+    """Compiled layout -> placed layout: the root, and every layout compiled as derived from it, each swapped for the
+    same derivation of the placed root when first read (a graph compiled after the placement was made reads its
+    own)."""
+
+    def __init__(self, root: SequenceLayout, placed: SequenceLayout):
+        super().__init__({root: placed})
+
+    def get(self, layout, default=None):
+        if layout in self:
+            return self[layout]
+        found = derivation_of(layout)
+        parent = None if found is None else self.get(found[0])
+        if parent is None:
+            return default
+        placed = _derive(parent, *found[1])
+        if placed.local_lengths != layout.local_lengths:
+            raise ValueError(f"autoshard: packed documents placed by length move {layout!r}'s tokens between ranks "
+                             f"(local lengths {placed.local_lengths}, compiled {layout.local_lengths}); "
+                             f"autoshard.runtime.placement.PLACE = False runs every call in its compiled layout")
+        self[layout] = placed
+        return placed
 
 
 @dataclass(frozen=True)
@@ -167,6 +188,8 @@ def document_layout(root: SequenceLayout, ids: torch.Tensor) -> SequenceLayout |
     """The documents ``ids`` (``[1, S]`` segment ids, global order) placed over ``root``'s ranks, every rank holding
     as many tokens as in ``root`` and the first and last position on their ``root`` rank; None where the documents
     do not allow that (the call keeps ``root``)."""
+    if ids.shape != (1, root.length):
+        return None
     world = root.world_size
     docs = _documents(ids)
     room = list(root.local_lengths)
@@ -224,56 +247,55 @@ class _Placed(torch.autograd.Function):
     call's placement until the backward pass ends."""
 
     @staticmethod
-    def forward(ctx, placement, *outputs):
-        ctx.placement = placement
+    def forward(ctx, swaps, *outputs):
+        ctx.swaps = swaps
         return tuple(o.view_as(o) for o in outputs)
 
     @staticmethod
     def backward(ctx, *grads):
         from . import layouts
 
-        layouts._placed = ctx.placement.swaps
+        layouts._placed = ctx.swaps
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(setattr, layouts, "_placed", {}))
         return (None, *grads)
 
 
-def placing_documents(documents: Documents, position_index: int) -> tuple[Callable, Callable]:
-    """Two wrappers that place the packed documents of a compiled rank graph's ``position_index``-th input by
-    their lengths (:func:`document_layout`) in every call where that is possible: the call, and its backward, read
-    the placed layouts. ``inner(run)``: the graph as the inner compiler returned it, its outputs passing through
-    :class:`_Placed`; ``outer(run)``: around the wrappers that take and hand on carriers, so that what leaves split
-    leaves in the placed layout."""
-    current: list[Placement | None] = [None]
-
-    def inner(run: Callable) -> Callable:
-        return functools.partial(marked, run)
-
-    def marked(run, *args):
-        placement = current[0]
+def marked(run: Callable) -> Callable:
+    """``run`` (a compiled rank graph) with its outputs passed through :class:`_Placed` when it runs under a
+    placement, so that their backward runs under it too."""
+    def call(*args):
         out = run(*args)
-        if placement is None:
+        swaps = current_swaps()
+        if not swaps or not torch.is_grad_enabled():
             return out
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
         grads = [i for i, o in enumerate(flat) if isinstance(o, torch.Tensor) and o.requires_grad]
-        if grads and torch.is_grad_enabled():
-            for i, o in zip(grads, _Placed.apply(placement, *(flat[i] for i in grads))):
+        if grads:
+            for i, o in zip(grads, _Placed.apply(swaps, *(flat[i] for i in grads))):
                 flat[i] = o
         return type(out)(flat) if isinstance(out, (tuple, list)) else flat[0]
+    return call
 
-    def outer(wrapped: Callable) -> Callable:
-        def call(*args):
-            positions = args[position_index]
-            placement = None
-            if PLACE and isinstance(positions, torch.Tensor) and positions.shape == (1, documents.root.length):
-                placement = Placement.of(documents, _segments(positions))
-            current[0] = placement
-            if placement is None:
-                return wrapped(*args)
-            with placing(placement.swaps):
-                return wrapped(*args)
-        return call
 
-    return inner, outer
+def placing_documents(run: Callable, documents: Callable[[], Documents | None],
+                      positions_of: Callable[[tuple], torch.Tensor]) -> Callable:
+    """``run`` (a compiled rank graph with the wrappers that hand on its carriers) with the documents of its
+    ``position_index``-th input placed by their lengths (:func:`document_layout`) in every call where that sends
+    less: the call reads the placed layouts, what leaves split carries the placement
+    (:attr:`~autoshard.runtime.split_tensor.SplitTensor.placed`), and :func:`marked` (around the graph itself) makes
+    its backward read them too. ``documents()``: the documents' attention as known at the call (None: not yet);
+    ``positions_of(args)``: the call's ``position_ids``."""
+    def call(*args):
+        positions, known = positions_of(args), documents()
+        placement = None
+        if (PLACE and known is not None and isinstance(positions, torch.Tensor)
+                and positions.shape == (1, known.root.length)):
+            placement = Placement.of(known, _segments(positions))
+        if placement is None:
+            return run(*args)
+        with placing(placement.swaps):
+            return run(*args)
+    return call
 
 
 def _segments(positions: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,11 @@ class SplitTensor(Carrier):
     """Of a cache that keeps a window: the position (under ``layout_rule``) of its first entry, the positions before
     it dropped. It changes every step, so it is not part of what dynamo guards (the flatten context): it travels
     with the carrier object, read by the decode step that takes it (:mod:`autoshard.passes.decode`)."""
+    placed: dict = {}
+    """The swaps of the placement its shard was computed under (:mod:`~autoshard.runtime.placement`: packed documents
+    placed by their lengths): ``layout_rule`` stays the compiled layout (what dynamo guards and the next graph
+    compiles for), the rows are those of ``placed[layout_rule]``; the next graph runs under the same swaps. Empty:
+    the rows are the layout's. Not guarded: a new placement is no new graph."""
     any_length: bool = False
     """Whether the graph that takes it compiles for any length of its layout's kind (a length class returned it and
     marked its dim dynamic): dynamo then guards the layout's kind and world size (the flatten context), not its
@@ -137,7 +142,7 @@ class SplitTensor(Carrier):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, dim: int, layout: SequenceLayout | CacheLayout, group_name: str,
-                shape=None, cache_start: int = 0):
+                shape=None, cache_start: int = 0, placed: dict | None = None):
         if shape is None:
             if not isinstance(layout, SequenceLayout):
                 raise ValueError("autoshard: a SplitTensor of a growing cache needs its global shape")
@@ -147,6 +152,8 @@ class SplitTensor(Carrier):
         out.local, out.seq_dim, out.layout_rule, out.group_name = local, dim, layout, group_name
         if cache_start:
             out.cache_start = cache_start
+        if placed:
+            out.placed = placed
         return out
 
     @property
@@ -156,6 +163,12 @@ class SplitTensor(Carrier):
         if isinstance(rule, SequenceLayout):
             return rule
         return rule.at(self.cache_start + int(self.shape[self.seq_dim]), self.cache_start)
+
+    @property
+    def rows_layout(self) -> SequenceLayout:
+        """Which positions every rank's shard holds: :attr:`seq_layout`, or its placed layout (:attr:`placed`)."""
+        layout = self.seq_layout
+        return self.placed.get(layout, layout)
 
     def __tensor_flatten__(self):
         return ["local"], (self.seq_dim, self.layout_rule.rule if self.any_length else self.layout_rule,
@@ -194,7 +207,7 @@ class SplitTensor(Carrier):
 
     def aliased(self) -> SplitTensor:
         out = SplitTensor(torch.ops.aten.alias.default(self.local), self.seq_dim, self.layout_rule, self.group_name,
-                          self.shape, self.cache_start)
+                          self.shape, self.cache_start, self.placed)
         if self.any_length:  # FSDP2's hooks hand the next graph this view
             out.any_length = True
             out._mark_dynamic()
@@ -222,38 +235,40 @@ class SplitTensor(Carrier):
             return self.local.new_empty(self.shape)
         _all_ranks_gather(self.group_name)
         self.warn_once(_GATHER_WARNING)
-        return torch.ops.autoshard.seq_unshard.default(self.local, self.seq_dim, self.seq_layout.encode(),
+        return torch.ops.autoshard.seq_unshard.default(self.local, self.seq_dim, self.rows_layout.encode(),
                                                        self.group_name)
 
 
 class _Wrap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local, dim, layout, group_name):
-        ctx.dim, ctx.layout, ctx.group_name = dim, layout, group_name
-        return SplitTensor(local.detach(), dim, layout, group_name)
+    def forward(ctx, local, dim, layout, group_name, placed):
+        ctx.dim, ctx.layout, ctx.group_name, ctx.placed = dim, layout, group_name, placed
+        return SplitTensor(local.detach(), dim, layout, group_name, placed=placed)
 
     @staticmethod
     def backward(ctx, grad):
         if isinstance(grad, SplitTensor):
-            return grad.local, None, None, None
-        shard = torch.ops.autoshard.seq_shard.default(grad.contiguous(), ctx.dim, ctx.layout.encode(), ctx.group_name)
-        return shard, None, None, None
+            return grad.local, None, None, None, None
+        rows = ctx.placed.get(ctx.layout, ctx.layout)
+        shard = torch.ops.autoshard.seq_shard.default(grad.contiguous(), ctx.dim, rows.encode(), ctx.group_name)
+        return shard, None, None, None, None
 
 
 class _Local(torch.autograd.Function):
     @staticmethod
     def forward(ctx, split):
-        ctx.dim, ctx.layout, ctx.group_name = split.seq_dim, split.seq_layout, split.group_name
+        ctx.dim, ctx.layout, ctx.group_name, ctx.placed = split.seq_dim, split.seq_layout, split.group_name, split.placed
         return split.local.detach()  # a new tensor on the same storage, not a view: AOTAutograd would replay a view from its base
 
     @staticmethod
     def backward(ctx, grad):
-        return SplitTensor(grad.contiguous(), ctx.dim, ctx.layout, ctx.group_name)
+        return SplitTensor(grad.contiguous(), ctx.dim, ctx.layout, ctx.group_name, placed=ctx.placed)
 
 
-def wrap(local: torch.Tensor, dim: int, layout: SequenceLayout, group_name: str) -> SplitTensor:
-    """The carrier of this rank's shard ``local`` (split along ``dim`` as ``layout`` over ``group_name``)."""
-    return _Wrap.apply(local, dim, layout, group_name)
+def wrap(local: torch.Tensor, dim: int, layout: SequenceLayout, group_name: str, placed: dict | None = None) -> SplitTensor:
+    """The carrier of this rank's shard ``local`` (split along ``dim`` as ``layout`` over ``group_name``; its rows
+    those of ``placed[layout]`` where a placement swapped it, :attr:`SplitTensor.placed`)."""
+    return _Wrap.apply(local, dim, layout, group_name, placed or {})
 
 
 def local_of(split: SplitTensor) -> torch.Tensor:

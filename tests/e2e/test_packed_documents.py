@@ -100,8 +100,8 @@ def _batch(kind: str, world: int) -> list[int]:
     """Document lengths of one row of ``ROW`` tokens."""
     if kind == "aligned":  # short documents, each whole inside one chunk of the zigzag layout: no key moves
         return [n for chunk in split_sizes(ROW, 2 * world) for n in (chunk // 2, chunk - chunk // 2)]
-    if kind == "long-tail":
-        gen = torch.Generator().manual_seed(world)
+    if kind.startswith("long-tail"):  # "long-tail" or "long-tail <seed>"
+        gen = torch.Generator().manual_seed(int(kind.split()[1]) if " " in kind else world)
         out = [190]
         while sum(out) < ROW:
             out.append(int(torch.empty(1).log_normal_(2.5, 0.8, generator=gen).clamp(2, 60)))
@@ -197,5 +197,96 @@ def test_each_batch_fetches_only_its_documents_keys(world):
             assert not fetch.worth_it
         if kind == "long-tail":
             assert fetch.worth_it and max(fetch.rows) > 0, fetch.rows
+            assert (placement is not None) == (world < 4)  # placed by length where that sends less (P = 2, 3)
+            assert "documents placed by length" in results[0][kind]["explain"] or world == 4
     assert [results[0][k]["compilations"] for k in BATCHES] == [1] * len(BATCHES), results[0]
     assert "key rows fetched per rank" in results[0]["long-tail"]["explain"]
+
+
+def _two_packings(world: int) -> dict:
+    model = _small_llama()
+    compiled = autoshard.compile(model)
+    first, second = (_batch_inputs(f"long-tail {seed}", world) for seed in (2, 3))
+    loss = compiled(**first).loss + compiled(**second).loss  # two placements, one backward
+    loss.backward()
+    compilations = sum(compiled.autoshard_backend.compilations.values())
+    with torch.no_grad():  # dynamo compiles the graph without gradient anew
+        out = compiled(**second)
+    return dict(loss=loss.detach(), evaluated=out.loss, logits=out.logits.full_tensor(), grads={n: p.grad.clone() for n, p in model.named_parameters()},
+                compilations=compilations)
+
+
+def test_two_placements_in_one_backward():
+    """Two packings placed differently, their losses summed and differentiated once (autograd runs the second
+    call's gradients, then the first's: each reads its own placement), then one evaluated without gradient: loss,
+    logits (gathered from their placed shards, in the caller's order) and every gradient equal one process's
+    (float64), one compilation for both packings."""
+    world = 3
+    root, spec = SequenceLayout.zigzag(ROW, world), MaskSpec.of(True)
+    documents = Documents(root, spec, key_row=KV_HEADS * 2 * HEAD_DIM, query_row=HEADS * HEAD_DIM,
+                          result_row=HEADS * (HEAD_DIM + 1))
+    placements = []
+    for seed in (2, 3):
+        lengths = _batch(f"long-tail {seed}", world)
+        placements.append(Placement.of(documents, torch.repeat_interleave(torch.arange(len(lengths)),
+                                                                          torch.tensor(lengths))[None]))
+    assert None not in placements and placements[0].layout != placements[1].layout
+    results = run_on_ranks(_two_packings, world, world, timeout=600)
+    model = _small_llama()
+    loss = sum(model(**_batch_inputs(f"long-tail {seed}", world)).loss for seed in (2, 3))
+    loss.backward()
+    with torch.no_grad():
+        out = model(**_batch_inputs("long-tail 3", world))
+    for rank, got in enumerate(results):
+        assert abs(got["loss"] - loss.detach()) <= TOLERANCE * abs(loss.detach()), (rank, got["loss"], loss)
+        assert abs(got["evaluated"] - out.loss) <= TOLERANCE * abs(out.loss), (rank, got["evaluated"], out.loss)
+        assert torch.allclose(got["logits"], out.logits, rtol=TOLERANCE, atol=TOLERANCE)  # in the caller's order
+        for name, p in model.named_parameters():
+            error = ((got["grads"][name] - p.grad).abs().max() / p.grad.abs().max()).item()
+            assert error <= TOLERANCE, (rank, name, error)
+        assert got["compilations"] == 1
+
+
+def _broken_llama(halo: bool):
+    """The small Llama with a graph break before its second layer (the layer graph takes the hidden states, the
+    positions' rotary tables and the documents split) and, with ``halo``, a causal depthwise convolution over the
+    sequence after the break (its halo exchange reads the layout as the compiled one: the carriers arrive
+    realigned)."""
+    model = _small_llama()
+    layer = model.model.layers[1]
+    conv = torch.nn.Conv1d(HEADS * HEAD_DIM, HEADS * HEAD_DIM, 3, padding=2, groups=HEADS * HEAD_DIM).double()
+    forward = layer.forward
+
+    def broken(hidden_states, *args, **kwargs):
+        torch._dynamo.graph_break()
+        if halo:
+            hidden_states = hidden_states + conv(hidden_states.transpose(1, 2))[..., :-2].transpose(1, 2)
+        return forward(hidden_states, *args, **kwargs)
+
+    layer.forward = broken
+    if halo:
+        layer.conv = conv
+    return model
+
+
+def _broken(world: int, halo: bool) -> dict:
+    model = _broken_llama(halo)
+    compiled = autoshard.compile(model)
+    loss, grads = _loss_and_grads(model, _batch_inputs("long-tail 3", world), compiled)
+    return dict(loss=loss, grads=grads, graphs=len(compiled.autoshard_backend.compiled), explain=autoshard.explain(compiled))
+
+
+@pytest.mark.parametrize("halo", [False, True])
+def test_a_placement_crosses_a_graph_break(halo):
+    """A graph break between the layers: the first graph places the documents, its split outputs carry the
+    placement, and the next graph runs under it (every op there reads any layout) or, where one does not (a
+    convolution's halo), takes them realigned to its compiled layout. Loss and gradients equal one process's."""
+    world = 3
+    results = run_on_ranks(_broken, world, world, halo, timeout=600)
+    loss, grads = _loss_and_grads(_broken_llama(halo), _batch_inputs("long-tail 3", world))
+    for rank, got in enumerate(results):
+        assert got["graphs"] >= 2 and "documents placed by length" in got["explain"], got["explain"]
+        assert abs(got["loss"] - loss) <= TOLERANCE * abs(loss), (rank, got["loss"], loss)
+        for name, grad in grads.items():
+            error = ((got["grads"][name] - grad).abs().max() / grad.abs().max()).item()
+            assert error <= TOLERANCE, (rank, name, error)
