@@ -44,7 +44,7 @@ import torch
 
 from .symbolic import evaluate, hint_of, is_symbolic as _symbolic
 
-__all__ = ["SequenceLayout", "LAYOUTS", "split_sizes", "placing", "current_swaps", "derived_from", "derivation_of"]
+__all__ = ["SequenceLayout", "LAYOUTS", "split_sizes", "placing", "current_swaps", "set_swaps", "derived_from", "derivation_of"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -264,6 +264,13 @@ def placing(swaps):
 def current_swaps():
     """The swaps of the placement in effect (:func:`placing`; empty outside one)."""
     return _placed
+
+
+def set_swaps(swaps) -> None:
+    """Put ``swaps`` in effect until set again: for a placed call's backward, which autograd runs after the call's
+    ``with placing(...)`` ended (:mod:`~autoshard.runtime.placement` sets them back to none when it ends)."""
+    global _placed
+    _placed = swaps
 
 
 def derivation_of(layout: SequenceLayout) -> tuple[SequenceLayout, tuple[int, int]] | None:

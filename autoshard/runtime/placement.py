@@ -43,7 +43,8 @@ import torch
 from .attention.dispatch import balance
 from .attention.masks import MaskSpec
 from .attention.visible_keys import key_fetch
-from .layouts import SequenceLayout, current_swaps, derivation_of, derived_from, placing, split_sizes
+from .layouts import (SequenceLayout, current_swaps, derivation_of, derived_from, placing, set_swaps,
+                      split_sizes)
 
 __all__ = ["Placement", "Documents", "document_layout", "placing_documents", "marked", "last_placement", "PLACE", "PLACEABLE_OPS"]
 
@@ -117,11 +118,13 @@ class _Swaps(dict):
     def __init__(self, root: SequenceLayout, placed: SequenceLayout):
         super().__init__({root: placed})
 
-    def get(self, layout, default=None):
+    def get(self, layout, default=None, _seen=()):
         if layout in self:
             return self[layout]
         found = derivation_of(layout)
-        parent = None if found is None else self.get(found[0])
+        if found is None or found[0] in _seen:  # not derived from the root (a cycle of derivations among others)
+            return default
+        parent = self.get(found[0], None, (*_seen, layout))
         if parent is None:
             return default
         placed = _derive(parent, *found[1])
@@ -172,6 +175,18 @@ def last_placement() -> Placement | None:
     return _last
 
 
+def _shares(length: int, room: list[int]) -> list[int] | None:
+    """Tokens of a ``length``-token document each member of its group holds: even, as far as each one's ``room``
+    allows (a member whose room is short gives the rest to the others); None where the group's room is short."""
+    shares = [min(n, r) for n, r in zip(split_sizes(length, len(room)), room)]
+    left = length - sum(shares)
+    for j, r in enumerate(room):
+        more = min(left, r - shares[j])
+        shares[j] += more
+        left -= more
+    return None if left else shares
+
+
 def _documents(ids: torch.Tensor) -> list[tuple[int, int]]:
     """``(start, end)`` of every run of equal ids in row 0."""
     row = ids[0]
@@ -220,13 +235,23 @@ def document_layout(root: SequenceLayout, ids: torch.Tensor) -> SequenceLayout |
         k, pinned = parts(start, end), pins(start, end)
         if len(pinned) > 1:
             return None  # chunks 0 and 2k-1 both pinned: one member holds both, only where root does too
-        bounds = [start]
-        for n in split_sizes(end - start, 2 * k):
-            bounds.append(bounds[-1] + n)
         group = (pinned + sorted((r for r in range(world) if r not in pinned), key=lambda r: (-room[r], load[r], r)))
+        shares = None
+        while shares is None and k <= world:  # a group whose room is short grows
+            shares = _shares(end - start, [room[r] for r in group[:k]])
+            k += shares is None
+        if shares is None:
+            return None
+        sizes = [0] * (2 * k)
+        for j, n in enumerate(shares):  # member j: chunk j early in the document, chunk 2k-1-j as late
+            sizes[j], sizes[2 * k - 1 - j] = n // 2, n - n // 2
+        bounds = [start]
+        for n in sizes:
+            bounds.append(bounds[-1] + n)
         for j, rank in enumerate(group[:k]):
             for c in (j, 2 * k - 1 - j):
-                take(rank, bounds[c], bounds[c + 1], _work(bounds[c + 1] - start) - _work(bounds[c] - start))
+                if bounds[c + 1] > bounds[c]:
+                    take(rank, bounds[c], bounds[c + 1], _work(bounds[c + 1] - start) - _work(bounds[c] - start))
     for start, end in [d for d in short if not pins(*d)]:  # whole where there is room, least work first
         fits = [r for r in range(world) if room[r] >= end - start]
         if fits:
@@ -253,10 +278,8 @@ class _Placed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        from . import layouts
-
-        layouts._placed = ctx.swaps
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(setattr, layouts, "_placed", {}))
+        set_swaps(ctx.swaps)
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(set_swaps, {}))
         return (None, *grads)
 
 

@@ -14,12 +14,10 @@ inputs), and the fetched rows' dK/dV go back to their owners by the inverse all-
 the all-gather reduce-scatters the dK/dV of the whole sequence). The bytes depend on the data: they are counted as
 ``"key_fetch"``, and a batch of documents that each sit whole on one rank sends none.
 
-Why in the attention op, and not a token layout that follows the documents: the model's layout is static in the
-compiled graph (its shapes, positions, label shifts and halos are expressions of the sequence length), so a
-placement that changed per batch would change every op's shapes; the documents only change which keys attention
-reads. The price: a document that straddles two ranks' shards fetches its earlier part (at most ``2P - 1`` such
-documents under the zigzag layout, ``P - 1`` under the contiguous one), and a long document's queries that the
-dispatch moves for balance fetch the keys before them.
+It works over whatever layout the call reads: the compiled one (then a document that straddles two ranks' shards
+fetches its earlier part, and a long document's queries that the dispatch moves for balance fetch the keys before
+them), or the documents placed by their lengths (:mod:`~autoshard.runtime.placement`: short documents whole on one
+rank, long ones zigzag over a group), where only the split documents fetch keys.
 
 When the documents are so long that the busiest rank would fetch most of the sequence anyway, the all-gather moves
 as much in a cheaper collective: :attr:`KeyFetch.worth_it` chooses, per call and on every rank alike, and
