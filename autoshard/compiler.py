@@ -35,7 +35,6 @@ How every call of a dynamic graph is served, and how the ranks agree on it: :mod
 from __future__ import annotations
 
 import copy
-import dataclasses
 import datetime
 import functools
 import hashlib
@@ -70,8 +69,8 @@ from .runtime.input_check import checking_inputs, replicated_inputs
 from .runtime.warn import warn
 from .runtime.attention.dispatch import last_dispatch
 from .runtime.attention.visible_keys import last_fetch
-from .runtime.attention.api import OpConfig
-from .runtime.placement import PLACEABLE_OPS, Documents, last_placement, marked, placing_documents
+from .passes.placement import documents_of, layouts_read, reads_any_layout
+from .runtime.placement import Documents, last_placement, marked, placing_documents
 from .runtime.layouts import SequenceLayout
 from .runtime.offload import eager_checkpoints
 from .runtime.split_tensor import SplitTensor
@@ -238,7 +237,7 @@ class AutoshardBackend:
                      example_inputs)
         traced = example_inputs if generic is None else generic.rank_args or generic.fake_args
         run = _lower(compiled.graph_module, traced, self.config.inner_for(_device_type(example_inputs)))
-        any_placement = generic is None and _reads_any_layout(compiled.graph_module)  # a class's: not yet
+        any_placement = generic is None and reads_any_layout(compiled.graph_module)  # a class's: not yet
         flat_names = [source_name(n) or n.name for n in gm.graph.nodes if n.op == "placeholder"]  # deferred inlined
         placed = self._placing(compiled, flat_names, bool(deferred), generic is None and not carried, any_placement)
         if placed is not None or (carried and any_placement):
@@ -269,13 +268,13 @@ class AutoshardBackend:
         None. The graph reads any layout (``any_placement``) and takes ``position_ids`` replicated and nothing split
         from another graph (``eligible``); what it hands on carries the placement. The documents are those of its
         own attentions, or of a later graph's compiled for its layout (placed from the call after that compiled)."""
-        documents = _documents_of(compiled) if any_placement else None
+        documents = documents_of(compiled) if any_placement else None
         if documents is not None:
             self._documents.setdefault(documents.root, documents)
         position = next((i for i, name in enumerate(names) if "position_ids" in name), None)
         if not eligible or not any_placement or position is None or self.config.inputs != "replicated":
             return None
-        roots = _layouts_read(compiled.graph_module)
+        roots = layouts_read(compiled.graph_module)
         return ((lambda: next((self._documents[r] for r in roots if r in self._documents), None)),
                 lambda args: unwrap_inputs(args, flatten=flatten, split=())[0][position])
 
@@ -435,51 +434,6 @@ _COMPILE_KIND: dict[str, Callable[[AutoshardBackend, GraphKind, DynamoGraph], Ca
 
 _WARNED_ATTENTION: set[tuple[str, str]] = set()
 """(user line, reason) of the attentions warned about as not distributed (once each per process)."""
-
-
-def _reads_any_layout(gm: fx.GraphModule) -> bool:
-    """Whether every ``autoshard`` op of a rank graph reads its layout as intervals, whatever they are
-    (:data:`~autoshard.runtime.placement.PLACEABLE_OPS`, attention only by all-gather): the graph may run under a
-    placement."""
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "namespace", None) != "autoshard":
-            continue
-        if node.target._opname not in PLACEABLE_OPS:
-            return False
-        if node.target._opname == "attention" and _attention_config(node).strategy != "allgather":
-            return False
-    return True
-
-
-def _layouts_read(gm: fx.GraphModule) -> set[SequenceLayout]:
-    """The layouts the ``autoshard`` ops of a rank graph read (their ``list[int]`` arguments of layout type)."""
-    out = set()
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "namespace", None) != "autoshard":
-            continue
-        for argument, value in zip(node.target._schema.arguments, node.args):
-            if argument.name in ("layout", "src", "dst") and isinstance(value, (list, tuple)):
-                out.add(SequenceLayout.decode(value))
-    return out
-
-
-def _attention_config(node: fx.Node) -> OpConfig:
-    return OpConfig(*node.args[-len(dataclasses.fields(OpConfig)):])
-
-
-def _documents_of(compiled) -> Documents | None:
-    """The packed documents of a compiled graph (:class:`~autoshard.runtime.placement.Documents`): its attentions
-    that read segment ids, of one layout, mask and shape; None where there are none, or several."""
-    found = {(SequenceLayout.decode(_attention_config(node).layout), _attention_config(node).mask)
-             for node in compiled.graph_module.graph.nodes
-             if node.op == "call_function" and node.target is torch.ops.autoshard.attention.default
-             and node.args[4] is not None}  # segment ids: the documents
-    shapes = {tuple(tuple(value_of(t).shape[1::2]) for t in node.args[:3]) for node in compiled.strategies}
-    if len(found) != 1 or len(shapes) != 1:
-        return None
-    (root, spec), ((heads, head_dim), (kv_heads, _), (_, value_dim)) = found.pop(), shapes.pop()
-    return Documents(root, spec, key_row=kv_heads * (head_dim + value_dim), query_row=heads * head_dim,
-                     result_row=heads * (value_dim + 1)) if root.world_size > 1 else None
 
 
 def _warn_undistributed(report: CompileReport) -> None:

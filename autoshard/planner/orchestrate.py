@@ -50,7 +50,7 @@ from ..runtime.attention.dispatch import balance
 from ..runtime.attention.masks import MaskSpec
 from ..runtime.attention.visible_keys import key_fetch
 from ..runtime import placement as document_placement
-from ..runtime.placement import Documents, Placement
+from ..runtime.placement import Documents, Placement, segments_of
 from ..runtime.groups import SequenceGroups
 from ..runtime.input_check import check_bytes, replicated_inputs
 from ..runtime.layouts import SequenceLayout, split_sizes
@@ -369,7 +369,7 @@ def _documents(result: Plan, position_ids) -> dict:
     ids = _segment_ids(position_ids, decided.shape["B"])
     if ids.size(1) != decided.shape["S"]:
         return {}
-    layout, spec = _placed(result, decided, ids), _spec(decided)
+    (layout, placed), spec = _placed(result, decided, ids), _spec(decided)
     dispatched = balance(layout, ids, spec)
     heads = decided.shape["H"]
     if decided.strategy == "allgather":
@@ -385,29 +385,29 @@ def _documents(result: Plan, position_ids) -> dict:
     if decided.strategy == "allgather":
         fetch = key_fetch(layout, ids, spec, dispatched)
         out.update(key_rows=list(fetch.rows), gathered_rows=(layout.world_size - 1) * layout.max_local_length,
-                   keys_fetched=fetch.worth_it, placed=layout.kind == "derived",
-                   tokens=list(layout.local_lengths))
+                   keys_fetched=fetch.worth_it, placed=placed, tokens=list(layout.local_lengths))
     return out
 
 
-def _placed(result: Plan, decided: AttentionDecision, ids: torch.Tensor) -> SequenceLayout:
-    """The layout the run gives the documents ``ids`` of the attention ``decided``: placed by their lengths
-    (:mod:`~autoshard.runtime.placement`) where every attention that reads them all-gathers over one layout and the
-    batch is one row, else the compiled one."""
+def _placed(result: Plan, decided: AttentionDecision, ids: torch.Tensor) -> tuple[SequenceLayout, bool | None]:
+    """The layout the run gives the documents ``ids`` of the attention ``decided``, and whether it placed them by
+    their lengths (:mod:`~autoshard.runtime.placement`; None: not considered). Considered where every attention that
+    reads them all-gathers over one layout and the batch is one row; placed where that sends less."""
     root = SequenceLayout.of(decided.layout, ids.size(1), result.world_size)
     readers = {(a.strategy, a.layout) for a in result.attention if "segment_ids" in a.mask.split(", ")}
     if not document_placement.PLACE or readers != {("allgather", decided.layout)} or ids.size(0) != 1:
-        return root
+        return root, None
     shape = decided.shape
     placement = Placement.of(Documents(root, _spec(decided), key_row=shape["Hkv"] * (shape["D"] + shape["Dv"]),
                                        query_row=shape["H"] * shape["D"], result_row=shape["H"] * (shape["Dv"] + 1)),
                              ids)
-    return root if placement is None else placement.layout
+    return (root, False) if placement is None else (placement.layout, True)
 
 
 def _segment_ids(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
-    """The documents' segment ids ``[batch, S]`` of ``position_ids`` restarting at 0 (transformers' packing)."""
-    ids = (position_ids == 0).long().cumsum(1)
+    """The documents' segment ids ``[batch, S]`` of ``position_ids`` (:func:`~autoshard.runtime.placement.
+    segments_of`: transformers' rule)."""
+    ids = segments_of(position_ids)
     return ids.expand(batch, -1) if ids.size(0) == 1 else ids
 
 
@@ -432,7 +432,7 @@ def _documents_traffic(result: Plan, position_ids: torch.Tensor, topology: Hardw
             continue
         shape = a.shape
         ids = _segment_ids(position_ids, shape["B"])
-        layout, spec = _placed(result, a, ids), _spec(a)
+        (layout, _), spec = _placed(result, a, ids), _spec(a)
         key = (layout, shape["B"], spec)
         if key not in placed:
             dispatched = balance(layout, ids, spec)

@@ -193,7 +193,8 @@ class Plan:
     ``keys_fetched`` (whether they are fetched), ``keys_s`` and ``dispatch_s`` (the exposed seconds per step the keys
     fetched and the queries dispatched add to all-gathering every key, negative when they save: the step time counts
     them, the collectives their bytes), ``placed`` (whether the run places the documents by their lengths,
-    :mod:`autoshard.runtime.placement`: every number above is then of the placed layout) and ``tokens`` (tokens per
+    :mod:`autoshard.runtime.placement`: every number above is then of the placed layout; None where it does not
+    consider it) and ``tokens`` (tokens per
     rank)."""
     step_time: StepTime | None = None
     """The step's predicted time on the plan's hardware (:mod:`autoshard.step_time`), by layer."""
@@ -267,9 +268,10 @@ class Plan:
             lines.append(f"  packed documents ({d['documents']}, from position_ids): attention work per rank (visible "
                          f"pairs of one call) {', '.join(f'{w:,}' for w in d['work'])}: max/mean "
                          f"{d['imbalance']:.2f} ({d['laid_out_imbalance']:.2f} as laid out)")
-            if d.get("placed"):
-                lines.append("  documents placed by length (short ones whole on a rank, long ones zigzag over a "
-                             "group; the compiled layout's tokens per rank)")
+            if d.get("placed") is not None:
+                lines.append("  documents placed by length (short ones whole on a rank, long ones zigzag over a group; "
+                             "the compiled layout's tokens per rank)" if d["placed"] else
+                             "  documents kept in the compiled layout (placing them by length would send more)")
             if "key_rows" in d:
                 lines.append(f"  keys of the documents: every rank fetches the rows its queries see, "
                              f"{', '.join(f'{n:,}' for n in d['key_rows'])} of the {d['gathered_rows']:,} an all-gather "

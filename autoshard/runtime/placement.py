@@ -20,11 +20,16 @@ one (labels shifted by one, a token prepended) are swapped for the same derivati
 the last position keep their rank, so those keep their local lengths too (a placement that would change one is not
 used: the call runs on the static layout, as before).
 
-A graph is placed only where every op that reads a layout reads it as intervals, whatever they are
-(:data:`PLACEABLE_OPS`), its attention all-gathers (the strategy whose keys follow the documents), it takes no
-input split by an earlier graph and leaves no lazy or deferred output (those keep a layout past the call); any
-other graph runs its compiled layout, as before (``autoshard.compiler._placeable``). Outputs leave split in the placed layout (a
-``SplitTensor`` holding it, read back in the caller's order) or whole in the caller's order.
+A graph runs under a placement only where every ``autoshard`` op it holds reads its layout as intervals, whatever
+they are (:data:`PLACEABLE_OPS`; attention only by all-gather, the strategy whose keys follow the documents). The
+graph that takes ``position_ids`` (replicated, and nothing split from an earlier graph) places them
+(:func:`placing_documents`), priced with its own attention's :class:`Documents` or, for a graph before the layers'
+graphs (an embedding, per-layer FSDP2 graphs, a graph break), those of a later graph compiled for its layout, from
+the call after that one compiled. What leaves split carries the placement
+(:attr:`~autoshard.runtime.split_tensor.SplitTensor.placed`; the layout dynamo guards stays the compiled one), so the
+next graph runs under it, or takes it realigned to its compiled layout where one of its ops is not in the table (a
+convolution's halo); a user who reads it gets the caller's order. Not placed: graphs compiled for a class of
+lengths (their derived layouts are symbolic), batches of several rows.
 
 Backward: the ops' gradients read their layouts again when autograd runs them, after the call returned. The call's
 outputs pass through :class:`_Placed`, an identity whose backward, which autograd runs before any gradient of the
@@ -46,7 +51,8 @@ from .attention.visible_keys import key_fetch
 from .layouts import (SequenceLayout, current_swaps, derivation_of, derived_from, placing, set_swaps,
                       split_sizes)
 
-__all__ = ["Placement", "Documents", "document_layout", "placing_documents", "marked", "last_placement", "PLACE", "PLACEABLE_OPS"]
+__all__ = ["Placement", "Documents", "document_layout", "placing_documents", "marked", "last_placement", "segments_of",
+           "PLACE", "PLACEABLE_OPS"]
 
 PLACE = True
 """Place packed documents by their lengths (False: every call runs its compiled layout; for benchmarks)."""
@@ -56,7 +62,7 @@ PLACEABLE_OPS = frozenset({
     "seq_realign",  # moves between any two layouts
     "seq_cumsum",  # per-interval totals, summed in global order
     "seq_local_index", "seq_arg_extreme", "sequence_draw",  # global positions of the local rows
-    "attention",  # the all-gather strategy only (``autoshard.compiler._placeable``): keys, dispatch and masks by position
+    "attention",  # the all-gather strategy only: its keys, dispatch and masks go by position
     "check_runs", "check_band",  # checks of values, not of a layout
 })
 """The ``autoshard`` ops a placed graph may hold: each reads its layout as intervals, whatever they are."""
@@ -92,7 +98,7 @@ class Placement:
                 swaps.get(derived)
         except ValueError:
             swaps = {}
-        if swaps and documents.cost(layout, ids) >= documents.cost(root, ids):
+        if swaps and documents.cost(root, ids) <= documents.cost(layout, ids):  # the placed one last: the call's
             swaps = {}
         _last = Placement(root, layout, swaps, ids)
         return _last if swaps else None
@@ -142,7 +148,9 @@ class Documents:
     and the elements per position its attention moves."""
 
     root: SequenceLayout
+    """The layout the documents' attention was compiled for (what a placement replaces)."""
     spec: MaskSpec
+    """Its position mask."""
     key_row: int
     """Elements of one position's K and V."""
     query_row: int
@@ -313,7 +321,7 @@ def placing_documents(run: Callable, documents: Callable[[], Documents | None],
         placement = None
         if (PLACE and known is not None and isinstance(positions, torch.Tensor)
                 and positions.shape == (1, known.root.length)):
-            placement = Placement.of(known, _segments(positions))
+            placement = Placement.of(known, segments_of(positions))
         if placement is None:
             return run(*args)
         with placing(placement.swaps):
@@ -321,8 +329,9 @@ def placing_documents(run: Callable, documents: Callable[[], Documents | None],
     return call
 
 
-def _segments(positions: torch.Tensor) -> torch.Tensor:
-    """Segment ids of ``position_ids``: a new document wherever a position is not its predecessor's plus one."""
+def segments_of(positions: torch.Tensor) -> torch.Tensor:
+    """Segment ids (on the host) of ``position_ids``: a new document wherever a position is not its predecessor's
+    plus one (how transformers finds packed sequences)."""
     restart = torch.ones_like(positions, dtype=torch.long)
     restart[:, 1:] = (positions[:, 1:] != positions[:, :-1] + 1).long()
     return restart.cumsum(1).cpu()
