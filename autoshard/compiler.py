@@ -69,7 +69,7 @@ from .runtime.input_check import checking_inputs, replicated_inputs
 from .runtime.warn import warn
 from .runtime.attention.dispatch import last_dispatch
 from .runtime.attention.visible_keys import last_fetch
-from .passes.placement import documents_of, layouts_read, reads_any_layout
+from .passes.placement import documents_of, reads_any_layout
 from .runtime.placement import Documents, last_placement, marked, placing_documents
 from .runtime.layouts import SequenceLayout
 from .runtime.offload import eager_checkpoints
@@ -105,9 +105,9 @@ class AutoshardBackend:
         self._cause = Cause("new graph")
         """Why the next graph this backend compiles is compiled (then ``new variant`` until set again)."""
         self._guard_failures_seen: dict = {}
-        self._documents: dict[SequenceLayout, Documents] = {}
-        """Compiled layout -> the packed documents of the graphs compiled for it that read any layout: what a graph
-        that takes ``position_ids`` prices their placement with (:mod:`autoshard.runtime.placement`)."""
+        self._documents: list[Documents] = []
+        """The packed documents of the graphs compiled that read any layout: what a graph that takes
+        ``position_ids`` prices their placement with, where there is one (:mod:`autoshard.runtime.placement`)."""
         self._warned_whole_cache = False
         trace_checkpointed_layers()
         recognize_loaded()
@@ -237,9 +237,9 @@ class AutoshardBackend:
                      example_inputs)
         traced = example_inputs if generic is None else generic.rank_args or generic.fake_args
         run = _lower(compiled.graph_module, traced, self.config.inner_for(_device_type(example_inputs)))
-        any_placement = generic is None and reads_any_layout(compiled.graph_module)  # a class's: not yet
+        any_placement = reads_any_layout(compiled.graph_module)
         flat_names = [source_name(n) or n.name for n in gm.graph.nodes if n.op == "placeholder"]  # deferred inlined
-        placed = self._placing(compiled, flat_names, bool(deferred), generic is None and not carried, any_placement)
+        placed = self._placing(compiled, flat_names, bool(deferred), not carried, any_placement, pg.size())
         if placed is not None or (carried and any_placement):
             run = marked(run)
         if deferred or carried or compiled.carried_outputs or compiled.deferred_outputs or compiled.lazy_outputs:
@@ -260,22 +260,21 @@ class AutoshardBackend:
             run = checking_inputs(run, checked, [names[i] for i in checked], pg.group_name, index)
         return run
 
-    def _placing(self, compiled, names: list[str], flatten: bool, eligible: bool,
-                 any_placement: bool) -> tuple[Callable, Callable] | None:
+    def _placing(self, compiled, names: list[str], flatten: bool, eligible: bool, any_placement: bool,
+                 world_size: int) -> tuple[Callable, Callable] | None:
         """Where a graph's calls place packed documents by their lengths (:mod:`autoshard.runtime.placement`): the
-        documents of its layout as known at the call, and its ``position_ids`` from the call's arguments (``names``:
-        of its inputs with every deferred one replaced by what its recipe reads, ``flatten``: there are such); or
-        None. The graph reads any layout (``any_placement``) and takes ``position_ids`` replicated and nothing split
-        from another graph (``eligible``); what it hands on carries the placement. The documents are those of its
-        own attentions, or of a later graph's compiled for its layout (placed from the call after that compiled)."""
-        documents = documents_of(compiled) if any_placement else None
-        if documents is not None:
-            self._documents.setdefault(documents.root, documents)
+        documents as known at the call, and its ``position_ids`` from the call's arguments (``names``: of its inputs
+        with every deferred one replaced by what its recipe reads, ``flatten``: there are such); or None. The graph
+        reads any layout (``any_placement``) and takes ``position_ids`` replicated and nothing split from another
+        graph (``eligible``); what it hands on carries the placement. The documents are those of its own attentions,
+        or of a later graph's (placed from the call after that one compiled)."""
+        documents = documents_of(compiled, world_size) if any_placement else None
+        if documents is not None and documents not in self._documents:
+            self._documents.append(documents)
         position = next((i for i, name in enumerate(names) if "position_ids" in name), None)
         if not eligible or not any_placement or position is None or self.config.inputs != "replicated":
             return None
-        roots = layouts_read(compiled.graph_module)
-        return ((lambda: next((self._documents[r] for r in roots if r in self._documents), None)),
+        return ((lambda: self._documents[0] if len(self._documents) == 1 else None),
                 lambda args: unwrap_inputs(args, flatten=flatten, split=())[0][position])
 
     def _memory_policy(self, gm: fx.GraphModule, example_inputs: list, world: int,

@@ -3,24 +3,24 @@
 A call may run a graph under a placement -- the packed documents placed by their lengths, its layouts swapped for
 placed ones of the same local lengths -- only where every ``autoshard`` op of the graph reads its layout as
 intervals, whatever they are (:func:`reads_any_layout`). The graph that places them prices a placement with the
-documents' attention (:func:`documents_of`: its layout, mask and the elements a position moves), its own or that of a
-later graph compiled for one of the layouts it reads (:func:`layouts_read`).
+documents' attention (:func:`documents_of`: its layout's kind, mask and the elements a position moves), its own or
+that of a later graph.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.fx as fx
 
 from ..runtime.attention.api import OpConfig
-from ..runtime.layouts import SequenceLayout
+from ..runtime.attention.masks import MaskSpec
+from ..runtime.layouts import LAYOUTS
 from ..runtime.placement import PLACEABLE_OPS, Documents
 from .ops import value_of
 from .pipeline import CompiledGraph
 
-__all__ = ["reads_any_layout", "layouts_read", "documents_of"]
+__all__ = ["reads_any_layout", "documents_of"]
 
 
 def reads_any_layout(gm: fx.GraphModule) -> bool:
@@ -37,33 +37,21 @@ def reads_any_layout(gm: fx.GraphModule) -> bool:
     return True
 
 
-def layouts_read(gm: fx.GraphModule) -> set[SequenceLayout]:
-    """The layouts the ``autoshard`` ops of a rank graph read (their ``list[int]`` arguments of layout type)."""
-    out = set()
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "namespace", None) != "autoshard":
-            continue
-        for argument, value in zip(node.target._schema.arguments, node.args):
-            if argument.name in ("layout", "src", "dst") and isinstance(value, (list, tuple)):
-                out.add(SequenceLayout.decode(value))
-    return out
-
-
 def _config(node: fx.Node) -> OpConfig:
     """The arguments after the tensors of an ``autoshard::attention`` node."""
     return OpConfig(*node.args[-len(dataclasses.fields(OpConfig)):])
 
 
-def documents_of(compiled: CompiledGraph) -> Documents | None:
+def documents_of(compiled: CompiledGraph, world_size: int) -> Documents | None:
     """The packed documents of a compiled graph (:class:`~autoshard.runtime.placement.Documents`): its attentions
-    that read segment ids, of one layout, mask and shape; None where there are none, or several."""
-    found = {(SequenceLayout.decode(_config(node).layout), _config(node).mask)
-             for node in compiled.graph_module.graph.nodes
-             if node.op == "call_function" and node.target is torch.ops.autoshard.attention.default
-             and node.args[4] is not None}  # segment ids: the documents
+    that read segment ids, of one layout kind, mask and shape; None where there are none, or several."""
+    found = {(a["layout"], MaskSpec.of(a["causal"], a["window"], a["chunk"])) for a in compiled.report.attention
+             if a.get("segment_ids") and a["strategy"] == "allgather"}
     shapes = {tuple(tuple(value_of(t).shape[1::2]) for t in node.args[:3]) for node in compiled.strategies}
-    if len(found) != 1 or len(shapes) != 1:
+    if len(found) != 1 or len(shapes) != 1 or world_size < 2:
         return None
-    (root, spec), ((heads, head_dim), (kv_heads, _), (_, value_dim)) = found.pop(), shapes.pop()
-    return Documents(root, spec, key_row=kv_heads * (head_dim + value_dim), query_row=heads * head_dim,
-                     result_row=heads * (value_dim + 1)) if root.world_size > 1 else None
+    (kind, spec), ((heads, head_dim), (kv_heads, _), (_, value_dim)) = found.pop(), shapes.pop()
+    if kind not in LAYOUTS:
+        return None
+    return Documents(kind, world_size, spec, key_row=kv_heads * (head_dim + value_dim), query_row=heads * head_dim,
+                     result_row=heads * (value_dim + 1))

@@ -398,7 +398,8 @@ def _placed(result: Plan, decided: AttentionDecision, ids: torch.Tensor) -> tupl
     if not document_placement.PLACE or readers != {("allgather", decided.layout)} or ids.size(0) != 1:
         return root, None
     shape = decided.shape
-    placement = Placement.of(Documents(root, _spec(decided), key_row=shape["Hkv"] * (shape["D"] + shape["Dv"]),
+    placement = Placement.of(Documents(decided.layout, result.world_size, _spec(decided),
+                                       key_row=shape["Hkv"] * (shape["D"] + shape["Dv"]),
                                        query_row=shape["H"] * shape["D"], result_row=shape["H"] * (shape["Dv"] + 1)),
                              ids)
     return (root, False) if placement is None else (placement.layout, True)

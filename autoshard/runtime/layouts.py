@@ -27,9 +27,7 @@ carry it through the dispatcher, and ``SequenceLayout.decode`` restores it (cach
 (:mod:`autoshard.runtime.placement`: packed documents placed by their lengths) swaps, for one call, a static layout
 for another of the same local lengths: :func:`placing` names the swaps, and while it holds ``decode`` returns the
 swapped layout, so every op reads its tokens where the placement put them without a new compilation (the shapes
-are those it was compiled for). A layout another was derived from carries its derivations to the swap:
-:func:`derived_from` lists, for a root, every layout compiled so far by :meth:`SequenceLayout.derive` from it (labels
-shifted by one, a token prepended) and how, so the placement swaps each for the same derivation of its own root.
+are those it was compiled for).
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ import torch
 
 from .symbolic import evaluate, hint_of, is_symbolic as _symbolic
 
-__all__ = ["SequenceLayout", "LAYOUTS", "split_sizes", "placing", "current_swaps", "set_swaps", "derived_from", "derivation_of"]
+__all__ = ["SequenceLayout", "LAYOUTS", "split_sizes", "placing", "current_swaps", "set_swaps"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -136,13 +134,8 @@ class SequenceLayout:
         offset, length = _size(offset), _size(length)
         if offset == 0 and length == self.length:
             return self
-        if _symbolic(offset) or _symbolic(length) or _symbolic(self.length):
-            return _derive(self, offset, length)
-        derived = _derive_cached(self, offset, length)
-        if not _placed and derived != self:  # compiled layouts only, not a placement's
-            _DERIVATIONS.setdefault(self, {})[(offset, length)] = derived
-            _DERIVED_FROM.setdefault(derived, (self, (offset, length)))
-        return derived
+        symbolic = _symbolic(offset) or _symbolic(length) or _symbolic(self.length)
+        return (_derive if symbolic else _derive_cached)(self, offset, length)
 
     def evaluated(self, values: dict) -> "SequenceLayout":
         """This layout for one call of a graph compiled for every length: its symbolic positions evaluated at
@@ -233,7 +226,6 @@ class SequenceLayout:
         layout = (_decode if any(map(_symbolic, code)) else _decode_cached)(code)
         return _placed.get(layout, layout) if _placed else layout
 
-
     def __repr__(self) -> str:
         return f"SequenceLayout({self.kind}, length={self.length}, world_size={self.world_size})"
 
@@ -242,11 +234,6 @@ class SequenceLayout:
 
 _placed = {}
 """The swaps of the current call's placement (:func:`placing`): compiled layout -> the one it reads."""
-
-_DERIVATIONS: dict[SequenceLayout, dict[tuple[int, int], SequenceLayout]] = {}
-"""Layout -> ``(offset, length)`` -> the layout :meth:`SequenceLayout.derive` built from it (integer lengths)."""
-_DERIVED_FROM: dict[SequenceLayout, tuple[SequenceLayout, tuple[int, int]]] = {}
-"""The inverse: derived layout -> the first layout and ``(offset, length)`` it was derived from."""
 
 
 @contextlib.contextmanager
@@ -271,25 +258,6 @@ def set_swaps(swaps) -> None:
     ``with placing(...)`` ended (:mod:`~autoshard.runtime.placement` sets them back to none when it ends)."""
     global _placed
     _placed = swaps
-
-
-def derivation_of(layout: SequenceLayout) -> tuple[SequenceLayout, tuple[int, int]] | None:
-    """The layout ``layout`` was compiled as derived from, and the ``(offset, length)`` of that derivation; None for
-    one not derived."""
-    return _DERIVED_FROM.get(layout)
-
-
-def derived_from(root: SequenceLayout) -> list[tuple[SequenceLayout, tuple[tuple[int, int], ...]]]:
-    """Every layout derived from ``root`` so far, directly or through others, with the ``(offset, length)`` steps
-    that derive it, nearest first."""
-    out, frontier = [], [(root, ())]
-    while frontier:
-        parent, steps = frontier.pop(0)
-        for step, child in _DERIVATIONS.get(parent, {}).items():
-            if child != root and all(child != seen for seen, _ in out):
-                out.append((child, steps + (step,)))
-                frontier.append((child, steps + (step,)))
-    return out
 
 
 # ---------------------------------------------------------------------- helpers

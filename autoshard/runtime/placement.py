@@ -16,9 +16,9 @@ rank (integer arithmetic on the replicated ids, no agreement collective):
 Every rank keeps exactly as many tokens as the compiled layout gives it, so the compiled graph's shapes hold and a
 new placement never compiles again: :func:`~autoshard.runtime.layouts.placing` makes every op of the call read the
 placed layout where it was compiled with the static one (:class:`Placement`). The layouts derived from the static
-one (labels shifted by one, a token prepended) are swapped for the same derivation of the placed one; the first and
-the last position keep their rank, so those keep their local lengths too (a placement that would change one is not
-used: the call runs on the static layout, as before).
+one (labels shifted by one, a token prepended: found from their cuts, :class:`_Swaps`) are swapped for the same
+derivation of the placed one; the :data:`PINNED` first and last positions keep their rank, so those keep their
+local lengths too.
 
 A graph runs under a placement only where every ``autoshard`` op it holds reads its layout as intervals, whatever
 they are (:data:`PLACEABLE_OPS`; attention only by all-gather, the strategy whose keys follow the documents). The
@@ -28,8 +28,8 @@ graphs (an embedding, per-layer FSDP2 graphs, a graph break), those of a later g
 the call after that one compiled. What leaves split carries the placement
 (:attr:`~autoshard.runtime.split_tensor.SplitTensor.placed`; the layout dynamo guards stays the compiled one), so the
 next graph runs under it, or takes it realigned to its compiled layout where one of its ops is not in the table (a
-convolution's halo); a user who reads it gets the caller's order. Not placed: graphs compiled for a class of
-lengths (their derived layouts are symbolic), batches of several rows.
+convolution's halo); a user who reads it gets the caller's order. A graph of a length class places each call over
+the compiled layout of that call's length. Not placed: batches of several rows.
 
 Backward: the ops' gradients read their layouts again when autograd runs them, after the call returned. The call's
 outputs pass through :class:`_Placed`, an identity whose backward, which autograd runs before any gradient of the
@@ -48,14 +48,18 @@ import torch
 from .attention.dispatch import balance
 from .attention.masks import MaskSpec
 from .attention.visible_keys import key_fetch
-from .layouts import (SequenceLayout, current_swaps, derivation_of, derived_from, placing, set_swaps,
-                      split_sizes)
+from .layouts import SequenceLayout, current_swaps, placing, set_swaps, split_sizes
+from .symbolic import is_symbolic as _symbolic
 
 __all__ = ["Placement", "Documents", "document_layout", "placing_documents", "marked", "last_placement", "segments_of",
            "PLACE", "PLACEABLE_OPS"]
 
 PLACE = True
 """Place packed documents by their lengths (False: every call runs its compiled layout; for benchmarks)."""
+
+PINNED = 16
+"""Positions at each end of the row that keep their compiled rank, so that a layout derived from the compiled one by
+up to this many positions (labels shifted, tokens prepended) keeps its local lengths under the placement."""
 
 PLACEABLE_OPS = frozenset({
     "seq_shard", "seq_unshard", "seq_reduce_scatter", "seq_unshard_for_local_use",  # pieces of the intervals
@@ -83,21 +87,15 @@ class Placement:
 
     @staticmethod
     def of(documents: "Documents", ids: torch.Tensor) -> "Placement | None":
-        """The placement of the documents ``ids`` over the ranks of ``documents.root``, or None where it would send
-        more than the compiled layout for this batch (:meth:`Documents.cost`), or would change the local lengths of a
-        layout compiled as derived from it: the call then runs the compiled layout. The latest is reused for the
-        same ids (every graph call of a step)."""
+        """The placement of the documents ``ids`` (``[1, S]``) over the ranks of the compiled layout of ``S``
+        positions, or None where it would send no less for this batch (:meth:`Documents.cost`): the call then runs
+        the compiled layout. The latest is reused for the same ids (every graph call of a step)."""
         global _last
-        root = documents.root
+        root = documents.root(ids.size(-1))
         if _last is not None and _last.root == root and torch.equal(_last.ids, ids):
             return _last if _last.swaps else None
         layout = document_layout(root, ids)
         swaps = _Swaps(root, layout) if layout is not None else {}
-        try:
-            for derived, _ in derived_from(root) if swaps else ():
-                swaps.get(derived)
-        except ValueError:
-            swaps = {}
         if swaps and documents.cost(root, ids) <= documents.cost(layout, ids):  # the placed one last: the call's
             swaps = {}
         _last = Placement(root, layout, swaps, ids)
@@ -117,46 +115,62 @@ class Placement:
 
 
 class _Swaps(dict):
-    """Compiled layout -> placed layout: the root, and every layout compiled as derived from it, each swapped for the
-    same derivation of the placed root when first read (a graph compiled after the placement was made reads its
-    own)."""
+    """Compiled layout -> placed layout: the root, and every layout derived from it (position ``i`` on the rank of the
+    root's ``i + offset``: labels shifted, a token prepended; :meth:`~autoshard.runtime.layouts.SequenceLayout.derive`)
+    swapped for the same derivation of the placed root, found from its cuts when first read; any other layout is
+    itself."""
 
     def __init__(self, root: SequenceLayout, placed: SequenceLayout):
         super().__init__({root: placed})
+        self.root, self.placed = root, placed
 
-    def get(self, layout, default=None, _seen=()):
-        if layout in self:
-            return self[layout]
-        found = derivation_of(layout)
-        if found is None or found[0] in _seen:  # not derived from the root (a cycle of derivations among others)
-            return default
-        parent = self.get(found[0], None, (*_seen, layout))
-        if parent is None:
-            return default
-        placed = _derive(parent, *found[1])
-        if placed.local_lengths != layout.local_lengths:
-            raise ValueError(f"autoshard: packed documents placed by length move {layout!r}'s tokens between ranks "
-                             f"(local lengths {placed.local_lengths}, compiled {layout.local_lengths}); "
-                             f"autoshard.runtime.placement.PLACE = False runs every call in its compiled layout")
-        self[layout] = placed
-        return placed
+    def get(self, layout, default=None):
+        if layout not in self:
+            offset = _offset(self.root, layout)
+            swap = layout if offset is None else _derive(self.placed, offset, layout.length)
+            if swap.local_lengths != layout.local_lengths:
+                raise ValueError(
+                    f"autoshard: packed documents placed by length move {layout!r}'s tokens between ranks (local "
+                    f"lengths {swap.local_lengths}, compiled {layout.local_lengths}: a derivation by {offset} "
+                    f"positions, more than the {PINNED} kept at each end); autoshard.runtime.placement.PLACE = False "
+                    f"runs every call in its compiled layout")
+            self[layout] = swap
+        return self[layout]
+
+
+def _offset(root: SequenceLayout, layout: SequenceLayout) -> int | None:
+    """The ``offset`` with ``root.derive(offset, layout.length) == layout``, or None (the root itself, a built-in
+    layout, one of other cuts). A derivation keeps the root's cuts between ranks, moved by ``-offset``: the first
+    cut of ``layout`` names the candidates."""
+    if layout.kind != "derived" or layout.world_size != root.world_size or _symbolic(layout.length):
+        return None
+    cuts = [s for s, _, _ in layout.spans[1:]]
+    candidates = [s - cuts[0] for s, _, _ in root.spans[1:]] if cuts else []
+    found = [o for o in candidates if _derive(root, o, layout.length) == layout]
+    return found[0] if len(found) == 1 else None
 
 
 @dataclass(frozen=True)
 class Documents:
-    """What a compiled graph's placement needs: the layout its documents' attention was compiled for, its mask,
-    and the elements per position its attention moves."""
+    """What placing a compiled graph's packed documents needs: the layout their attention was compiled for, its mask,
+    and the elements per position it moves."""
 
-    root: SequenceLayout
-    """The layout the documents' attention was compiled for (what a placement replaces)."""
+    kind: str
+    """The compiled layout's kind (``"zigzag"`` or ``"contiguous"``), at every length of a graph of a length class."""
+    world_size: int
+    """Ranks."""
     spec: MaskSpec
-    """Its position mask."""
+    """The position mask."""
     key_row: int
     """Elements of one position's K and V."""
     query_row: int
     """Elements of one position's queries."""
     result_row: int
     """Elements of one position's output and log-sum-exp."""
+
+    def root(self, length: int) -> SequenceLayout:
+        """The compiled layout of ``length`` positions (what a placement replaces)."""
+        return SequenceLayout.of(self.kind, length, self.world_size)
 
     def cost(self, layout: SequenceLayout, ids: torch.Tensor) -> int:
         """Elements the busiest rank sends in the forward of one attention over ``layout``: the keys it fetches
@@ -209,15 +223,16 @@ def _work(length: int) -> int:
 
 def document_layout(root: SequenceLayout, ids: torch.Tensor) -> SequenceLayout | None:
     """The documents ``ids`` (``[1, S]`` segment ids, global order) placed over ``root``'s ranks, every rank holding
-    as many tokens as in ``root`` and the first and last position on their ``root`` rank; None where the documents
-    do not allow that (the call keeps ``root``)."""
+    as many tokens as in ``root`` and the :data:`PINNED` first and last positions on their ``root`` rank; None where
+    the documents do not allow that (the call keeps ``root``)."""
     if ids.shape != (1, root.length):
         return None
     world = root.world_size
     docs = _documents(ids)
     room = list(root.local_lengths)
     share, total = max(room), sum(_work(e - s) for s, e in docs)
-    ends = {0: root.owner(0), root.length - 1: root.owner(root.length - 1)}
+    ends = {pos: root.owner(pos) for pos in (*range(min(PINNED, root.length)),
+                                             *range(max(0, root.length - PINNED), root.length))}
     load = [0] * world
     held: list[list[tuple[int, int]]] = [[] for _ in range(world)]
 
@@ -272,7 +287,8 @@ def document_layout(root: SequenceLayout, ids: torch.Tensor) -> SequenceLayout |
                 start += n
     if any(room):
         return None
-    return SequenceLayout.from_intervals(root.length, held)
+    layout = SequenceLayout.from_intervals(root.length, held)
+    return layout if all(layout.owner(pos) == rank for pos, rank in ends.items()) else None
 
 
 class _Placed(torch.autograd.Function):
@@ -311,7 +327,7 @@ def marked(run: Callable) -> Callable:
 def placing_documents(run: Callable, documents: Callable[[], Documents | None],
                       positions_of: Callable[[tuple], torch.Tensor]) -> Callable:
     """``run`` (a compiled rank graph with the wrappers that hand on its carriers) with the documents of its
-    ``position_index``-th input placed by their lengths (:func:`document_layout`) in every call where that sends
+    ``position_ids`` placed by their lengths (:func:`document_layout`) in every call where that sends
     less: the call reads the placed layouts, what leaves split carries the placement
     (:attr:`~autoshard.runtime.split_tensor.SplitTensor.placed`), and :func:`marked` (around the graph itself) makes
     its backward read them too. ``documents()``: the documents' attention as known at the call (None: not yet);
@@ -319,8 +335,8 @@ def placing_documents(run: Callable, documents: Callable[[], Documents | None],
     def call(*args):
         positions, known = positions_of(args), documents()
         placement = None
-        if (PLACE and known is not None and isinstance(positions, torch.Tensor)
-                and positions.shape == (1, known.root.length)):
+        if PLACE and known is not None and isinstance(positions, torch.Tensor) and positions.dim() == 2 \
+                and positions.size(0) == 1 and positions.size(1) >= 2 * known.world_size:
             placement = Placement.of(known, segments_of(positions))
         if placement is None:
             return run(*args)

@@ -100,12 +100,14 @@ def _batch(kind: str, world: int) -> list[int]:
     """Document lengths of one row of ``ROW`` tokens."""
     if kind == "aligned":  # short documents, each whole inside one chunk of the zigzag layout: no key moves
         return [n for chunk in split_sizes(ROW, 2 * world) for n in (chunk // 2, chunk - chunk // 2)]
-    if kind.startswith("long-tail"):  # "long-tail" or "long-tail <seed>"
-        gen = torch.Generator().manual_seed(int(kind.split()[1]) if " " in kind else world)
-        out = [190]
-        while sum(out) < ROW:
+    if kind.startswith("long-tail"):  # "long-tail", "long-tail <seed>" or "long-tail <seed> <length>"
+        given = [int(n) for n in kind.split()[1:]]
+        seed, row = (given + [world, ROW][len(given):])[:2]
+        gen = torch.Generator().manual_seed(seed)
+        out = [row * 190 // ROW]  # about half the row: one long document
+        while sum(out) < row:
             out.append(int(torch.empty(1).log_normal_(2.5, 0.8, generator=gen).clamp(2, 60)))
-        out[-1] -= sum(out) - ROW
+        out[-1] -= sum(out) - row
         return out
     return {"long": [150, ROW - 150], "spanning": [ROW], "padding": [100, 120, ROW - 220]}[kind]
 
@@ -114,7 +116,8 @@ BATCHES = ("aligned", "long-tail", "long", "spanning")
 
 
 def _batch_inputs(kind: str, world: int) -> dict:
-    ids = torch.randint(0, 256, (1, ROW), generator=torch.Generator().manual_seed(len(kind)))
+    row = sum(_batch(kind, world))
+    ids = torch.randint(0, 256, (1, row), generator=torch.Generator().manual_seed(len(kind)))
     positions = torch.cat([torch.arange(n) for n in _batch(kind, world)])[None]
     inputs = dict(input_ids=ids, labels=ids.clone(), position_ids=positions, use_cache=False)
     if kind == "padding":  # documents, then padding the attention mask hides and the loss ignores
@@ -168,7 +171,7 @@ def test_each_batch_fetches_only_its_documents_keys(world):
     results = run_on_ranks(_rank_batches, world, world, kinds, timeout=600)
     assert all(s == ("allgather", "zigzag") for s in results[0]["attention"][:LAYERS]), results[0]["attention"]
     root, spec = SequenceLayout.zigzag(ROW, world), MaskSpec.of(True)
-    documents = Documents(root, spec, key_row=KV_HEADS * 2 * HEAD_DIM, query_row=HEADS * HEAD_DIM,
+    documents = Documents("zigzag", world, spec, key_row=KV_HEADS * 2 * HEAD_DIM, query_row=HEADS * HEAD_DIM,
                           result_row=HEADS * (HEAD_DIM + 1))
     row = KV_HEADS * HEAD_DIM * 8  # bytes of one key row (batch 1, float64)
     for kind in kinds:
@@ -223,7 +226,7 @@ def test_two_placements_in_one_backward():
     (float64), one compilation for both packings."""
     world = 3
     root, spec = SequenceLayout.zigzag(ROW, world), MaskSpec.of(True)
-    documents = Documents(root, spec, key_row=KV_HEADS * 2 * HEAD_DIM, query_row=HEADS * HEAD_DIM,
+    documents = Documents("zigzag", world, spec, key_row=KV_HEADS * 2 * HEAD_DIM, query_row=HEADS * HEAD_DIM,
                           result_row=HEADS * (HEAD_DIM + 1))
     placements = []
     for seed in (2, 3):
@@ -290,3 +293,33 @@ def test_a_placement_crosses_a_graph_break(halo):
         for name, grad in grads.items():
             error = ((got["grads"][name] - grad).abs().max() / grad.abs().max()).item()
             assert error <= TOLERANCE, (rank, name, error)
+
+
+def _lengths_run(world: int, kinds: list[str]) -> dict:
+    model = _small_llama()
+    compiled = autoshard.compile(model)
+    out = {}
+    for kind in kinds:
+        loss, grads = _loss_and_grads(model, _batch_inputs(kind, world), compiled)
+        out[kind] = dict(loss=loss, grads=grads, explain=autoshard.explain(compiled))
+    out["compilations"] = dict(compiled.autoshard_backend.compilations)
+    return out
+
+
+def test_placement_serves_every_length():
+    """Packed rows of a new length every step (a padding-free run): from the second length the graph serves every
+    length (a length class), and each call places its documents over the layout of its own length. Loss and
+    gradients equal one process's; two compilations in all."""
+    world, kinds = 3, ["long-tail 3 385", "long-tail 2 412", "long-tail 6 433", "long-tail 3 470"]
+    results = run_on_ranks(_lengths_run, world, world, kinds, timeout=600)
+    for kind in kinds:
+        loss, grads = _loss_and_grads(_small_llama(), _batch_inputs(kind, world))
+        for rank, result in enumerate(results):
+            got = result[kind]
+            assert abs(got["loss"] - loss) <= TOLERANCE * abs(loss), (kind, rank, got["loss"], loss)
+            for name, grad in grads.items():
+                error = ((got["grads"][name] - grad).abs().max() / grad.abs().max()).item()
+                assert error <= TOLERANCE, (kind, rank, name, error)
+    placed = [k for k in kinds[1:] if "documents placed by length" in results[0][k]["explain"]]
+    assert len(placed) == 3, [results[0][k]["explain"] for k in kinds]
+    assert sum(results[0]["compilations"].values()) == 2, results[0]["compilations"]

@@ -6,7 +6,7 @@ import torch
 
 from autoshard.runtime import SequenceLayout
 from autoshard.runtime.attention.masks import MaskSpec
-from autoshard.runtime.layouts import derived_from, placing
+from autoshard.runtime.layouts import placing
 from autoshard.runtime.placement import Documents, Placement, document_layout
 from autoshard.testing.data import long_tail
 
@@ -16,7 +16,8 @@ def _ids(lengths: list[int]) -> torch.Tensor:
 
 
 def _documents(root: SequenceLayout) -> Documents:
-    return Documents(root, MaskSpec.of(True), key_row=2 * 2 * 32, query_row=8 * 32, result_row=8 * 33)
+    return Documents(root.kind, root.world_size, MaskSpec.of(True), key_row=2 * 2 * 32, query_row=8 * 32,
+                     result_row=8 * 33)
 
 
 def _whole(layout: SequenceLayout, start: int, end: int) -> bool:
@@ -40,15 +41,19 @@ def test_short_documents_stay_whole_and_long_ones_split_zigzag():
 
 def test_a_call_swaps_the_layout_and_every_layout_derived_from_it():
     root = SequenceLayout.zigzag(4096, 2)
-    shifted = root.derive(-1, 4096)  # compiled: labels shifted by one
-    assert any(child == shifted for child, _ in derived_from(root))
     ids = _ids(long_tail(4096, 3))
     placement = Placement.of(_documents(root), ids)
     assert placement is not None and placement.layout != root
+    derived = [(-1, 4096), (1, 4096), (-16, 4112), (3, 4093)]  # labels shifted either way, 16 tokens prepended
     with placing(placement.swaps):
         assert SequenceLayout.decode(root.encode()) == placement.layout
-        placed_shift = SequenceLayout.decode(shifted.encode())
-    assert placed_shift == placement.layout.derive(-1, 4096) and placed_shift.local_lengths == shifted.local_lengths
+        for offset, length in derived:  # recognized from its cuts, swapped for the same derivation
+            compiled = root.derive(offset, length)
+            placed = SequenceLayout.decode(compiled.encode())
+            assert placed == placement.layout.derive(offset, length) != compiled
+            assert placed.local_lengths == compiled.local_lengths
+        other = SequenceLayout.contiguous(4096, 2)  # not derived from the root: itself
+        assert SequenceLayout.decode(other.encode()) == other
     assert SequenceLayout.decode(root.encode()) == root  # outside the call: the compiled layout
 
 
