@@ -233,8 +233,7 @@ def test_two_placements_in_one_backward():
     logits (gathered from their placed shards, in the caller's order) and every gradient equal one process's
     (float64), one compilation for both packings."""
     world = 3
-    root, spec = SequenceLayout.zigzag(ROW, world), MaskSpec.of(True)
-    documents = Documents("zigzag", world, spec, key_row=KV_HEADS * 2 * HEAD_DIM, query_row=HEADS * HEAD_DIM,
+    documents = Documents("zigzag", world, MaskSpec.of(True), key_row=KV_HEADS * 2 * HEAD_DIM, query_row=HEADS * HEAD_DIM,
                           result_row=HEADS * (HEAD_DIM + 1))
     placements = []
     for seed in (2, 3):
