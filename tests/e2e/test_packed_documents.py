@@ -217,12 +217,12 @@ def test_each_batch_fetches_only_its_documents_keys(world):
 def _two_packings(world: int) -> dict:
     model = _small_llama()
     compiled = autoshard.compile(model)
-    first, second = (_batch_inputs(f"long-tail {seed}", world) for seed in (2, 3))
-    loss = compiled(**first).loss + compiled(**second).loss  # two placements, one backward
+    packing_a, packing_b = (_batch_inputs(f"long-tail {seed}", world) for seed in (2, 3))
+    loss = compiled(**packing_a).loss + compiled(**packing_b).loss  # two placements, one backward
     loss.backward()
     compilations = sum(compiled.autoshard_backend.compilations.values())
     with torch.no_grad():  # dynamo compiles the graph without gradient anew
-        out = compiled(**second)
+        out = compiled(**packing_b)
     return dict(loss=loss.detach(), evaluated=out.loss, logits=out.logits.full_tensor(), grads={n: p.grad.clone() for n, p in model.named_parameters()},
                 compilations=compilations)
 
@@ -282,11 +282,11 @@ def _broken(world: int) -> dict:
     model = _broken_llama()
     compiled = autoshard.compile(model)
     loss = compiled(**_batch_inputs("long-tail 3", world)).loss
-    second_layer_placed = last_fetch().layout == last_placement().layout  # its attention ran last
+    layer_1_placed = last_fetch().layout == last_placement().layout  # the latest attention: layer 1's
     loss.backward()
     return dict(loss=loss.detach(), grads={n: p.grad.clone() for n, p in model.named_parameters()},
                 graphs=len(compiled.autoshard_backend.compiled), explain=autoshard.explain(compiled),
-                second_layer_placed=second_layer_placed)
+                layer_1_placed=layer_1_placed)
 
 
 def test_a_placement_crosses_graph_breaks():
@@ -299,7 +299,7 @@ def test_a_placement_crosses_graph_breaks():
     loss, grads = _loss_and_grads(_broken_llama(), _batch_inputs("long-tail 3", world))
     for rank, got in enumerate(results):
         assert got["graphs"] >= 3 and "documents placed by length" in got["explain"], got["explain"]
-        assert got["second_layer_placed"]
+        assert got["layer_1_placed"]
         _assert_exact(got, loss, grads, rank)
 
 
