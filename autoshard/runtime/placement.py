@@ -88,7 +88,7 @@ class Placement:
     @staticmethod
     def of(documents: "Documents", ids: torch.Tensor) -> "Placement | None":
         """The placement of the documents ``ids`` (``[1, S]``) over the ranks of the compiled layout of ``S``
-        positions, or None where it would send no less for this batch (:meth:`Documents.cost`): the call then runs
+        positions, or None where it would send no less for this batch (:meth:`Documents.busiest_elements`): the call then runs
         the compiled layout. The latest is reused for the same ids (every graph call of a step)."""
         global _last
         root = documents.root(ids.size(-1))
@@ -96,7 +96,7 @@ class Placement:
             return _last if _last.swaps else None
         layout = document_layout(root, ids)
         swaps = _Swaps(root, layout) if layout is not None else {}
-        if swaps and documents.cost(root, ids) <= documents.cost(layout, ids):  # the placed one last: the call's
+        if swaps and documents.busiest_elements(root, ids) <= documents.busiest_elements(layout, ids):  # the placed one last: the call's
             swaps = {}
         _last = Placement(root, layout, swaps, ids)
         return _last if swaps else None
@@ -172,7 +172,7 @@ class Documents:
         """The compiled layout of ``length`` positions (what a placement replaces)."""
         return SequenceLayout.of(self.kind, length, self.world_size)
 
-    def cost(self, layout: SequenceLayout, ids: torch.Tensor) -> int:
+    def busiest_elements(self, layout: SequenceLayout, ids: torch.Tensor) -> int:
         """Elements the busiest rank sends in the forward of one attention over ``layout``: the keys it fetches
         for others and the queries it dispatches and results it returns (the backward sends in proportion)."""
         dispatched = balance(layout, ids, self.spec)

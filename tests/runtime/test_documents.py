@@ -193,9 +193,9 @@ def test_the_all_gather_fetches_only_the_keys_its_queries_see(runs):
             if not fetch.worth_it:
                 assert key_bytes == 0, (case, rank, key_bytes)
                 continue
-            rows_sent = sum(fetch.sent_sizes(rank)) - fetch.sent_sizes(rank)[rank]
+            rows_out = sum(fetch.sent_sizes(rank)) - fetch.sent_sizes(rank)[rank]
             rows_received = sum(fetch.received_sizes(rank)) - fetch.received_sizes(rank)[rank]
-            assert key_bytes == row * (2 * 2 * rows_sent + 2 * rows_received), (case, rank, key_bytes, rows_sent,
+            assert key_bytes == row * (2 * 2 * rows_out + 2 * rows_received), (case, rank, key_bytes, rows_out,
                                                                                 rows_received)
             ids_bytes = 2 * layout.max_local_length * 8 * (world - 1) * 2  # int64 ids (padded), forward and backward
             assert results[rank][n]["gathered"] <= ids_bytes * (2 if case["pattern"] == "padding" else 1), case
