@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offload", action="store_true", help="keep checkpointed layers' inputs in host memory")
     p.add_argument("--no-offload-prefetch", dest="offload_prefetch", action="store_false",
                    help="with --offload: bring each layer's input back when backward uses it, not prefetched")
+    p.add_argument("--offload-spared", type=int, default=0, metavar="REGIONS",
+                   help="with --offload: regions whose inputs the host does not keep, from the last back (the last "
+                        "stays on the device, every other one before it is rebuilt in backward; default 0)")
     p.add_argument("--dp-shard", type=int, default=1, metavar="RANKS",
                    help="ranks FSDP2 shards parameters, gradients and optimizer states over (dp x sp; 1: no FSDP)")
     p.add_argument("--optimizer", choices=("adamw", "adam"), help="count the optimizer's states")
@@ -120,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                       recompute=args.recompute, chunk_mlp=args.chunk_mlp,
                       tile_tokens=args.tile_tokens, head_chunks=args.head_chunks,
                       chunk_loss=args.chunk_loss or None, offload=args.offload,
-                      offload_prefetch=args.offload_prefetch, dp_shard=args.dp_shard,
+                      offload_prefetch=args.offload_prefetch, offload_spared=args.offload_spared,
+                      dp_shard=args.dp_shard,
                       optimizer=args.optimizer, grad_sync=not args.no_grad_sync,
                       lazy_logits=not args.no_lazy_logits)
     except MemoryBudgetError as e:  # the plan's answer, not a crash: which budget would do, and what is left

@@ -69,8 +69,10 @@ class BackendConfig:
     inner: Union[str, Callable] = "auto"
     """The compiler the rewritten graph is handed to: ``"eager"``, ``"aot_eager"``, ``"inductor"``, any
     torch.compile backend callable, or ``"auto"``: inductor for graphs on CUDA (the fused kernels a GPU
-    user compiles for, around the distributed attention's own), eager elsewhere and with ``offload`` (its
-    host copies must run, not be traced)."""
+    user compiles for, around the distributed attention's own), eager elsewhere, with ``offload`` (its
+    host copies must run, not be traced) and with ``head_chunks`` > 1 (the projections' head groups are a Python
+    autograd function, :mod:`autoshard.runtime.head_groups`; with another compiler the groups stay inside the
+    attention op)."""
 
     length_classes: bool = True
     """Compile a graph whose sequence length varies (dynamo's dynamic graph, after a second length) once for a
@@ -153,7 +155,11 @@ class BackendConfig:
     group's heads at a time -- at long context they are the largest values of a layer (Ulysses holds the whole
     sequence of its heads). Groups follow the key/value heads (a GQA group stays together); fewer when the heads
     do not allow as many (Ulysses needs a query head per rank in every group; dropout runs whole). Costs more, smaller
-    collectives (Ulysses sends a key/value head to every rank whose group reads it). The memory policy may set it."""
+    collectives (Ulysses sends a key/value head to every rank whose group reads it). With the eager inner compiler
+    the q/k/v and output projections run in the same groups as the attention (:mod:`autoshard.passes.heads`): the
+    query, the output and their gradients, outside the op, exist for one group at a time too (the output
+    projection becomes a sum of partial products, and the groups then divide the key/value heads evenly).
+    The memory policy may set it."""
 
     recompute: str = "none"
     """Activation recomputation the compiler adds: ``"none"``, or ``"layers"``: every transformer layer (the
@@ -174,12 +180,20 @@ class BackendConfig:
     backward. Costs one more region's inputs on the device (a layer's input); False: each region's inputs come back
     when backward first uses them, the compute stream waiting for the copy. The memory policy may turn it off."""
 
+    offload_spared: int = 0
+    """With ``offload``: how many checkpointed regions' inputs the host does not keep, counted from the last
+    region back (the memory policy sets it when the host budget is short; :mod:`autoshard.runtime.offload`). The
+    last region keeps its inputs on the device: backward starts with them, so the device holds them no longer at
+    its peak than offload would. Each further one is every other region from the end: its input, the output of the
+    region before it, is not kept at all -- backward computes it again from that region's inputs (one more forward
+    of that region, without autograd)."""
+
     def inner_for(self, device_type: str) -> Union[str, Callable]:
         """The inner compiler for a graph whose inputs are on ``device_type``: ``inner``, with ``"auto"``
         resolved."""
         if self.inner != "auto":
             return self.inner
-        return "inductor" if device_type == "cuda" and not self.offload else "eager"
+        return "inductor" if device_type == "cuda" and not self.offload and self.head_chunks == 1 else "eager"
 
     def __post_init__(self):
         def check(name, value, allowed):
@@ -209,6 +223,8 @@ class BackendConfig:
         if self.offload and self.inner not in ("eager", "auto"):
             raise ValueError("autoshard.backend: offload=True runs with inner='eager' only (a tracing compiler would "
                              f"trace the host copies instead of running them), got inner={self.inner!r}")
+        if isinstance(self.offload_spared, bool) or not isinstance(self.offload_spared, int) or self.offload_spared < 0:
+            raise ValueError(f"autoshard.backend: offload_spared is an int >= 0, got {self.offload_spared!r}")
         if isinstance(self.head_chunks, bool) or not isinstance(self.head_chunks, int) or self.head_chunks < 1:
             raise ValueError(f"autoshard.backend: head_chunks is a positive int, got {self.head_chunks!r}")
         for lever in ("chunk_mlp", "tile_tokens"):

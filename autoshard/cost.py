@@ -37,7 +37,7 @@ from .hardware import HardwareProfile
 from .runtime.attention import STRATEGIES
 from .runtime.attention.base import AttentionShape, Pricing, StrategyCost
 
-__all__ = ["attention_costs", "choose_strategy", "preferred_layout"]
+__all__ = ["attention_costs", "choose_strategy", "preferred_layout", "NEAR_TIE"]
 
 
 def preferred_layout(strategy: str, shape: AttentionShape, world: int) -> str:
@@ -64,17 +64,29 @@ def attention_costs(shape: AttentionShape, world: int, hardware: HardwareProfile
     return costs
 
 
-def choose_strategy(costs: list[StrategyCost]) -> tuple[StrategyCost, str]:
+NEAR_TIE = 0.02
+"""How close to the fastest strategy's time another's must be to count as a tie when memory decides (with head
+groups on: the memory policy's attention lever)."""
+
+
+def choose_strategy(costs: list[StrategyCost], *, lean: bool = False) -> tuple[StrategyCost, str]:
     """The fastest feasible strategy and a sentence saying why (ties go to the simpler strategy: the lower
-    registered rank, ring, zigzag, ulysses, allgather, hybrid)."""
+    registered rank, ring, zigzag, ulysses, allgather, hybrid). ``lean`` (head groups on: memory is short):
+    among the strategies within :data:`NEAR_TIE` of the fastest, the one whose working set is the smallest."""
     feasible = sorted((c for c in costs if c.feasible),
                       key=lambda c: (round(c.total_s, 12), STRATEGIES[c.strategy].rank))
     if not feasible:
         raise ValueError("autoshard: no distributed attention strategy fits: "
                          + "; ".join(c.summary() for c in costs))
     best = feasible[0]
+    if lean:
+        best = min((c for c in feasible if c.total_s <= feasible[0].total_s * (1 + NEAR_TIE)),
+                   key=lambda c: (c.memory_bytes, c.total_s))
     others = [c for c in costs if c is not best]
     rivals = ", ".join(f"{c.strategy} {c.total_s * 1e3:.3f} ms" if c.feasible else f"{c.strategy} impossible ({c.why_not})"
                        for c in others)
     why = STRATEGIES[best.strategy].reason
+    if best is not feasible[0]:
+        why = (f"within {NEAR_TIE:.0%} of the fastest, it holds the least for attention "
+               f"({best.memory_bytes / 2**30:.1f} GiB with its head groups)")
     return best, f"{best.strategy} ({best.total_s * 1e3:.3f} ms per call): {why}; vs {rivals}"

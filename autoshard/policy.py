@@ -69,7 +69,7 @@ from .runtime.groups import SequenceGroups
 from .runtime.warn import warn
 
 __all__ = ["MemoryOption", "MemoryPolicy", "MemoryBudgetError", "CHUNK_TOKENS", "MAX_CHUNKS", "DOMINANCE_MARGIN",
-           "HEAD_CHUNKS", "chunk_tokens", "choose_memory_policy", "memory_policy_for", "device_budget", "host_budget",
+           "HEAD_CHUNKS", "chunk_tokens", "spared_regions", "choose_memory_policy", "memory_policy_for", "device_budget", "host_budget",
            "format_bytes"]
 
 def format_bytes(nbytes: float) -> str:
@@ -101,9 +101,10 @@ class MemoryBudgetError(ValueError):
 
 
 _LEVERS = ("chunk_mlp", "tile_tokens", "head_chunks", "recompute", "offload", "offload_prefetch")
-HEAD_CHUNKS = 4
+HEAD_CHUNKS = 8
 """Head groups the policy runs attention in when it takes that lever (fewer where the heads allow fewer: a
-Ulysses group needs a query head per rank in each)."""
+Ulysses group needs a query head per rank in each; the strategy choice then prefers, among near-ties, the one
+that holds the least: :func:`autoshard.cost.choose_strategy`)."""
 DOMINANCE_MARGIN = 0.05
 """How far above the budget an option's peak must be to rule out the options it dominates: a lever may add a
 little where it removes less (a tile's concatenated outputs in a model too small for tiles to pay), so an option
@@ -131,13 +132,17 @@ class MemoryOption:
     it and does not fit)."""
     host: int = 0
     """Planned per-rank host bytes (the offloaded layer inputs)."""
+    offload_spared: int = 0
+    """With offload: regions whose inputs the host does not keep (set when the host budget is short)."""
 
     def describe(self) -> str:
         levers = ([f"chunk_mlp={self.chunk_mlp}"] if self.chunk_mlp else []) + \
                  ([f"tile_tokens={self.tile_tokens}"] if self.tile_tokens else []) + \
                  ([f"head_chunks={self.head_chunks}"] if self.head_chunks > 1 else []) + \
                  ([f"recompute={self.recompute!r}"] if self.recompute != "none" else []) + \
-                 ([f"offload{'' if self.offload_prefetch else ' (no prefetch)'}"] if self.offload else [])
+                 ([f"offload{'' if self.offload_prefetch else ' (no prefetch)'}"
+                   + (f" sparing {self.offload_spared} region(s) the host" if self.offload_spared else "")]
+                  if self.offload else [])
         return ", ".join(levers) or "no recomputation, chunks or tiles"
 
     def weighed(self) -> str:
@@ -220,10 +225,12 @@ def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfi
     holds: what a further lever, or the caller, must remove)."""
     ladder = _options(config, tokens)
     planned: dict[int, tuple[int, int]] = {}
+    extra: dict[int, dict] = {}  # levers an estimate set beside the ladder's (offload_spared)
 
     def plan(i: int) -> tuple[int, int]:
         if i not in planned:
-            planned[i] = tuple(int(x) for x in estimate(dataclasses.replace(config, **ladder[i])))
+            peak, host, *more = estimate(dataclasses.replace(config, **ladder[i]))
+            planned[i], extra[i] = (int(peak), int(host)), (more[0] if more else {})
         return planned[i]
 
     def within_host(i: int) -> bool:
@@ -232,9 +239,20 @@ def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfi
     def fits(i: int) -> bool:
         return plan(i)[0] <= budget and within_host(i)
 
+    def floor(j: int) -> int | None:
+        """A lower bound of option ``j``'s peak: its own, planned; for an option without offload, the host bytes
+        of the same levers with offload (every layer's input, all on the device at the end of forward without
+        it)."""
+        if j in planned:
+            return planned[j][0]
+        hosts = [planned[k][1] for k in planned if ladder[k]["offload"] and not ladder[j]["offload"] and
+                 all(ladder[k][lever] == ladder[j][lever] for lever in ("chunk_mlp", "tile_tokens", "head_chunks",
+                                                                         "recompute"))]
+        return max(hosts, default=None)
+
     def ruled_out(i: int) -> bool:  # by an option that dominates it and whose peak clearly exceeds the budget
-        return any(_dominates(ladder[j], ladder[i]) and planned[j][0] > budget * (1 + DOMINANCE_MARGIN)
-                   for j in planned)
+        return any(_dominates(ladder[j], ladder[i]) and (floor(j) or 0) > budget * (1 + DOMINANCE_MARGIN)
+                   for j in range(len(ladder)))
 
     strongest = max(range(len(ladder)), key=lambda i: (_strength(ladder[i]), -i))
     chosen = None
@@ -252,14 +270,15 @@ def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfi
             # the candidate that dominates the most others: its failure rules out the most
             plan(max(candidates, key=lambda i: (sum(_dominates(ladder[i], ladder[j]) for j in candidates), i)))
     options = tuple(MemoryOption(**levers, estimate=planned[i][0] if i in planned else None,
-                                 host=planned[i][1] if i in planned else 0) for i, levers in enumerate(ladder))
+                                 host=planned[i][1] if i in planned else 0, **extra.get(i, {}))
+                    for i, levers in enumerate(ladder))
     policy = MemoryPolicy(budget=budget, options=options, chosen=None if chosen is None else options[chosen],
                           host_budget=host_budget)
     if chosen is not None:
-        return dataclasses.replace(config, **ladder[chosen]), policy
+        return dataclasses.replace(config, **ladder[chosen], **extra[chosen]), policy
     feasible = [options[i] for i in planned if within_host(i)] or [options[i] for i in planned]
     smallest = min(feasible, key=lambda o: o.estimate)
-    smallest_config = dataclasses.replace(config, **{k: getattr(smallest, k) for k in _LEVERS})
+    smallest_config = dataclasses.replace(config, **{k: getattr(smallest, k) for k in (*_LEVERS, "offload_spared")})
     host = f" and {format_bytes(host_budget)} of host memory" if host_budget is not None else ""
     message = (f"autoshard: no memory policy fits memory_budget={budget:,} bytes ({format_bytes(budget)}){host} per "
                f"rank: the smallest feasible budget is {smallest.estimate:,} bytes ({format_bytes(smallest.estimate)}), "
@@ -287,7 +306,8 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, plan_graphs: 
     plans: dict[tuple, Any] = {}  # the levers -> the plan: the options differ in these only
 
     def planned(option: BackendConfig):  # one plan for offload with and without prefetch: it has both peaks
-        key = (option.chunk_mlp, option.tile_tokens, option.head_chunks, option.recompute, option.offload)
+        key = (option.chunk_mlp, option.tile_tokens, option.head_chunks, option.recompute, option.offload,
+               option.offload_spared)
         if key not in plans:
             plans[key] = plan_graphs([(copy.deepcopy(gm), list(example_inputs))], world_size=world_size,
                                      config=dataclasses.replace(option, memory_budget=None, offload_prefetch=False),
@@ -299,16 +319,38 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, plan_graphs: 
     families = compiled.families.families  # the rank's tokens, which size the chunks and tiles: no plan needed
     local = -(-families[0].length // world_size) if families else None
 
-    def estimate(option: BackendConfig) -> tuple[int, int]:
+    def estimate(option: BackendConfig) -> tuple:
         memory = planned(option).memory_per_rank
+        spared = {}
+        if option.offload and not option.offload_spared and host_budget is not None and \
+                memory.host_offloaded > host_budget and memory.total <= budget * (1 + DOMINANCE_MARGIN):
+            # spare the host what it lacks, region by region (pointless where the device is clearly short)
+            count = spared_regions(memory.host_regions, memory.host_offloaded - host_budget)
+            if count:
+                spared = {"offload_spared": count}
+                memory = planned(dataclasses.replace(option, **spared)).memory_per_rank
         prefetch = option.offload and option.offload_prefetch
-        return memory.total_prefetched if prefetch else memory.total, memory.host_offloaded
+        return memory.total_prefetched if prefetch else memory.total, memory.host_offloaded, spared
 
     def held(option: BackendConfig) -> str:  # what the smallest option still holds: what a further lever must remove
         return f"The smallest option's memory per rank {planned(option).memory_per_rank.describe()}"
 
     return choose_memory_policy(config, estimate, budget=budget, host_budget=host_budget, strict=strict,
                                 tokens=chunk_tokens(local), held=held)
+
+
+def spared_regions(regions: list[int], excess: int) -> int | None:
+    """The fewest regions ``offload_spared`` must spare the host to free ``excess`` bytes of it, given the bytes
+    each offloaded region keeps there (``regions``, forward's order; the order :func:`~autoshard.passes.regions.
+    outline_regions` spares them in: the last, then every other one before it, never the first); None: not
+    enough."""
+    order = [len(regions) - 1] + list(range(len(regions) - 2, 0, -2))
+    freed = 0
+    for count, index in enumerate(order, 1):
+        freed += regions[index]
+        if freed >= excess:
+            return count
+    return None
 
 
 def host_budget() -> int | None:

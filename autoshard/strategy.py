@@ -87,7 +87,8 @@ def deciding(shape: AttentionShape, world: int, topology: HardwareProfile, confi
     def decide(length: int):
         return choose_strategy(attention_costs(dataclasses.replace(shape, seq=length), world, topology,
                                                hybrid_possible=hybrid_possible, memory_budget=config.memory_budget,
-                                               head_chunks=config.head_chunks))
+                                               head_chunks=config.head_chunks),
+                               lean=config.head_chunks > 1)
     return decide
 
 

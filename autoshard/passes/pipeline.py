@@ -35,6 +35,8 @@ The passes (:data:`PASSES`), in one ordered list, each with a name:
 ``families``       linked dims joined into sequence families (:mod:`.infer`)
 ``strategy``       an attention algorithm per attention, a layout per family (:mod:`autoshard.strategy`)
 ``rewrite``        the local graph of this rank (:mod:`.rewrite`)
+``heads``          with ``head_chunks``, each attention runs with its q/k/v and output projections a head group at a
+                   time (:mod:`.heads`)
 ``tile``           token-local regions (``tile_tokens``) and MLP blocks (``chunk_mlp``) run in checkpointed tiles
                    of this rank's tokens (:mod:`.tile`)
 ``materialize``    symbolic sizes the passes wrote (a graph compiled for a length class) become nodes that compute
@@ -76,6 +78,7 @@ from ..runtime.warn import warn
 from ..strategy import choose
 from .capture import capture_attention
 from .tile import tile
+from .heads import group_heads
 from .chunking import chunk_losses
 from .decode import decode_graph
 from .deferred import DeferredOutput, defer_outputs
@@ -250,6 +253,10 @@ def _rewrite(state: PipelineState) -> dict[str, int]:
             "collectives": len(report.comms)}
 
 
+def _heads(state: PipelineState) -> dict[str, int]:
+    return group_heads(state.gm, state.config, state.rewriter)
+
+
 def _tile(state: PipelineState) -> dict[str, int]:
     return tile(state.gm, state.config, state.rewriter)
 
@@ -265,9 +272,8 @@ def _materialize(state: PipelineState) -> dict[str, int]:
 
 
 def _outline(state: PipelineState) -> dict[str, int]:
-    outlined = outline_regions(state.gm, state.regions, offload=state.config.offload,
-                               prefetch=state.config.offload_prefetch)
-    return {"outlined": outlined, "offloaded": outlined if state.config.offload else 0}
+    return outline_regions(state.gm, state.regions, offload=state.config.offload,
+                           prefetch=state.config.offload_prefetch, spared=state.config.offload_spared)
 
 
 def _graph_code(state: PipelineState) -> str:
@@ -303,6 +309,7 @@ PASSES: tuple[tuple[str, Callable[[PipelineState], dict[str, int]], Callable[[Pi
     ("families", _families, _families_text),
     ("strategy", _strategy, _decisions_text),
     ("rewrite", _rewrite, _graph_code),
+    ("heads", _heads, _graph_code),
     ("tile", _tile, _graph_code),
     ("materialize", _materialize, _graph_code),
     ("outline", _outline, _graph_code),

@@ -175,13 +175,15 @@ def _outline_one(gm: fx.GraphModule, region: Region, members: list[fx.Node], che
     return call
 
 
-def outline_regions(gm: fx.GraphModule, regions: list[Region], offload: bool = False, prefetch: bool = True) -> int:
+def outline_regions(gm: fx.GraphModule, regions: list[Region], offload: bool = False, prefetch: bool = True,
+                    spared: int = 0) -> int:
     """Cut every region back out of the rewritten graph ``gm`` (nodes tagged ``meta[REGION]``) into a
     ``tag_activation_checkpoint`` call -- :func:`autoshard.runtime.offload.offloaded_checkpoint` with
     ``offload``: the region's inputs wait for backward in host memory (``prefetch``: backward prefetches the next
-    region's while it runs one); returns how many regions were outlined."""
-    checkpoint = offloaded_checkpoint if offload else _CHECKPOINT
-    extra = {"prefetch": prefetch} if offload else {}
+    region's while it runs one); returns how many regions were outlined, offloaded and rebuilt. ``spared`` (with ``offload``): regions
+    whose inputs the host does not keep, from the last one back (:data:`autoshard.config.BackendConfig.
+    offload_spared`): the last keeps its inputs on the device, then every other one is rebuilt from the one
+    before it."""
     members: dict[int, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         index = n.meta.get(REGION)
@@ -201,8 +203,17 @@ def outline_regions(gm: fx.GraphModule, regions: list[Region], offload: bool = F
                 if user not in inside and order[user] < last:
                     raise RuntimeError(f"autoshard: checkpointed region {index} is not contiguous in the rewritten "
                                        f"graph ({user.format_node()} uses {n.name} between its nodes)")
-    for index, nodes in members.items():
-        _outline_one(gm, regions[index], nodes, checkpoint, extra)
+    counts = {"outlined": len(members), "offloaded": 0, "rebuilt": 0}
+    for position, index in enumerate(members):
+        from_end = len(members) - 1 - position
+        if not offload or (spared and from_end == 0):
+            checkpoint, extra = _CHECKPOINT, {}
+        else:
+            rebuilt = from_end % 2 == 1 and from_end < 2 * spared - 1 and position > 0
+            checkpoint, extra = offloaded_checkpoint, {"prefetch": prefetch} | ({"rebuild": True} if rebuilt else {})
+            counts["offloaded"] += 1
+            counts["rebuilt"] += rebuilt
+        _outline_one(gm, regions[index], members[index], checkpoint, extra)
     gm.graph.lint()
     gm.recompile()
-    return len(members)
+    return counts

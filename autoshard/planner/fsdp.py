@@ -91,6 +91,7 @@ def memory_estimate(memories: list[GraphMemory], *, dp_shard: int, optimizer: st
                           outputs=p.outputs, transient=p.transient,
                           total=fixed + activations, formula=formula, peak_at=f"g{g} {phase}: {p.op}",
                           host_offloaded=sum(m.host for m in memories),
+                          host_regions=[b for m in memories for b in m.host_regions],
                           host_prefetched=any(m.prefetched and m.host for m in memories))
 
 

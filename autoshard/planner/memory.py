@@ -88,6 +88,8 @@ class GraphMemory:
     """This rank's tokens (the per-position scale of the activation terms)."""
     host: int = 0
     """Bytes of checkpointed regions' inputs offloaded to host memory (``offload``)."""
+    host_regions: tuple[int, ...] = ()
+    """Of ``host``: what each offloaded region's call added, in forward's order."""
     prefetched: bool = False
     """Whether backward prefetches them a region early (``offload_prefetch``): ``forward`` and ``backward`` then
     hold the prefetched region."""
@@ -224,7 +226,8 @@ def graph_memory(compiled, example_inputs: list, world: int, root_length: int, t
     return GraphMemory(parameters=parameters, gradients={i for i, (_, p) in parameters.items() if p.grad is not None},
                         held=held, held_cache=sum(n for serial, n in cache.items() if serial not in packed),
                         forward=peak(peaks, "forward"), backward=peak(peaks, "backward"),
-                        local=-(-root_length // world), host=host.host, prefetched=offload and prefetch,
+                        local=-(-root_length // world), host=host.host, host_regions=tuple(host.regions),
+                        prefetched=offload and prefetch,
                         with_prefetch=(peak(live.peaks_prefetched, "forward"),
                                        peak(live.peaks_prefetched, "backward")) if offload else None,
                         timer=timer)

@@ -135,6 +135,9 @@ class MemoryEstimate:
     lazy logits hold (``offload``): not in
     ``total`` (the simulation drops them when they are copied out and allocates them again when backward copies
     them back)."""
+    host_regions: list[int] = field(default_factory=list)
+    """Of ``host_offloaded``: what each offloaded region's inputs take, in forward's order (the graphs' in turn):
+    what the memory policy spares the host region by region (``offload_spared``)."""
     host_prefetched: bool = False
     """Whether backward prefetches the offloaded inputs a region early (``offload_prefetch``: the copies run beside
     compute; the prefetched region is in ``total``), or brings each back when backward first uses it."""

@@ -165,6 +165,8 @@ class PlannedOffload:
         self.prefetched = 0
         """Bytes prefetching would hold on the device now and the simulation does not (yet): inputs of the region
         backward reaches next, not restored yet."""
+        self.regions: list[int] = []
+        """Bytes each offloaded region's call added to :attr:`host`, in forward's order (what sparing it saves)."""
 
 
 class _Planned(_Copy):
@@ -194,13 +196,20 @@ class _Planned(_Copy):
 
 class _OffloadedCall:
     """One call of an offloaded checkpoint (a run of its region): the copies of its inputs, and (weakly) the call
-    forward ran before it."""
+    forward ran before it; what a later region needs to rebuild this one's output (its body, its arguments as
+    saved, its outputs weakly, the autocast state it ran under)."""
 
     def __init__(self, previous: _OffloadedCall | None, prefetch: bool):
         self.previous = weakref.ref(previous) if previous is not None and not previous.started else None
         self.prefetch = prefetch
         self.copies: list[_Copy] = []
         self.started = False
+        self.body = None
+        self.arguments: list = []
+        self.outputs: list[weakref.ref | None] = []
+        self.autocast: tuple = ()
+        self.saved_as: dict[int, _Copy] = {}
+        """id of an input tensor -> how it was saved (its copy), while the call runs."""
 
     def first_use(self) -> None:
         """Backward reached this region: with prefetch, start bringing back its inputs, then the previous region's
@@ -214,6 +223,28 @@ class _OffloadedCall:
                 copy.prefetch()
         for copy in previous.copies if previous is not None else ():
             copy.prefetch_next(self.prefetch)
+
+
+class _Rebuilt(_Copy):
+    """A region's input that backward computes again from the region before it (``rebuild``): that region's
+    inputs come back (for this only: their device copies die after it), its body runs without autograd, and the
+    output this region took is the value."""
+
+    def __init__(self, t: torch.Tensor, region: _OffloadedCall, index: int):
+        super().__init__(t)
+        self.region, self.index = region, index
+
+    def prefetch_next(self, prefetch: bool) -> None:
+        """Never ahead: it is computed when backward uses it."""
+
+    def prefetch(self) -> None:
+        if self.restored is not None or self.held() is not None:
+            return
+        region = self.region
+        arguments = [a.restore(keep=False) if isinstance(a, _Copy) else a for a in region.arguments]
+        device, enabled, dtype = region.autocast
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            self.restored = region.body(*arguments)[self.index]
 
 
 class _Saved:
@@ -267,11 +298,16 @@ def _copy_of(t: torch.Tensor) -> _Copy:
     return copy
 
 
-def _hooks(call: _OffloadedCall):
+def _hooks(call: _OffloadedCall, rebuild: bool):
+    source = call.previous() if rebuild and call.previous is not None else None
+
     def pack(t: torch.Tensor):
         if _stays(t):
             return t
-        copy = _copy_of(t)
+        index = next((i for i, out in enumerate(source.outputs) if out is not None and out() is t), None) \
+            if source is not None else None
+        copy = _Rebuilt(t, source, index) if index is not None else _copy_of(t)
+        call.saved_as[id(t)] = copy
         call.copies.append(copy)
         return _Saved(copy, call)
 
@@ -284,15 +320,28 @@ def _hooks(call: _OffloadedCall):
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def offloaded_checkpoint(body, *args, prefetch: bool = True, eagerly: bool = False, **kwargs):
+def offloaded_checkpoint(body, *args, prefetch: bool = True, eagerly: bool = False, rebuild: bool = False,
+                         **kwargs):
     """``tag_activation_checkpoint(body, *args, **kwargs)`` with the region's inputs kept in host memory until
     backward; ``prefetch``: backward's first use of them prefetches the previous region's (see the module
-    docstring); ``eagerly``: run as :func:`checkpoint_eagerly`."""
+    docstring); ``rebuild``: an input that is the previous offloaded region's output is not kept at all --
+    backward computes it again from that region's inputs; ``eagerly``: run as :func:`checkpoint_eagerly`."""
     global _last
     call = _OffloadedCall(_last() if _last is not None else None, prefetch)
     _last = weakref.ref(call)
-    with _hooks(call):
-        return (checkpoint_eagerly if eagerly else _CHECKPOINT)(body, *args, **kwargs)
+    host = _planning.host if _planning is not None else 0
+    with _hooks(call, rebuild):
+        outputs = (checkpoint_eagerly if eagerly else _CHECKPOINT)(body, *args, **kwargs)
+    if _planning is not None:
+        _planning.regions.append(_planning.host - host)
+    call.body = body  # what a later region's rebuild needs: the inputs as saved (never the device tensors)
+    call.arguments = [call.saved_as.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args]
+    call.saved_as = {}
+    call.outputs = [weakref.ref(t) if isinstance(t, torch.Tensor) else None
+                    for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))]
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    call.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+    return outputs
 
 
 def checkpoint_eagerly(body, *args, **kwargs):

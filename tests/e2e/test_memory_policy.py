@@ -44,14 +44,17 @@ def _key(levers) -> tuple:
 
 def _stand_in(costs: dict, asked: list | None = None):
     """An estimator: (bytes, host bytes) by :func:`_key` (head groups not listed: 5 below the same without;
-    prefetching offload: 3 above the same without prefetch); ``asked`` collects the options it was asked for."""
+    prefetching offload: 3 above the same without prefetch; offload's host bytes: what it takes off the device,
+    the same levers' bytes without offload less its own); ``asked`` collects the options it was asked for."""
+    def cost_of(key):
+        unbuffered = (*key[:4], True) if key[4] == AHEAD else key
+        return costs.get(unbuffered, costs.get((*key[:2], 1, *unbuffered[3:]), 0) - 5) + (3 if key[4] == AHEAD else 0)
+
     def estimate(config):
         key = _key(config)
         if asked is not None:
             asked.append(key)
-        unbuffered = (*key[:4], True) if key[4] == AHEAD else key
-        cost = costs.get(unbuffered, costs.get((*key[:2], 1, *unbuffered[3:]), 0) - 5) + (3 if key[4] == AHEAD else 0)
-        return cost, 1000 if key[4] else 0
+        return cost_of(key), cost_of((*key[:4], False)) - cost_of((*key[:4], True)) if key[4] else 0
     return estimate
 
 
@@ -94,10 +97,13 @@ def test_options_a_failure_dominates_are_not_planned():
 
 
 def test_offload_only_within_the_host_budget():
-    config, policy = choose_memory_policy(BackendConfig(), _stand_in(COSTS), budget=45, host_budget=999)
+    config, policy = choose_memory_policy(BackendConfig(), _stand_in(COSTS), budget=45, host_budget=29)
     assert (config.tile_tokens, config.head_chunks, config.recompute, config.offload) == (T, 1, "layers", False)
-    with pytest.raises(MemoryBudgetError, match=r"and 999 B of host memory per rank.*smallest feasible budget is 40 "):
-        choose_memory_policy(BackendConfig(), _stand_in(COSTS), budget=25, host_budget=999)
+    # the options without offload hold at least offload's host bytes (30 B, over 25 B): never planned; the
+    # smallest option planned is named with the host bytes it needs
+    with pytest.raises(MemoryBudgetError, match=r"and 29 B of host memory per rank.*smallest feasible budget is 10 "
+                                                r"bytes .*offload \(no prefetch\) \(30 B in host memory\)"):
+        choose_memory_policy(BackendConfig(), _stand_in(COSTS), budget=25, host_budget=29)
 
 
 def test_host_budget_is_the_ranks_share_of_the_host(monkeypatch):

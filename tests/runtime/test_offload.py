@@ -127,6 +127,41 @@ def test_backward_prefetches_the_next_region(monkeypatch, prefetch):
     assert [ref() for ref in made] == [None] * 3
 
 
+def test_a_rebuilt_input_is_computed_again_from_the_region_before(monkeypatch):
+    """Four regions in a chain, every input moved, the third with ``rebuild``: its input (the second region's
+    output) gets no host copy; backward computes it again from the second region's input -- one more run of the
+    second region's body, no grad -- and that input's device copy does not outlive the rebuild. Gradients exact."""
+    monkeypatch.setattr(offload, "_HOST_DEVICE", "none: every tensor moves")
+    copies, runs = [], []
+
+    class Counted(offload.HostCopy):
+        def __init__(self, t):
+            copies.append(t.shape)
+            super().__init__(t)
+
+    monkeypatch.setattr(offload, "HostCopy", Counted)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x0 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    bodies = [_tanh_matmul() for _ in range(4)]
+    for i, body in enumerate(bodies):  # a direct call of a body: the rebuild's
+        body.register_forward_pre_hook(lambda module, args, i=i: runs.append((i, torch.is_grad_enabled())))
+
+    def step(run):
+        h = x0 * 2
+        for i, body in enumerate(bodies):
+            h = run(body, h, w, rebuild=i == 2)[0]
+        return torch.autograd.grad(h.sum(), (x0, w))
+
+    want = step(lambda f, *args, rebuild: f(*args))
+    runs.clear()
+    got = step(functools.partial(offloaded_checkpoint, prefetch=False))
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    assert len(copies) == 3, copies  # the inputs of regions 0, 1 and 3; region 2's is rebuilt
+    assert runs == [(1, False)], runs  # the checkpoints run their bodies through an interpreter: no hook
+    assert all(c is None or c.restored is None for _, c in offload._copied.values())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams and pinned memory")
 def test_offload_on_cuda():
     """A chain of four regions on CUDA, each input 64 MiB: gradients exact with and without prefetch, the host

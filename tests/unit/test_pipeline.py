@@ -81,7 +81,7 @@ def test_every_pass_runs_in_order_counts_and_dumps(tmp_path, monkeypatch):
     assert "autoshard.attention" in files["rewrite"] and "captured_attention" not in files["rewrite"]
     assert files["tile"].startswith("# tile: {'tiled_regions': 0, 'untiled_regions': 0, 'tiles': 0, 'chunked_mlps': 0, "
                                     "'unchunked_mlps': 2, 'mlp_chunks': 0}")
-    assert files["outline"].startswith("# outline: {'outlined': 0, 'offloaded': 0}")
+    assert files["outline"].startswith("# outline: {'outlined': 0, 'offloaded': 0, 'rebuilt': 0}")
 
 
 def test_handwritten_attention_is_captured_and_counted(tmp_path, monkeypatch):
