@@ -12,8 +12,10 @@ lever                   what it removes                             what it cost
                         upcasts, projections, residuals, the MLP)   norms, projections, MLP (not attention)
                         but a region's outputs, a tile at a time
 ``head_chunks``         attention's gathered / head-split copies,    more, smaller collectives (Ulysses: some
-                        accumulators and gradients but one head      key/value heads go to more ranks)
-                        group's
+                        accumulators and gradients but one head      key/value heads go to more ranks); the
+                        group's; with the eager inner compiler the   output projection a sum of partial products
+                        projections run in the same groups: the
+                        queries, outputs and their gradients too
 ``recompute="layers"``  every value a layer saves but its input      one more forward of every layer, its
                                                                     collectives included
 ``offload``             the recomputed layers' inputs (host memory   a copy to the host and back per layer, on
@@ -22,6 +24,9 @@ lever                   what it removes                             what it cost
                         it runs one (prefetch)
 ``offload_prefetch      that one: each layer's input comes back      the copy back is no longer hidden: compute
 =False``                when backward uses it                       waits for it
+``offload_spared``      host memory: the last region's inputs stay   one more forward of each rebuilt region (no
+                        on the device, every other region before it  autograd); the last region's inputs cost the
+                        is rebuilt from the one before it            device nothing at its peak
 ======================  ==========================================  ==========================================
 
 (The chunked LM head + loss, ``chunk_loss``, is on by default: it costs one head matmul and removes the
@@ -41,7 +46,13 @@ stronger) -- when it exceeds it by more than :data:`DOMINANCE_MARGIN`: in a mode
 the lever can add a little (a tile's concatenated outputs). The policy plans the strongest option first -- nothing
 fits when its peak clearly does not -- then the options just below it (one lever a step weaker); then, while
 options before the first one known to fit are neither planned nor ruled out, it plans the one of them that
-dominates the most others (its failure rules out the most). The first option of the ladder that fits is chosen. What it
+dominates the most others (its failure rules out the most). An option without offload is also ruled out when the
+same levers with offload keep more in host memory than the budget clearly allows: without offload those bytes
+(every layer's input) are on the device at the end of forward. The first option of the ladder that fits is chosen.
+
+The host budget is met region by region: an offload option whose plan keeps more in host memory than
+``host_budget`` (and whose device peak fits) is planned again sparing the host the fewest regions that bring it
+within (``offload_spared``, from the plan's bytes per region), and weighed with that plan. What it
 planned, ruled out and chose is kept (:class:`MemoryPolicy`) and shown in the plan.
 
 When nothing fits, an explicit budget is an error naming the smallest feasible budget (the smallest
@@ -69,7 +80,8 @@ from .runtime.groups import SequenceGroups
 from .runtime.warn import warn
 
 __all__ = ["MemoryOption", "MemoryPolicy", "MemoryBudgetError", "CHUNK_TOKENS", "MAX_CHUNKS", "DOMINANCE_MARGIN",
-           "HEAD_CHUNKS", "chunk_tokens", "spared_regions", "choose_memory_policy", "memory_policy_for", "device_budget", "host_budget",
+           "HEAD_CHUNKS", "chunk_tokens", "spared_regions", "choose_memory_policy", "memory_policy_for",
+           "device_budget", "host_budget",
            "format_bytes"]
 
 def format_bytes(nbytes: float) -> str:
@@ -134,6 +146,8 @@ class MemoryOption:
     """Planned per-rank host bytes (the offloaded layer inputs)."""
     offload_spared: int = 0
     """With offload: regions whose inputs the host does not keep (set when the host budget is short)."""
+    stopped: bool = False
+    """Whether its plan stopped once it clearly exceeded the budget (``estimate`` is then a lower bound)."""
 
     def describe(self) -> str:
         levers = ([f"chunk_mlp={self.chunk_mlp}"] if self.chunk_mlp else []) + \
@@ -149,8 +163,8 @@ class MemoryOption:
         """``<levers>: <estimate>[ + <host> in host memory]``, or ``<levers>: ruled out``."""
         if self.estimate is None:
             return f"{self.describe()}: ruled out"
-        host = f" + {format_bytes(self.host)} in host memory" if self.offload else ""
-        return f"{self.describe()}: {format_bytes(self.estimate)}{host}"
+        host = f" + {format_bytes(self.host)} in host memory" if self.offload and not self.stopped else ""
+        return f"{self.describe()}: {'over ' if self.stopped else ''}{format_bytes(self.estimate)}{host}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,7 +289,8 @@ def choose_memory_policy(config: BackendConfig, estimate: Callable[[BackendConfi
     policy = MemoryPolicy(budget=budget, options=options, chosen=None if chosen is None else options[chosen],
                           host_budget=host_budget)
     if chosen is not None:
-        return dataclasses.replace(config, **ladder[chosen], **extra[chosen]), policy
+        return dataclasses.replace(config, **ladder[chosen], **{k: v for k, v in extra[chosen].items()
+                                                                  if k != "stopped"}), policy
     feasible = [options[i] for i in planned if within_host(i)] or [options[i] for i in planned]
     smallest = min(feasible, key=lambda o: o.estimate)
     smallest_config = dataclasses.replace(config, **{k: getattr(smallest, k) for k in (*_LEVERS, "offload_spared")})
@@ -305,13 +320,19 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, plan_graphs: 
     The planner is passed in, not imported: it plans a graph with a budget through this function."""
     plans: dict[tuple, Any] = {}  # the levers -> the plan: the options differ in these only
 
-    def planned(option: BackendConfig):  # one plan for offload with and without prefetch: it has both peaks
+    clearly = int(budget * (1 + DOMINANCE_MARGIN))
+    # past this many live bytes above the inputs an option's activations alone clearly exceed the budget (the
+    # simulation holds the gradients whole, at most the parameters' bytes): its plan may stop there
+    cap = clearly + sum(x.untyped_storage().nbytes() for x in example_inputs if isinstance(x, torch.nn.Parameter))
+
+    def planned(option: BackendConfig, capped: bool = True):  # one plan for offload with and without prefetch
         key = (option.chunk_mlp, option.tile_tokens, option.head_chunks, option.recompute, option.offload,
                option.offload_spared)
-        if key not in plans:
+        if key not in plans:  # the first option planned (the strongest) runs to its end: it names what is left
             plans[key] = plan_graphs([(copy.deepcopy(gm), list(example_inputs))], world_size=world_size,
                                      config=dataclasses.replace(option, memory_budget=None, offload_prefetch=False),
-                                     dp_shard=dp_shard, optimizer=optimizer)
+                                     dp_shard=dp_shard, optimizer=optimizer,
+                                     memory_cap=cap if plans and capped else None)
         return plans[key]
 
     compiled = compile_graph(copy.deepcopy(gm), config=dataclasses.replace(config, memory_budget=None),
@@ -328,9 +349,12 @@ def memory_policy_for(gm: fx.GraphModule, example_inputs: list, *, plan_graphs: 
             count = spared_regions(memory.host_regions, memory.host_offloaded - host_budget)
             if count:
                 spared = {"offload_spared": count}
-                memory = planned(dataclasses.replace(option, **spared)).memory_per_rank
+                memory = planned(dataclasses.replace(option, **spared), capped=False).memory_per_rank
         prefetch = option.offload and option.offload_prefetch
-        return memory.total_prefetched if prefetch else memory.total, memory.host_offloaded, spared
+        peak = memory.total_prefetched if prefetch else memory.total
+        if memory.stopped:
+            return max(peak, clearly + 1), memory.host_offloaded, {**spared, "stopped": True}
+        return peak, memory.host_offloaded, spared
 
     def held(option: BackendConfig) -> str:  # what the smallest option still holds: what a further lever must remove
         return f"The smallest option's memory per rank {planned(option).memory_per_rank.describe()}"

@@ -121,8 +121,10 @@ def describe_record(index: int, record: GraphRecord) -> list[str]:
     levers = {"chunked LM head + loss": counts.get("chunking", {}).get("chunked_losses", 0),
               "chunked MLP blocks": counts.get("tile", {}).get("chunked_mlps", 0),
               "tiled token-local regions": counts.get("tile", {}).get("tiled_regions", 0),
+              "attentions with their projections in head groups": counts.get("heads", {}).get("grouped_attentions", 0),
               "recomputed regions": len(report.recomputed),
-              "offloaded regions": counts.get("outline", {}).get("offloaded", 0)}
+              "offloaded regions": counts.get("outline", {}).get("offloaded", 0),
+              "of them rebuilt in backward": counts.get("outline", {}).get("rebuilt", 0)}
     if any(levers.values()):
         lines.append("  memory: " + ", ".join(f"{n} {k}" for k, n in levers.items() if n))
     if report.memory_policy is not None:

@@ -3,7 +3,7 @@
     python -m autoshard plan examples/plan_llama_8b.py:factory --world-size 64 --seq-len 1048576
     python -m autoshard plan examples/plan_llama_8b.py:factory --world-size 64 --seq-len 1048576 \\
         --memory-budget 80 --dp-shard 64 --optimizer adamw
-    python -m autoshard plan examples/plan_llama_8b.py:train --world-size 8 --seq-len 6291456 \\
+    python -m autoshard plan examples/plan_llama_8b.py:train --world-size 8 --seq-len 8388608 \\
         --memory-budget 80 --host-budget 240 --dp-shard 8 --optimizer adamw --no-grad-sync
     python -m autoshard plan examples/plan_llama_8b.py:prompt --world-size 8 --seq-len 1048576 --decode
     python -m autoshard plan examples/plan_llama_8b.py:packed --world-size 8 --seq-len 131072 --hardware h100

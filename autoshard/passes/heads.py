@@ -86,8 +86,10 @@ def _dim(dim: int, ndim: int) -> int:
 class _Heads:
     """The head dim of every value of one region, and the rewritten arguments of its nodes."""
 
-    def __init__(self, shape: dict[fx.Node, tuple], groups: int):
-        self.shape, self.groups = shape, groups
+    def __init__(self, shape: dict[fx.Node, tuple]):
+        self.shape = shape
+        self.groups = 1
+        """The groups the sizes are divided into (set once the heads' count is read)."""
         self.hd: dict[fx.Node, int] = {}
         self.args: dict[fx.Node, tuple[tuple, dict]] = {}
 
@@ -255,9 +257,10 @@ def _norm(heads: _Heads, node: fx.Node, op) -> int:
 
 
 _RULES = {"linear": _linear, "view": _view, "permute": _permute, "getitem": _getitem, "tuple_get": _getitem,
-          "expand": _expand,
-          "pointwise": _same, "to": _same, "identity": _same, "cat": _cat, "reduce": _reduce,
+          "expand": _expand, "pointwise": _same, "to": _same, "identity": _same, "cat": _cat, "reduce": _reduce,
           "rms_norm": _norm, "layer_norm": _norm}
+"""Canonical op -> its head rule (the module docstring's table; ``tuple_get``: an index into a value the rank graph
+carries no example of)."""
 
 
 # ----------------------------------------------------------------------------- finding a region
@@ -276,11 +279,11 @@ def _pre(attention: fx.Node) -> list[fx.Node]:
             linears.add(node)
         elif node.op not in ("placeholder", "get_attr"):
             stack.extend(node.all_input_nodes)
-    members = []
+    members: dict[fx.Node, None] = {}
     for node in attention.graph.nodes:  # graph order: a member's inputs come first
         if node in linears or (node in ancestors and any(a in members for a in node.all_input_nodes)):
-            members.append(node)
-    return members
+            members[node] = None
+    return list(members)
 
 
 def _post(attention: fx.Node, heads: _Heads) -> tuple[fx.Node, list[fx.Node], fx.Node]:
@@ -320,6 +323,8 @@ def _outside_users(members: list[fx.Node], allowed: set[fx.Node]) -> fx.Node | N
 
 
 def _group_count(attention: fx.Node, heads: _Heads, requested: int, world: int) -> int:
+    """The most groups, at most ``requested``, that divide the key/value heads evenly and leave a strategy that
+    splits heads over ranks a query head per rank in each."""
     q, k = attention.args[0], attention.args[1]
     h, hkv = heads.global_shape(q)[1], heads.global_shape(k)[1]
     strategy = STRATEGIES[attention.args[_CONFIG_AT]]
@@ -356,7 +361,7 @@ def _group_one(gm: fx.GraphModule, attention: fx.Node, shape: dict, config, worl
     args = attention.args
     if any(t is not None for t in args[_TERMS]) or OpConfig(*args[_CONFIG_AT:]).dropout_p:
         raise _Ungrouped("per-head score terms or dropout")
-    heads = _Heads(shape, 1)
+    heads = _Heads(shape)
     heads.groups = _group_count(attention, heads, config.head_chunks, world)
     pre = _pre(attention)
     for node in pre:

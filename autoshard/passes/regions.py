@@ -176,14 +176,14 @@ def _outline_one(gm: fx.GraphModule, region: Region, members: list[fx.Node], che
 
 
 def outline_regions(gm: fx.GraphModule, regions: list[Region], offload: bool = False, prefetch: bool = True,
-                    spared: int = 0) -> int:
+                    spared: int = 0) -> dict[str, int]:
     """Cut every region back out of the rewritten graph ``gm`` (nodes tagged ``meta[REGION]``) into a
     ``tag_activation_checkpoint`` call -- :func:`autoshard.runtime.offload.offloaded_checkpoint` with
     ``offload``: the region's inputs wait for backward in host memory (``prefetch``: backward prefetches the next
-    region's while it runs one); returns how many regions were outlined, offloaded and rebuilt. ``spared`` (with ``offload``): regions
-    whose inputs the host does not keep, from the last one back (:data:`autoshard.config.BackendConfig.
-    offload_spared`): the last keeps its inputs on the device, then every other one is rebuilt from the one
-    before it."""
+    region's while it runs one); returns how many regions were outlined, offloaded and rebuilt. ``spared`` (with
+    ``offload``): regions whose inputs the host does not keep, from the last one back
+    (``BackendConfig.offload_spared``): the last keeps its inputs on the device, then every other one is rebuilt
+    from the one before it."""
     members: dict[int, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         index = n.meta.get(REGION)

@@ -92,6 +92,7 @@ def memory_estimate(memories: list[GraphMemory], *, dp_shard: int, optimizer: st
                           total=fixed + activations, formula=formula, peak_at=f"g{g} {phase}: {p.op}",
                           host_offloaded=sum(m.host for m in memories),
                           host_regions=[b for m in memories for b in m.host_regions],
+                          stopped=any(m.stopped for m in memories),
                           host_prefetched=any(m.prefetched and m.host for m in memories))
 
 

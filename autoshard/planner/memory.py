@@ -90,6 +90,9 @@ class GraphMemory:
     """Bytes of checkpointed regions' inputs offloaded to host memory (``offload``)."""
     host_regions: tuple[int, ...] = ()
     """Of ``host``: what each offloaded region's call added, in forward's order."""
+    stopped: bool = False
+    """Whether the simulation stopped early, its live bytes past the cap it was given: the peaks are those reached
+    by then (the memory policy's lower bound of an option that does not fit)."""
     prefetched: bool = False
     """Whether backward prefetches them a region early (``offload_prefetch``): ``forward`` and ``backward`` then
     hold the prefetched region."""
@@ -110,6 +113,8 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self, offload: PlannedOffload | None = None):
         super().__init__()
         self.offload = offload
+        self.cap: int | None = None
+        """Live bytes past which the simulation stops (:class:`_PastCap`), or None."""
         self.live: dict[int, tuple[int, int]] = {}  # storage address -> (serial, bytes)
         self.refs: dict[int, weakref.ref] = {}
         self.serial = 0
@@ -151,7 +156,13 @@ class LiveBytes(TorchDispatchMode):
             if self.total + held > peaks.get(self.phase, (-1,))[0]:
                 snapshot = snapshot or dict(self.live.values())
                 peaks[self.phase] = (self.total + held, snapshot, held, str(func))
+        if self.cap is not None and self.total + extra > self.cap:
+            raise _PastCap()
         return out
+
+
+class _PastCap(Exception):
+    """The simulation's live bytes passed its cap."""
 
 
 def _fake_leaf(mode: FakeTensorMode, x: torch.Tensor) -> torch.Tensor:
@@ -162,10 +173,11 @@ def _fake_leaf(mode: FakeTensorMode, x: torch.Tensor) -> torch.Tensor:
 
 
 def graph_memory(compiled, example_inputs: list, world: int, root_length: int, topology: HardwareProfile,
-            offload: bool = False, prefetch: bool = False) -> GraphMemory:
+            offload: bool = False, prefetch: bool = False, cap: int | None = None) -> GraphMemory:
     """Run the per-rank graph forward and backward on fake tensors (from its losses, or the caller's gradient of
     every differentiable output: ones; see the module docstring) and follow its live bytes and the time of its ops
-    on ``topology`` (:class:`~autoshard.step_time.OpTimer`)."""
+    on ``topology`` (:class:`~autoshard.step_time.OpTimer`). ``cap``: stop once the live bytes above the inputs
+    pass it (:attr:`GraphMemory.stopped`)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = [_fake_leaf(mode, x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     placeholders = [n.name for n in compiled.graph_module.graph.nodes if n.op == "placeholder"]
@@ -185,28 +197,34 @@ def graph_memory(compiled, example_inputs: list, world: int, root_length: int, t
             if isinstance(x, torch.Tensor):
                 live.track(x)
         inputs_serials, base = {serial for serial, _ in live.live.values()}, live.total
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            results = run_timed(compiled.graph_module, inputs, timer)
-            outputs = [t for t in tree_leaves(results) if isinstance(t, torch.Tensor)]
-        # lazy logits (the head's input in their place): nobody reads them, so no gradient comes through them;
-        # with offload the head's input waits in host memory (the device's copy dies with the output)
-        unread = {id(results[i]) for i in compiled.lazy_outputs or ()}
-        if offload and compiled.lazy_outputs:
-            results = list(results)
-            for i in compiled.lazy_outputs:
-                host.host += results[i].numel() * results[i].element_size()
-                results[i] = None
-            outputs = [t for t in tree_leaves(results) if isinstance(t, torch.Tensor)]
-        output_serials = {live.serial_of(t) for t in outputs}
-        cache = {live.serial_of(results[i]): results[i].untyped_storage().nbytes()  # a returned KV cache's storages
-                 for i in compiled.cache_outputs or ()}
-        held = live.total - base
-        live.phase = timer.phase = "backward"
-        differentiable = [t for t in outputs if t.requires_grad and id(t) not in unread]
-        losses = [t for t in differentiable if t.dim() == 0]
-        differentiable = losses or differentiable
-        if differentiable:
-            torch.autograd.backward(differentiable, [torch.ones_like(t) for t in differentiable])
+        live.cap = None if cap is None else base + cap
+        stopped, unread, output_serials, cache, held = False, set(), set(), {}, 0
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                results = run_timed(compiled.graph_module, inputs, timer)
+                outputs = [t for t in tree_leaves(results) if isinstance(t, torch.Tensor)]
+            # lazy logits (the head's input in their place): nobody reads them, so no gradient comes through them;
+            # with offload the head's input waits in host memory (the device's copy dies with the output)
+            unread = {id(results[i]) for i in compiled.lazy_outputs or ()}
+            if offload and compiled.lazy_outputs:
+                results = list(results)
+                for i in compiled.lazy_outputs:
+                    host.host += results[i].numel() * results[i].element_size()
+                    results[i] = None
+                outputs = [t for t in tree_leaves(results) if isinstance(t, torch.Tensor)]
+            output_serials = {live.serial_of(t) for t in outputs}
+            cache = {live.serial_of(results[i]): results[i].untyped_storage().nbytes()  # a returned KV cache's
+                     for i in compiled.cache_outputs or ()}
+            held = live.total - base
+            live.phase = timer.phase = "backward"
+            differentiable = [t for t in outputs if t.requires_grad and id(t) not in unread]
+            losses = [t for t in differentiable if t.dim() == 0]
+            differentiable = losses or differentiable
+            if differentiable:
+                torch.autograd.backward(differentiable, [torch.ones_like(t) for t in differentiable])
+        except _PastCap:  # the option does not fit: the peaks so far say by how much at least
+            stopped = True
+        live.cap = None
         grads = {live.serial_of(p.grad) for _, p in parameters.values() if p.grad is not None}
 
     def peak(peaks: dict, phase: str) -> Peak:
@@ -227,6 +245,7 @@ def graph_memory(compiled, example_inputs: list, world: int, root_length: int, t
                         held=held, held_cache=sum(n for serial, n in cache.items() if serial not in packed),
                         forward=peak(peaks, "forward"), backward=peak(peaks, "backward"),
                         local=-(-root_length // world), host=host.host, host_regions=tuple(host.regions),
+                        stopped=stopped,
                         prefetched=offload and prefetch,
                         with_prefetch=(peak(live.peaks_prefetched, "forward"),
                                        peak(live.peaks_prefetched, "backward")) if offload else None,

@@ -124,12 +124,14 @@ def plan_graph(gm: fx.GraphModule, example_inputs: list, *, world_size: int, con
 
 
 def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, rank: int = 0, dp_shard: int = 1,
-                optimizer: str | None = None) -> Plan:
+                optimizer: str | None = None, memory_cap: int | None = None) -> Plan:
     """The plan of already-captured dynamo graphs (what ``backend(..., dry_run=True)`` prints): (graph, example
     inputs) or, from :func:`~autoshard.planner.capture.capture`, one entry per call (graph, its inputs, the earlier
     call output each input is). With ``outputs="split"`` a graph takes the values an earlier graph leaves split
     still split, as the run does. A graph called again is planned once and counted at every call (its collectives,
-    its memory). ``dp_shard`` and ``optimizer``: as in :func:`plan`."""
+    its memory). ``dp_shard`` and ``optimizer``: as in :func:`plan`. ``memory_cap``: each graph's simulation stops
+    once its live bytes above its inputs pass it (the memory policy's options after the first: one that does not fit
+    need not run to its end; :attr:`~.result.MemoryEstimate.stopped`)."""
     check_planning_options(dp_shard, optimizer)
 
     topology = config.topology or HardwareProfile()
@@ -143,7 +145,7 @@ def plan_graphs(graphs: list[tuple], *, world_size: int, config: BackendConfig, 
         planned = calls.planned.get((id(gm), kinds))
         if planned is None:
             planned = _plan_call(result, calls, call, gm, example_inputs, sources, config=config, topology=topology,
-                                 dp_shard=dp_shard, optimizer=optimizer)
+                                 dp_shard=dp_shard, optimizer=optimizer, memory_cap=memory_cap)
             calls.planned[(id(gm), kinds)] = planned
         else:  # the same graph run again with inputs of the same kinds: counted again
             calls.leave(call, planned.compiled.carried_outputs, planned.deferred)
@@ -202,7 +204,8 @@ def _check_inputs(result: Plan, calls: _Calls, call: int, example_inputs: list, 
 
 
 def _plan_call(result: Plan, calls: _Calls, call: int, gm: fx.GraphModule, example_inputs: list, sources: list, *,
-               config: BackendConfig, topology: HardwareProfile, dp_shard: int, optimizer: str | None) -> _Planned:
+               config: BackendConfig, topology: HardwareProfile, dp_shard: int, optimizer: str | None,
+               memory_cap: int | None = None) -> _Planned:
     """Plan a graph call not planned before (a new graph, or inputs of other kinds): steps 3 to 6 of the module
     docstring, recorded in ``result``."""
     world_size, rank = result.world_size, result.rank
@@ -234,8 +237,9 @@ def _plan_call(result: Plan, calls: _Calls, call: int, gm: fx.GraphModule, examp
     memory = _SIMULATED.get(simulated)
     if memory is None:
         memory = graph_memory(compiled, example_inputs, world_size, root, topology, offload=graph_config.offload,
-                              prefetch=False)
-        _SIMULATED[simulated] = memory
+                              prefetch=False, cap=memory_cap)
+        if not memory.stopped:
+            _SIMULATED[simulated] = memory
         while len(_SIMULATED) > _SIMULATIONS_KEPT:
             _SIMULATED.pop(next(iter(_SIMULATED)))
     if graph_config.offload and graph_config.offload_prefetch:
@@ -279,6 +283,10 @@ def _record(result: Plan, gm: fx.GraphModule, report, prefix: str) -> None:
         result.tiles[key] = result.tiles.get(key, 0) + tiled.get(count, 0)
     for key in ("chunked", "unchunked"):
         result.mlps[key] = result.mlps.get(key, 0) + tiled.get(f"{key}_mlps", 0)
+    heads = report.passes["heads"].counts if "heads" in report.passes else {}
+    for key, count in (("grouped", "grouped_attentions"), ("groups", "head_groups"),
+                       ("ungrouped", "ungrouped_attentions")):
+        result.head_groups[key] = result.head_groups.get(key, 0) + heads.get(count, 0)
 
 
 def _finish(result: Plan, calls: _Calls, topology: HardwareProfile, *, dp_shard: int, optimizer: str | None) -> None:

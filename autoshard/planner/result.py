@@ -138,6 +138,9 @@ class MemoryEstimate:
     host_regions: list[int] = field(default_factory=list)
     """Of ``host_offloaded``: what each offloaded region's inputs take, in forward's order (the graphs' in turn):
     what the memory policy spares the host region by region (``offload_spared``)."""
+    stopped: bool = False
+    """Whether the simulation stopped early, past the cap the memory policy gave it: ``total`` is then a lower
+    bound (of an option that does not fit)."""
     host_prefetched: bool = False
     """Whether backward prefetches the offloaded inputs a region early (``offload_prefetch``: the copies run beside
     compute; the prefetched region is in ``total``), or brings each back when backward first uses it."""
@@ -185,6 +188,10 @@ class Plan:
     ``unchunked``."""
     tiles: dict[str, int] = field(default_factory=dict)
     """Token-local regions (``tile_tokens``): ``regions`` tiled, ``tiles`` the checkpointed calls they make."""
+    head_groups: dict[str, int] = field(default_factory=dict)
+    """Attentions run with their projections a head group at a time (``head_chunks``, :mod:`autoshard.passes.heads`):
+    ``grouped``, ``groups`` (their calls' groups, summed) and ``ungrouped`` (their heads in groups inside the op
+    only)."""
     memory_policy: list[str] = field(default_factory=list)
     """With ``memory_budget``: per graph, what the memory policy weighed and chose (:mod:`autoshard.policy`)."""
     documents: dict = field(default_factory=dict)
@@ -266,6 +273,12 @@ class Plan:
             lines.append(f"  token-local regions: {self.tiles['regions']} tiled over the rank's tokens (tile_tokens: "
                          f"{self.tiles['tiles']} tiles), each tile recomputed in backward: norms, projections, "
                          f"residuals and MLPs never whole but their outputs")
+        if self.head_groups.get("grouped"):
+            g = self.head_groups
+            lines.append(f"  head groups: {g['grouped']} attention(s) run with their q/k/v and output projections "
+                         f"{g['groups'] // g['grouped']} head groups at a time (head_chunks): queries, outputs and "
+                         f"their gradients never whole"
+                         + (f"; {g['ungrouped']} with groups inside the op only" if g.get("ungrouped") else ""))
         if self.documents:
             d = self.documents
             lines.append(f"  packed documents ({d['documents']}, from position_ids): attention work per rank (visible "

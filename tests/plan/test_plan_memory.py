@@ -10,7 +10,9 @@ and the chunked loss; with a vocabulary of 1024 at S=4096, checkpointed layers a
 layer recomputed in backward -- and the same, hidden 512, tiled, with Ulysses attention whole or in 2 head groups:
 the peak is then the attention's backward (whole; in 2 groups a collective's at this length), whose head-split
 copies the plan counts (``Strategy.working_set``; at S=8192 both peaks are the attention's: 256.3 / 240.3 MiB
-predicted, 265.5 / 249.4 measured). In the slow tier also a mixture-of-experts model (Qwen3-MoE: 135.2 MiB predicted,
+predicted, 265.5 / 249.4 measured); hidden 512 at S=8192 with the all-gather, 2 head groups with their projections,
+recomputed layers and tiles, at 2 and 4 ranks: 218.2 / 180.1 MiB predicted, 233.7 / 188.5 measured. In the slow tier
+also a mixture-of-experts model (Qwen3-MoE: 135.2 MiB predicted,
 134.9 measured) and a hybrid of Gated DeltaNet and attention layers with experts (Qwen3-Next: 192.6 / 191.5 MiB).
 """
 
@@ -41,7 +43,13 @@ CASES = {"checkpointed layers": ("llama", 1024, 256, 4096, True, {}),
          "checkpointed": ("llama", 32000, 128, 2048, True, {"chunk_loss": None}),
          "experts": ("qwen3_moe", 1024, 256, 2048, False, {}),
          "linear attention and experts": ("qwen3_next", 1024, 256, 2048, False, {}),
-         "chunked": ("llama", 32000, 128, 2048, False, {})}
+         "chunked": ("llama", 32000, 128, 2048, False, {}),
+         "projections in head groups": ("llama", 1024, 512, 8192, False,
+                                        {"strategy": "allgather", "tile_tokens": 512, "head_chunks": 2,
+                                         "recompute": "layers"}),
+         "projections in head groups at 4": ("llama", 1024, 512, 8192, False,
+                                             {"strategy": "allgather", "tile_tokens": 512, "head_chunks": 2,
+                                              "recompute": "layers", "world": 4})}
 """Name -> (model, vocabulary, hidden size, S, gradient checkpointing, backend options), measured in this order in the
 same two processes. The models: transformers' Llama, Qwen3-MoE (8 experts, 2 per token, each rank dispatching its
 own tokens) and Qwen3-Next (three Gated DeltaNet layers split by state passing, one attention layer, the same
@@ -50,7 +58,7 @@ alone -- the resident set did not rise by what the step allocated; most likely t
 the earlier cases had freed (not verified further) -- while the large cases, here and in ``benchmarks/plan.py``,
 read the same in any order."""
 SLOW = ("checkpointed layers", "ulysses", "ulysses head groups", "whole loss", "checkpointed", "experts",
-        "linear attention and experts")
+        "linear attention and experts", "projections in head groups", "projections in head groups at 4")
 """Cases measured in a launch of their own and marked slow (the default suite measures one: the chunked loss; the
 plan of checkpointed layers is checked without a run below)."""
 
@@ -94,6 +102,7 @@ def _measured(names: list[str]) -> dict[str, int]:
     out = {}
     for name in names:
         kind, vocab, hidden, seq, checkpointed, options = CASES[name]
+        options = {k: v for k, v in options.items() if k != "world"}
         torch._dynamo.reset()
         model = _model(kind, vocab, hidden, seq, checkpointed)
         ids = torch.randint(0, vocab, (1, seq))
@@ -106,27 +115,32 @@ def _measured(names: list[str]) -> dict[str, int]:
     return out
 
 
+def _world(name: str) -> int:
+    return CASES[name][5].get("world", WORLD)
+
+
 @functools.cache
-def _measured_peaks(slow: bool) -> list[dict[str, int]]:
-    """Every rank's peak bytes by case of one tier (:data:`SLOW` or the others): one launch per tier."""
-    names = [name for name in CASES if (name in SLOW) == slow]
-    return run_on_ranks(_measured, WORLD, names, timeout=600, env=LOW_MMAP_THRESHOLD_ENV)
+def _measured_peaks(slow: bool, world: int) -> list[dict[str, int]]:
+    """Every rank's peak bytes by case of one tier (:data:`SLOW` or the others) on ``world`` ranks: one launch."""
+    names = [name for name in CASES if (name in SLOW) == slow and _world(name) == world]
+    return run_on_ranks(_measured, world, names, timeout=600, env=LOW_MMAP_THRESHOLD_ENV)
 
 
 def _measured_peak(name: str) -> int:
     """The largest rank's peak bytes of a case."""
-    return max(r[name] for r in _measured_peaks(name in SLOW))
+    return max(r[name] for r in _measured_peaks(name in SLOW, _world(name)))
 
 
 @functools.cache
 def _planned(name: str):
     """The plan's memory per rank of a case, the model on the meta device."""
     kind, vocab, hidden, seq, checkpointed, options = CASES[name]
+    options = {k: v for k, v in options.items() if k != "world"}
     torch._dynamo.reset()
     with torch.device("meta"):
         model = _model(kind, vocab, hidden, seq, checkpointed)
         ids = torch.randint(0, vocab, (1, seq))
-    return autoshard.plan(model, (ids, ids), world_size=WORLD, **options).memory_per_rank
+    return autoshard.plan(model, (ids, ids), world_size=_world(name), **options).memory_per_rank
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in CASES])
@@ -172,6 +186,30 @@ def test_prefetching_offload_holds_one_more_layer_input():
     assert 0 < prefetched.total - on_use.total <= seq // WORLD * hidden * 4, (prefetched, on_use)
     assert on_use.total_prefetched == prefetched.total_prefetched == prefetched.total  # one simulation gives both
     assert "prefetched: " in str(plans[True]) and "compute waiting" in str(plans[False])
+
+
+def test_a_short_host_budget_spares_layers_the_host():
+    """Offload with recomputed layers (transformers' Llama, 4 layers, float32, S=4096 on 2 ranks, no prefetch): the
+    plan keeps each layer's input in host memory (its bytes per layer: ``host_regions``). A host budget one layer
+    and a byte short of it makes the policy spare two layers (the last one's input stays on the device, the third's is
+    rebuilt from the second's in backward): the host bytes fall by those two inputs, within the budget, and the
+    device's peak stays where it was (within one layer input)."""
+    vocab, hidden, seq = 1024, 64, 4096
+    with torch.device("meta"):
+        model = _model("llama", vocab, hidden, seq, False)
+        ids = torch.randint(0, vocab, (1, seq))
+    levers = dict(world_size=WORLD, recompute="layers", offload=True, offload_prefetch=False)
+    torch._dynamo.reset()
+    whole = autoshard.plan(model, (ids, ids), **levers).memory_per_rank
+    layer = seq // WORLD * hidden * 4
+    assert whole.host_regions[1:] == [layer] * 3 and whole.host_regions[0] >= layer, whole.host_regions
+    budget = whole.host_offloaded - whole.host_regions[-1] - 1
+    torch._dynamo.reset()
+    plan = autoshard.plan(model, (ids, ids), memory_budget=4 * whole.total, host_budget=budget, **levers)
+    spared = plan.memory_per_rank
+    assert "sparing 2 region(s) the host" in " ".join(plan.memory_policy), plan.memory_policy
+    assert spared.host_offloaded == whole.host_offloaded - 2 * layer <= budget, spared
+    assert abs(spared.total - whole.total) <= layer, (spared, whole)
 
 
 class _Tiny(nn.Module):

@@ -53,6 +53,24 @@ def test_memory_budget_rules_out_gathering_kv():
     assert not allgather.feasible and "budget" in allgather.why_not
 
 
+def test_with_head_groups_a_near_tie_goes_to_the_leaner_strategy():
+    """Llama-8B's causal attention at 8M tokens on 8 ranks in 8 head groups: the fastest (Ulysses) holds a head
+    group's whole-sequence copies per rank (a group needs a query head per rank: 4 groups at most); with head
+    groups on (``lean``) a strategy within 2% of it that holds less is taken (the ring over the zigzag layout or the
+    all-gather: a key/value head per group), and the reason says why; a clear winner stays the winner."""
+    shape = _shape(8 << 20, 32, 8, 128, torch.bfloat16, True)
+    costs = attention_costs(shape, 8, HardwareProfile(), head_chunks=8)
+    fastest, _ = choose_strategy(costs)
+    lean, why = choose_strategy(costs, lean=True)
+    assert fastest.strategy == "ulysses" and lean.strategy in ("zigzag", "allgather"), (fastest, lean)
+    assert lean.memory_bytes < fastest.memory_bytes and lean.total_s <= fastest.total_s * 1.02
+    assert lean.memory_bytes == min(c.memory_bytes for c in costs if c.feasible and c.total_s <= fastest.total_s * 1.02)
+    assert "holds the least for attention" in why, why
+    best, _ = _pick(16, 8, True, HardwareProfile(ranks_per_node=16))
+    assert choose_strategy(attention_costs(_shape(1 << 16, 8, 8, 128, torch.bfloat16, True), 16,
+                                           HardwareProfile(ranks_per_node=16)), lean=True)[0].strategy == best.strategy
+
+
 def test_short_sequences_cannot_zigzag():
     costs = attention_costs(_shape(6, 8, 8, 16, torch.float32, True), 4, HardwareProfile())
     assert not next(c for c in costs if c.strategy == "zigzag").feasible
