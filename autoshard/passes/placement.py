@@ -10,11 +10,13 @@ that of a later graph.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch.fx as fx
 
 from ..runtime.attention.api import OpConfig
 from ..runtime.attention.masks import MaskSpec
+from ..runtime.head_groups import grouped_attention
 from ..runtime.layouts import LAYOUTS
 from ..runtime.placement import PLACEABLE_OPS, Documents
 from .ops import value_of
@@ -24,22 +26,33 @@ __all__ = ["reads_any_layout", "documents_of"]
 
 
 def reads_any_layout(gm: fx.GraphModule) -> bool:
-    """Whether every ``autoshard`` op of a rank graph reads its layout as intervals, whatever they are
-    (:data:`~autoshard.runtime.placement.PLACEABLE_OPS`, attention only by all-gather): the graph may run under a
-    placement."""
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "namespace", None) != "autoshard":
+    """Whether every ``autoshard`` op of a rank graph and of the graphs it calls (checkpointed regions, tiles)
+    reads its layout as intervals, whatever they are (:data:`~autoshard.runtime.placement.PLACEABLE_OPS`, attention
+    only by all-gather, in head groups or not): the graph may run under a placement."""
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
             continue
-        if node.target._opname not in PLACEABLE_OPS:
-            return False
-        if node.target._opname == "attention" and _config(node).strategy != "allgather":
-            return False
+        for node in module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is grouped_attention:  # an attention with its projections: its op's arguments
+                attention_args = inspect.signature(grouped_attention).bind(*node.args).arguments["attention_args"]
+                if _config(attention_args).strategy != "allgather":
+                    return False
+                continue
+            if getattr(node.target, "namespace", None) != "autoshard":
+                continue
+            if node.target._opname not in PLACEABLE_OPS:
+                return False
+            if node.target._opname == "attention" and _config(node.args).strategy != "allgather":
+                return False
     return True
 
 
-def _config(node: fx.Node) -> OpConfig:
-    """The arguments after the tensors of an ``autoshard::attention`` node."""
-    return OpConfig(*node.args[-len(dataclasses.fields(OpConfig)):])
+def _config(args) -> OpConfig:
+    """The arguments after the tensors of an ``autoshard::attention`` call (its arguments, or the attention
+    arguments a head-grouped call holds)."""
+    return OpConfig(*args[-len(dataclasses.fields(OpConfig)):])
 
 
 def documents_of(compiled: CompiledGraph, world_size: int) -> Documents | None:

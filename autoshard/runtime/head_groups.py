@@ -8,16 +8,18 @@ attention and the output projection of one key/value head group run together, so
 group at a time outside the op as inside it. The output projection is then a sum over the groups of partial
 products (what tensor parallelism's row-parallel projection computes).
 
-:func:`grouped_attention` runs the region the pass cut out as two bodies over a group's heads: ``pre`` (the row
-inputs and the projection weights' rows of the group -> the group's ``q, k, v``, rotary embedding and
-normalization included) and ``post`` (the group's attention output and the output projection's columns of the
-group -> its partial product). Its autograd (:class:`_GroupedAttention`) saves what one pass over the heads
-cannot recompute cheaply -- the attention's output and log-sum-exp, one ``[tokens, heads x head_dim]`` value in
-all -- and the region's inputs (the layer's normalized hidden state, which every group reads: one value); backward
-runs group by group: it recomputes the group's projections (a matmul each), the output projection's backward
-gives the group's ``dout``, the attention's backward op gives ``dq, dk, dv``, and the projections' backward
-adds the group's share to the input's gradient and writes the weights' gradient rows. So the attention runs
-forward once and backward once (none recomputed), and in backward q, k, v, dout, dq, dk, dv exist for one group.
+:func:`grouped_attention` runs the region the pass cut out, a group at a time: the projections themselves
+(``linear`` of the row input and the group's rows of each weight and bias), then two bodies over a group's heads:
+``pre`` (the projections' outputs -> the group's ``q, k, v``: rotary embedding, per-head norms) and ``post`` (the
+group's attention output and the output projection's columns of the group -> its partial product). Its autograd
+(:class:`_GroupedAttention`) saves what one pass over the heads cannot recompute cheaply -- the attention's output
+and log-sum-exp, one ``[tokens, heads x head_dim]`` value in all -- and the region's inputs (the layer's normalized
+hidden state, which every group reads: one value); backward runs group by group: it recomputes the group's
+projections (a matmul each), the output projection's backward gives the group's ``dout``, the attention's backward
+op gives ``dq, dk, dv``, ``pre``'s backward the projections' output gradients, and those go into the input's
+gradient with one ``addmm_`` per projection (no ``[tokens, hidden]`` temporary per group) and into the weights'
+gradient rows. So the attention runs forward once and backward once (none recomputed), and in backward q, k, v,
+dout, dq, dk, dv exist for one group.
 
 Inside a checkpointed layer (``recompute="layers"``) the saved output is what the layer's recomputation saves;
 the first forward saves it through the checkpoint's hooks (that is, not at all). The call is a Python function of

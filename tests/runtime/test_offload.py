@@ -30,22 +30,32 @@ def _tanh_matmul() -> torch.fx.GraphModule:
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
-def test_host_copies(monkeypatch):
-    """The hooks of an offloaded checkpoint, with every non-parameter moved (as on an accelerator): the region's
-    input is copied once even when two regions take it, a view of a parameter (a gradient-sync wrapper's) is not
-    copied, gradients are exact."""
+def _counted_host_copies(monkeypatch) -> list:
+    """Every non-parameter moved (as on an accelerator); the shapes of the host copies made, in order."""
     monkeypatch.setattr(offload, "_HOST_DEVICE", "none: every tensor moves")
-    copies, original = [], offload.HostCopy
+    copies = []
 
-    class Counted(original):
+    class Counted(offload.HostCopy):
         def __init__(self, t):
             copies.append(t.shape)
             super().__init__(t)
 
     monkeypatch.setattr(offload, "HostCopy", Counted)
+    return copies
 
-    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
-    x0 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+def _leaves():
+    """A weight and an input, float64, requiring grad."""
+    return (torch.randn(4, 4, dtype=torch.float64, requires_grad=True),
+            torch.randn(3, 4, dtype=torch.float64, requires_grad=True))
+
+
+def test_host_copies(monkeypatch):
+    """The hooks of an offloaded checkpoint, with every non-parameter moved (as on an accelerator): the region's
+    input is copied once even when two regions take it, a view of a parameter (a gradient-sync wrapper's) is not
+    copied, gradients are exact."""
+    copies = _counted_host_copies(monkeypatch)
+    w, x0 = _leaves()
     body = _tanh_matmul()
 
     def step(run):
@@ -131,17 +141,8 @@ def test_a_rebuilt_input_is_computed_again_from_the_region_before(monkeypatch):
     """Four regions in a chain, every input moved, the third with ``rebuild``: its input (the second region's
     output) gets no host copy; backward computes it again from the second region's input -- one more run of the
     second region's body, no grad -- and that input's device copy does not outlive the rebuild. Gradients exact."""
-    monkeypatch.setattr(offload, "_HOST_DEVICE", "none: every tensor moves")
-    copies, runs = [], []
-
-    class Counted(offload.HostCopy):
-        def __init__(self, t):
-            copies.append(t.shape)
-            super().__init__(t)
-
-    monkeypatch.setattr(offload, "HostCopy", Counted)
-    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
-    x0 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    copies, runs = _counted_host_copies(monkeypatch), []
+    w, x0 = _leaves()
     bodies = [_tanh_matmul() for _ in range(4)]
     for i, body in enumerate(bodies):  # a direct call of a body: the rebuild's
         body.register_forward_pre_hook(lambda module, args, i=i: runs.append((i, torch.is_grad_enabled())))
