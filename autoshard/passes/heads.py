@@ -94,8 +94,13 @@ class _Heads:
         self.args: dict[fx.Node, tuple[tuple, dict]] = {}
 
     def global_shape(self, node: fx.Node) -> tuple:
+        """``node``'s global shape: the original graph's, or its input's for a cast or copy the rewrite made (the
+        dtype casts of autocast)."""
         if node not in self.shape:
-            raise _Ungrouped(f"no shape for {node.name}")
+            op = op_of(node)
+            if op is None or op.name not in ("to", "identity") or not isinstance(op["input"], fx.Node):
+                raise _Ungrouped(f"no shape for {node.name}")
+            self.shape[node] = self.global_shape(op["input"])
         return self.shape[node]
 
     def divided(self, size, what: str):
