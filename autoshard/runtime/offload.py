@@ -33,6 +33,14 @@ reference to the one before it (regions link only while the previous one's backw
 outlives the backward that needs it. Two forwards before their backwards link too: the second's first region
 prefetches the first's last (memory, not a wrong value).
 
+**Sparing the host.** Host memory has a budget too (Llama-8B at 8M tokens on 8 ranks: 32 layer inputs of 8 GiB).
+The outline pass keeps the last region's inputs on the device (a plain checkpoint: backward starts with them) and,
+for every other region before it that the config spares (``BackendConfig.offload_spared``), calls this with
+``rebuild``: an input that is the previous offloaded region's output gets no copy at all (:class:`_Rebuilt`) --
+when backward first uses it, the previous region's inputs come back (their device copies die after), its body runs
+without autograd, and its output is the value: one more forward of that region, no host bytes. Every call keeps its
+body, its arguments as saved and its outputs (weakly) for that.
+
 A plan runs the graph on fake CPU tensors, where every tensor would "stay": under :func:`planned_offload`
 the hooks model the device instead -- a packed input is dropped (its bytes counted as host memory) and
 restoring it allocates it anew, as the copy back does -- so the plan's peak is the device's. A plan does not
