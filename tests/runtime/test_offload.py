@@ -137,7 +137,7 @@ def test_backward_prefetches_the_next_region(monkeypatch, prefetch):
     assert [ref() for ref in made] == [None] * 3
 
 
-def test_a_rebuilt_input_is_computed_again_from_the_region_before(monkeypatch):
+def test_a_rebuilt_input_comes_from_the_region_before(monkeypatch):
     """Four regions in a chain, every input moved, the third with ``rebuild``: its input (the second region's
     output) gets no host copy; backward computes it again from the second region's input -- one more run of the
     second region's body, no grad -- and that input's device copy does not outlive the rebuild. Gradients exact."""
