@@ -328,3 +328,25 @@ def test_placement_serves_every_length():
     placed = [k for k in kinds[1:] if "documents placed by length" in results[0][k]["explain"]]
     assert len(placed) == 2, [results[0][k]["explain"] for k in kinds]
     assert sum(results[0]["compilations"].values()) == 2, results[0]["compilations"]
+
+
+def _grouped_run(world: int) -> dict:
+    from autoshard.runtime.placement import last_placement
+    model = _small_llama()
+    compiled = autoshard.compile(model, head_chunks=2, strategy="allgather")
+    loss, grads = _loss_and_grads(model, _batch_inputs("long-tail 2", world), compiled)
+    heads = [r.report.passes["heads"].counts for r in compiled.autoshard_backend.compiled]
+    return dict(loss=loss, grads=grads, heads=heads, placed=last_placement() is not None)
+
+
+def test_documents_are_placed_with_attention_in_head_groups():
+    """Attention with its projections in head groups (``head_chunks=2``, the all-gather) runs under the documents'
+    placement as the whole op does (the grouped call's attention reads its layout as intervals): placed, every
+    attention grouped, loss and gradients equal one process's."""
+    world = 3
+    results = run_on_ranks(_grouped_run, world, world, timeout=600)
+    loss, grads = _loss_and_grads(_small_llama(), _batch_inputs("long-tail 2", world))
+    for rank, result in enumerate(results):
+        _assert_exact(result, loss, grads, rank)
+        assert result["placed"] and result["heads"] == [{"grouped_attentions": LAYERS, "head_groups": 2 * LAYERS,
+                                                          "ungrouped_attentions": 0}], result
