@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from autoshard.config import STRATEGY_CHOICES
-from autoshard.cost import attention_costs, choose_strategy
+from autoshard.cost import NEAR_TIE, attention_costs, choose_strategy
 from autoshard.hardware import HardwareProfile
 from autoshard.runtime.attention import STRATEGIES, MaskSpec
 from autoshard.runtime.attention.base import AttentionShape
@@ -62,9 +62,10 @@ def test_with_head_groups_a_near_tie_goes_to_the_leaner_strategy():
     costs = attention_costs(shape, 8, HardwareProfile(), head_chunks=8)
     fastest, _ = choose_strategy(costs)
     lean, why = choose_strategy(costs, lean=True)
+    # the strategies the cost model prices within NEAR_TIE of the fastest (a model's figures, nothing measured)
+    tied = {c.strategy: c.memory_bytes for c in costs if c.feasible and c.total_s <= fastest.total_s * (1 + NEAR_TIE)}
     assert fastest.strategy == "ulysses" and lean.strategy in ("zigzag", "allgather"), (fastest, lean)
-    assert lean.memory_bytes < fastest.memory_bytes and lean.total_s <= fastest.total_s * 1.02
-    assert lean.memory_bytes == min(c.memory_bytes for c in costs if c.feasible and c.total_s <= fastest.total_s * 1.02)
+    assert lean.strategy in tied and tied[lean.strategy] == min(tied.values()) < fastest.memory_bytes, tied
     assert "holds the least for attention" in why, why
     best, _ = _pick(16, 8, True, HardwareProfile(ranks_per_node=16))
     assert choose_strategy(attention_costs(_shape(1 << 16, 8, 8, 128, torch.bfloat16, True), 16,
