@@ -53,8 +53,8 @@ from ..runtime.attention.api import OpConfig
 from ..runtime.attention.base import STRATEGIES
 from ..runtime.head_groups import COLUMNS, FIRST, ROWS, WHOLE, grouped_attention
 from ..runtime.symbolic import size_key
-from .ops import op_of, shape_of, is_tensor_node
-from .regions import REGION
+from .ops import is_tensor_node, op_of, permutation
+from .regions import REGION, _fresh_attr
 from .rewrite import Rewriter
 
 __all__ = ["group_heads"]
@@ -175,12 +175,7 @@ def _view(heads: _Heads, node: fx.Node, op) -> int:
 
 def _permute(heads: _Heads, node: fx.Node, op) -> int:
     x, d = heads.head_input(op)
-    ndim = len(heads.global_shape(x))
-    probe = torch.empty(tuple(range(2, 2 + ndim)), device="meta")
-    rest = node.args[1:]
-    out = getattr(probe, node.target)(*rest, **node.kwargs) if node.op == "call_method" else \
-        node.target(probe, *rest, **node.kwargs)
-    return [s - 2 for s in out.shape].index(d)
+    return permutation(node, len(heads.global_shape(x))).index(d)
 
 
 def _getitem(heads: _Heads, node: fx.Node, op) -> int:
@@ -403,13 +398,7 @@ def _group_one(gm: fx.GraphModule, attention: fx.Node, shape: dict, config, worl
     post_body = _body(gm, [*post, end], heads, [out, *post_inputs], end)
     attention_args = list(args[3:])
     attention_args[-1] = 1  # head_chunks: each call is one group
-    names = []
-    for body, hint in ((pre_body, "heads_pre"), (post_body, "heads_post")):
-        name = f"{hint}_{index}"
-        while hasattr(gm, name):
-            name += "_"
-        setattr(gm, name, body)
-        names.append(name)
+    names = [_fresh_attr(gm, pre_body, f"heads_pre_{index}"), _fresh_attr(gm, post_body, f"heads_post_{index}")]
     with gm.graph.inserting_before(end):
         getters = [gm.graph.get_attr(n) for n in names]
         call = gm.graph.call_function(grouped_attention, (
@@ -436,8 +425,7 @@ def group_heads(gm: fx.GraphModule, config, rewriter: Rewriter) -> dict:
     counts = {"grouped_attentions": 0, "head_groups": 0, "ungrouped_attentions": 0}
     if config.head_chunks <= 1 or config.inner not in ("eager", "auto"):
         return counts
-    original_of = {new: original for original, new in rewriter.env.items() if isinstance(new, fx.Node)}
-    shape = {node: tuple(shape_of(original)) for node, original in original_of.items() if is_tensor_node(original)}
+    shape = rewriter.global_shapes(rewriter.originals())
     reasons: Counter = Counter()
     attentions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _ATTENTION]
     for i, attention in enumerate(attentions):

@@ -530,10 +530,11 @@ def canonical(node: fx.Node) -> Op | None:
     return None
 
 
-def permutation(node: fx.Node) -> list[int]:
-    """Output dim i is input dim perm[i]: found by running the op on a meta tensor of distinct sizes."""
+def permutation(node: fx.Node, ndim: int | None = None) -> list[int]:
+    """Output dim i is input dim perm[i]: found by running the op on a meta tensor of distinct sizes (``ndim``: the
+    input's dims, where its node carries no example value)."""
     src = node.args[0]
-    ndim = len(shape_of(src))
+    ndim = len(shape_of(src)) if ndim is None else ndim
     probe = torch.empty(tuple(range(2, 2 + ndim)), device="meta")
     args = (probe,) + tuple(node.args[1:])
     out = getattr(probe, node.target)(*args[1:], **node.kwargs) if node.op == "call_method" else node.target(*args, **node.kwargs)

@@ -114,6 +114,17 @@ class Rewriter:
             return known
         return hint_of(self.families.families[0].length) if self.families.families else layout.length
 
+    def originals(self) -> dict[fx.Node, fx.Node]:
+        """Each node of the rank graph made for a node of the original graph -> that node (the parameters' gradient
+        wrappers included): what the passes after the rewrite read shapes and placements from."""
+        out = {new: original for original, new in self.env.items() if isinstance(new, fx.Node)}
+        out.update(self.replicated_uses)
+        return out
+
+    def global_shapes(self, originals: dict[fx.Node, fx.Node]) -> dict[fx.Node, tuple]:
+        """Each rank-graph node of ``originals`` (:meth:`originals`) that holds a tensor -> its global shape."""
+        return {node: tuple(shape_of(original)) for node, original in originals.items() if is_tensor_node(original)}
+
     def placement(self, node: Any) -> Placement:
         if not isinstance(node, fx.Node):
             return REPLICATE

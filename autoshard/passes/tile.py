@@ -91,7 +91,7 @@ import torch.fx as fx
 from ..placements import Shard
 from ..runtime.chunked_loss import chunks_for
 from ..runtime.layouts import split_sizes
-from .ops import canonical, is_tensor_node, numel, shape_of
+from .ops import canonical, numel, shape_of
 from .regions import REGION
 from .rewrite import Rewriter
 
@@ -282,9 +282,8 @@ def _tile_regions(gm: fx.GraphModule, tokens_per_tile: int | None, rewriter: Rew
     ``tokens_per_tile`` is None; see the module docstring for the counts)."""
     if tokens_per_tile is None:
         return {"tiled_regions": 0, "untiled_regions": 0, "tiles": 0}
-    original_of = {new: original for original, new in rewriter.env.items() if isinstance(new, fx.Node)}
-    original_of.update(rewriter.replicated_uses)
-    shape = {node: tuple(shape_of(original)) for node, original in original_of.items() if is_tensor_node(original)}
+    original_of = rewriter.originals()
+    shape = rewriter.global_shapes(original_of)
     placement = {node: rewriter.placement(original) for node, original in original_of.items()}
     tiled = untiled = emitted = 0
     for region in _token_local_regions(gm, shape, placement):
@@ -351,7 +350,7 @@ def _tile_mlps(gm: fx.GraphModule, tokens_per_chunk: int | None, rewriter: Rewri
     """Chunk every MLP block of the per-rank graph ``gm`` that ``rewriter`` made (none when ``tokens_per_chunk``
     is None; see the module docstring for the counts)."""
     chunked = unchunked = emitted = 0
-    original_of = {new: original for original, new in rewriter.env.items() if isinstance(new, fx.Node)}
+    original_of = rewriter.originals()
     for down in list(gm.graph.nodes):  # a block's nodes come before its down projection: none is met erased
         found = _match(down)
         if found is None:
