@@ -341,18 +341,48 @@ def _inputs(members: list[fx.Node]) -> list[fx.Node]:
     return list(dict.fromkeys(a for m in members for a in m.all_input_nodes if a not in inside))
 
 
-def _body(gm: fx.GraphModule, members: list[fx.Node], heads: _Heads, inputs: list, outputs) -> fx.GraphModule:
+def _body(gm: fx.GraphModule, members: list[fx.Node], heads: _Heads, inputs: list,
+          outputs) -> tuple[fx.GraphModule, list[torch.SymInt]]:
     """``members`` as a graph of their own over ``inputs`` (its placeholders, in order), their arguments as a
-    group spells them, returning ``outputs`` (one node or a tuple)."""
+    group spells them, returning ``outputs`` (one node or a tuple); and the symbolic sizes those arguments hold (a
+    graph of a length class: this rank's length), each taken as a placeholder after ``inputs`` -- the caller passes
+    them, and ``materialize`` computes them in the rank graph."""
     graph = fx.Graph()
     env = {x: graph.placeholder(x.name) for x in inputs}
+    sizes: dict = {}  # size_key -> (the SymInt, its placeholder)
+
+    def lifted(value):
+        if isinstance(value, torch.SymInt):
+            key = size_key(value)
+            if key not in sizes:
+                last = ([p for _, p in sizes.values()] or [env[x] for x in inputs] or [None])[-1]
+                with graph.inserting_after(last) if last is not None else graph.inserting_before(None):
+                    sizes[key] = (value, graph.placeholder(f"size_{len(sizes)}"))
+            return sizes[key][1]
+        if isinstance(value, slice):
+            return slice(lifted(value.start), lifted(value.stop), lifted(value.step))
+        if isinstance(value, (tuple, list)):
+            return type(value)(lifted(v) for v in value)
+        if isinstance(value, dict):
+            return {k: lifted(v) for k, v in value.items()}
+        return value
+
     for node in members:
         args, kwargs = heads.args.get(node, (node.args, node.kwargs))
+        args, kwargs = lifted(args), lifted(kwargs)  # a new size's placeholder goes after the others
         new = graph.node_copy(node, env.__getitem__)
-        new.args, new.kwargs = fx.node.map_arg(args, env.__getitem__), fx.node.map_arg(kwargs, env.__getitem__)
+        own = {p for _, p in sizes.values()}  # the sizes' placeholders: already the body's
+        find = lambda n: n if n in own else env[n]  # noqa: E731
+        new.args, new.kwargs = fx.node.map_arg(args, find), fx.node.map_arg(kwargs, find)
         env[node] = new
     graph.output(tuple(env[y] for y in outputs) if isinstance(outputs, tuple) else env[outputs])
-    return fx.GraphModule(gm, graph)
+    return fx.GraphModule(gm, graph), [value for value, _ in sizes.values()]
+
+
+def _key(x):
+    """An input of a grouped call as a dict key: a node itself, a size by its expression (comparing ``SymInt``
+    values would record a guard)."""
+    return size_key(x) if isinstance(x, torch.SymInt) else x
 
 
 def _group_one(gm: fx.GraphModule, attention: fx.Node, shape: dict, config, world: int, index: int) -> int:
@@ -392,10 +422,15 @@ def _group_one(gm: fx.GraphModule, attention: fx.Node, shape: dict, config, worl
     pre_inputs = [a for a in _inputs(rest) if a not in projections]
     post_inputs = [a for a in _inputs([out, *post, end]) if a is not attention and a is not out]
     triples = [(op_of(n)["input"], op_of(n)["weight"], op_of(n)["bias"]) for n in projections]
-    inputs = list(dict.fromkeys([*(a for t in triples for a in t if isinstance(a, fx.Node)), *pre_inputs,
-                                 *post_inputs]))
-    pre_body = _body(gm, rest, heads, [*projections, *pre_inputs], tuple(args[:3]))
-    post_body = _body(gm, [*post, end], heads, [out, *post_inputs], end)
+    pre_body, pre_sizes = _body(gm, rest, heads, [*projections, *pre_inputs], tuple(args[:3]))
+    post_body, post_sizes = _body(gm, [*post, end], heads, [out, *post_inputs], end)
+    pre_inputs, post_inputs = [*pre_inputs, *pre_sizes], [*post_inputs, *post_sizes]
+    position: dict = {}  # a node, or a size by its expression -> its place among the call's inputs
+    inputs = []
+    for x in (*(a for t in triples for a in t if isinstance(a, fx.Node)), *pre_inputs, *post_inputs):
+        if _key(x) not in position:
+            position[_key(x)] = len(inputs)
+            inputs.append(x)
     attention_args = list(args[3:])
     attention_args[-1] = 1  # head_chunks: each call is one group
     names = [_fresh_attr(gm, pre_body, f"heads_pre_{index}"), _fresh_attr(gm, post_body, f"heads_post_{index}")]
@@ -403,9 +438,9 @@ def _group_one(gm: fx.GraphModule, attention: fx.Node, shape: dict, config, worl
         getters = [gm.graph.get_attr(n) for n in names]
         call = gm.graph.call_function(grouped_attention, (
             *getters, heads.groups,
-            tuple(tuple(inputs.index(a) if isinstance(a, fx.Node) else -1 for a in t) for t in triples),
-            tuple(inputs.index(x) for x in pre_inputs),
-            tuple(inputs.index(x) for x in post_inputs), tuple(roles.get(x, WHOLE) for x in inputs),
+            tuple(tuple(position[a] if isinstance(a, fx.Node) else -1 for a in t) for t in triples),
+            tuple(position[_key(x)] for x in pre_inputs), tuple(position[_key(x)] for x in post_inputs),
+            tuple(roles.get(x, WHOLE) if isinstance(x, fx.Node) else WHOLE for x in inputs),
             tuple(attention_args), *inputs))
     region = attention.meta.get(REGION)
     for node in (*getters, call):

@@ -129,3 +129,45 @@ def test_head_groups_match_one_process(name):
         else:
             assert counts["grouped_attentions"] == 0 and counts["ungrouped_attentions"] == LAYERS, f"{where}: {counts}"
             assert counts["ungrouped_reasons"] == {"a value of the region is read outside it": LAYERS}, counts
+
+
+def _lengths_run() -> dict:
+    import autoshard
+    torch.manual_seed(0)
+    model = llama().double()
+    compiled = autoshard.compile(model, head_chunks=4, recompute="layers")
+    out = {}
+    for n in LENGTHS:
+        torch.manual_seed(n)
+        ids = torch.randint(0, 64, (1, n))
+        model.zero_grad(set_to_none=True)
+        loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        out[n] = (loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()})
+    heads = [r.report.passes["heads"].counts["grouped_attentions"] for r in compiled.autoshard_backend.compiled]
+    return dict(results=out, compilations=sum(compiled.autoshard_backend.compilations.values()), heads=heads)
+
+
+LENGTHS = (61, 90, 123)
+
+
+def test_head_groups_serve_a_length_class():
+    """Rows of a new length every step with head groups (their bodies spell this rank's length: a graph of a length
+    class takes it as an input of the grouped call): from the second length one compilation serves every length, each
+    graph's attentions grouped; loss and every gradient of each length equal one process's."""
+    (rank0, *_) = results = run_on_ranks(_lengths_run, 2, timeout=600)
+    assert rank0["compilations"] == 2 and rank0["heads"] == [LAYERS, LAYERS], (rank0["compilations"], rank0["heads"])
+    torch.manual_seed(0)
+    reference = llama().double()
+    for n in LENGTHS:
+        torch.manual_seed(n)
+        ids = torch.randint(0, 64, (1, n))
+        reference.zero_grad(set_to_none=True)
+        loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        for rank, result in enumerate(results):
+            got_loss, grads = result["results"][n]
+            assert abs(got_loss - loss.detach()) <= TOLERANCE, (n, rank, got_loss, loss)
+            for name, p in reference.named_parameters():
+                error = ((grads[name] - p.grad).abs().max() / p.grad.abs().max()).item()
+                assert error <= TOLERANCE, (n, rank, name, error)
